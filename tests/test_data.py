@@ -1,0 +1,67 @@
+import json
+
+import pytest
+import torch
+
+from zipkv import data
+
+
+@pytest.fixture(scope="module")
+def books():
+    return data.load_books()
+
+
+def _write_books(folder, texts):
+    folder.mkdir()
+    (folder / "manifest.json").write_text(json.dumps([{"pg_id": i, "title": f"book {i}"} for i in range(len(texts))]))
+    for i, text in enumerate(texts):
+        (folder / f"{i}.txt").write_text(text)
+    return folder
+
+
+def test_default_folder_has_the_manifest_books(books):
+    manifest = json.loads((data.default_books_dir() / "manifest.json").read_text())
+    assert [b.pg_id for b in books] == [m["pg_id"] for m in manifest]
+    assert all(len(b.text) == m["n_chars"] for b, m in zip(books, manifest))
+
+
+def test_windows_are_deterministic(tokenizer, books):
+    first = data.windows(tokenizer, books[:6], 4, context=64, continuation=16, seed=3)
+    again = data.windows(tokenizer, books[:6], 4, context=64, continuation=16, seed=3)
+    other = data.windows(tokenizer, books[:6], 4, context=64, continuation=16, seed=4)
+    assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(first, again))
+    assert any(not torch.equal(a.input_ids, b.input_ids) for a, b in zip(first, other))
+    for w in first:
+        assert w.input_ids.shape == (80,) and w.context_ids.shape == (64,) and w.continuation_ids.shape == (16,)
+
+
+def test_one_window_per_book_before_reuse(tokenizer, books):
+    ws = data.windows(tokenizer, books[:3], 5, context=32, continuation=8, seed=0)
+    ids = [w.pg_id for w in ws]
+    assert sorted(ids[:3]) == sorted(b.pg_id for b in books[:3])
+    assert ids[3:] == ids[:2]
+
+
+def test_windows_skip_front_matter(tokenizer, tmp_path):
+    marker = "FRONTMATTER " * (data.FRONT_MATTER_CHARS // 12 + 1)
+    folder = _write_books(tmp_path / "b", [marker[: data.FRONT_MATTER_CHARS] + "plain words follow here. " * 400])
+    (w,) = data.windows(tokenizer, data.load_books(folder), 1, context=100, continuation=10)
+    assert "FRONT" not in tokenizer.decode(w.input_ids)
+
+
+def test_missing_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="manifest.json"):
+        data.load_books(tmp_path / "nowhere")
+
+
+def test_window_longer_than_book_is_a_clear_error(tokenizer, tmp_path):
+    folder = _write_books(tmp_path / "short", ["x" * data.FRONT_MATTER_CHARS + "a short book. " * 20])
+    with pytest.raises(ValueError, match="longer than book pg_id=0"):
+        data.windows(tokenizer, data.load_books(folder), 1, context=2048, continuation=128)
+
+
+def test_bad_window_arguments(tokenizer, books):
+    with pytest.raises(ValueError, match="n=0"):
+        data.windows(tokenizer, books, 0)
+    with pytest.raises(ValueError, match="books is empty"):
+        data.windows(tokenizer, [], 1)

@@ -1,0 +1,103 @@
+import pytest
+import torch
+
+from zipkv import models
+
+
+@pytest.fixture(scope="module")
+def sample_ids(tokenizer):
+    text = "It was the best of times, it was the worst of times, it was the age of wisdom. " * 4
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0][:61]
+
+
+def test_shape_matches_config_and_capture(embedded, sample_ids):
+    model, _ = embedded
+    shape = models.model_shape(model)
+    cfg = model.config
+    assert (shape.layers, shape.q_heads, shape.kv_heads) == (
+        cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads)
+    assert shape.q_heads % shape.kv_heads == 0 and shape.group_size > 1, "the embedded model uses GQA"
+    assert shape.rope_theta == cfg.rope_parameters["rope_theta"]
+    cap = models.capture(model, sample_ids)
+    assert len(cap.layers) == shape.layers
+    T = sample_ids.shape[0]
+    for layer in cap.layers:
+        assert layer.keys.shape == (shape.kv_heads, T, shape.head_dim)
+        assert layer.values.shape == (shape.kv_heads, T, shape.head_dim)
+        assert layer.queries.shape == (shape.q_heads, T, shape.head_dim)
+    assert torch.equal(cap.positions, torch.arange(T))
+
+
+def test_captured_kv_equals_model_cache(embedded, sample_ids):
+    model, _ = embedded
+    cap = models.capture(model, sample_ids)
+    with torch.no_grad():
+        cache = model(sample_ids[None], use_cache=True).past_key_values
+    for i, layer in enumerate(cap.layers):
+        assert torch.equal(cache.layers[i].keys[0], layer.keys), f"layer {i} keys"
+        assert torch.equal(cache.layers[i].values[0], layer.values), f"layer {i} values"
+    assert model.config._attn_implementation != "zipkv_capture", "capture must restore the attention implementation"
+
+
+def test_capture_does_not_change_logits(embedded, sample_ids):
+    model, _ = embedded
+    with torch.no_grad():
+        before = model(sample_ids[None]).logits[0, -1]
+    models.capture(model, sample_ids)
+    with torch.no_grad():
+        after = model(sample_ids[None]).logits[0, -1]
+    assert torch.equal(before, after)
+
+
+def test_queries_derotate_rerotate_roundtrip(embedded, sample_ids):
+    model, _ = embedded
+    cap = models.capture(model, sample_ids)
+    q = cap.layers[5].queries
+    restored = cap.rope.apply(cap.rope.invert(q, cap.positions), cap.positions)
+    err = (restored - q).abs().max().item()
+    assert err <= 1e-5 * q.abs().max().item(), f"max abs error {err}"
+    # A rotation at the wrong positions must not round-trip.
+    shifted = cap.rope.apply(cap.rope.invert(q, cap.positions), cap.positions + 7)
+    assert (shifted - q).abs().max().item() > 1e-2
+
+
+def test_rope_scores_depend_only_on_relative_position(embedded):
+    model, _ = embedded
+    rope = models.Rope.of(model)
+    d = models.model_shape(model).head_dim
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, d, generator=gen), torch.randn(1, d, generator=gen)
+    score = lambda pq, pk: (rope.apply(q, torch.tensor([pq])) @ rope.apply(k, torch.tensor([pk])).T).item()
+    assert score(100, 40) == pytest.approx(score(1060, 1000), rel=1e-4, abs=1e-4)
+    assert score(100, 40) != pytest.approx(score(100, 41), rel=1e-4, abs=1e-4)
+
+
+def test_load_model_from_a_local_hugging_face_folder(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models as tk_models
+
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    vocab = {f"t{i}": i for i in range(32)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tk_models.WordLevel(vocab, unk_token="t0"))).save_pretrained(tmp_path)
+    model, _ = models.load_model(str(tmp_path))
+    shape = models.model_shape(model)
+    assert (shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim) == (2, 4, 2, 8)
+    cap = models.capture(model, torch.arange(10))
+    assert cap.layers[1].queries.shape == (4, 10, 8)
+
+
+def test_capture_rejects_batches_and_float_ids(embedded):
+    model, _ = embedded
+    with pytest.raises(ValueError, match="input_ids"):
+        models.capture(model, torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids"):
+        models.capture(model, torch.zeros(5))
+
+
+def test_missing_gguf_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZIPKV_GGUF", str(tmp_path / "nope.gguf"))
+    with pytest.raises(FileNotFoundError, match="ZIPKV_GGUF"):
+        models.embedded_gguf_path()

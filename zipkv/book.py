@@ -1,0 +1,226 @@
+"""The book pipeline: execute every notebook with papermill under a profile, record provenance,
+collect each notebook's main table, and build the HTML with Jupyter Book 1.x.
+
+Layout (relative to ``root``, the repository by default)::
+
+    notebooks/<part>/<name>.ipynb   source notebooks (first code cell tagged ``parameters``)
+    params/<profile>.yaml           one section per notebook name: its papermill parameters
+    book/<part>/<name>.ipynb        executed notebooks, read by Jupyter Book
+    results/<profile>/<name>.csv    each notebook's main table
+    _config.yml, _toc.yml           Jupyter Book 1.x configuration (execute_notebooks: off)
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_PARAMETER = "results_csv"
+"""Injected into every notebook: where to write its main table."""
+
+
+@dataclass(frozen=True)
+class NotebookJob:
+    name: str
+    source: Path
+    executed: Path
+    results_csv: Path
+    parameters: dict
+
+
+class NotebookFailed(RuntimeError):
+    """A notebook raised: carries the notebook's name and the failing cell's error."""
+
+
+def profiles(root: Path = REPO_ROOT) -> list[str]:
+    return sorted(p.stem for p in (root / "params").glob("*.yaml"))
+
+
+def load_profile(profile: str, root: Path = REPO_ROOT) -> dict:
+    path = root / "params" / f"{profile}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown profile {profile!r}: expected one of {profiles(root)} (files in {root / 'params'})")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def notebook_sources(root: Path = REPO_ROOT) -> dict[str, Path]:
+    """Notebook name (file stem) → source path, for every notebook under ``notebooks/``."""
+    sources = {}
+    for path in sorted((root / "notebooks").rglob("*.ipynb")):
+        if ".ipynb_checkpoints" in path.parts:
+            continue
+        if path.stem in sources:
+            raise ValueError(f"two notebooks are named {path.stem!r}: {sources[path.stem]} and {path}")
+        sources[path.stem] = path
+    return sources
+
+
+def declared_parameters(source: Path) -> dict:
+    """The names declared in a notebook's ``parameters`` cell (which must be its first code cell)."""
+    import nbformat
+    import papermill
+
+    nb = nbformat.read(source, as_version=4)
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    if not code_cells or "parameters" not in code_cells[0].metadata.get("tags", []):
+        raise ValueError(f"notebook {source.name}: its first code cell must be tagged 'parameters'")
+    return papermill.inspect_notebook(str(source))
+
+
+def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT) -> list[NotebookJob]:
+    """Check the profile against the notebooks and return what to run, before running anything."""
+    settings = load_profile(profile, root)
+    sources = notebook_sources(root)
+    unknown_sections = sorted(set(settings) - set(sources))
+    if unknown_sections:
+        raise ValueError(f"params/{profile}.yaml has sections {unknown_sections} that name no notebook; "
+                         f"notebooks are {sorted(sources)}")
+    names = list(sources)
+    if only:
+        missing = [n for n in only if n not in sources]
+        if missing:
+            raise ValueError(f"--only {missing}: no such notebook; expected names from {sorted(sources)}")
+        names = [n for n in names if n in only]
+    jobs = []
+    for name in names:
+        source = sources[name]
+        declared = declared_parameters(source)
+        given = dict(settings.get(name) or {})
+        unknown = sorted(set(given) - set(declared))
+        if unknown:
+            raise ValueError(f"notebook {name!r} has no parameter(s) {unknown} (given in params/{profile}.yaml); "
+                             f"it declares {sorted(declared)}")
+        if RESULTS_PARAMETER not in declared:
+            raise ValueError(f"notebook {name!r} must declare the parameter {RESULTS_PARAMETER!r} "
+                             "(where it saves its main table)")
+        part = source.parent.relative_to(root / "notebooks")
+        results_csv = root / "results" / profile / f"{name}.csv"
+        given[RESULTS_PARAMETER] = str(results_csv)
+        jobs.append(NotebookJob(name, source, root / "book" / part / source.name, results_csv, given))
+    return jobs
+
+
+def _git_commit(root: Path) -> str:
+    if os.environ.get("ZIPKV_COMMIT"):
+        return os.environ["ZIPKV_COMMIT"]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return commit + ("+uncommitted changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout; set ZIPKV_COMMIT)"
+
+
+def device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU: {cpu}, {os.cpu_count()} cores"
+
+
+def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
+    import torch
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    return {
+        "profile": profile,
+        "device": device_name(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "commit": _git_commit(root),
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def _stamp(executed: Path, record: dict) -> None:
+    """Write provenance into the notebook's metadata and as a visible cell under its title."""
+    import nbformat
+
+    nb = nbformat.read(executed, as_version=4)
+    nb.metadata["zipkv"] = record
+    text = ("```{admonition} Provenance\n"
+            + "\n".join(f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items())
+            + "\n```")
+    cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": ["zipkv-provenance"]})
+    nb.cells = [c for c in nb.cells if "zipkv-provenance" not in c.metadata.get("tags", [])]
+    at = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
+    nb.cells.insert(at, cell)
+    nbformat.write(nb, executed)
+
+
+def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
+    """Run one notebook with papermill; raise :class:`NotebookFailed` naming the failing cell."""
+    import papermill
+    from papermill.exceptions import PapermillExecutionError
+
+    job.executed.parent.mkdir(parents=True, exist_ok=True)
+    job.results_csv.parent.mkdir(parents=True, exist_ok=True)
+    if job.results_csv.exists():
+        job.results_csv.unlink()
+    started = time.perf_counter()
+    try:
+        papermill.execute_notebook(str(job.source), str(job.executed), parameters=job.parameters,
+                                   kernel_name="python3", progress_bar=False, cwd=str(job.source.parent))
+    except PapermillExecutionError as err:
+        raise NotebookFailed(f"notebook {job.name!r} failed in cell {err.exec_count}: {err.ename}: {err.evalue} "
+                             f"(executed copy with the traceback: {job.executed})") from None
+    if not job.results_csv.is_file():
+        raise NotebookFailed(f"notebook {job.name!r} ran but wrote no main table to {job.results_csv}")
+    record = provenance(profile, root) | {"wall_time_s": round(time.perf_counter() - started, 1)}
+    _stamp(job.executed, record)
+    return record
+
+
+def build_html(root: Path = REPO_ROOT) -> Path:
+    """Build the HTML with Jupyter Book 1.x into ``book/_build/html``; return its index.html."""
+    command = [sys.executable, "-m", "jupyter_book", "build", str(root), "--path-output", str(root / "book"),
+               "--config", str(root / "_config.yml"), "--toc", str(root / "_toc.yml")]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"jupyter-book build failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    index = root / "book" / "_build" / "html" / "index.html"
+    if not index.is_file():
+        raise RuntimeError(f"jupyter-book build finished but wrote no {index}")
+    return index
+
+
+def build(profile: str = "quick", only: list[str] | None = None, root: Path = REPO_ROOT,
+          html: bool = True) -> Path | None:
+    """Execute the notebooks of ``profile`` (all, or those named in ``only``), then build the HTML."""
+    from tqdm.auto import tqdm
+
+    root = Path(root).resolve()
+    jobs = plan(profile, only, root)
+    with tqdm(jobs, desc=f"notebooks ({profile})", unit="notebook") as bar:
+        for job in bar:
+            bar.set_postfix_str(job.name)
+            record = execute(job, profile, root)
+            bar.write(f"{job.name}: {record['wall_time_s']} s on {record['device']}")
+    return build_html(root) if html else None
