@@ -103,7 +103,8 @@ def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT) ->
                              "(where it saves its main table)")
         part = source.parent.relative_to(root / "notebooks")
         results_csv = root / "results" / profile / f"{name}.csv"
-        given[RESULTS_PARAMETER] = str(results_csv)
+        # Relative to the notebook's working directory (its own folder), so the executed copy reads well.
+        given[RESULTS_PARAMETER] = os.path.relpath(results_csv, source.parent)
         jobs.append(NotebookJob(name, source, root / "book" / part / source.name, results_csv, given))
     return jobs
 
@@ -200,7 +201,7 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
 
 def build_html(root: Path = REPO_ROOT) -> Path:
     """Build the HTML with Jupyter Book 1.x into ``book/_build/html``; return its index.html."""
-    command = [sys.executable, "-m", "jupyter_book", "build", str(root), "--path-output", str(root / "book"),
+    command = [sys.executable, "-c", "from jupyter_book.cli.main import main; main()", "build", str(root), "--path-output", str(root / "book"),
                "--config", str(root / "_config.yml"), "--toc", str(root / "_toc.yml")]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True)
     if done.returncode != 0:

@@ -148,10 +148,17 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype={dtype!r}: expected a torch.dtype such as torch.bfloat16")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     source = _converted_embedded_model() if name is None else name
     tokenizer = AutoTokenizer.from_pretrained(str(source))
-    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar on every load is noise
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     model.to(device).eval()
     if name is None:
         model.config.name_or_path = EMBEDDED_NAME

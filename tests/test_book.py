@@ -1,0 +1,124 @@
+"""The book pipeline: profile and parameter checks, failures that name the notebook, and the
+published book opened in a real (headless Chromium) browser."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from zipkv import book
+
+REPO = book.REPO_ROOT
+ARTIFACTS = REPO / "test-artifacts"
+
+
+def _tiny_root(tmp_path, cells, params_yaml="tiny:\n  x: 2\n"):
+    root = tmp_path / "root"
+    (root / "notebooks" / "part").mkdir(parents=True)
+    (root / "params").mkdir()
+    (root / "params" / "quick.yaml").write_text(params_yaml)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# Tiny"),
+                                         nbformat.v4.new_code_cell("x = 1\nresults_csv = None", metadata={"tags": ["parameters"]}),
+                                         *[nbformat.v4.new_code_cell(c) for c in cells]],
+                                  metadata={"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}})
+    nbformat.write(nb, root / "notebooks" / "part" / "tiny.ipynb")
+    return root
+
+
+def test_every_notebook_declares_parameters_and_results_csv():
+    sources = book.notebook_sources()
+    assert sources, "the book has notebooks"
+    for name, path in sources.items():
+        declared = book.declared_parameters(path)  # raises unless the first code cell is tagged
+        assert book.RESULTS_PARAMETER in declared, name
+
+
+def test_every_profile_matches_the_notebooks():
+    for profile in book.profiles():
+        jobs = book.plan(profile)
+        assert {j.name for j in jobs} == set(book.notebook_sources())
+
+
+def test_unknown_profile_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"unknown profile 'nope': expected one of \['paper', 'quick'\]"):
+        book.plan("nope")
+
+
+def test_unknown_notebook_parameter_is_a_clear_error(tmp_path):
+    root = _tiny_root(tmp_path, [], params_yaml="tiny:\n  y: 2\n")
+    with pytest.raises(ValueError, match=r"notebook 'tiny' has no parameter\(s\) \['y'\]"):
+        book.plan("quick", root=root)
+
+
+def test_unknown_only_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="no such notebook"):
+        book.plan("quick", only=["not_a_notebook"])
+
+
+def test_failing_notebook_names_itself_and_the_cell(tmp_path):
+    root = _tiny_root(tmp_path, ["raise RuntimeError('boom from the tiny notebook')"])
+    with pytest.raises(book.NotebookFailed, match=r"notebook 'tiny' failed in cell \d+: RuntimeError: boom"):
+        book.build("quick", root=root, html=False)
+
+
+def test_cli_exit_code_and_message(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "zipkv", "book", "--profile", "nope"], capture_output=True, text=True)
+    assert done.returncode == 1 and "unknown profile 'nope'" in done.stderr
+
+
+def test_notebook_gets_parameters_results_and_provenance(tmp_path):
+    root = _tiny_root(tmp_path, ["import pandas as pd\npd.DataFrame({'x': [x]}).to_csv(results_csv, index=False)"])
+    book.build("quick", root=root, html=False)
+    executed = nbformat.read(root / "book" / "part" / "tiny.ipynb", as_version=4)
+    record = executed.metadata["zipkv"]
+    assert record["profile"] == "quick" and record["device"] and record["commit"] and record["wall_time_s"] >= 0
+    assert "Provenance" in executed.cells[1].source
+    assert (root / "results" / "quick" / "tiny.csv").read_text().splitlines() == ["x", "2"]
+
+
+@pytest.mark.slow
+def test_quick_book_builds_and_renders_in_chromium(tmp_path):
+    """Run the whole quick profile in a copy of the project, build the HTML, open it in Chromium."""
+    root = tmp_path / "project"
+    root.mkdir()
+    for item in ("_config.yml", "_toc.yml", "book", "notebooks", "params"):
+        src = REPO / item
+        (shutil.copytree(src, root / item, ignore=shutil.ignore_patterns("_build")) if src.is_dir()
+         else shutil.copy(src, root / item))
+    index = book.build("quick", root=root)
+    for job in book.plan("quick", root=root):
+        record = nbformat.read(job.executed, as_version=4).metadata["zipkv"]
+        assert record["profile"] == "quick", job.name
+        assert job.results_csv.is_file(), job.name
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,2400", f"--user-data-dir={tmp_path / 'chrome'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=options)
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        html = index.parent
+        pages = {"index": html / "index.html", "model_data_kv_cache": html / "book" / "intro" / "model_data_kv_cache.html"}
+        for name, page in pages.items():
+            driver.get(page.as_uri())
+            body = driver.find_element("tag name", "body").text
+            assert "Traceback" not in body and "Error" not in driver.title, f"{name} shows an error"
+            driver.save_screenshot(str(ARTIFACTS / f"book_{name}.png"))
+        images = driver.execute_script(
+            "return Array.from(document.images).filter(i => i.closest('.cell_output'))"
+            ".map(i => [i.src, i.complete, i.naturalWidth]);")
+        assert len(images) >= 2, f"the first chapter shows its figures: {images}"
+        assert all(complete and width > 0 for _, complete, width in images), images
+        body = driver.find_element("tag name", "body").text
+        assert "Provenance" in body and "The model, the data and the KV cache" in body
+    finally:
+        driver.quit()
