@@ -34,8 +34,8 @@ def exponent_histograms(captures: list[Capture]) -> dict[str, torch.Tensor]:
     hist = {"K": torch.zeros(layers, 256, dtype=torch.int64), "V": torch.zeros(layers, 256, dtype=torch.int64)}
     for cap in captures:
         for i, layer in enumerate(cap.layers):
-            hist["K"][i] += torch.bincount(bf16_exponents(layer.keys).flatten(), minlength=256)
-            hist["V"][i] += torch.bincount(bf16_exponents(layer.values).flatten(), minlength=256)
+            hist["K"][i] += torch.bincount(bf16_exponents(layer.keys).flatten(), minlength=256).cpu()
+            hist["V"][i] += torch.bincount(bf16_exponents(layer.values).flatten(), minlength=256).cpu()
     return hist
 
 
