@@ -1,0 +1,345 @@
+"""ZipFusion's lossless 12-bit BF16 block format, in plain torch (the reference).
+
+ZipFusion §III-B (Fig. 2). A *page* holds 16 tokens of one KV head, ``[16, head_dim]``
+bf16. It is split into ``n_blocks = 16 * head_dim / 512`` independently encoded
+blocks of 512 values. A BF16 value has bits ``s eeeeeeee fffffff``:
+
+* low byte  = ``e & 1`` (lowest exponent bit) ``<< 7 | fraction`` — kept as is;
+* high byte = ``s << 7 | e >> 1`` — replaced by a 4-bit code.
+
+A block is *compressed* iff all its exponents lie in ``[b, b + 15]`` with ``b`` = the
+block's minimum exponent rounded down to even. Then every value's ``e >> 1`` lies in
+``[b/2, b/2 + 7]`` and its code is ``c = s << 3 | (e >> 1) - b/2`` (0..15). The high byte
+comes back as ``(c >> 3) << 7 | (b/2 + (c & 7))``: since ``b/2 + 7 <= 127`` the add never
+carries into the sign bit, so four high bytes are restored by one 32-bit add of
+``(b/2) * 0x01010101`` to a word holding ``(c >> 3) << 7 | (c & 7)`` in each byte.
+
+Block arrangement (``layout``) — which page values form block ``j``, and in which order
+(``p`` = position in the block, 0..511):
+
+* ``"token"`` (token-major): block ``j`` = tokens ``[j*T, (j+1)*T)`` × all channels,
+  ``T = 512 / head_dim``; ``p = (token - j*T) * head_dim + channel``.
+* ``"channel"`` (channel-major): block ``j`` = all 16 tokens × channels
+  ``[32j, 32j + 32)``; ``p = token * 32 + (channel - 32j)``.
+
+Either way 8 consecutive positions ``8m .. 8m+7`` are 8 consecutive channels of one token.
+
+Byte order of one block (little-endian everywhere):
+
+* compressed (768 bytes): bytes ``0..511`` = low byte of value ``p`` at byte ``p``;
+  bytes ``512..767`` = codes: code byte ``512 + 4m + k`` (``k`` = 0..3) holds the code of
+  value ``8m + k`` in its low nibble and of value ``8m + 4 + k`` in its high nibble. So the
+  32-bit code word ``m`` gives, masked with ``0x0F0F0F0F``, the four codes that match
+  32-bit low-byte word ``2m`` (values ``8m..8m+3``), and shifted right by 4 and masked,
+  the four codes of low-byte word ``2m + 1`` (ZipFusion §III-C: eight low bytes and four
+  code bytes rebuild eight BF16 values).
+* raw (1024 bytes): value ``p`` as little-endian bf16 at bytes ``2p, 2p+1``.
+
+Page payload (``pack``): one fixed slot of ``32 * head_dim`` bytes per page (the raw
+size). Blocks are stored in order ``j = 0, 1, ...`` back to back from the start of the
+slot, 768 bytes if compressed, 1024 if not (block ``j`` starts at
+``1024*j - 256 * #compressed blocks before j``); the slot's last
+``256 * #compressed`` bytes are zero. ``PageMeta.nbytes`` is the used prefix: the page's
+compressed size. With the token layout a page with no compressed block is byte for
+byte the plain row-major ``[16, head_dim]`` bf16 page.
+
+Metadata per block (``PageMeta``): the compressed flag and the base ``b`` (even; 0 for
+raw blocks); ``PageMeta.packed()`` gives one byte per block, ``flag << 7 | b >> 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PAGE_TOKENS", "BLOCK_VALUES", "LAYOUTS", "HEAD_DIMS", "PageMeta", "CacheStats",
+    "n_blocks", "page_bytes", "to_pages", "to_blocks", "from_blocks", "eligible",
+    "pack", "unpack", "cache_stats",
+]
+
+PAGE_TOKENS = 16
+BLOCK_VALUES = 512
+RAW_BLOCK_BYTES = 2 * BLOCK_VALUES          # 1024
+PACKED_BLOCK_BYTES = BLOCK_VALUES * 3 // 2  # 768: 512 low bytes + 256 code bytes
+LAYOUTS = ("token", "channel")
+HEAD_DIMS = (32, 64, 128, 256)
+
+
+# ----------------------------------------------------------------------------- checks
+
+def _check_layout(layout, name="layout"):
+    if layout not in LAYOUTS:
+        raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
+    return layout
+
+
+def _check_head_dim(head_dim, name="head_dim"):
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(
+            f"{name}: head_dim must be one of {HEAD_DIMS} (16*head_dim a multiple of "
+            f"{BLOCK_VALUES}, power of two), got {head_dim}")
+    return head_dim
+
+
+def _check_pages(pages, name="pages"):
+    if not isinstance(pages, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(pages).__name__}")
+    if pages.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must have dtype torch.bfloat16, got {pages.dtype}")
+    if pages.dim() < 2 or pages.shape[-2] != PAGE_TOKENS:
+        raise ValueError(
+            f"{name} must have shape [..., {PAGE_TOKENS}, head_dim], got {tuple(pages.shape)}")
+    _check_head_dim(pages.shape[-1], f"{name} (shape {tuple(pages.shape)})")
+    return pages.shape[-1]
+
+
+def n_blocks(head_dim: int) -> int:
+    """Blocks per page: ``16 * head_dim / 512``."""
+    return PAGE_TOKENS * _check_head_dim(head_dim) // BLOCK_VALUES
+
+
+def page_bytes(head_dim: int) -> int:
+    """Raw (and slot) size of one page in bytes: ``32 * head_dim``."""
+    return 2 * PAGE_TOKENS * _check_head_dim(head_dim)
+
+
+# ----------------------------------------------------------------------------- arrangement
+
+def to_pages(x: torch.Tensor) -> torch.Tensor:
+    """``[..., T, d]`` -> ``[..., T // 16, 16, d]`` full pages (a partial last page is dropped)."""
+    if not isinstance(x, torch.Tensor) or x.dim() < 2:
+        raise ValueError(f"x must be a tensor [..., T, head_dim], got {getattr(x, 'shape', x)}")
+    n = x.shape[-2] // PAGE_TOKENS
+    return x[..., : n * PAGE_TOKENS, :].reshape(*x.shape[:-2], n, PAGE_TOKENS, x.shape[-1])
+
+
+def to_blocks(pages: torch.Tensor, layout: str) -> torch.Tensor:
+    """``[..., 16, d]`` -> ``[..., n_blocks, 512]`` in block order (see module docstring)."""
+    d = _check_pages(pages)
+    _check_layout(layout)
+    nb = PAGE_TOKENS * d // BLOCK_VALUES
+    lead = pages.shape[:-2]
+    if layout == "token":
+        return pages.reshape(*lead, nb, BLOCK_VALUES)
+    return pages.reshape(*lead, PAGE_TOKENS, nb, 32).transpose(-3, -2).reshape(*lead, nb, BLOCK_VALUES)
+
+
+def from_blocks(blocks: torch.Tensor, layout: str, head_dim: int) -> torch.Tensor:
+    """Inverse of :func:`to_blocks`: ``[..., n_blocks, 512]`` -> ``[..., 16, d]``."""
+    _check_layout(layout)
+    nb = n_blocks(head_dim)
+    if blocks.shape[-2:] != (nb, BLOCK_VALUES):
+        raise ValueError(f"blocks must have shape [..., {nb}, {BLOCK_VALUES}], got {tuple(blocks.shape)}")
+    lead = blocks.shape[:-2]
+    if layout == "token":
+        return blocks.reshape(*lead, PAGE_TOKENS, head_dim)
+    return blocks.reshape(*lead, nb, PAGE_TOKENS, 32).transpose(-3, -2).reshape(*lead, PAGE_TOKENS, head_dim)
+
+
+def _exponent_view(pages: torch.Tensor, layout: str):
+    """Exponents of ``pages`` as int16, viewed so that reducing over ``dims`` reduces a block."""
+    d = pages.shape[-1]
+    nb = PAGE_TOKENS * d // BLOCK_VALUES
+    e = (pages.view(torch.int16) >> 7) & 0xFF
+    lead = pages.shape[:-2]
+    if layout == "token":
+        return e.reshape(*lead, nb, BLOCK_VALUES // d, d), (-2, -1)
+    return e.reshape(*lead, PAGE_TOKENS, nb, 32), (-3, -1)
+
+
+# ----------------------------------------------------------------------------- API
+
+def eligible(pages: torch.Tensor, layout: str = "token") -> torch.Tensor:
+    """Which blocks can be compressed.
+
+    pages: ``[..., 16, head_dim]`` bf16. Returns bool ``[..., n_blocks]``: all exponents of
+    the block lie in ``[b, b + 15]``, ``b`` = min exponent rounded down to even (§III-B).
+    Works without copying the values (one int16 exponent tensor); fine for millions of values.
+    """
+    _check_pages(pages)
+    _check_layout(layout)
+    e, dims = _exponent_view(pages, layout)
+    lo = torch.amin(e, dim=dims) & ~1
+    hi = torch.amax(e, dim=dims)
+    return (hi - lo) <= 15
+
+
+@dataclass(frozen=True)
+class PageMeta:
+    """Per-block metadata of packed pages.
+
+    compressed: bool ``[..., n_blocks]``; base: uint8 ``[..., n_blocks]`` = the block's
+    exponent base ``b`` (even), 0 for raw blocks.
+    """
+    layout: str
+    head_dim: int
+    compressed: torch.Tensor
+    base: torch.Tensor
+
+    @property
+    def n_blocks(self) -> int:
+        return n_blocks(self.head_dim)
+
+    @property
+    def nbytes(self) -> torch.Tensor:
+        """int64 ``[...]``: bytes each page uses (prefix of its slot), metadata excluded."""
+        nc = self.compressed.sum(-1, dtype=torch.int64)
+        return self.n_blocks * RAW_BLOCK_BYTES - (RAW_BLOCK_BYTES - PACKED_BLOCK_BYTES) * nc
+
+    def block_offsets(self) -> torch.Tensor:
+        """int64 ``[..., n_blocks]``: byte offset of each block inside its page slot."""
+        size = torch.where(self.compressed, PACKED_BLOCK_BYTES, RAW_BLOCK_BYTES).to(torch.int64)
+        return torch.cumsum(size, -1) - size
+
+    def packed(self) -> torch.Tensor:
+        """uint8 ``[..., n_blocks]``: ``flag << 7 | b >> 1`` (the kernels' metadata byte)."""
+        return (self.compressed.to(torch.uint8) << 7) | (self.base >> 1)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, layout: str, head_dim: int) -> "PageMeta":
+        if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+            raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed))}")
+        nb = n_blocks(head_dim)
+        if packed.dim() < 1 or packed.shape[-1] != nb:
+            raise ValueError(f"packed must have shape [..., {nb}] for head_dim={head_dim}, got {tuple(packed.shape)}")
+        comp = (packed >> 7).bool()
+        base = torch.where(comp, (packed & 0x7F) << 1, torch.zeros_like(packed))
+        return cls(_check_layout(layout), head_dim, comp, base)
+
+    def __getitem__(self, idx) -> "PageMeta":
+        """Select pages (indexing the leading dims)."""
+        return PageMeta(self.layout, self.head_dim, self.compressed[idx], self.base[idx])
+
+
+_UNIT = 256  # blocks are 3 (packed) or 4 (raw) units of 256 bytes
+
+
+def _unit_map(meta: PageMeta):
+    """For every 256-byte unit of the per-block 1024-byte buffers (``[..., n_blocks * 4]``,
+    block order): its unit index in the page slot, or ``n_blocks * 4`` (a trash unit) if unused."""
+    used = torch.ones(*meta.compressed.shape, 4, dtype=torch.bool, device=meta.compressed.device)
+    used[..., 3] = ~meta.compressed
+    used = used.flatten(-2)
+    rank = torch.cumsum(used, -1) - 1
+    return torch.where(used, rank, used.shape[-1])
+
+
+def _row_index(rows: int, n_units: int, device) -> torch.Tensor:
+    return torch.arange(rows, device=device)[:, None].expand(rows, n_units)
+
+
+def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Tensor = True):
+    """Compress pages (§III-B).
+
+    pages: ``[..., 16, head_dim]`` bf16. layout: ``"token"`` or ``"channel"``.
+    enable: ``False`` keeps every block raw; a bool tensor ``[..., n_blocks]`` compresses
+    only eligible blocks where it is True (forcing a mix).
+    Returns ``(payload, meta)``: payload uint8 ``[..., 32 * head_dim]`` (page slots, byte
+    order in the module docstring) and a :class:`PageMeta`.
+    """
+    d = _check_pages(pages)
+    _check_layout(layout)
+    nb = PAGE_TOKENS * d // BLOCK_VALUES
+    lead = pages.shape[:-2]
+    raw = to_blocks(pages, layout).contiguous().view(torch.uint8)   # [..., nb, 1024]
+    low, high = raw[..., 0::2], raw[..., 1::2]                       # [..., nb, 512] each
+    exp = (high << 1) | (low >> 7)                                   # uint8 exponent
+    emin = exp.amin(-1) & 0xFE
+    comp = (exp.amax(-1) - emin) <= 15                               # exp >= emin: no wrap
+    if isinstance(enable, torch.Tensor):
+        if enable.dtype != torch.bool or enable.shape != comp.shape:
+            raise ValueError(f"enable must be a bool tensor of shape {tuple(comp.shape)}, "
+                             f"got {enable.dtype} {tuple(enable.shape)}")
+        comp = comp & enable.to(comp.device)
+    elif not enable:
+        comp = torch.zeros_like(comp)
+    base = torch.where(comp, emin, 0)
+    code = ((high >> 7) << 3) | ((high & 0x7F) - (base >> 1)[..., None])  # garbage where raw
+    code = code.reshape(*lead, nb, 64, 2, 4)
+    codes = (code[..., 0, :] | (code[..., 1, :] << 4)).reshape(*lead, nb, 256)
+    buf = torch.where(comp[..., None], torch.cat([low, codes, codes], -1), raw)
+    meta = PageMeta(layout, d, comp, base)
+    dst = _unit_map(meta)                                            # [..., nb*4]
+    dst = dst.reshape(-1, 4 * nb)
+    payload = torch.zeros(*lead, 4 * nb + 1, _UNIT, dtype=torch.uint8, device=pages.device)
+    payload.view(-1, 4 * nb + 1, _UNIT)[_row_index(dst.shape[0], 4 * nb, dst.device), dst] = \
+        buf.reshape(-1, 4 * nb, _UNIT)
+    return payload[..., : 4 * nb, :].reshape(*lead, nb * RAW_BLOCK_BYTES), meta
+
+
+def unpack(payload: torch.Tensor, meta: PageMeta) -> torch.Tensor:
+    """Inverse of :func:`pack`, bit-exact: payload uint8 ``[..., L]`` (L >= each page's
+    ``meta.nbytes``, e.g. the full slot) -> pages ``[..., 16, head_dim]`` bf16."""
+    if not isinstance(meta, PageMeta):
+        raise TypeError(f"meta must be a PageMeta, got {type(meta).__name__}")
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
+        raise TypeError(f"payload must be a uint8 tensor, got {getattr(payload, 'dtype', type(payload))}")
+    d, nb = meta.head_dim, meta.n_blocks
+    pb = nb * RAW_BLOCK_BYTES
+    lead = meta.compressed.shape[:-1]
+    if meta.compressed.shape[-1:] != (nb,) or meta.base.shape != meta.compressed.shape:
+        raise ValueError(f"meta.compressed/meta.base must have shape [..., {nb}], got "
+                         f"{tuple(meta.compressed.shape)} / {tuple(meta.base.shape)}")
+    if payload.shape[:-1] != lead:
+        raise ValueError(f"payload must have shape [{', '.join(map(str, lead))}, L] to match meta, "
+                         f"got {tuple(payload.shape)}")
+    need = int(meta.nbytes.max()) if meta.nbytes.numel() else 0
+    if payload.shape[-1] < need:
+        raise ValueError(f"payload: last dim {payload.shape[-1]} is shorter than the {need} bytes meta describes")
+    if payload.shape[-1] != pb:
+        payload = torch.nn.functional.pad(payload[..., :min(pb, payload.shape[-1])],
+                                          (0, max(0, pb - payload.shape[-1])))
+    src = _unit_map(meta).reshape(-1, 4 * nb)                       # trash unit reads zeros
+    units = torch.cat([payload.reshape(-1, 4 * nb, _UNIT),
+                       payload.new_zeros(src.shape[0], 1, _UNIT)], 1)
+    buf = units[_row_index(src.shape[0], 4 * nb, src.device), src]
+    buf = buf.reshape(*lead, nb, RAW_BLOCK_BYTES)
+    low = buf[..., :BLOCK_VALUES]
+    cb = buf[..., BLOCK_VALUES:PACKED_BLOCK_BYTES].reshape(*lead, nb, 64, 4)
+    code = torch.stack([cb & 15, cb >> 4], -2).reshape(*lead, nb, BLOCK_VALUES)
+    high = ((code >> 3) << 7) | ((meta.base >> 1)[..., None] + (code & 7))
+    rebuilt = torch.stack([low, high], -1).reshape(*lead, nb, RAW_BLOCK_BYTES)
+    x = torch.where(meta.compressed[..., None], rebuilt, buf).contiguous()
+    return from_blocks(x.view(torch.bfloat16), meta.layout, d)
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """Compressibility of a set of pages (ZipFusion §III-B, Fig. 2). Bytes exclude metadata."""
+    layout: str
+    n_pages: int
+    n_blocks: int
+    n_compressed: int
+    raw_bytes: int
+    packed_bytes: int
+
+    @property
+    def frac_blocks(self) -> float:
+        """Fraction of blocks that are compressible."""
+        return self.n_compressed / self.n_blocks if self.n_blocks else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """packed bytes / raw bytes (0.75 when every block is compressed)."""
+        return self.packed_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+    @property
+    def bits_per_value(self) -> float:
+        return 16.0 * self.ratio
+
+    def as_dict(self) -> dict:
+        return dict(layout=self.layout, n_pages=self.n_pages, n_blocks=self.n_blocks,
+                    n_compressed=self.n_compressed, frac_blocks=self.frac_blocks,
+                    raw_bytes=self.raw_bytes, packed_bytes=self.packed_bytes,
+                    ratio=self.ratio, bits_per_value=self.bits_per_value)
+
+
+def cache_stats(pages: torch.Tensor, layout: str = "token") -> CacheStats:
+    """Compressible blocks and bytes for ``pages`` ``[..., 16, head_dim]`` bf16 (full pages;
+    use :func:`to_pages` on a ``[..., T, head_dim]`` cache)."""
+    ok = eligible(pages, layout)
+    nblk, ncomp = ok.numel(), int(ok.sum())
+    raw = nblk * RAW_BLOCK_BYTES
+    return CacheStats(layout, nblk // max(ok.shape[-1], 1), nblk, ncomp, raw,
+                      raw - (RAW_BLOCK_BYTES - PACKED_BLOCK_BYTES) * ncomp)
