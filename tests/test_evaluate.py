@@ -1,0 +1,189 @@
+"""End-to-end evaluation of compressed caches in a tiny random Llama (KVSculpt §4 metric, §6.1)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zipkv.distill import evaluate as E
+from zipkv.distill import kvsculpt as K
+
+N, C, M = 40, 12, 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper attention and larger logits than the 0.02-std init
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight.mul_(20.0)
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def window():
+    ids = torch.randint(0, 128, (N + C,), generator=torch.Generator().manual_seed(2))
+    return ids[:N], ids[N:]
+
+
+@pytest.fixture(scope="module")
+def cap(model, window):
+    from zipkv.models import capture
+
+    return capture(model, window[0])
+
+
+@pytest.fixture(scope="module")
+def full(cap):
+    return K.CompressedCache.from_capture(cap)
+
+
+@pytest.fixture(scope="module")
+def reference(model, full, window):
+    return E.teacher_force(model, full, window[1])
+
+
+@torch.no_grad()
+def manual_logits(model, cache: K.CompressedCache, ids: torch.Tensor) -> torch.Tensor:
+    """An independent Llama forward over ``cache`` with each head's own length (no padding, no masks)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    x = model.model.embed_tokens(ids[None])
+    pos = torch.arange(cache.n_context, cache.n_context + ids.shape[0])[None]
+    cos, sin = model.model.rotary_emb(x, pos)
+    d, Hq = 16, model.config.num_attention_heads
+    group = Hq // model.config.num_key_value_heads
+    causal = torch.ones(ids.shape[0], ids.shape[0], dtype=torch.bool).tril()
+    for l, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(1, -1, Hq, d).transpose(1, 2)
+        k = attn.k_proj(h).view(1, -1, Hq // group, d).transpose(1, 2)
+        v = attn.v_proj(h).view(1, -1, Hq // group, d).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        heads = []
+        for qh in range(Hq):
+            kv = qh // group
+            keys = torch.cat([cache.keys[l][kv], k[0, kv]])
+            values = torch.cat([cache.values[l][kv], v[0, kv]])
+            n = cache.keys[l][kv].shape[0]
+            s = q[0, qh] @ keys.T * d ** -0.5
+            s[:, n:] = s[:, n:].masked_fill(~causal, float("-inf"))
+            heads.append(torch.softmax(s, dim=-1) @ values)
+        x = x + attn.o_proj(torch.stack(heads, 1).reshape(1, ids.shape[0], -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))[0]
+
+
+def test_uncompressed_cache_gives_exactly_zero(model, full, window, reference):
+    ev = E.evaluate(model, full, window[1], reference)
+    assert ev.kl == 0.0 and torch.equal(ev.kl_per_token, torch.zeros(C, dtype=torch.float64))
+    assert torch.equal(ev.hidden_error, torch.zeros(2, dtype=torch.float64))
+    assert reference.logits.shape == (C, 128) and reference.hidden.shape == (2, C, 64)
+    # the same as running the whole window through the model in one pass
+    with torch.no_grad():
+        plain = model(torch.cat(window)[None]).logits[0, N:]
+    assert (plain - reference.logits).abs().max() < 1e-4
+    # the model's attention implementation is restored
+    assert model.config._attn_implementation != E.ATTENTION_NAME
+
+
+def test_padding_with_masked_keys_gives_zero(model, full, window, reference):
+    """Garbage keys anywhere in the padded cache, masked per head, change nothing."""
+    gen = torch.Generator().manual_seed(3)
+    layers = []
+    for layer in range(full.num_layers):
+        k, v, valid = full.padded(layer)
+        H, P, d = k.shape
+        pad = 7
+        # insert 7 huge garbage pairs at the front of head 0 and the back of head 1
+        gk = 50.0 * torch.randn(H, P + pad, d, generator=gen)
+        gv = 50.0 * torch.randn(H, P + pad, d, generator=gen)
+        ok = torch.zeros(H, P + pad, dtype=torch.bool)
+        gk[0, pad:], gv[0, pad:], ok[0, pad:] = k[0], v[0], True
+        gk[1, :P], gv[1, :P], ok[1, :P] = k[1], v[1], True
+        layers.append((gk, gv, ok))
+    run = E.teacher_force_padded(model, layers, full.n_context, window[1])
+    kl = E.kl_divergence(reference.logits, run.logits)
+    assert float(kl.max()) < 1e-10
+    assert float(E.hidden_state_error(reference.hidden, run.hidden).max()) < 1e-5
+
+
+def test_per_head_lengths_are_exact(model, cap, window):
+    budget = torch.tensor([[2, 25], [13, 5]])  # every layer's heads differ in length
+    cache = K.compress(cap, 0.5, "select_fit", m=M, n_synthetic=8, budget=budget,
+                       config=K.SculptConfig(progress=False))
+    assert torch.equal(cache.lengths, budget + M)
+    run = E.teacher_force(model, cache, window[1])
+    want = manual_logits(model, cache, window[1])
+    assert (run.logits - want).abs().max() < 1e-4 * want.abs().max()
+    # and the manual forward agrees with the model on the full cache too
+    full = K.CompressedCache.from_capture(cap)
+    assert (manual_logits(model, full, window[1]) - E.teacher_force(model, full, window[1]).logits).abs().max() < 1e-4
+
+
+def test_compressed_cache_kl_and_hidden_error(model, cap, full, window, reference):
+    cfg = K.SculptConfig(steps=3, progress=False)
+    evs = {}
+    for method in ("random", "select_fit", "kvsculpt"):
+        cache = K.compress(cap, 0.4, method, m=M, n_synthetic=8, config=cfg)
+        evs[method] = E.evaluate(model, cache, window[1], reference)
+    for ev in evs.values():
+        assert ev.kl_per_token.shape == (C,) and (ev.kl_per_token >= 0).all()
+        assert ev.kl > 0 and ev.hidden_error.shape == (2,) and (ev.hidden_error > 0).all()
+        assert ev.kl == pytest.approx(float(ev.kl_per_token.mean()))
+    # a full-cache object as the reference gives the same numbers as a precomputed reference
+    again = E.evaluate(model, K.compress(cap, 0.4, "random", m=M, n_synthetic=8, config=cfg), window[1], full)
+    assert again.kl == pytest.approx(evs["random"].kl, rel=1e-12)
+
+
+def test_single_layer_kl(model, cap, full, window, reference):
+    cache = K.compress(cap, 0.4, "attention_score", m=M, n_synthetic=8)
+    table = E.single_layer_kl(model, full, cache, window[1], reference)
+    assert list(table["layer"]) == [0, 1, -1]
+    assert (table["kl"] >= 0).all() and table["kl"].iloc[-1] > 0
+    mixed = full.with_layers(cache, [1])
+    assert torch.equal(mixed.lengths[0], torch.full((2,), N)) and torch.equal(mixed.lengths[1], cache.lengths[1])
+
+
+def test_compare_methods_one_call_per_table(model, window):
+    out = E.compare_methods(model, [window, torch.cat(window)], [0.5], ["select_fit", "kvsculpt"], m=M,
+                            n_synthetic=8, config=K.SculptConfig(steps=2, progress=False), n_context=N,
+                            progress=False)
+    table = out.table
+    assert list(table.columns[:4]) == ["window", "ratio", "method", "kl"]
+    assert len(table) == 4 and set(table["method"]) == {"select_fit", "kvsculpt"}
+    # both windows are the same tokens, so identical results
+    a, b = table[table.window == 0].kl.to_numpy(), table[table.window == 1].kl.to_numpy()
+    assert abs(a - b).max() < 1e-9
+    ks = out.layers[out.layers.method == "kvsculpt"]
+    assert len(ks) == 2 * 2 and (ks.loss_ratio <= 1 + 1e-9).all()
+    assert len(out.tokens) == 4 * C
+
+
+def test_evaluate_errors(model, cap, full, window):
+    with pytest.raises(ValueError, match="continuation_ids"):
+        E.teacher_force(model, full, torch.randn(4))
+    with pytest.raises(ValueError, match="cache has 1 layers"):
+        E.teacher_force(model, K.CompressedCache(full.keys[:1], full.values[:1], N), window[1])
+    one_head = K.CompressedCache([ks[:1] for ks in full.keys], [vs[:1] for vs in full.values], N)
+    with pytest.raises(ValueError, match="2 KV heads"):
+        E.teacher_force(model, one_head, window[1])
+    with pytest.raises(ValueError, match="window"):
+        E.compare_methods(model, [torch.cat(window)], [0.5], ["select_fit"], m=M)
+    with pytest.raises(ValueError, match="values"):
+        K.CompressedCache([[torch.zeros(3, 4)]], [[torch.zeros(2, 4)]], 3)

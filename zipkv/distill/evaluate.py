@@ -1,0 +1,314 @@
+"""End-to-end evaluation of a compressed cache: KL and hidden-state error (KVSculpt §4 metric, §6).
+
+:func:`teacher_force` puts a :class:`~zipkv.distill.kvsculpt.CompressedCache` into a Hugging Face
+Llama-family model and feeds the continuation tokens at their *original* positions N … N+C−1.
+Each layer may hold its own number of pairs per KV head: a layer is padded to its longest head
+and the padded keys are masked per head by a registered attention function
+(:data:`ATTENTION_NAME`), so the result equals attention over the exact per-head lengths. The
+reference run uses the uncompressed captured cache through the same path, so an uncompressed
+cache gives KL exactly 0.
+
+:func:`evaluate` returns KL(full ‖ compressed) per continuation token and its mean (the paper's
+metric), plus the relative L2 error of every decoder layer's output hidden states (§6.1).
+:func:`compare_methods` produces the rows of the chapter tables in one call;
+:func:`single_layer_kl` the KL when only one layer is compressed at a time.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .baselines import JointConfig
+from .kvsculpt import CompressedCache, SculptConfig, Solver, compress
+
+ATTENTION_NAME = "zipkv_masked"
+"""Name under which the per-head masked attention is registered in transformers' ``AttentionInterface``."""
+
+_valid: dict[int, torch.Tensor] = {}  # layer_idx -> [H, n_max] bool, True on real cached pairs
+
+
+def _masked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention over ``[cache; new tokens]`` with per-head cache padding masked out.
+
+    ``query`` ``[B, Hq, C, d]``; ``key``/``value`` ``[B, H, P + C, d]`` (``P`` padded cached pairs).
+    The cached part is visible where ``_valid[layer]`` ``[H, P]`` is True; the new tokens are causal.
+    transformers builds no mask for this implementation name, so ``attention_mask`` is ``None``.
+    """
+    valid = _valid[module.layer_idx]
+    B, Hq, C, _ = query.shape
+    H, P = valid.shape
+    if key.shape[1] != H or key.shape[2] != P + C:
+        raise RuntimeError(f"layer {module.layer_idx}: keys {tuple(key.shape)}, expected [B, {H}, {P + C}, d]")
+    group = Hq // H
+    key = key.repeat_interleave(group, dim=1)  # q head h uses kv head h // group (HF repeat_kv)
+    value = value.repeat_interleave(group, dim=1)
+    causal = torch.ones(C, C, dtype=torch.bool, device=query.device).tril()
+    allowed = torch.cat([valid.repeat_interleave(group, dim=0)[:, None, :].expand(Hq, C, P),
+                         causal[None].expand(Hq, C, C)], dim=-1)  # [Hq, C, P + C]
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
+    return out, probs
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _masked_attention)
+
+
+def _decoder_layers(model):
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ValueError(f"model {type(model).__name__} has no .model.layers: expected a Llama-family causal LM")
+    return layers
+
+
+@dataclass
+class TeacherForced:
+    """Outputs of one teacher-forced continuation.
+
+    Attributes:
+        logits: ``[C, vocab]`` float32 next-token logits at positions N … N+C−1.
+        hidden: ``[L, C, hidden]`` float32 output hidden states of every decoder layer.
+    """
+
+    logits: torch.Tensor
+    hidden: torch.Tensor
+
+
+@dataclass
+class Evaluation:
+    """KL(full ‖ compressed) and hidden-state error of one compressed cache.
+
+    Attributes:
+        kl_per_token: ``[C]`` KL per continuation token (nats).
+        kl: their mean (the paper's metric).
+        hidden_error: ``[L]`` relative L2 error ‖h − h_full‖/‖h_full‖ of each layer's output on the continuation.
+    """
+
+    kl_per_token: torch.Tensor
+    kl: float
+    hidden_error: torch.Tensor
+
+
+def _as_ids(ids: torch.Tensor) -> torch.Tensor:
+    ids = torch.as_tensor(ids)
+    if ids.ndim == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
+        raise ValueError(f"continuation_ids has shape {tuple(ids.shape)} and dtype {ids.dtype}: expected "
+                         "integer token ids [C] (or [1, C]), C ≥ 1")
+    return ids.long()
+
+
+def teacher_force(model, cache: CompressedCache, continuation_ids: torch.Tensor) -> TeacherForced:
+    """Feed ``continuation_ids`` ``[C]`` after ``cache`` at positions N … N+C−1 (teacher forcing).
+
+    Each layer is padded to its longest head (:meth:`CompressedCache.padded`) and run by
+    :func:`teacher_force_padded`, which masks the padding per head.
+    """
+    param = next(model.parameters())
+    layers = [cache.padded(layer, dtype=param.dtype, device=param.device) for layer in range(cache.num_layers)]
+    return teacher_force_padded(model, layers, cache.n_context, continuation_ids)
+
+
+@torch.no_grad()
+def teacher_force_padded(model, layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n_context: int,
+                         continuation_ids: torch.Tensor) -> TeacherForced:
+    """Teacher forcing over a padded cache: ``layers[l] = (keys, values, valid)``.
+
+    Args:
+        model: a Hugging Face Llama-family causal LM.
+        layers: per layer ``keys``, ``values`` ``[H, P_l, d]`` post-RoPE and ``valid`` ``[H, P_l]`` bool
+            (False entries are masked out for that head, wherever they are).
+        n_context: ``N``: the continuation runs at positions N … N+C−1.
+        continuation_ids: ``[C]`` token ids.
+
+    The cache goes into a ``transformers.DynamicCache`` (``[1, H, P_l, d]`` in the model's dtype)
+    and attention runs through :data:`ATTENTION_NAME`; the model's attention implementation is
+    restored afterwards.
+    """
+    from transformers import DynamicCache
+
+    ids = _as_ids(continuation_ids)
+    decoder = _decoder_layers(model)
+    if len(layers) != len(decoder):
+        raise ValueError(f"cache has {len(layers)} layers, the model {len(decoder)}")
+    kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    param = next(model.parameters())
+    dtype, device = param.dtype, param.device
+    data = []
+    _valid.clear()
+    for index, (k, v, valid) in enumerate(layers):
+        if k.ndim != 3 or k.shape[0] != kv_heads or v.shape != k.shape or tuple(valid.shape) != tuple(k.shape[:2]):
+            raise ValueError(f"layer {index}: keys {tuple(k.shape)}, values {tuple(v.shape)}, valid "
+                             f"{tuple(valid.shape)}; expected [{kv_heads}, P, d] twice and [{kv_heads}, P] "
+                             f"(the model has {kv_heads} KV heads)")
+        data.append((k.to(device=device, dtype=dtype)[None], v.to(device=device, dtype=dtype)[None]))
+        _valid[index] = valid.to(device=device, dtype=torch.bool)
+    past = DynamicCache(data, config=model.config)
+    hidden: list[torch.Tensor | None] = [None] * len(decoder)
+
+    def hook(index):
+        def record(module, args, output):
+            hidden[index] = (output[0] if isinstance(output, tuple) else output)[0].float()
+        return record
+
+    handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(decoder)]
+    _register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        C = ids.shape[0]
+        positions = torch.arange(n_context, n_context + C, device=device)
+        out = model(input_ids=ids[None].to(device), position_ids=positions[None], past_key_values=past,
+                    use_cache=True)
+    finally:
+        model.set_attn_implementation(previous)
+        for h in handles:
+            h.remove()
+        _valid.clear()
+    return TeacherForced(logits=out.logits[0].float(), hidden=torch.stack(hidden))
+
+
+def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``[C]`` KL(p_ref ‖ p) per row of ``[C, vocab]`` logits, in nats (float32 → float64 internally)."""
+    if reference_logits.shape != logits.shape:
+        raise ValueError(f"logits have shape {tuple(logits.shape)}, the reference {tuple(reference_logits.shape)}")
+    log_p = torch.log_softmax(reference_logits.double(), dim=-1)
+    log_q = torch.log_softmax(logits.double(), dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
+
+
+def hidden_state_error(reference_hidden: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``[L]`` relative L2 error per layer of ``[L, C, hidden]`` hidden states."""
+    diff = (hidden.double() - reference_hidden.double()).flatten(1).norm(dim=1)
+    return diff / reference_hidden.double().flatten(1).norm(dim=1).clamp_min(1e-30)
+
+
+def evaluate(model, cache: CompressedCache, continuation_ids: torch.Tensor,
+             reference: TeacherForced | CompressedCache) -> Evaluation:
+    """KL(full ‖ compressed) per token and mean, and per-layer hidden-state error (§4, §6.1).
+
+    Args:
+        model: the Hugging Face causal LM the cache was captured from.
+        cache: the compressed cache.
+        continuation_ids: ``[C]`` continuation tokens (paper: 128).
+        reference: the full cache (:meth:`CompressedCache.from_capture`) or its
+            :func:`teacher_force` result, computed once and reused across methods.
+    """
+    if isinstance(reference, CompressedCache):
+        if reference.n_context != cache.n_context:
+            raise ValueError(f"reference has N={reference.n_context}, the cache N={cache.n_context}")
+        reference = teacher_force(model, reference, continuation_ids)
+    run = teacher_force(model, cache, continuation_ids)
+    kl = kl_divergence(reference.logits, run.logits)
+    return Evaluation(kl_per_token=kl, kl=float(kl.mean()), hidden_error=hidden_state_error(reference.hidden, run.hidden))
+
+
+def _split_window(window, n_context: int | None):
+    if hasattr(window, "context_ids") and hasattr(window, "continuation_ids"):
+        return window.context_ids, window.continuation_ids
+    if isinstance(window, (tuple, list)) and len(window) == 2:
+        return window[0], window[1]
+    ids = torch.as_tensor(window)
+    if n_context is None or ids.ndim != 1 or not 0 < n_context < ids.shape[0]:
+        raise ValueError("window: expected a zipkv.data.Window, a (context_ids, continuation_ids) pair, or "
+                         f"ids [N + C] with n_context=N (got shape {tuple(ids.shape)}, n_context={n_context})")
+    return ids[:n_context], ids[n_context:]
+
+
+@dataclass
+class Comparison:
+    """Results of :func:`compare_methods`, as long tables.
+
+    Attributes:
+        table: one row per (window, ratio, method): ``kl`` (mean over tokens), ``kl_max``,
+            ``loss`` and ``initial_loss`` (means over layers and heads of the training objective;
+            KVSculpt's ``initial_loss`` is Select+Fit's), ``memory_ratio``, ``seconds`` (compression).
+        layers: one row per (window, ratio, method, layer): ``loss``, ``initial_loss`` (means over
+            heads), ``loss_ratio`` (= loss / initial_loss), ``hidden_error``.
+        tokens: one row per (window, ratio, method, token): ``kl``.
+    """
+
+    table: "object"
+    layers: "object"
+    tokens: "object"
+
+
+def compare_methods(model, windows: Sequence, ratios: Sequence[float], methods: Sequence[str], *,
+                    m: int = 256, n_synthetic: int = 128, strategy: str = "uniform", budget="uniform",
+                    config: SculptConfig | None = None, joint_config: JointConfig | None = None,
+                    seed: int = 0, n_context: int | None = None, solver: Solver | None = None,
+                    progress: bool = True) -> Comparison:
+    """Compress every window at every ratio with every method and measure KL (Tables 1, 2, A).
+
+    Each window is captured once (:func:`zipkv.models.capture`); the full-cache reference is
+    teacher-forced once per window; each (ratio, method) is compressed with :func:`compress` and
+    evaluated with :func:`evaluate`.
+
+    Args:
+        model: a Hugging Face Llama-family causal LM.
+        windows: :class:`zipkv.data.Window` objects, ``(context_ids, continuation_ids)`` pairs, or
+            ``[N + C]`` id tensors with ``n_context=N``.
+        ratios: compression ratios ``r = (k + m)/N``.
+        methods: names from :data:`zipkv.distill.kvsculpt.METHODS`.
+        m, n_synthetic, strategy, budget, config, joint_config, seed, solver: passed to :func:`compress`.
+        progress: print one line per (window, ratio, method).
+    """
+    import pandas as pd
+
+    from zipkv.models import capture as capture_fn
+
+    rows, layer_rows, token_rows = [], [], []
+    for w, window in enumerate(windows):
+        context, continuation = _split_window(window, n_context)
+        cap = capture_fn(model, torch.as_tensor(context))
+        reference = teacher_force(model, CompressedCache.from_capture(cap), continuation)
+        for ratio in ratios:
+            for method in methods:
+                started = time.perf_counter()
+                cache = compress(cap, ratio, method, m=m, n_synthetic=n_synthetic, strategy=strategy, budget=budget,
+                                 config=config, joint_config=joint_config, seed=seed, solver=solver)
+                seconds = time.perf_counter() - started
+                ev = evaluate(model, cache, continuation, reference)
+                rows.append(dict(window=w, ratio=ratio, method=method, kl=ev.kl, kl_max=float(ev.kl_per_token.max()),
+                                 loss=float(cache.loss.mean()), initial_loss=float(cache.initial_loss.mean()),
+                                 memory_ratio=cache.memory_ratio, seconds=seconds))
+                loss_l = cache.loss.mean(dim=1)
+                init_l = cache.initial_loss.mean(dim=1)
+                for layer in range(cache.num_layers):
+                    layer_rows.append(dict(window=w, ratio=ratio, method=method, layer=layer,
+                                           loss=float(loss_l[layer]), initial_loss=float(init_l[layer]),
+                                           loss_ratio=float(loss_l[layer] / init_l[layer]) if init_l[layer] > 0 else float("nan"),
+                                           hidden_error=float(ev.hidden_error[layer])))
+                for t, value in enumerate(ev.kl_per_token.tolist()):
+                    token_rows.append(dict(window=w, ratio=ratio, method=method, token=t, kl=value))
+                if progress:
+                    print(f"window {w} r={ratio} {method:16s} KL={ev.kl:.4g} ({seconds:.1f} s)", flush=True)
+    return Comparison(table=pd.DataFrame(rows), layers=pd.DataFrame(layer_rows), tokens=pd.DataFrame(token_rows))
+
+
+def single_layer_kl(model, full: CompressedCache, compressed: CompressedCache, continuation_ids: torch.Tensor,
+                    reference: TeacherForced | None = None) -> "object":
+    """KL when only one layer is compressed at a time (§6: where the end-to-end KL comes from).
+
+    Returns a ``pandas.DataFrame`` with columns ``layer, kl`` (KL with layer ``l`` from ``compressed``
+    and all other layers from ``full``), plus a final row ``layer = -1`` with every layer compressed.
+    """
+    import pandas as pd
+
+    if reference is None:
+        reference = teacher_force(model, full, continuation_ids)
+    rows = []
+    for layer in range(full.num_layers):
+        ev = evaluate(model, full.with_layers(compressed, [layer]), continuation_ids, reference)
+        rows.append(dict(layer=layer, kl=ev.kl))
+    rows.append(dict(layer=-1, kl=evaluate(model, compressed, continuation_ids, reference).kl))
+    return pd.DataFrame(rows)

@@ -1,0 +1,367 @@
+"""KVSculpt: distil the old part of a KV cache into k free key/value pairs per layer and KV head (§3).
+
+:func:`solve` is the reference solver, exactly as §3.4 and §4 describe it, one problem at a time:
+
+* keys start at Select+Fit's solution: the top-``k`` old positions by accumulated attention, with
+  ridge values (so the starting loss *is* Select+Fit's);
+* K-step: ``torch.optim.LBFGS`` (lr 0.5, strong Wolfe line search, 10 inner iterations per outer
+  step) on the §3.2 objective with the values frozen;
+* V-step every 5 outer steps: ridge regression (λ = 1e-3). The V-step changes the objective the
+  L-BFGS curvature pairs were collected on, so the L-BFGS history is restarted after it
+  (``SculptConfig.reset_history``; the paper does not say);
+* the best iterate is returned, so the final loss is never above Select+Fit's.
+
+Its interface is a batch of independent :class:`~zipkv.distill.baselines.Problem` (layers × heads,
+each with its own ``k``) → one :class:`~zipkv.distill.baselines.Solution` each, so a batched solver
+with the same signature can be passed to :func:`compress` as ``solver=``.
+
+:func:`compress` compresses a whole captured cache at ratio ``r = (k + m)/N`` with a named method and
+a uniform or pilot-MSE budget (§3.5), returning a :class:`CompressedCache` (per layer and KV head,
+``k_lh + m`` post-RoPE pairs) that :mod:`zipkv.distill.evaluate` puts back into the model.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from . import baselines, budget as budget_mod
+from .baselines import RIDGE, JointConfig, Prepared, Problem, Solution
+from .queries import check_strategy, training_queries
+
+METHODS = ("kvsculpt", "random", "attention_score", "select_fit", "joint_opt")
+"""Method names accepted by :func:`compress` (§4 baselines and KVSculpt)."""
+
+BUDGETS = ("uniform", "pilot", "pilot_layer")
+"""Named budget policies: equal ``k``; pilot-MSE per layer then per head; pilot-MSE per layer only."""
+
+
+@dataclass
+class SculptConfig:
+    """KVSculpt solver settings; defaults are the paper's (§4 "KVSculpt configuration").
+
+    Attributes:
+        steps: outer L-BFGS steps (paper: 100; the quick profile uses fewer).
+        lr: L-BFGS learning rate.
+        inner_iterations: L-BFGS ``max_iter`` per outer step.
+        value_every: V-step (ridge) every this many outer steps.
+        ridge: λ of the V-step.
+        history_size: L-BFGS memory.
+        reset_history: restart L-BFGS after each V-step (the objective changed).
+        dtype: solver dtype.
+        device: where to solve (default: the problem tensors' device).
+        progress: a tqdm bar over problems.
+    """
+
+    steps: int = 100
+    lr: float = 0.5
+    inner_iterations: int = 10
+    value_every: int = 5
+    ridge: float = RIDGE
+    history_size: int = 100
+    reset_history: bool = True
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device | None = None
+    progress: bool = True
+
+
+Solver = Callable[[Sequence[Problem], SculptConfig], list[Solution]]
+"""A batch solver: problems (each with its own ``k``) and settings → one solution per problem."""
+
+
+def _lbfgs(param: torch.Tensor, cfg: SculptConfig) -> torch.optim.LBFGS:
+    return torch.optim.LBFGS([param], lr=cfg.lr, max_iter=cfg.inner_iterations, history_size=cfg.history_size,
+                             line_search_fn="strong_wolfe")
+
+
+def solve_one(problem: Problem, cfg: SculptConfig) -> Solution:
+    """KVSculpt on one problem (§3.4); see the module docstring. Returns the best iterate."""
+    started = time.perf_counter()
+    prep = Prepared(problem, cfg.dtype, cfg.device)
+    index = prep.top_attention(problem.k)
+    keys = prep.k_old[index].clone()
+    values = prep.ridge(keys, cfg.ridge)
+    with torch.no_grad():
+        initial = float(prep.loss(keys, values))
+    best = (initial, keys.clone(), values.clone())
+    history = [initial]
+    if problem.k > 0 and cfg.steps > 0:
+        keys.requires_grad_(True)
+        opt = _lbfgs(keys, cfg)
+
+        def closure():
+            opt.zero_grad()
+            loss = prep.loss(keys, values)
+            loss.backward()
+            return loss
+
+        for step in range(1, cfg.steps + 1):
+            opt.step(closure)
+            if step % cfg.value_every == 0:
+                values = prep.ridge(keys.detach(), cfg.ridge)
+                if cfg.reset_history:
+                    opt = _lbfgs(keys, cfg)
+            with torch.no_grad():
+                current = float(prep.loss(keys, values))
+            history.append(current)
+            if not math.isfinite(current):
+                break
+            if current < best[0]:
+                best = (current, keys.detach().clone(), values.clone())
+    _, keys, values = best
+    return prep.solution(keys, values, initial_loss=initial, seconds=time.perf_counter() - started,
+                         history=history)
+
+
+def solve(problems: Sequence[Problem], config: SculptConfig | None = None) -> list[Solution]:
+    """The reference KVSculpt solver over a batch of independent problems, one at a time (§3.4)."""
+    cfg = config or SculptConfig()
+    return [solve_one(p, cfg) for p in tqdm(problems, desc="kvsculpt", disable=not cfg.progress, leave=False)]
+
+
+# --- a whole cache -----------------------------------------------------------------------------------------
+
+@dataclass
+class CompressedCache:
+    """A per-layer, per-KV-head cache of post-RoPE pairs, possibly of different lengths.
+
+    Attributes:
+        keys, values: ``keys[layer][head]`` is ``[n_lh, head_dim]`` (compressed pairs first, then the
+            retain zone), in the solver dtype or the capture's.
+        n_context: ``N``, the original context length: the continuation starts at position ``N``.
+        method, ratio: how it was made (``"full"``, 1.0 for the uncompressed cache).
+        budget: ``[L, H]`` compressed pairs ``k_lh`` (``None`` for the full cache).
+        loss, initial_loss: ``[L, H]`` the method's objective on the training queries at the
+            returned solution and at its starting point (KVSculpt: Select+Fit's loss).
+        seconds: ``[L, H]`` solver time per problem.
+    """
+
+    keys: list[list[torch.Tensor]]
+    values: list[list[torch.Tensor]]
+    n_context: int
+    method: str = "full"
+    ratio: float = 1.0
+    budget: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+    initial_loss: torch.Tensor | None = None
+    seconds: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if len(self.keys) != len(self.values):
+            raise ValueError(f"keys has {len(self.keys)} layers but values has {len(self.values)}")
+        for layer, (ks, vs) in enumerate(zip(self.keys, self.values)):
+            if len(ks) != len(vs) or len(ks) != len(self.keys[0]):
+                raise ValueError(f"layer {layer}: {len(ks)} key heads and {len(vs)} value heads, expected "
+                                 f"{len(self.keys[0])} each")
+            for head, (k, v) in enumerate(zip(ks, vs)):
+                if k.ndim != 2 or k.shape != v.shape:
+                    raise ValueError(f"layer {layer} head {head}: keys {tuple(k.shape)} and values {tuple(v.shape)}, "
+                                     "expected equal [n, head_dim]")
+
+    @classmethod
+    def from_capture(cls, capture) -> "CompressedCache":
+        """The uncompressed cache of a :class:`zipkv.models.Capture` (the reference for KL)."""
+        keys = [list(layer.keys.unbind(0)) for layer in capture.layers]
+        values = [list(layer.values.unbind(0)) for layer in capture.layers]
+        return cls(keys, values, n_context=int(capture.positions[-1]) + 1)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.keys[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[L, H]`` int64 cached pairs per layer and head."""
+        return torch.tensor([[k.shape[0] for k in ks] for ks in self.keys], dtype=torch.long)
+
+    @property
+    def memory_ratio(self) -> float:
+        """Cached pairs over the full cache's ``L·H·N``."""
+        return float(self.lengths.sum()) / (self.num_layers * self.num_heads * self.n_context)
+
+    def padded(self, layer: int, dtype=None, device=None):
+        """One layer padded to its longest head.
+
+        Returns:
+            ``(keys, values, valid)``: ``[H, n_max, d]``, ``[H, n_max, d]`` (zeros where padded) and
+            ``[H, n_max]`` bool, True on real pairs.
+        """
+        ks, vs = self.keys[layer], self.values[layer]
+        dtype = dtype or ks[0].dtype
+        device = device or ks[0].device
+        n_max = max(k.shape[0] for k in ks)
+        H, d = len(ks), ks[0].shape[1]
+        keys = torch.zeros(H, n_max, d, dtype=dtype, device=device)
+        values = torch.zeros(H, n_max, d, dtype=dtype, device=device)
+        valid = torch.zeros(H, n_max, dtype=torch.bool, device=device)
+        for h, (k, v) in enumerate(zip(ks, vs)):
+            keys[h, : k.shape[0]] = k.to(device=device, dtype=dtype)
+            values[h, : v.shape[0]] = v.to(device=device, dtype=dtype)
+            valid[h, : k.shape[0]] = True
+        return keys, values, valid
+
+    def with_layers(self, other: "CompressedCache", layers: Sequence[int]) -> "CompressedCache":
+        """A copy of this cache whose ``layers`` come from ``other`` (e.g. one compressed layer in a full cache)."""
+        if other.num_layers != self.num_layers or other.n_context != self.n_context:
+            raise ValueError(f"other has {other.num_layers} layers and N={other.n_context}, expected "
+                             f"{self.num_layers} and N={self.n_context}")
+        chosen = set(int(x) for x in layers)
+        keys = [other.keys[i] if i in chosen else self.keys[i] for i in range(self.num_layers)]
+        values = [other.values[i] if i in chosen else self.values[i] for i in range(self.num_layers)]
+        return CompressedCache(keys, values, self.n_context, method=f"{self.method}+{other.method}@{sorted(chosen)}",
+                               ratio=self.ratio)
+
+
+def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
+    """Compressed pairs per head ``k = round(r·N) − m`` for ratio ``r = (k + m)/N`` (§3.1).
+
+    Raises ``ValueError`` unless ``m/N < r ≤ 1`` and ``k ≥ 1``.
+    """
+    if not 0 <= m < n_context:
+        raise ValueError(f"m={m}: expected 0 ≤ m < N={n_context}")
+    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio)) or not m / n_context < ratio <= 1:
+        raise ValueError(f"ratio={ratio!r}: expected m/N = {m}/{n_context} = {m / n_context:.4g} < ratio ≤ 1 "
+                         "(r = (k + m)/N)")
+    k = round(ratio * n_context) - m
+    if k < 1:
+        raise ValueError(f"ratio={ratio!r} leaves k = round(r·N) − m = {k} < 1 compressed pairs (N={n_context}, m={m})")
+    return k
+
+
+def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy: str = "uniform",
+                   seed: int = 0, scale: float | None = None) -> list[Problem]:
+    """One :class:`Problem` per (layer, KV head) of a capture, layer-major.
+
+    Args:
+        capture: a :class:`zipkv.models.Capture` (``layers[l].keys`` ``[H, N, d]``, ``.values``,
+            ``.queries`` ``[H_q, N, d]``, ``positions`` ``[N]``, ``rope``).
+        k: compressed pairs per head: an int, or ``[L, H]`` integers.
+        m, n_synthetic, strategy, seed: training queries (§3.3, :func:`~zipkv.distill.queries.training_queries`).
+        scale: score scale (``1/√d`` when ``None``).
+    """
+    check_strategy(strategy)
+    L = len(capture.layers)
+    if L == 0:
+        raise ValueError("capture has no layers")
+    H, N, d = capture.layers[0].keys.shape
+    ks = torch.full((L, H), int(k), dtype=torch.long) if isinstance(k, int) else torch.as_tensor(k)
+    if tuple(ks.shape) != (L, H):
+        raise ValueError(f"budget has shape {tuple(ks.shape)}: expected [layers, kv_heads] = [{L}, {H}]")
+    if tuple(capture.positions.shape) != (N,):
+        raise ValueError(f"capture.positions has shape {tuple(capture.positions.shape)}: expected [{N}]")
+    problems = []
+    for layer, lc in enumerate(capture.layers):
+        if lc.keys.shape != (H, N, d) or lc.values.shape != (H, N, d):
+            raise ValueError(f"layer {layer}: keys {tuple(lc.keys.shape)} / values {tuple(lc.values.shape)}, "
+                             f"expected [{H}, {N}, {d}] like layer 0")
+        Hq = lc.queries.shape[0]
+        if lc.queries.ndim != 3 or Hq % H or lc.queries.shape[1:] != (N, d):
+            raise ValueError(f"layer {layer}: queries {tuple(lc.queries.shape)}, expected [q_heads, {N}, {d}] "
+                             f"with q_heads a multiple of kv_heads={H}")
+        g = Hq // H
+        for head in range(H):
+            q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, capture.rope, m,
+                                 n_synthetic, strategy=strategy, seed=seed + 7919 * layer + head)
+            problems.append(Problem(keys=lc.keys[head], values=lc.values[head], queries=q, m=m,
+                                    k=int(ks[layer, head]), scale=scale, layer=layer, head=head))
+    return problems
+
+
+def run_method(method: str, problems: Sequence[Problem], *, config: SculptConfig | None = None,
+               joint_config: JointConfig | None = None, seed: int = 0, solver: Solver | None = None
+               ) -> list[Solution]:
+    """Run one named method (:data:`METHODS`) on a batch of problems."""
+    cfg = config or SculptConfig()
+    if method == "kvsculpt":
+        return (solver or solve)(problems, cfg)
+    kw = dict(dtype=cfg.dtype, device=cfg.device)
+    if method == "random":
+        return baselines.random_selection(problems, seed=seed, **kw)
+    if method == "attention_score":
+        return baselines.attention_score(problems, **kw)
+    if method == "select_fit":
+        return baselines.select_fit(problems, ridge=cfg.ridge, **kw)
+    if method == "joint_opt":
+        return baselines.joint_opt(problems, joint_config, seed=seed, progress=cfg.progress, **kw)
+    raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
+
+
+def _grid(problems: Sequence[Problem], solutions: Sequence[Solution], attr: str, L: int, H: int) -> torch.Tensor:
+    out = torch.full((L, H), float("nan"), dtype=torch.float64)
+    for p, s in zip(problems, solutions):
+        out[p.layer, p.head] = getattr(s, attr)
+    return out
+
+
+def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n_synthetic: int = 128,
+             strategy: str = "uniform", budget="uniform", config: SculptConfig | None = None,
+             joint_config: JointConfig | None = None, pilot_steps: int = 30, alpha: float = 0.5,
+             seed: int = 0, scale: float | None = None, solver: Solver | None = None) -> CompressedCache:
+    """Compress a whole captured cache at ratio ``r = (k + m)/N`` with a named method (§3, §4).
+
+    Args:
+        capture: a :class:`zipkv.models.Capture` of the ``N``-token context.
+        ratio: ``r``, with ``m/N < r ≤ 1``; ``k = round(r·N) − m`` pairs per head on average.
+        method: one of :data:`METHODS`.
+        m: retain-zone size (paper: 256).
+        n_synthetic: synthetic future queries per query head (paper: 128).
+        strategy: synthetic-query sampling strategy (§5.3; paper: ``"uniform"``).
+        budget: ``"uniform"`` (``k`` everywhere), ``"pilot"`` (pilot-MSE^alpha per layer then per head,
+            §3.5), ``"pilot_layer"`` (per layer only, even within a layer), or an ``[L, H]`` integer
+            tensor of per-head budgets.
+        config: KVSculpt solver settings (also the dtype/device of every method).
+        joint_config: Joint Optimization settings.
+        pilot_steps: KVSculpt steps of the pilot run (paper: 30 per head).
+        alpha: dampening exponent of the pilot allocation.
+        seed: for random selection, query sampling and Joint Optimization's gate noise.
+        scale: attention score scale (``1/√d`` when ``None``).
+        solver: a batch solver replacing :func:`solve` for ``"kvsculpt"`` and the pilot.
+
+    Returns:
+        A :class:`CompressedCache` with ``k_lh + m`` pairs per layer and KV head.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
+    check_strategy(strategy)
+    cfg = config or SculptConfig()
+    L = len(capture.layers)
+    H, N, _ = capture.layers[0].keys.shape
+    k = budget_for_ratio(ratio, N, m)
+    problems = build_problems(capture, k, m=m, n_synthetic=n_synthetic, strategy=strategy, seed=seed, scale=scale)
+    if isinstance(budget, str):
+        if budget not in BUDGETS:
+            raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)} or an [L, H] tensor of ints")
+        if budget != "uniform":
+            pilot = (solver or solve)(problems, replace(cfg, steps=pilot_steps))
+            signal = _grid(problems, pilot, "loss", L, H)
+            ks = budget_mod.allocate(signal, k * L * H, alpha=alpha, per_head=budget == "pilot",
+                                     k_min=1, k_max=N - m)
+            problems = [replace(p, k=int(ks[p.layer, p.head])) for p in problems]
+    else:
+        ks = torch.as_tensor(budget)
+        if tuple(ks.shape) != (L, H) or ks.is_floating_point():
+            raise ValueError(f"budget has shape {tuple(ks.shape)} and dtype {ks.dtype}: expected [layers, kv_heads] = "
+                             f"[{L}, {H}] integers")
+        problems = [replace(p, k=int(ks[p.layer, p.head])) for p in problems]
+    solutions = run_method(method, problems, config=cfg, joint_config=joint_config, seed=seed, solver=solver)
+    keys = [[None] * H for _ in range(L)]
+    values = [[None] * H for _ in range(L)]
+    for p, s in zip(problems, solutions):
+        if s.keys.shape != (p.k, p.head_dim):
+            raise RuntimeError(f"{method} returned keys {tuple(s.keys.shape)} for layer {p.layer} head {p.head}, "
+                               f"expected [{p.k}, {p.head_dim}]")
+        keys[p.layer][p.head] = torch.cat([s.keys.to(p.keys.dtype).to(p.keys.device), p.keys[N - m:]])
+        values[p.layer][p.head] = torch.cat([s.values.to(p.values.dtype).to(p.values.device), p.values[N - m:]])
+    return CompressedCache(keys, values, n_context=int(capture.positions[-1]) + 1, method=method, ratio=ratio,
+                           budget=torch.tensor([[p.k for p in problems[l * H:(l + 1) * H]] for l in range(L)]),
+                           loss=_grid(problems, solutions, "loss", L, H),
+                           initial_loss=_grid(problems, solutions, "initial_loss", L, H),
+                           seconds=_grid(problems, solutions, "seconds", L, H))
