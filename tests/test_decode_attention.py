@@ -1,0 +1,160 @@
+"""zipkv.kernels.decode_attention: fused decode attention over a paged, partly compressed
+cache vs the fp32 reference (unpack with zipkv.format, then fp32 attention).
+
+On CPU the kernel runs under TRITON_INTERPRET=1 with its fp32 path (bf16 math is wrong in
+the interpreter); tiny shapes keep the number of programs small."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from zipkv.kernels.decode_attention import (PagedKVCache, build_paged_cache,  # noqa: E402
+                                            decode_attention)
+from zipkv.kernels.reference import decode_attention_reference  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_inputs(B, HKV, G, T, D, seed=0, outliers=True):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, HKV, T, D, generator=g)
+    v = torch.randn(B, HKV, T, D, generator=g)
+    if outliers:  # make some blocks ineligible (exponent spread > 15)
+        k[..., 16:20, 3] *= 3e4                    # page 1: one K block raw in either layout
+        v[..., 33:34, -5] *= 1e-6                  # page 2: one V block raw
+    q = torch.randn(B, HKV * G, D, generator=g)
+    return q.to(torch.bfloat16).to(DEV), k.to(torch.bfloat16).to(DEV), v.to(torch.bfloat16).to(DEV)
+
+
+def check(out, ref, tol_rms=1e-2, tol_max=3e-2):
+    out = out.float()
+    err = out - ref
+    rel = (err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+    mx = err.abs().max().item()
+    msg = f"relative RMS error {rel:.3e}, max abs diff {mx:.3e}"
+    assert torch.isfinite(out).all(), msg
+    assert rel < tol_rms and mx < tol_max * max(1.0, ref.abs().max().item()), msg
+    return rel, mx
+
+
+CASES = [
+    # B, HKV, G, T, D, seq_lens, k_layout, v_layout, splits, pages_per_tile, compress
+    (1, 1, 1, 1, 32, None, "token", "token", 1, 1, "eligible"),              # 1 token
+    (1, 2, 3, 15, 64, None, "channel", "token", 1, 1, "eligible"),           # 15: one partial page
+    (1, 1, 4, 17, 128, None, "token", "channel", 1, 1, "eligible"),          # 17: full + 1
+    (3, 2, 3, 50, 64, [1, 50, 33], "token", "token", 1, 2, 0.5),             # variable lengths, mixed
+    (2, 1, 4, 64, 128, [64, 47], "channel", "channel", 3, 1, "eligible"),    # split-KV, full last page
+    (2, 2, 1, 40, 256, [40, 16], "token", "channel", 2, 2, 0.5),             # d=256, G=1, split
+    (2, 1, 8, 80, 64, [80, 2], "channel", "token", 4, 1, "none"),            # uncompressed, empty splits
+]
+
+
+@pytest.mark.parametrize("B,HKV,G,T,D,lens,kl,vl,splits,ppt,compress", CASES)
+def test_matches_reference(B, HKV, G, T, D, lens, kl, vl, splits, ppt, compress):
+    q, k, v = make_inputs(B, HKV, G, T, D, seed=T + D)
+    cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout=kl, v_layout=vl, compress=compress,
+                                             compact=(T % 2 == 0))
+    out = decode_attention(q, cache, ip, idx, last, num_splits=splits, pages_per_tile=ppt)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    check(out, decode_attention_reference(q, cache, ip, idx, last))
+    # and against plain attention on the original K/V (the cache is lossless)
+    Ls = lens or [T] * B
+    for b in range(B):
+        kb = k[b, :, : Ls[b]].float().repeat_interleave(G, 0)
+        vb = v[b, :, : Ls[b]].float().repeat_interleave(G, 0)
+        s = torch.einsum("hd,htd->ht", q[b].float(), kb) / D ** 0.5
+        check(out[b], torch.einsum("ht,htd->hd", s.softmax(-1), vb))
+
+
+def test_mixed_cache_has_both_kinds_of_blocks():
+    q, k, v = make_inputs(2, 2, 3, 50, 64, seed=1)
+    for compress in ("eligible", 0.5):
+        cache, *_ = build_paged_cache(k, v, [50, 40], compress=compress)
+        st = cache.stats()
+        assert 0.2 < st["frac_k"] < 0.9 and 0.2 < st["frac_v"] < 0.9, st
+        assert st["used_bytes"] < st["raw_bytes"]
+
+
+def test_compression_is_lossless_end_to_end():
+    """The same kernel over compressed and uncompressed storage gives identical outputs."""
+    q, k, v = make_inputs(2, 2, 4, 70, 128, seed=2, outliers=False)
+    outs = []
+    for compress, kl, compact in (("none", "token", False), ("eligible", "token", False),
+                                  ("eligible", "channel", True)):
+        cache, ip, idx, last = build_paged_cache(k, v, [70, 37], k_layout=kl, v_layout=kl,
+                                                 compress=compress, compact=compact)
+        if compress == "eligible":
+            assert cache.stats()["frac_k"] > 0.5
+        outs.append(decode_attention(q, cache, ip, idx, last, num_splits=2, pages_per_tile=2))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_softmax_scale_and_out():
+    q, k, v = make_inputs(1, 1, 3, 20, 32, seed=4)
+    cache, ip, idx, last = build_paged_cache(k, v)
+    out = torch.empty_like(q)
+    res = decode_attention(q, cache, ip, idx, last, softmax_scale=0.05, out=out)
+    assert res.data_ptr() == out.data_ptr()
+    check(out, decode_attention_reference(q, cache, ip, idx, last, softmax_scale=0.05))
+
+
+@pytest.fixture(scope="module")
+def small():
+    q, k, v = make_inputs(2, 2, 2, 20, 64, seed=5)
+    cache, ip, idx, last = build_paged_cache(k, v, [20, 9])
+    return q, cache, ip, idx, last
+
+
+def test_errors(small):
+    q, cache, ip, idx, last = small
+    call = decode_attention
+    with pytest.raises(TypeError, match="q must have dtype torch.bfloat16, got torch.float32"):
+        call(q.float(), cache, ip, idx, last)
+    with pytest.raises(ValueError, match=r"q must have shape \[batch, q_heads, 64\].*got \(2, 4, 32\)"):
+        call(q[..., :32].contiguous(), cache, ip, idx, last)
+    with pytest.raises(ValueError, match="multiple of kv_heads=2"):
+        call(q[:, :3].contiguous(), cache, ip, idx, last)
+    with pytest.raises(ValueError, match="q must be contiguous"):
+        call(q.transpose(0, 1).contiguous().transpose(0, 1), cache, ip, idx, last)
+    with pytest.raises(TypeError, match="cache must be a PagedKVCache"):
+        call(q, {"pool": cache.pool}, ip, idx, last)
+    with pytest.raises(TypeError, match="indptr must have dtype torch.int32, got torch.int64"):
+        call(q, cache, ip.long(), idx, last)
+    with pytest.raises(ValueError, match=r"indptr must have shape \[3\], got \(2,\)"):
+        call(q, cache, ip[:2].contiguous(), idx, last)
+    with pytest.raises(ValueError, match="indptr must start at 0"):
+        call(q, cache, torch.tensor([0, 2, 1], dtype=torch.int32, device=DEV), idx, last)
+    with pytest.raises(ValueError, match="end at <= len"):
+        call(q, cache, ip + torch.tensor([0, 0, 5], dtype=torch.int32, device=DEV), idx, last)
+    with pytest.raises(ValueError, match=r"indices must lie in \[0, 3\).*got range \[0, 9\]"):
+        call(q, cache, ip, torch.where(idx == idx[0], 9, idx), last)
+    with pytest.raises(ValueError, match="indices must be contiguous"):
+        call(q, cache, ip, torch.stack([idx, idx], 1)[:, 0], last)
+    with pytest.raises(ValueError, match=r"last_page_len must lie in \[1, 16\]"):
+        call(q, cache, ip, idx, last * 0)
+    with pytest.raises(ValueError, match="cache.desc must be"):
+        call(q, PagedKVCache(cache.pool, cache.desc[:, :, :, :1].contiguous(), 64), ip, idx, last)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        call(q, PagedKVCache(cache.pool, cache.desc, 96), ip, idx, last)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        call(q, cache, ip, idx, last, num_splits=0)
+    with pytest.raises(ValueError, match="pages_per_tile must be a power of two"):
+        call(q, cache, ip, idx, last, pages_per_tile=3)
+
+
+def test_build_errors():
+    k = torch.zeros(1, 1, 20, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="k must have dtype torch.bfloat16, got torch.float32"):
+        build_paged_cache(k.float(), k)
+    with pytest.raises(ValueError, match=r"v must have shape \[batch, kv_heads, T, head_dim\]"):
+        build_paged_cache(k, k[0])
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        build_paged_cache(k[..., :48], k[..., :48])
+    with pytest.raises(ValueError, match=r"seq_lens must hold 1 lengths in \[1, 20\]"):
+        build_paged_cache(k, k, [21])
+    with pytest.raises(ValueError, match="compress must be"):
+        build_paged_cache(k, k, compress="all")

@@ -1,0 +1,214 @@
+"""zipkv.format: the lossless 12-bit block format (ZipFusion §III-B), plain-torch reference."""
+import pytest
+import torch
+
+from zipkv import format as F
+
+
+def all_pattern_blocks() -> torch.Tensor:
+    """int16 [65536, 512]: every BF16 bit pattern at every block position, each block
+    inside one 16-exponent window [16w, 16w + 15] (so every block is compressible).
+    Window w, block k, position p holds pattern (k + p) mod 4096 of the window."""
+    w = torch.arange(16, dtype=torch.int32).repeat_interleave(4096)[:, None]
+    k = (torch.arange(65536, dtype=torch.int32) % 4096)[:, None]
+    idx = (k + torch.arange(512, dtype=torch.int32)) % 4096
+    bits = ((idx >> 11) << 15) | ((16 * w + ((idx >> 7) & 15)) << 7) | (idx & 127)
+    return bits.to(torch.int16)
+
+
+def bits(x):
+    return x.contiguous().view(torch.int16)
+
+
+def random_pages(shape, d, seed=0, spread=4.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, 16, d, generator=g) * torch.exp(spread * torch.randn(*shape, 1, 1, generator=g))
+    return x.to(torch.bfloat16)
+
+
+def test_all_bit_patterns_every_position():
+    blocks = all_pattern_blocks()
+    # every pattern appears at every position
+    assert all(torch.unique(blocks[:, p].to(torch.int32) & 0xFFFF).numel() == 65536 for p in (0, 1, 255, 511))
+    for layout in F.LAYOUTS:
+        pages = F.from_blocks(blocks.view(torch.bfloat16).reshape(-1, 4, 512), layout, 128)
+        assert torch.equal(bits(F.to_blocks(pages, layout)).reshape(-1, 512), blocks)
+        payload, meta = F.pack(pages, layout)
+        assert bool(meta.compressed.all()), layout
+        assert bool((meta.nbytes == 4 * 768).all())
+        assert bool((payload[:, 4 * 768:] == 0).all())
+        assert torch.equal(bits(F.unpack(payload, meta)), bits(pages)), layout
+
+
+def test_all_bit_patterns_raw_blocks():
+    """Ineligible blocks stay raw (their 1024 bytes unchanged) and round-trip."""
+    i = torch.arange(65536, dtype=torch.int32)
+    pats = ((i % 128) * 512 + i // 128).to(torch.int16)       # every block spans all exponents
+    pages = pats.view(torch.bfloat16).reshape(-1, 16, 128)
+    for layout in F.LAYOUTS:
+        payload, meta = F.pack(pages, layout)
+        assert not bool(meta.compressed.any())
+        assert torch.equal(payload.view(-1, 4, 1024), bits(F.to_blocks(pages, layout)).view(torch.uint8))
+        assert torch.equal(bits(F.unpack(payload, meta)), bits(pages))
+
+
+def _block_with_exponents(emin, emax, n=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randint(emin, emax + 1, (n,), generator=g, dtype=torch.int32)
+    e[0], e[1] = emin, emax
+    s = torch.randint(0, 2, (n,), generator=g, dtype=torch.int32)
+    f = torch.randint(0, 128, (n,), generator=g, dtype=torch.int32)
+    return ((s << 15) | (e << 7) | f).to(torch.int16).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("emin,emax,ok", [
+    (100, 115, True), (101, 115, True), (100, 116, False), (101, 116, False), (3, 17, True),
+    (2, 18, False), (0, 15, True), (240, 255, True), (239, 255, False), (120, 120, True)])
+def test_eligibility_rule(emin, emax, ok):
+    blk = _block_with_exponents(emin, emax)
+    for layout in F.LAYOUTS:
+        page = F.from_blocks(blk.reshape(1, 512).expand(4, 512), layout, 128)
+        assert F.eligible(page, layout).tolist() == [ok] * 4
+        payload, meta = F.pack(page, layout)
+        assert meta.compressed.tolist() == [ok] * 4
+        if ok:
+            assert meta.base.tolist() == [emin & ~1] * 4
+        else:
+            assert torch.equal(payload.view(4, 1024), bits(F.to_blocks(page, layout)).view(torch.uint8))
+        assert torch.equal(bits(F.unpack(payload, meta)), bits(page))
+
+
+def test_byte_order_of_a_compressed_block():
+    """Spell out the documented byte order for one block, value by value."""
+    blk = _block_with_exponents(118, 131, seed=3)
+    page = F.from_blocks(blk.reshape(1, 512).expand(4, 512).contiguous(), "token", 128)
+    payload, meta = F.pack(page, "token")
+    x = (bits(blk).to(torch.int32) & 0xFFFF).tolist()
+    b = meta.base[0].item()
+    assert b == 118
+    code = [((v >> 15) << 3) | (((v >> 8) & 0x7F) - b // 2) for v in x]
+    pl = payload[:768].tolist()
+    assert pl[:512] == [v & 0xFF for v in x]
+    assert pl[512:768] == [code[8 * m + k] | (code[8 * m + 4 + k] << 4) for m in range(64) for k in range(4)]
+    assert meta.packed()[0].item() == 0x80 | 59
+
+
+def test_block_offsets_and_mixed_page():
+    """Blocks are stored back to back: raw 1024 bytes, compressed 768."""
+    good = _block_with_exponents(120, 130)
+    bad = _block_with_exponents(100, 130, seed=1)
+    blocks = torch.stack([bad, good, bad, good])
+    for layout in F.LAYOUTS:
+        page = F.from_blocks(blocks, layout, 128)
+        payload, meta = F.pack(page, layout)
+        assert meta.compressed.tolist() == [False, True, False, True]
+        assert meta.block_offsets().tolist() == [0, 1024, 1792, 2816]
+        assert int(meta.nbytes) == 3584
+        assert torch.equal(payload[:1024], bits(bad).view(torch.uint8))
+        assert torch.equal(payload[1792:2816], bits(bad).view(torch.uint8))
+        assert bool((payload[3584:] == 0).all())
+        assert torch.equal(bits(F.unpack(payload, meta)), bits(page))
+        # a payload trimmed to the used bytes unpacks too
+        assert torch.equal(bits(F.unpack(payload[: int(meta.nbytes)], meta)), bits(page))
+
+
+@pytest.mark.parametrize("d", F.HEAD_DIMS)
+@pytest.mark.parametrize("layout", F.LAYOUTS)
+def test_roundtrip_random(d, layout):
+    pages = random_pages((3, 5), d, seed=d)
+    pages[0, 0, 3, 1] = float("inf")
+    pages[1, 2, 7, 0] = float("nan")
+    pages[2, 1, 0, 0] = -0.0
+    payload, meta = F.pack(pages, layout)
+    assert payload.shape == (3, 5, 32 * d) and meta.compressed.shape == (3, 5, F.n_blocks(d))
+    assert 0 < meta.compressed.float().mean() < 1
+    assert torch.equal(meta.compressed, F.eligible(pages, layout))
+    assert torch.equal(bits(F.unpack(payload, meta)), bits(pages))
+    # metadata bytes round-trip
+    m2 = F.PageMeta.from_packed(meta.packed(), layout, d)
+    assert torch.equal(m2.compressed, meta.compressed) and torch.equal(m2.base, meta.base)
+    # single page (no leading dims)
+    p1, m1 = F.pack(pages[1, 3], layout)
+    assert torch.equal(p1, payload[1, 3]) and torch.equal(bits(F.unpack(p1, m1)), bits(pages[1, 3]))
+
+
+@pytest.mark.parametrize("layout", F.LAYOUTS)
+def test_enable_mask_and_switch_off(layout):
+    g = torch.Generator().manual_seed(1)
+    pages = ((torch.rand(6, 16, 64, generator=g) + 1) * (torch.randint(0, 2, (6, 16, 64), generator=g) * 2 - 1)).to(torch.bfloat16)
+    elig = F.eligible(pages, layout)
+    assert bool(elig.all())
+    mask = torch.tensor([[True, False], [False, True]] * 3)
+    _, meta = F.pack(pages, layout, enable=mask)
+    assert torch.equal(meta.compressed, mask)
+    off, meta0 = F.pack(pages, layout, enable=False)
+    assert not bool(meta0.compressed.any())
+    assert torch.equal(bits(F.unpack(off, meta0)), bits(pages))
+    if layout == "token":  # an all-raw token-layout page is the plain page
+        assert torch.equal(off.view(6, 16, 64, 2), bits(pages).view(torch.uint8).view(6, 16, 64, 2))
+
+
+def test_layout_arrangement():
+    d = 64
+    idx = torch.arange(16 * d, dtype=torch.int16).reshape(16, d)
+    page = idx.view(torch.bfloat16)
+    tb = bits(F.to_blocks(page, "token"))
+    assert torch.equal(tb[1, :d], idx[8])                             # block 1 starts at token 8
+    cb = bits(F.to_blocks(page, "channel"))
+    assert torch.equal(cb[1, :32], idx[0, 32:64])                     # block 1 = channels 32..63
+    assert torch.equal(cb[0, 32:64], idx[1, :32])
+    for layout in F.LAYOUTS:
+        assert torch.equal(F.from_blocks(F.to_blocks(page, layout), layout, d), page)
+
+
+def test_cache_stats_and_to_pages():
+    x = random_pages((2, 16), 128, seed=5, spread=1.0).reshape(2, 256, 128)
+    x = torch.cat([x, x[:, :5]], 1)                                   # 261 tokens: a partial page
+    pages = F.to_pages(x)
+    assert pages.shape == (2, 16, 16, 128)
+    for layout in F.LAYOUTS:
+        st = F.cache_stats(pages, layout)
+        n = int(F.eligible(pages, layout).sum())
+        assert (st.n_pages, st.n_blocks, st.n_compressed) == (32, 128, n)
+        assert st.raw_bytes == 128 * 1024 and st.packed_bytes == 128 * 1024 - 256 * n
+        assert st.frac_blocks == pytest.approx(n / 128)
+        assert st.bits_per_value == pytest.approx(16 * st.packed_bytes / st.raw_bytes)
+        _, meta = F.pack(pages, layout)
+        assert int(meta.nbytes.sum()) == st.packed_bytes
+        assert st.as_dict()["ratio"] == pytest.approx(st.ratio)
+
+
+def test_eligible_is_fast_on_a_large_cache():
+    import time
+    x = torch.randn(30, 3, 128, 16, 64).to(torch.bfloat16)            # ~12M values
+    t = time.perf_counter()
+    for layout in F.LAYOUTS:
+        F.eligible(x, layout)
+    assert time.perf_counter() - t < 5.0
+
+
+def test_errors():
+    good = random_pages((2,), 64)
+    with pytest.raises(TypeError, match="pages.*bfloat16.*float32"):
+        F.pack(good.float())
+    with pytest.raises(TypeError, match="pages must be a torch.Tensor"):
+        F.eligible([1, 2, 3])
+    with pytest.raises(ValueError, match=r"head_dim must be one of.*got 96"):
+        F.pack(torch.zeros(16, 96, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"pages must have shape \[..., 16, head_dim\], got \(2, 15, 64\)"):
+        F.eligible(good[:, :15])
+    with pytest.raises(ValueError, match="layout must be one of"):
+        F.pack(good, "row")
+    payload, meta = F.pack(good)
+    with pytest.raises(TypeError, match="payload must be a uint8"):
+        F.unpack(payload.to(torch.int16), meta)
+    with pytest.raises(TypeError, match="meta must be a PageMeta"):
+        F.unpack(payload, None)
+    with pytest.raises(ValueError, match="payload must have shape"):
+        F.unpack(payload[:1], meta)
+    with pytest.raises(ValueError, match="shorter than"):
+        F.unpack(payload[:, :100], meta)
+    with pytest.raises(ValueError, match="enable must be a bool tensor"):
+        F.pack(good, enable=torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        F.n_blocks(48)
