@@ -123,6 +123,17 @@ def solve(problems: Sequence[Problem], config: SculptConfig | None = None) -> li
     return [solve_one(p, cfg) for p in tqdm(problems, desc="kvsculpt", disable=not cfg.progress, leave=False)]
 
 
+def solver_named(name: str) -> Solver:
+    """The batch solver called ``name``: ``"reference"`` (:func:`solve`) or ``"batched"`` (all problems at once)."""
+    if name == "reference":
+        return solve
+    if name == "batched":
+        from .batched import solve as batched_solve
+
+        return batched_solve
+    raise ValueError(f"solver={name!r}: expected 'reference' or 'batched'")
+
+
 # --- a whole cache -----------------------------------------------------------------------------------------
 
 @dataclass
