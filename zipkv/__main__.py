@@ -1,4 +1,8 @@
-"""Command line: ``python -m zipkv book [--profile quick|paper] [--only NAME ...]``."""
+"""Command line.
+
+``python -m zipkv book [--profile quick|paper] [--only NAME ...]`` — execute the notebooks, build the book.
+``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput).
+"""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +19,33 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--no-html", action="store_true", help="execute notebooks only; skip jupyter-book")
     book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
+    bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
+    bench.add_argument("what", choices=["attention", "pack"])
+    bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
+    bench.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    bench.add_argument("--batches", type=int, nargs="+", default=[32, 64, 96])
+    bench.add_argument("--real-kv", type=Path, default=None,
+                       help="first chapter's results CSV: also time the measured mix of compressed blocks")
+    bench.add_argument("--reps", type=int, default=30)
+    bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV)")
     args = parser.parse_args(argv)
+
+    if args.command == "bench":
+        import pandas as pd
+
+        from zipkv import bench as benchmarks
+
+        if args.what == "attention":
+            fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
+            table = benchmarks.attention_benchmark(args.shape, args.contexts, args.batches, fraction, reps=args.reps)
+        else:
+            table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
+        with pd.option_context("display.width", 200, "display.max_columns", 30):
+            print(table.to_string(index=False))
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            table.to_csv(args.out, index=False)
+        return 0
 
     if args.command == "book":
         from zipkv import book as pipeline

@@ -78,3 +78,181 @@ def sdpa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     """torch SDPA decode on a contiguous cache: q [batch, q_heads, d], k/v [batch, kv_heads, T, d]."""
     out = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)
     return out[:, :, 0]
+
+
+# ----------------------------------------------------------------------------- decode attention (Fig. 4)
+
+ATTENTION_SHAPES = {
+    # name: (q_heads, kv_heads, head_dim)
+    "llama3.1-8b": (32, 8, 128),   # also Qwen3-8B's attention shape
+    "smollm2-135m": (9, 3, 64),
+}
+METHODS = ("zipkv_compressed", "zipkv_uncompressed", "flashinfer_tc", "flashinfer_cuda", "sdpa")
+PAGE = 16
+
+
+def measured_compressible_fraction(results_csv, layout: str = "token") -> dict[str, float]:
+    """Mean compressible-block fraction of K and V over layers, from the first chapter's table."""
+    import pandas as pd
+
+    table = pd.read_csv(results_csv)
+    return {"K": float(table[f"K_{layout}"].mean()), "V": float(table[f"V_{layout}"].mean())}
+
+
+def _compressible_kv(batch: int, kv_heads: int, ctx: int, head_dim: int, generator: torch.Generator):
+    """Random bf16 K and V [batch, kv_heads, ctx, head_dim] whose every 512-value block is compressible:
+    magnitudes in [2^-9, 2^3) span 12 exponents, inside any [b, b+15] window."""
+    shape = (batch, kv_heads, ctx, head_dim)
+    out = []
+    for _ in range(2):
+        mag = torch.exp2(torch.empty(shape, device="cuda").uniform_(-9, 3, generator=generator))
+        sign = torch.randint(0, 2, shape, device="cuda", generator=generator) * 2 - 1
+        out.append((mag * sign).to(torch.bfloat16))
+    return out
+
+
+def _reference_attention(q, k, v):
+    """fp32 attention, q [B, Hq, d], k/v [B, Hkv, T, d] → [B, Hq, d], one request at a time."""
+    group = q.shape[1] // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        kb = k[b].float().repeat_interleave(group, 0)
+        vb = v[b].float().repeat_interleave(group, 0)
+        scores = torch.einsum("hd,htd->ht", q[b].float(), kb) / q.shape[-1] ** 0.5
+        out[b] = torch.einsum("ht,htd->hd", scores.softmax(-1), vb)
+    return out
+
+
+def _error(out, ref) -> tuple[float, float]:
+    diff = out.float() - ref
+    return float(diff.norm() / ref.norm()), float(diff.abs().max())
+
+
+def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batches=(32, 64, 96),
+                        real_fraction: dict[str, float] | None = None, reps: int = 30,
+                        methods=METHODS, seed: int = 0, progress: bool = True):
+    """Decode-attention latency of every method on the same data, as in ZipFusion Fig. 4.
+
+    For each (context, batch): K/V whose blocks are all compressible ("all compressible"), and, when
+    ``real_fraction`` is given, the same data with only that fraction of K and V blocks compressed
+    ("measured mix", the fractions measured on the embedded model's PG19 KV). Each method is checked
+    against fp32 attention before it is timed (relative RMS error reported).
+
+    Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method): latency_us (median of
+    ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error,
+    speedup_vs_flashinfer_tc / _cuda, copy_bw_tbps and the device.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from zipkv.kernels.decode_attention import build_paged_cache, decode_attention
+
+    if shape not in ATTENTION_SHAPES:
+        raise ValueError(f"shape={shape!r}: expected one of {sorted(ATTENTION_SHAPES)}")
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"methods {sorted(unknown)} unknown: expected names from {METHODS}")
+    q_heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
+    copy_bw = copy_bandwidth()
+    timer = ColdTimer()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = []
+    configs = [(c, b) for c in contexts for b in batches]
+    for ctx, batch in tqdm(configs, desc=f"attention {shape}", disable=not progress):
+        k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, gen)
+        q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        ref = _reference_attention(q, k, v)
+        io_bytes = 2 * q.numel() * q.element_size()  # q in, out
+        raw_kv_bytes = 2 * k.numel() * k.element_size()
+        measured = {}
+
+        def record(method, kv_data, fn, kv_bytes):
+            out = fn()
+            rel, mx = _error(out, ref)
+            if rel > 2e-2:
+                raise AssertionError(f"{method} ({kv_data}, ctx {ctx}, batch {batch}) disagrees with fp32 "
+                                     f"attention: relative RMS error {rel:.3g}, max abs {mx:.3g}")
+            micros = timer(fn, reps=reps)
+            moved = kv_bytes + io_bytes
+            measured[(method, kv_data)] = micros
+            rows.append(dict(shape=shape, ctx=ctx, batch=batch, kv_data=kv_data, method=method,
+                             latency_us=micros, bytes_read=moved, tbps=moved / micros / 1e6,
+                             frac_copy_bw=moved / (micros * 1e-6) / copy_bw,
+                             rel_rms_error=rel, max_abs_error=mx))
+
+        mixes = [("all compressible", "eligible")]
+        if real_fraction is not None:
+            mixes.append(("measured mix", real_fraction))
+        for kv_data, compress in mixes:
+            for method in ("zipkv_compressed", "zipkv_uncompressed"):
+                if method not in methods or (method == "zipkv_uncompressed" and kv_data != mixes[0][0]):
+                    continue
+                if method == "zipkv_uncompressed":
+                    mode = "none"
+                elif isinstance(compress, dict):
+                    mode = _mix_mask(batch, kv_heads, ctx, head_dim, compress, seed)
+                else:
+                    mode = compress
+                cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed)
+                stats = cache.stats()
+                desc_bytes = cache.desc.numel() * cache.desc.element_size()
+                kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
+                fn = lambda: decode_attention(q, cache, indptr, indices, last, validate=False)
+                record(method, kv_data, fn, kv_bytes)
+                rows[-1].update(frac_compressed_k=stats["frac_k"], frac_compressed_v=stats["frac_v"])
+                del cache
+        pages = k.reshape(batch, kv_heads, ctx // PAGE, PAGE, head_dim).permute(0, 2, 3, 1, 4)
+        k_pages = pages.reshape(-1, PAGE, kv_heads, head_dim).contiguous()
+        v_pages = v.reshape(batch, kv_heads, ctx // PAGE, PAGE, head_dim).permute(0, 2, 3, 1, 4) \
+            .reshape(-1, PAGE, kv_heads, head_dim).contiguous()
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (ctx // PAGE)
+        indices = torch.arange(batch * ctx // PAGE, device="cuda", dtype=torch.int32)
+        last = torch.full((batch,), PAGE, device="cuda", dtype=torch.int32)
+        for method, tensor_cores in (("flashinfer_tc", True), ("flashinfer_cuda", False)):
+            if method in methods:
+                runner = FlashInferDecode(indptr, indices, last, q_heads, kv_heads, head_dim, PAGE, tensor_cores)
+                record(method, "any", lambda: runner(q, k_pages, v_pages), raw_kv_bytes + indices.numel() * 4)
+        del k_pages, v_pages
+        if "sdpa" in methods:
+            record("sdpa", "any", lambda: sdpa_decode(q, k, v), raw_kv_bytes)
+        for row in rows:
+            if row["ctx"] == ctx and row["batch"] == batch:
+                for anchor in ("flashinfer_tc", "flashinfer_cuda"):
+                    if (anchor, "any") in measured:
+                        row[f"speedup_vs_{anchor}"] = measured[(anchor, "any")] / row["latency_us"]
+        del k, v, q, ref
+        torch.cuda.empty_cache()
+    table = pd.DataFrame(rows)
+    table["copy_bw_tbps"] = copy_bw / 1e12
+    table["device"] = torch.cuda.get_device_name()
+    return table
+
+
+def _mix_mask(batch, kv_heads, ctx, head_dim, fraction: dict[str, float], seed: int) -> torch.Tensor:
+    """Bool [pages, 2, kv_heads, n_blocks]: each K block compressed with probability fraction["K"], V likewise."""
+    from zipkv import format as kvformat
+
+    n_pages = batch * ctx // PAGE
+    gen = torch.Generator().manual_seed(seed)
+    draw = torch.rand(n_pages, 2, kv_heads, kvformat.n_blocks(head_dim), generator=gen)
+    rate = torch.tensor([fraction["K"], fraction["V"]])[None, :, None, None]
+    return draw < rate
+
+
+def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "token", reps: int = 20):
+    """Throughput of the Triton pack kernel on ``n_bytes`` of compressible bf16 pages: dict of
+    latency_us, input TB/s, bytes moved (read + written) and fraction of copy bandwidth."""
+    from zipkv.kernels.pack import pack_pages
+
+    n_pages = n_bytes // (PAGE * head_dim * 2)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    pages = _compressible_kv(1, 1, n_pages * PAGE, head_dim, gen)[0].reshape(n_pages, PAGE, head_dim)
+    out = torch.empty(n_pages, PAGE * head_dim * 2, dtype=torch.uint8, device="cuda")
+    payload, meta = pack_pages(pages, layout, out=out)
+    written = int(meta.nbytes.sum())
+    micros = ColdTimer()(lambda: pack_pages(pages, layout, out=out), reps=reps)
+    copy_bw = copy_bandwidth()
+    moved = n_bytes + written
+    return dict(head_dim=head_dim, layout=layout, input_bytes=n_bytes, latency_us=micros,
+                input_tbps=n_bytes / micros / 1e6, bytes_moved=moved, frac_copy_bw=moved / (micros * 1e-6) / copy_bw,
+                copy_bw_tbps=copy_bw / 1e12, device=torch.cuda.get_device_name())

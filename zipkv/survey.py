@@ -10,7 +10,6 @@ import torch
 from zipkv import format as kvformat
 from zipkv.models import Capture
 
-PAGE_TOKENS = 16
 LAYOUTS = ("token", "channel")
 
 
@@ -19,13 +18,6 @@ def bf16_exponents(x: torch.Tensor) -> torch.Tensor:
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x has dtype {x.dtype}: expected torch.bfloat16 (capture the cache from a BF16 model)")
     return ((x.contiguous().view(torch.int16).to(torch.int32) >> 7) & 0xFF).to(torch.int64)
-
-
-def full_pages(x: torch.Tensor) -> torch.Tensor:
-    """[kv_heads, T, head_dim] → [kv_heads, T // 16, 16, head_dim]: the full 16-token pages."""
-    heads, tokens, head_dim = x.shape
-    usable = tokens - tokens % PAGE_TOKENS
-    return x[:, :usable].reshape(heads, usable // PAGE_TOKENS, PAGE_TOKENS, head_dim)
 
 
 def exponent_histograms(captures: list[Capture]) -> dict[str, torch.Tensor]:
@@ -53,7 +45,7 @@ def block_eligibility(captures: list[Capture]) -> pd.DataFrame:
                 eligible = total = 0
                 for cap in captures:
                     layer = cap.layers[i]
-                    pages = full_pages(layer.keys if tensor == "K" else layer.values)
+                    pages = kvformat.to_pages(layer.keys if tensor == "K" else layer.values)
                     mask = kvformat.eligible(pages, layout)
                     eligible += int(mask.sum())
                     total += mask.numel()

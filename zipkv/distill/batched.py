@@ -1,0 +1,806 @@
+"""Batched KVSculpt solver: every (layer, KV head) problem of a context solved together (issue #5).
+
+:func:`solve` has the reference's signature (:data:`zipkv.distill.kvsculpt.Solver`) and runs the
+reference's algorithm (:func:`zipkv.distill.kvsculpt.solve_one`, paper §3.4) on a batch of ``P``
+problems at once, with nothing shared between problems:
+
+* **Initialisation** — per problem exactly the reference's code path (Select+Fit: top-``k`` old
+  positions by accumulated attention, ridge values), so the starting loss is Select+Fit's.
+* **K-step** — ``torch.optim.LBFGS`` re-implemented over a batch: per problem its own history, its
+  own step count, its own ``func_evals`` budget (``max_eval = 5·max_iter//4`` per outer step) and
+  its own stopping tests (``tolerance_grad``, ``tolerance_change``, curvature test ``sᵀy > 1e-10``),
+  all with ``LBFGS``'s defaults. The two-loop recursion is replaced by the compact representation
+  of the same inverse-Hessian approximation (Byrd, Nocedal & Schnabel 1994; Nocedal & Wright
+  eq. 7.24): ``H g = γg + S p − γY u`` with ``u = R⁻¹Sᵀg``, ``p = R⁻ᵀ((D + γYᵀY)u − γYᵀg)``, ``R``
+  the upper triangle of ``SᵀY`` and ``D`` its diagonal. It is equal to the two-loop recursion in
+  exact arithmetic, but costs a fixed dozen batched kernels instead of four per stored pair.
+* **Line search** — ``LBFGS``'s strong-Wolfe search (cubic interpolation, bracketing then zoom,
+  ``c1 = 1e-4``, ``c2 = 0.9``) as a per-problem state machine: each round evaluates the objective
+  for the problems that still need a trial step (only those: a gathered sub-batch), and every
+  problem accepts its own step. No line search over a summed loss.
+* **Objective and gradient** — the §3.2 loss (attention-output MSE + LSE MSE over the training
+  queries) with an analytic gradient (the attention backward, four batched matmuls). The fixed
+  retain zone enters only through its per-query log-sum-exp ``ℓ_r`` and normalised output ``y_r``:
+  ``ŷ = Σ_j P_j v_j + β·y_r`` with ``P_j = exp(s_j − ℓ̂)``, ``β = exp(ℓ_r − ℓ̂)``,
+  ``ℓ̂ = log(Σ_j e^{s_j} + e^{ℓ_r})``, which is the reference's softmax over ``[K_c; K_ret]``
+  rewritten, without its ``m`` retain columns.
+* **V-step** — every ``value_every`` steps, ridge regression (λ) for all problems at once in float64
+  (``torch.linalg.solve`` on ``[P, k_max, k_max]``), L-BFGS history restarted as in the reference.
+* **Best iterate** — the lowest-loss iterate over the outer steps is returned, and never one whose
+  loss is above Select+Fit's.
+
+**Ragged k.** Problems are bucketed by ``k`` so that no problem is padded by a whole tile
+(``tile`` keys, default 64) or more: sorted by ``k``, a bucket takes every problem within ``tile − 1``
+of its largest ``k``. Padded keys get ``−inf`` logits (zero attention), zero values and zero gradient,
+so their L-BFGS directions are zero and they never move; in the V-step their Gram rows are the
+identity with zero right-hand side, so their values stay zero and do not couple to the real ones.
+Uniform budgets make one bucket. Problems also group by query count and head dim.
+
+**Freezing.** With ``reset_history`` (the reference's default) a problem whose keys did not change
+at all over a whole V-step block restarts the next block from exactly the state it started the
+last one (same keys, same ridge values, fresh L-BFGS): the reference would repeat that block
+forever, so the problem is frozen (its keys and values never change again, its history repeats its
+loss) and dropped from the batch at the next block boundary. That happens when its gradient is below
+``tolerance_grad`` or its line searches make no progress. ``freeze_rtol`` (off by default, not the
+reference's behaviour) also freezes problems whose best loss improved by less than that fraction
+over a block. A problem whose loss becomes non-finite stops there, as in the reference.
+
+Per outer step, the reference evaluates the objective once more at the point its line search just
+evaluated (``LBFGS.step``'s opening closure call) and once for the step's history; the batched
+solver reuses those values (bitwise the same point and values) and only re-evaluates after a V-step,
+but counts the opening call against ``max_eval`` as the reference does.
+
+:func:`bench_distill` times the reference and this solver on the same problems in one run;
+:func:`qwen_shaped_problems` builds problems of Qwen2.5-1.5B's attention shape from the embedded
+model's captured cache.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from .baselines import Prepared, Problem, Solution
+from .kvsculpt import SculptConfig, Solver, budget_for_ratio, build_problems
+from .kvsculpt import solve as reference_solve
+from .queries import training_queries
+
+TILE = 64
+"""Default bucket width: no problem is padded by ``TILE`` keys or more."""
+
+TOLERANCE_GRAD = 1e-7
+TOLERANCE_CHANGE = 1e-9
+CURVATURE_MIN = 1e-10
+WOLFE_C1, WOLFE_C2 = 1e-4, 0.9
+"""``torch.optim.LBFGS``'s defaults and its strong-Wolfe constants (what the reference runs with)."""
+
+_BRACKET, _ZOOM, _DONE = 0, 1, 2
+
+
+# --- the objective over a batch ---------------------------------------------------------------------------
+
+class _Batch:
+    """Fixed tensors of ``P`` problems with equal query count ``n_q`` and head dim ``d``, keys padded to ``k_max``.
+
+    Attributes:
+        q: ``[P, n_q, d]`` scaled queries; y: ``[P, n_q, d]`` full-cache outputs; lse: ``[P, n_q]``.
+        lse_r, y_r: ``[P, n_q]``, ``[P, n_q, d]`` the retain zone's log-sum-exp and normalised output
+            (``*_64``: the same in float64, for the V-step).
+        bias: ``[P, 1, k_max]`` 0 on real keys, −inf on padding; mask: ``[P, k_max]`` True on real keys.
+    """
+
+    def __init__(self, preps: Sequence[Prepared], ks: Sequence[int]):
+        P, kmax = len(preps), max(ks)
+        self.kmax, self.d = kmax, preps[0].q.shape[1]
+        self.q = torch.stack([p.q for p in preps])
+        self.y = torch.stack([p.y for p in preps])
+        self.lse = torch.stack([p.lse for p in preps])
+        s_ret64 = [p.s_ret.double() for p in preps]
+        self.lse_r64 = torch.stack([torch.logsumexp(s, dim=-1) for s in s_ret64])
+        self.y_r64 = torch.stack([torch.softmax(s, dim=-1) @ p.v_ret.double() for s, p in zip(s_ret64, preps)])
+        dtype, device = self.q.dtype, self.q.device
+        self.lse_r = self.lse_r64.to(dtype)
+        self.y_r = self.y_r64.to(dtype)
+        ks_t = torch.as_tensor(list(ks), device=device)
+        self.mask = torch.arange(kmax, device=device)[None] < ks_t[:, None]
+        self.bias = torch.zeros(P, 1, kmax, dtype=dtype, device=device).masked_fill(~self.mask[:, None], -math.inf)
+
+    def take(self, idx: torch.Tensor) -> "_Batch":
+        sub = object.__new__(_Batch)
+        sub.kmax, sub.d = self.kmax, self.d
+        for name in ("q", "y", "lse", "lse_r64", "y_r64", "lse_r", "y_r", "mask", "bias"):
+            setattr(sub, name, getattr(self, name)[idx])
+        return sub
+
+    def loss_grad(self, keys: torch.Tensor, values: torch.Tensor, grad: bool = True):
+        """Per-problem §3.2 loss ``[P]`` and, with ``grad``, its gradient in the keys ``[P, k_max, d]``.
+
+        With ``P_j`` the compressed keys' weights in the joint softmax, ``G = ∂L/∂ŷ`` and
+        ``g_ℓ = ∂L/∂ℓ̂``: ``∂L/∂s_j = P_j (G·v_j − G·ŷ + g_ℓ)`` and ``∂L/∂k = (∂L/∂s)ᵀ q``.
+        """
+        s = torch.baddbmm(self.bias, self.q, keys.transpose(1, 2))  # [P, n_q, k_max], −inf on padding
+        mx = torch.maximum(s.amax(dim=-1), self.lse_r)  # stabiliser ≥ every logit, retain zone included
+        p = s.sub_(mx[..., None]).exp_()
+        er = torch.exp(self.lse_r - mx)
+        z = p.sum(dim=-1) + er
+        lse_hat = mx + torch.log(z)
+        p = p.div_(z[..., None])
+        beta = er / z
+        y_hat = torch.baddbmm(beta[..., None] * self.y_r, p, values)
+        diff = y_hat - self.y
+        dl = lse_hat - self.lse
+        n_q, d = self.q.shape[1], self.q.shape[2]
+        loss = diff.square().mean(dim=(1, 2)) + dl.square().mean(dim=1)
+        if not grad:
+            return loss
+        g_out = diff.mul_(2.0 / (n_q * d))
+        row = dl.mul_(2.0 / n_q) - (g_out * y_hat).sum(dim=-1)  # g_ℓ − G·ŷ, [P, n_q]
+        ds = torch.baddbmm(row[..., None], g_out, values.transpose(1, 2)).mul_(p)
+        return loss, torch.bmm(ds.transpose(1, 2), self.q)
+
+    def ridge(self, keys: torch.Tensor, lam: float) -> torch.Tensor:
+        """V-step (§3.4) for all problems: ``[P, k_max, d]`` values, zero on padding, solved in float64."""
+        s = torch.baddbmm(self.bias, self.q, keys.transpose(1, 2)).double()
+        lse_hat = torch.logaddexp(torch.logsumexp(s, dim=-1), self.lse_r64)
+        a = torch.exp(s - lse_hat[..., None])  # [P, n_q, k_max] compressed weights, 0 on padding
+        residual = self.y.double() - torch.exp(self.lse_r64 - lse_hat)[..., None] * self.y_r64
+        # λ on real keys, 1 on padding: padded rows/columns of AᵀA are zero, so the padded block is the
+        # identity with a zero right-hand side and the real block is exactly the per-problem system.
+        diag = torch.where(self.mask, lam, 1.0).to(torch.float64)
+        gram = torch.bmm(a.transpose(1, 2), a) + torch.diag_embed(diag)
+        v = torch.linalg.solve(gram, torch.bmm(a.transpose(1, 2), residual))
+        return (v * self.mask[..., None]).to(keys.dtype)
+
+
+# --- strong-Wolfe line search, one per problem ------------------------------------------------------------
+
+def _cubic(x1, f1, g1, x2, f2, g2, lo, hi):
+    """``torch.optim.lbfgs._cubic_interpolate`` elementwise: minimiser of the cubic through two points, in [lo, hi]."""
+    d1 = g1 + g2 - 3 * (f1 - f2) / (x1 - x2)
+    d2_square = d1 * d1 - g1 * g2
+    d2 = d2_square.clamp_min(0).sqrt()
+    left = torch.where(x1 <= x2, x2 - (x2 - x1) * ((g2 + d2 - d1) / (g2 - g1 + 2 * d2)),
+                       x1 - (x1 - x2) * ((g1 + d2 - d1) / (g1 - g2 + 2 * d2)))
+    return torch.where(d2_square >= 0, torch.minimum(torch.maximum(left, lo), hi), (lo + hi) / 2)
+
+
+def _pick(pair: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``pair[p, pos[p]]`` for ``pair`` ``[P, 2, ...]``."""
+    index = pos.view(-1, 1, *([1] * (pair.ndim - 2))).expand(-1, 1, *pair.shape[2:])
+    return pair.gather(1, index).squeeze(1)
+
+
+def _put(pair: torch.Tensor, pos: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``pair`` with ``pair[p, pos[p]] = value[p]`` where ``mask[p]``."""
+    slot = (torch.arange(2, device=pair.device)[None] == pos[:, None]) & mask[:, None]  # [P, 2]
+    slot = slot.view(*slot.shape, *([1] * (pair.ndim - 2)))
+    return torch.where(slot, value[:, None], pair)
+
+
+def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLERANCE_CHANGE):
+    """``torch.optim.lbfgs._strong_wolfe`` for every problem at once, each with its own search.
+
+    Args:
+        fg: ``fg(points [P', n], idx) → (loss [P'], grad [P', n])`` on problems ``idx`` (None: all).
+        x, d: ``[P, n]`` start points and directions; t: ``[P]`` first trial steps.
+        f, g, gtd: ``[P]``, ``[P, n]``, ``[P]`` loss, gradient and directional derivative at ``x``.
+        active: ``[P]`` bool, problems that search; max_ls: ``[P]`` evaluations each may spend.
+
+    Returns:
+        ``(f, g, t, evals, rounds)``: loss, gradient and step accepted per problem, evaluations spent,
+        and the number of batched evaluation rounds (0: no problem searched). Inactive problems get
+        ``(f, g, 0, 0)``.
+    """
+    P = x.shape[0]
+    c1, c2 = WOLFE_C1, WOLFE_C2
+
+    def evaluate(need, t, f_new, g_new):
+        idx = need.nonzero().squeeze(1)  # the one host sync per round
+        if idx.numel() == 0:
+            return None
+        if idx.numel() == P:
+            return fg(x + t[:, None] * d, None)
+        fs, gs = fg(x[idx] + t[idx, None] * d[idx], idx)
+        return f_new.index_copy(0, idx, fs), g_new.index_copy(0, idx, gs)
+
+    # first trial step of every search; most searches end here (strong Wolfe met at once), so that
+    # case is settled with a dozen kernels before any bracketing state exists
+    zero = torch.zeros_like(t)
+    t = torch.where(active, t, zero)
+    need = active
+    first = evaluate(need, t, f, g)
+    if first is None:
+        return f, g, zero, torch.zeros_like(max_ls), 0
+    f_new, g_new = first
+    gtd_new = torch.where(need, (g_new * d).sum(dim=1), gtd)
+    armijo_fail = f_new > f + c1 * t * gtd
+    curvature_ok = gtd_new.abs() <= -c2 * gtd
+    evals = need.long()
+    if not bool((need & (armijo_fail | ~curvature_ok)).any()):
+        return torch.where(need, f_new, f), torch.where(need[:, None], g_new, g), t, evals, 1
+
+    d_norm = d.abs().amax(dim=1)
+    phase = torch.where(active, _BRACKET, _DONE)
+    t_prev, f_prev, g_prev, gtd_prev = zero.clone(), f.clone(), g.clone(), gtd.clone()
+    b_t = torch.zeros(P, 2, dtype=t.dtype, device=t.device)
+    b_f, b_gtd = b_t.clone(), b_t.clone()
+    b_g = torch.zeros(P, 2, g.shape[1], dtype=g.dtype, device=g.device)
+    low = torch.zeros(P, dtype=torch.long, device=t.device)
+    insuf = torch.zeros_like(active)
+    ls_iter = torch.zeros_like(evals)
+    out_t, out_f, out_g = zero.clone(), f.clone(), g.clone()
+    rounds, evaluated = 1, True
+    while True:
+        if not evaluated:  # later rounds: evaluate the problems still searching
+            step = evaluate(need, t, f_new, g_new)
+            if step is None:
+                break
+            rounds += 1
+            f_new, g_new = step
+            gtd_new = torch.where(need, (g_new * d).sum(dim=1), gtd_new)
+            evals += need
+            ls_iter += need
+            armijo_fail = f_new > f + c1 * t * gtd
+            curvature_ok = gtd_new.abs() <= -c2 * gtd
+
+        # bracketing phase (the first while loop of _strong_wolfe)
+        in_b = need & (phase == _BRACKET)
+        exhausted = in_b & (ls_iter >= max_ls)  # ran out of evaluations: best of {0, t}
+        live = in_b & ~exhausted
+        to_zoom_1 = live & (armijo_fail | ((ls_iter > 1) & (f_new >= f_prev)))
+        wolfe = live & ~to_zoom_1 & curvature_ok
+        to_zoom_2 = live & ~to_zoom_1 & ~wolfe & (gtd_new >= 0)
+        extrapolate = live & ~to_zoom_1 & ~wolfe & ~to_zoom_2
+        to_zoom = to_zoom_1 | to_zoom_2
+
+        # zoom phase update for problems that evaluated a zoom trial
+        in_z = need & (phase == _ZOOM)
+        high = 1 - low
+        z_fail = in_z & (armijo_fail | (f_new >= _pick(b_f, low)))
+        z_ok = in_z & ~z_fail
+        z_done = z_ok & curvature_ok
+        collapse = z_ok & ~z_done & (gtd_new * (_pick(b_t, high) - _pick(b_t, low)) >= 0)
+        b_t = _put(b_t, high, _pick(b_t, low), collapse)
+        b_f = _put(b_f, high, _pick(b_f, low), collapse)
+        b_gtd = _put(b_gtd, high, _pick(b_gtd, low), collapse)
+        b_g = _put(b_g, high, _pick(b_g, low), collapse)
+        slot = torch.where(z_fail, high, low)
+        b_t = _put(b_t, slot, t, in_z)
+        b_f = _put(b_f, slot, f_new, in_z)
+        b_gtd = _put(b_gtd, slot, gtd_new, in_z)
+        b_g = _put(b_g, slot, g_new, in_z)
+
+        # entering zoom: bracket [t_prev, t]
+        enter = to_zoom[:, None]
+        b_t = torch.where(enter, torch.stack([t_prev, t], 1), b_t)
+        b_f = torch.where(enter, torch.stack([f_prev, f_new], 1), b_f)
+        b_gtd = torch.where(enter, torch.stack([gtd_prev, gtd_new], 1), b_gtd)
+        b_g = torch.where(enter[..., None], torch.stack([g_prev, g_new], 1), b_g)
+        relow = to_zoom | z_fail
+        low = torch.where(relow, torch.where(b_f[:, 0] <= b_f[:, 1], 0, 1), low)
+        insuf = insuf & ~to_zoom
+
+        # zoom: stop, or the next trial step
+        zooming = to_zoom | (in_z & ~z_done)
+        lo_t, hi_t = torch.minimum(b_t[:, 0], b_t[:, 1]), torch.maximum(b_t[:, 0], b_t[:, 1])
+        z_stop = zooming & ((ls_iter >= max_ls) | ((b_t[:, 1] - b_t[:, 0]).abs() * d_norm < tolerance_change))
+        z_next = zooming & ~z_stop
+        t_z = _cubic(b_t[:, 0], b_f[:, 0], b_gtd[:, 0], b_t[:, 1], b_f[:, 1], b_gtd[:, 1], lo_t, hi_t)
+        eps = 0.1 * (hi_t - lo_t)
+        close = torch.minimum(hi_t - t_z, t_z - lo_t) < eps
+        adjust = close & (insuf | (t_z >= hi_t) | (t_z <= lo_t))
+        t_z = torch.where(adjust, torch.where((t_z - hi_t).abs() < (t_z - lo_t).abs(), hi_t - eps, lo_t + eps), t_z)
+        insuf = torch.where(z_next, close & ~adjust, insuf)
+
+        # results
+        fallback_low = exhausted & (f <= f_new)
+        fallback_high = exhausted & ~fallback_low
+        from_bracket = z_stop | z_done
+        take_new = wolfe | fallback_high
+        out_t = torch.where(take_new, t, torch.where(fallback_low, zero, out_t))
+        out_f = torch.where(take_new, f_new, torch.where(fallback_low, f, out_f))
+        out_g = torch.where(take_new[:, None], g_new, torch.where(fallback_low[:, None], g, out_g))
+        out_t = torch.where(from_bracket, _pick(b_t, low), out_t)
+        out_f = torch.where(from_bracket, _pick(b_f, low), out_f)
+        out_g = torch.where(from_bracket[:, None], _pick(b_g, low), out_g)
+
+        # extrapolation: the next bracketing trial
+        t_x = _cubic(t_prev, f_prev, gtd_prev, t, f_new, gtd_new, t + 0.01 * (t - t_prev), t * 10)
+        t_prev = torch.where(extrapolate, t, t_prev)
+        f_prev = torch.where(extrapolate, f_new, f_prev)
+        g_prev = torch.where(extrapolate[:, None], g_new, g_prev)
+        gtd_prev = torch.where(extrapolate, gtd_new, gtd_prev)
+        t = torch.where(extrapolate, t_x, torch.where(z_next, t_z, t))
+
+        finished = exhausted | wolfe | from_bracket
+        phase = torch.where(finished, _DONE, torch.where(to_zoom, _ZOOM, phase))
+        need = extrapolate | z_next
+        evaluated = False
+    return out_f, out_g, out_t, evals, rounds
+
+
+# --- L-BFGS over a batch ----------------------------------------------------------------------------------
+
+def _rowdot(v: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
+    """``M[p] @ v[p]`` ``[P, r]`` for ``v`` ``[P, n]``, ``M`` ``[P, r, n]`` (as a row-vector product: the
+    matrix-vector form of ``bmm`` is several times slower on CPU)."""
+    return torch.bmm(v[:, None, :], M.transpose(1, 2)).squeeze(1)
+
+
+class _LBFGS:
+    """``torch.optim.LBFGS`` state for ``P`` independent problems of ``n`` parameters each.
+
+    History in the compact form: ``S``, ``Y`` ``[P, cap, n]`` (pairs in acceptance order, ``count`` valid),
+    ``SY[i, j] = s_iᵀy_j`` and ``YY[i, j] = y_iᵀy_j`` ``[P, cap, cap]``, ``gamma`` the initial scaling
+    ``sᵀy/yᵀy`` of the newest pair (``LBFGS``'s ``H_diag``).
+    """
+
+    def __init__(self, P: int, n: int, cfg: SculptConfig, dtype, device):
+        self.lr, self.max_iter = cfg.lr, cfg.inner_iterations
+        self.max_eval = cfg.inner_iterations * 5 // 4
+        self.history_size = cfg.history_size
+        per_block = cfg.value_every * cfg.inner_iterations if cfg.reset_history else cfg.history_size
+        self.cap = max(1, min(cfg.history_size, per_block))
+        kw = dict(dtype=dtype, device=device)
+        self.S = torch.zeros(P, self.cap, n, **kw)
+        self.Y = torch.zeros(P, self.cap, n, **kw)
+        self.SY = torch.zeros(P, self.cap, self.cap, **kw)
+        self.YY = torch.zeros(P, self.cap, self.cap, **kw)
+        self.count = torch.zeros(P, dtype=torch.long, device=device)
+        self.gamma = torch.ones(P, **kw)
+        self.n_iter = torch.zeros(P, dtype=torch.long, device=device)
+        self.d = torch.zeros(P, n, **kw)
+        self.t = torch.zeros(P, **kw)
+        self.prev_g = torch.zeros(P, n, **kw)
+        self.prev_loss = torch.zeros(P, **kw)
+        self.used = 0  # host-side bound on count (at most one new pair per iteration)
+
+    def reset(self):
+        """A fresh optimizer (the reference re-creates ``LBFGS`` after each V-step)."""
+        self.count.zero_()
+        self.gamma.fill_(1.0)
+        self.n_iter.zero_()
+        self.used = 0
+
+    def take(self, idx: torch.Tensor):
+        for name in ("S", "Y", "SY", "YY", "count", "gamma", "n_iter", "d", "t", "prev_g", "prev_loss"):
+            setattr(self, name, getattr(self, name)[idx])
+
+    def _push(self, s, y, ys, accept):
+        P = s.shape[0]
+        rows = torch.arange(P, device=s.device)
+        if self.used >= self.cap:  # a full history drops its oldest pair (never with the paper's settings)
+            full = accept & (self.count >= self.cap)
+            if bool(full.any()):
+                m = full[:, None, None]
+                self.S = torch.where(m, self.S.roll(-1, 1), self.S)
+                self.Y = torch.where(m, self.Y.roll(-1, 1), self.Y)
+                self.SY = torch.where(m, self.SY.roll((-1, -1), (1, 2)), self.SY)
+                self.YY = torch.where(m, self.YY.roll((-1, -1), (1, 2)), self.YY)
+                self.count = self.count - full.long()
+        slot = self.count.clamp(max=self.cap - 1)
+        self.S[rows, slot] = torch.where(accept[:, None], s, self.S[rows, slot])
+        self.Y[rows, slot] = torch.where(accept[:, None], y, self.Y[rows, slot])
+        ub = min(self.used + 1, self.cap)
+        S, Y = self.S[:, :ub], self.Y[:, :ub]
+        s_y = _rowdot(y, S)  # s_iᵀ y_new, [P, ub]
+        sn_y = _rowdot(s, Y)  # s_newᵀ y_j
+        y_y = _rowdot(y, Y)
+        cols = torch.arange(ub, device=s.device)[None]
+        a = accept[:, None]
+        self.SY[rows[:, None], cols, slot[:, None]] = torch.where(a, s_y, self.SY[rows[:, None], cols, slot[:, None]])
+        self.SY[rows[:, None], slot[:, None], cols] = torch.where(a, sn_y, self.SY[rows[:, None], slot[:, None], cols])
+        self.YY[rows[:, None], cols, slot[:, None]] = torch.where(a, y_y, self.YY[rows[:, None], cols, slot[:, None]])
+        self.YY[rows[:, None], slot[:, None], cols] = torch.where(a, y_y, self.YY[rows[:, None], slot[:, None], cols])
+        self.gamma = torch.where(accept, ys / (y * y).sum(dim=1), self.gamma)
+        self.count = self.count + accept.long()
+        self.used = min(self.used + 1, self.cap)
+
+    def _direction(self, g):
+        """``−H g`` per problem, ``H`` the L-BFGS inverse Hessian of its own history (compact form)."""
+        ub = self.used
+        gamma = self.gamma[:, None]
+        if ub == 0:
+            return -gamma * g
+        valid = torch.arange(ub, device=g.device)[None] < self.count[:, None]  # [P, ub]
+        both = valid[:, :, None] & valid[:, None, :]
+        S, Y = self.S[:, :ub], self.Y[:, :ub]
+        a = (_rowdot(g, S) * valid)[..., None]  # [P, ub, 1]
+        b = (_rowdot(g, Y) * valid)[..., None]
+        SY = self.SY[:, :ub, :ub]
+        eye = torch.diag_embed((~valid).to(g.dtype))  # identity on unused slots keeps R invertible
+        R = torch.where(both, SY.triu(), 0.0) + eye
+        D = (SY.diagonal(dim1=1, dim2=2) * valid)[..., None]
+        YY = torch.where(both, self.YY[:, :ub, :ub], 0.0)
+        u = torch.linalg.solve_triangular(R, a, upper=True)
+        w = D * u + gamma[..., None] * (torch.bmm(YY, u) - b)
+        p = torch.linalg.solve_triangular(R.transpose(1, 2), w, upper=False)
+        hg = gamma * g + torch.bmm(p.transpose(1, 2), S).squeeze(1) - gamma * torch.bmm(u.transpose(1, 2), Y).squeeze(1)
+        return -hg
+
+    def step(self, x, loss, g, fg, frozen):
+        """One ``LBFGS.step(closure)`` for every problem not ``frozen``; updates ``x`` ``[P, n]`` in place.
+
+        ``loss`` ``[P]`` and ``g`` ``[P, n]`` are the objective at ``x`` (the closure call that opens
+        ``LBFGS.step``); returns them at the new ``x``.
+        """
+        tol_change = TOLERANCE_CHANGE
+        evals = torch.ones_like(self.count)
+        active = ~frozen & ~(g.abs().amax(dim=1) <= TOLERANCE_GRAD)
+        for n_iter in range(1, self.max_iter + 1):
+            self.n_iter += active
+            update = active & (self.n_iter > 1)
+            y = g - self.prev_g
+            s = self.d * self.t[:, None]
+            ys = (y * s).sum(dim=1)
+            self._push(s, y, ys, update & (ys > CURVATURE_MIN))
+            d = self._direction(g)
+            self.d = torch.where(active[:, None], d, self.d)
+            self.prev_g = torch.where(active[:, None], g, self.prev_g)
+            self.prev_loss = torch.where(active, loss, self.prev_loss)
+            first_t = (1.0 / g.abs().sum(dim=1)).clamp(max=1.0) * self.lr
+            self.t = torch.where(active, torch.where(self.n_iter == 1, first_t, self.lr), self.t)
+            gtd = (g * self.d).sum(dim=1)
+            active = active & ~(gtd > -tol_change)
+            f_new, g_new, t_new, spent, rounds = _strong_wolfe(fg, x, self.t, self.d, loss, g, gtd, active,
+                                                               self.max_eval - evals, tol_change)
+            if rounds == 0:  # nobody searched: every problem has left this step
+                break
+            self.t = torch.where(active, t_new, self.t)
+            x.copy_(torch.where(active[:, None], x + self.t[:, None] * self.d, x))
+            loss = torch.where(active, f_new, loss)
+            g = torch.where(active[:, None], g_new, g)
+            evals += spent
+            stop = ((evals >= self.max_eval) | (g.abs().amax(dim=1) <= TOLERANCE_GRAD)
+                    | ((self.d * self.t[:, None]).abs().amax(dim=1) <= tol_change)
+                    | ((loss - self.prev_loss).abs() < tol_change))
+            active = active & ~stop
+        return loss, g
+
+
+# --- the solver -------------------------------------------------------------------------------------------
+
+@dataclass
+class BatchStats:
+    """What a batched solve did, per problem (input order) and per bucket.
+
+    Attributes:
+        bucket: ``[P]`` bucket index; k_padded: ``[P]`` keys the problem was padded to.
+        frozen_at: ``[P]`` outer step at which the problem froze (−1: never).
+        bucket_seconds: wall time of each bucket.
+    """
+
+    bucket: list[int]
+    k_padded: list[int]
+    frozen_at: list[int]
+    bucket_seconds: list[float]
+
+
+def buckets(ks: Sequence[int], tile: int | None = TILE) -> list[list[int]]:
+    """Indices of ``ks`` grouped so that each problem is padded by fewer than ``tile`` keys.
+
+    Sorted by ``k`` descending, a bucket starts at the largest remaining ``k`` and takes every problem
+    with ``k > k_max − tile``. ``tile=None``: one bucket.
+    """
+    order = sorted(range(len(ks)), key=lambda i: -ks[i])
+    if tile is None:
+        return [order] if order else []
+    if tile < 1:
+        raise ValueError(f"tile={tile}: expected a positive number of keys or None")
+    out: list[list[int]] = []
+    for i in order:
+        if out and ks[out[-1][0]] - ks[i] < tile:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: float | None, bar=None):
+    """The batched solver on problems of equal query count and head dim; returns (solutions, frozen_at)."""
+    started = time.perf_counter()
+    preps = [Prepared(p, cfg.dtype, cfg.device) for p in problems]
+    P, ks = len(problems), [p.k for p in problems]
+    device, dtype = preps[0].q.device, cfg.dtype
+    init_keys, init_values, init_loss = [], [], []
+    for prep, p in zip(preps, problems):  # exactly the reference's start: Select+Fit
+        keys = prep.k_old[prep.top_attention(p.k)]
+        values = prep.ridge(keys, cfg.ridge)
+        with torch.no_grad():
+            init_loss.append(prep.loss(keys, values))
+        init_keys.append(keys)
+        init_values.append(values)
+        prep.s_old = prep.attention_old = None  # [n_q, N − m] no longer needed
+    batch = _Batch(preps, ks)
+    kmax, d = batch.kmax, batch.d
+    x0 = torch.zeros(P, kmax, d, dtype=dtype, device=device)
+    values = torch.zeros_like(x0)
+    for i, (kk, vv) in enumerate(zip(init_keys, init_values)):
+        x0[i, : kk.shape[0]], values[i, : vv.shape[0]] = kk, vv
+    n = kmax * d
+    x = x0.reshape(P, n).clone()
+
+    work = torch.arange(P, device=device)  # global indices of the working set
+    sub = batch
+
+    def fg(points, idx):
+        b = sub if idx is None else sub.take(idx)
+        v = values if idx is None else values[idx]
+        f, g = b.loss_grad(points.view(-1, kmax, d), v)
+        return f, g.reshape(-1, n)
+
+    steps = cfg.steps
+    history = torch.full((steps + 1, P), math.nan, dtype=torch.float64, device=device)
+    frozen_at = torch.full((P,), -1, dtype=torch.long, device=device)
+    stopped_at = torch.full((P,), steps, dtype=torch.long, device=device)  # last history entry
+    best_loss_all = torch.empty(P, dtype=dtype, device=device)
+    best_x_all, best_v_all = x.clone(), values.clone()
+
+    loss, g = fg(x, None)
+    history[0] = loss.double()
+    best_loss, best_x, best_v = loss.clone(), x.clone(), values.clone()
+    best_loss_all.copy_(loss)
+    frozen = torch.zeros(P, dtype=torch.bool, device=device)
+    anchor, block_best = x.clone(), loss.clone()
+    lbfgs = _LBFGS(P, n, cfg, dtype, device) if steps > 0 else None
+    for step in range(1, steps + 1):
+        if work.numel() == 0:
+            break
+        loss, g = lbfgs.step(x, loss, g, fg, frozen)
+        boundary = step % cfg.value_every == 0
+        if boundary:  # V-step; frozen rows (maybe non-finite) solve at their best keys and are discarded
+            at = torch.where(frozen[:, None], best_x, x).view(-1, kmax, d)
+            values = torch.where(frozen[:, None, None], values, sub.ridge(at, cfg.ridge))
+            if cfg.reset_history:
+                lbfgs.reset()
+            loss, g = fg(x, None)
+        history[step, work] = loss.double()
+        finite = torch.isfinite(loss)
+        better = ~frozen & finite & (loss < best_loss)
+        best_loss = torch.where(better, loss, best_loss)
+        best_x = torch.where(better[:, None], x, best_x)
+        best_v = torch.where(better[:, None, None], values, best_v)
+        broken = ~frozen & ~finite  # the reference stops a problem at a non-finite loss
+        stopped_at[work] = torch.where(broken, step, stopped_at[work])
+        newly = broken
+        if boundary:
+            if cfg.reset_history:
+                newly = newly | (~frozen & (x == anchor).all(dim=1))
+            if freeze_rtol is not None:
+                newly = newly | (~frozen & (block_best - best_loss <= freeze_rtol * block_best.abs()))
+            anchor, block_best = x.clone(), best_loss.clone()
+        frozen_at[work] = torch.where(newly & ~broken, step, frozen_at[work])
+        frozen = frozen | newly
+        if bar is not None:
+            bar.update(1)
+        if boundary or step == steps:
+            gone = frozen.nonzero().squeeze(1)
+            if gone.numel() or step == steps:  # write back, then drop frozen problems from the batch
+                done = gone if step < steps else torch.arange(work.numel(), device=device)
+                best_loss_all[work[done]] = best_loss[done]
+                best_x_all[work[done]] = best_x[done]
+                best_v_all[work[done]] = best_v[done]
+            if gone.numel() and step < steps:
+                keep = (~frozen).nonzero().squeeze(1)
+                work, sub, x, values = work[keep], sub.take(keep), x[keep], values[keep]
+                loss, g, frozen = loss[keep], g[keep], frozen[keep]
+                best_loss, best_x, best_v = best_loss[keep], best_x[keep], best_v[keep]
+                anchor, block_best = anchor[keep], block_best[keep]
+                lbfgs.take(keep)
+    if steps == 0:
+        best_loss_all.copy_(best_loss)
+    # a frozen problem repeats its loss for the remaining steps, as the reference would
+    frozen_at_h, stopped_at_h = frozen_at.tolist(), stopped_at.tolist()
+    hist = history.cpu()
+    _sync(device)
+    seconds = (time.perf_counter() - started) / P
+    solutions = []
+    for i, (prep, p) in enumerate(zip(preps, problems)):
+        if frozen_at_h[i] >= 0:
+            hist[frozen_at_h[i] + 1:, i] = hist[frozen_at_h[i], i]
+        k = p.k
+        sol = prep.solution(best_x_all[i].view(kmax, d)[:k].clone(), best_v_all[i, :k].clone(), initial_loss=init_loss[i],
+                            seconds=seconds, history=hist[: stopped_at_h[i] + 1, i].tolist())
+        if not sol.loss <= sol.initial_loss:  # never above Select+Fit's (rounding of a non-improvement)
+            sol = prep.solution(init_keys[i], init_values[i], initial_loss=init_loss[i], seconds=seconds,
+                                history=sol.history)
+        solutions.append(sol)
+    return solutions, frozen_at_h
+
+
+def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = None, *, tile: int | None = TILE,
+                  freeze_rtol: float | None = None) -> tuple[list[Solution], BatchStats]:
+    """The batched KVSculpt solver (module docstring), with per-problem statistics.
+
+    Args:
+        problems: independent problems (each with its own ``k``; ``k = 0`` is returned empty).
+        config: the reference's settings (steps, lr, inner iterations, V-step period, ridge λ, history,
+            dtype, device); ``progress`` shows a bar over outer steps.
+        tile: bucket width in keys (no problem is padded by ``tile`` or more); ``None``: one bucket.
+        freeze_rtol: also freeze problems whose best loss improves by less than this fraction over
+            a V-step block (not the reference's behaviour; ``None``: off).
+
+    Returns:
+        ``(solutions, stats)``, solutions in input order.
+    """
+    cfg = config or SculptConfig()
+    P = len(problems)
+    solutions: list[Solution | None] = [None] * P
+    bucket_of, k_padded, frozen_at, bucket_seconds = [-1] * P, [0] * P, [-1] * P, []
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(problems):
+        if p.k == 0:  # nothing to optimise, as in the reference
+            prep = Prepared(p, cfg.dtype, cfg.device)
+            sol = prep.solution(prep.k_old[:0], prep.v_old[:0])
+            sol.history = [sol.loss]
+            solutions[i] = sol
+            continue
+        groups.setdefault((p.queries.shape[0], p.head_dim), []).append(i)
+    plan = [[members[j] for j in b] for members in groups.values()
+            for b in buckets([problems[i].k for i in members], tile)]
+    bar = tqdm(total=len(plan) * cfg.steps, desc="kvsculpt-batched", disable=not cfg.progress, leave=False)
+    for b, members in enumerate(plan):
+        started = time.perf_counter()
+        sols, frozen = _solve_bucket([problems[i] for i in members], cfg, freeze_rtol, bar)
+        bucket_seconds.append(time.perf_counter() - started)
+        kmax = max(problems[i].k for i in members)
+        for i, s, f in zip(members, sols, frozen):
+            solutions[i], bucket_of[i], k_padded[i], frozen_at[i] = s, b, kmax, f
+    bar.close()
+    return solutions, BatchStats(bucket_of, k_padded, frozen_at, bucket_seconds)
+
+
+def solve(problems: Sequence[Problem], config: SculptConfig | None = None) -> list[Solution]:
+    """Drop-in for :func:`zipkv.distill.kvsculpt.solve` (a :data:`~zipkv.distill.kvsculpt.Solver`)."""
+    return solve_batched(problems, config)[0]
+
+
+def make_solver(*, tile: int | None = TILE, freeze_rtol: float | None = None) -> Solver:
+    """A :data:`~zipkv.distill.kvsculpt.Solver` with non-default bucketing or freezing."""
+    def solver(problems: Sequence[Problem], config: SculptConfig | None = None) -> list[Solution]:
+        return solve_batched(problems, config, tile=tile, freeze_rtol=freeze_rtol)[0]
+    return solver
+
+
+# --- problems of Qwen2.5-1.5B's shape from the embedded model ---------------------------------------------
+
+QWEN_SHAPE = dict(layers=28, kv_heads=2, group=6, head_dim=128)
+"""Qwen2.5-1.5B's attention shape: 28 layers × 2 KV heads × head_dim 128, 6 query heads per KV head."""
+
+
+def qwen_shaped_problems(capture, ratio: float = 0.3, *, m: int = 256, n_synthetic: int = 128,
+                         layers: int = 28, kv_heads: int = 2, group: int = 6, strategy: str = "uniform",
+                         seed: int = 0, k: int | None = None) -> list[Problem]:
+    """Problems of Qwen2.5-1.5B's attention shape built from a real captured cache.
+
+    The embedded SmolLM2-135M has 30 layers × 3 KV heads × head_dim 64 with 3 query heads per KV
+    head. A 128-d head is two 64-d heads of the same layer side by side:
+
+    * layer ``l`` of the result is the capture's layer ``l`` (layers 0 … 27; the last two are unused);
+    * its KV head ``j`` concatenates the capture's KV heads ``a = 2j mod H`` and ``b = 2j+1 mod H``
+      along head_dim: keys ``[K_a | K_b]``, values ``[V_a | V_b]`` (``N × 128``); with ``H = 3`` the two
+      heads are ``[h0 | h1]`` and ``[h2 | h0]``;
+    * its ``group`` query heads are ``[q_{a,i} | q_{b,(i+s) mod g}]`` for ``s = 0, 1, …`` and
+      ``i = 0 … g−1`` (first ``group`` of them; with ``g = 3``: (0,0), (1,1), (2,2), (0,1), (1,2), (2,0)),
+      each half a real post-RoPE query of its own head at the same position; training queries
+      (retain + synthetic, §3.3) are built per 64-d half with the model's RoPE and the same
+      strategy and seed, so both halves sample the same positions, then concatenated.
+
+    So every logit is ``q_a·k_a + q_b·k_b``, the sum of two real heads' logits, scaled by ``1/√128``
+    (Qwen's), i.e. ``(s_a + s_b)/√2`` in the 64-d heads' ``1/√64`` units: the shape (and the cost)
+    is Qwen's, the attention statistics are a real model's.
+
+    Args:
+        capture: a :class:`zipkv.models.Capture` with ≥ ``layers`` layers and ≥ 2 KV heads.
+        ratio: ``r = (k + m)/N``; ``k`` overrides it with a fixed budget.
+        m, n_synthetic, strategy, seed: training queries, as :func:`~zipkv.distill.kvsculpt.build_problems`.
+        layers, kv_heads, group: the target shape (default Qwen2.5-1.5B's).
+    """
+    if len(capture.layers) < layers:
+        raise ValueError(f"capture has {len(capture.layers)} layers: expected at least layers={layers}")
+    H, N, d = capture.layers[0].keys.shape
+    if H < 2:
+        raise ValueError(f"capture has {H} KV heads: expected at least 2 to concatenate")
+    budget = budget_for_ratio(ratio, N, m) if k is None else int(k)
+    problems = []
+    for layer in range(layers):
+        lc = capture.layers[layer]
+        g = lc.queries.shape[0] // H
+        pairs = [(i, (i + s) % g) for s in range(-(-group // g)) for i in range(g)][:group]
+        for j in range(kv_heads):
+            a, b = (2 * j) % H, (2 * j + 1) % H
+            halves = [training_queries(lc.queries[h * g:(h + 1) * g], capture.positions, capture.rope, m,
+                                       n_synthetic, strategy=strategy, seed=seed + 7919 * layer + j)
+                      for h in (a, b)]  # [g, m + n_s, d] each, same sampled positions
+            queries = torch.stack([torch.cat([halves[0][i], halves[1][i2]], dim=-1) for i, i2 in pairs])
+            keys = torch.cat([lc.keys[a], lc.keys[b]], dim=-1)
+            values = torch.cat([lc.values[a], lc.values[b]], dim=-1)
+            problems.append(Problem(keys=keys, values=values, queries=queries, m=m, k=budget, layer=layer, head=j))
+    return problems
+
+
+def context_problems(capture, ratio: float, shape: str = "embedded", *, m: int = 256, n_synthetic: int = 128,
+                     seed: int = 0) -> list[Problem]:
+    """All problems of one captured context: ``"embedded"`` (the model's own heads) or ``"qwen"``."""
+    if shape == "embedded":
+        N = capture.layers[0].keys.shape[1]
+        return build_problems(capture, budget_for_ratio(ratio, N, m), m=m, n_synthetic=n_synthetic, seed=seed)
+    if shape == "qwen":
+        return qwen_shaped_problems(capture, ratio, m=m, n_synthetic=n_synthetic, seed=seed)
+    raise ValueError(f"shape={shape!r}: expected 'embedded' or 'qwen'")
+
+
+# --- benchmark --------------------------------------------------------------------------------------------
+
+def _timed(fn, device):
+    _sync(device)
+    started = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - started
+
+
+def bench_distill(problems: Sequence[Problem], *, problem_shape: str, ratio: float | None = None,
+                  config: SculptConfig | None = None, solver: Solver | None = None,
+                  reference: bool = True, reference_limit: int | None = None, warmup: bool = True):
+    """Time the reference solver and the batched solver on the same problems, in the same run.
+
+    Args:
+        problems: one context's problems (all layers × KV heads).
+        problem_shape: label, e.g. ``"SmolLM2-135M 30×3×64"`` or ``"Qwen2.5-1.5B 28×2×128"``.
+        ratio: label (default: ``(mean k + m)/N`` of the problems).
+        config: solver settings (``device`` where both run; default the paper's 100 steps).
+        solver: the fast solver (default :func:`solve`).
+        reference: also time the reference solver.
+        reference_limit: time the reference on this many problems only (evenly spread), and scale
+            its seconds to the whole context (the ``reference_problems`` column says how many ran).
+        warmup: a one-step batched run first (CUDA context, cuBLAS handles, allocator).
+
+    Returns:
+        ``(timings, losses)``. ``timings``: one row per solver with ``problem_shape, ctx, ratio, solver,
+        seconds`` (per context), ``speedup`` (reference seconds / this solver's seconds),
+        ``problems, reference_problems``. ``losses``: one row per problem with ``layer, head, k,
+        select_fit`` (the common starting loss), ``batched``, ``reference`` (NaN where not run) and
+        ``rel_diff = (batched − reference)/reference``.
+    """
+    import pandas as pd
+
+    cfg = replace(config or SculptConfig(), progress=False)
+    fast = solver or solve
+    device = cfg.device or problems[0].keys.device
+    ctx = problems[0].n
+    if ratio is None:
+        ratio = (sum(p.k for p in problems) / len(problems) + problems[0].m) / ctx
+    if warmup:
+        fast(problems, replace(cfg, steps=1))
+    batched, t_fast = _timed(lambda: fast(problems, cfg), device)
+    rows = [dict(problem_shape=problem_shape, ctx=ctx, ratio=ratio, solver="batched", seconds=t_fast,
+                 problems=len(problems), reference_problems=0)]
+    ref_index: list[int] = []
+    ref_solutions: list[Solution] = []
+    if reference:
+        count = len(problems) if reference_limit is None else max(1, min(reference_limit, len(problems)))
+        ref_index = sorted({round(i * (len(problems) - 1) / max(count - 1, 1)) for i in range(count)})
+        ref_solutions, t_ref = _timed(lambda: reference_solve([problems[i] for i in ref_index], cfg), device)
+        seconds = t_ref * len(problems) / len(ref_index)
+        rows.insert(0, dict(problem_shape=problem_shape, ctx=ctx, ratio=ratio, solver="reference", seconds=seconds,
+                            problems=len(problems), reference_problems=len(ref_index)))
+        for row in rows:
+            row["speedup"] = seconds / row["seconds"]
+    timings = pd.DataFrame(rows)
+    ref_loss = {i: s.loss for i, s in zip(ref_index, ref_solutions)}
+    losses = pd.DataFrame([dict(problem_shape=problem_shape, ctx=ctx, ratio=ratio, layer=p.layer, head=p.head,
+                                k=p.k, select_fit=s.initial_loss, batched=s.loss,
+                                reference=ref_loss.get(i, math.nan)) for i, (p, s) in enumerate(zip(problems, batched))])
+    losses["rel_diff"] = (losses["batched"] - losses["reference"]) / losses["reference"]
+    return timings, losses
