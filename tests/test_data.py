@@ -65,3 +65,25 @@ def test_bad_window_arguments(tokenizer, books):
         data.windows(tokenizer, books, 0)
     with pytest.raises(ValueError, match="books is empty"):
         data.windows(tokenizer, [], 1)
+
+
+def test_no_books_anywhere_is_one_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(data, "default_books_dir", lambda: None)
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError
+    with pytest.raises(FileNotFoundError, match="ZIPKV_PG19"):
+        data.load_books()
+
+
+def test_books_from_the_datasets_library(monkeypatch):
+    import sys
+    import types
+
+    rows = [{"short_book_title": "A", "url": "http://www.gutenberg.org/ebooks/10146", "text": "alpha " * 10},
+            {"short_book_title": "B", "url": "http://www.gutenberg.org/ebooks/77", "text": "beta " * 10}]
+    fake = types.SimpleNamespace(load_dataset=lambda name, split, streaming: iter(rows))
+    monkeypatch.setattr(data, "default_books_dir", lambda: None)
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    books = data.load_books(limit=1)
+    assert [(b.pg_id, b.title) for b in books] == [(10146, "A")]
