@@ -40,7 +40,7 @@ Uniform budgets make one bucket. Problems also group by query count and head dim
 at all over a whole V-step block restarts the next block from exactly the state it started the
 last one (same keys, same ridge values, fresh L-BFGS): the reference would repeat that block
 forever, so the problem is frozen (its keys and values never change again, its history repeats its
-loss) and dropped from the batch at the next block boundary. That happens when its gradient is below
+loss) and dropped from the batch right there (the batch shrinks). That happens when its gradient is below
 ``tolerance_grad`` or its line searches make no progress. ``freeze_rtol`` (off by default, not the
 reference's behaviour) also freezes problems whose best loss improved by less than that fraction
 over a block. A problem whose loss becomes non-finite stops there, as in the reference.
@@ -49,6 +49,13 @@ Per outer step, the reference evaluates the objective once more at the point its
 evaluated (``LBFGS.step``'s opening closure call) and once for the step's history; the batched
 solver reuses those values (bitwise the same point and values) and only re-evaluates after a V-step,
 but counts the opening call against ``max_eval`` as the reference does.
+
+**Device.** Plain batched torch on any device (no Python loop over problems inside an iteration).
+The host waits on the device twice per inner iteration in the common case (which problems search;
+did every first trial meet the strong Wolfe conditions) and once more per extra line-search round.
+Agreement with the reference is to rounding only: both follow the same decisions, but the
+trajectories are chaotic (float64 histories agree to ~1e-9 over a few steps, float32 ones drift
+apart within tens of steps), so compare the two solvers by distributions over problems.
 
 :func:`bench_distill` times the reference and this solver on the same problems in one run;
 :func:`qwen_shaped_problems` builds problems of Qwen2.5-1.5B's attention shape from the embedded
@@ -609,8 +616,8 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
         if frozen_at_h[i] >= 0:
             hist[frozen_at_h[i] + 1:, i] = hist[frozen_at_h[i], i]
         k = p.k
-        sol = prep.solution(best_x_all[i].view(kmax, d)[:k].clone(), best_v_all[i, :k].clone(), initial_loss=init_loss[i],
-                            seconds=seconds, history=hist[: stopped_at_h[i] + 1, i].tolist())
+        sol = prep.solution(best_x_all[i].view(kmax, d)[:k].clone(), best_v_all[i, :k].clone(),
+                            initial_loss=init_loss[i], seconds=seconds, history=hist[: stopped_at_h[i] + 1, i].tolist())
         if not sol.loss <= sol.initial_loss:  # never above Select+Fit's (rounding of a non-improvement)
             sol = prep.solution(init_keys[i], init_values[i], initial_loss=init_loss[i], seconds=seconds,
                                 history=sol.history)
@@ -631,7 +638,8 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
             a V-step block (not the reference's behaviour; ``None``: off).
 
     Returns:
-        ``(solutions, stats)``, solutions in input order.
+        ``(solutions, stats)``, solutions in input order. A solution's ``seconds`` is its bucket's wall
+        time divided by the bucket's size (the problems are solved together).
     """
     cfg = config or SculptConfig()
     P = len(problems)
@@ -800,7 +808,7 @@ def bench_distill(problems: Sequence[Problem], *, problem_shape: str, ratio: flo
     timings = pd.DataFrame(rows)
     ref_loss = {i: s.loss for i, s in zip(ref_index, ref_solutions)}
     losses = pd.DataFrame([dict(problem_shape=problem_shape, ctx=ctx, ratio=ratio, layer=p.layer, head=p.head,
-                                k=p.k, select_fit=s.initial_loss, batched=s.loss,
-                                reference=ref_loss.get(i, math.nan)) for i, (p, s) in enumerate(zip(problems, batched))])
+                                k=p.k, select_fit=s.initial_loss, batched=s.loss, reference=ref_loss.get(i, math.nan))
+                           for i, (p, s) in enumerate(zip(problems, batched))])
     losses["rel_diff"] = (losses["batched"] - losses["reference"]) / losses["reference"]
     return timings, losses

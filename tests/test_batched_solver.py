@@ -1,0 +1,293 @@
+"""The batched KVSculpt solver (issue #5) against the one-problem-at-a-time reference, on tiny problems.
+
+Agreement is measured in float64: the reference's trajectories are chaotic (a rounding-level change
+grows by roughly 10× per outer step on these problems), so the batched solver equals the reference
+to ~1e-9 over a few steps in float64 and only to ~1e-3 in float32 (see the tolerances below).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.optim.lbfgs import _strong_wolfe as torch_strong_wolfe
+
+from zipkv.distill import baselines as B
+from zipkv.distill import batched as BT
+from zipkv.distill import kvsculpt as K
+
+F64 = torch.float64
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster on a shared 2-core machine
+    yield
+    torch.set_num_threads(before)
+
+
+def random_problem(n=40, m=8, d=8, g=2, n_q=24, k=6, seed=0, sharp=2.0) -> B.Problem:
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(n, d, generator=gen) * sharp
+    values = torch.randn(n, d, generator=gen)
+    queries = torch.randn(g, n_q, d, generator=gen) * sharp
+    return B.Problem(keys, values, queries, m=m, k=k)
+
+
+def mixed_problems():
+    """Different k (one bucket spans 1 … 20 with tile=None), N, m (one with m = 0) and sharpness."""
+    spec = [(1, 40, 8, 2.0), (3, 30, 4, 1.0), (6, 40, 8, 3.0), (12, 48, 8, 2.0), (20, 40, 0, 1.5)]
+    return [random_problem(n=n, m=m, k=k, seed=10 + k, sharp=sh) for k, n, m, sh in spec]
+
+
+def cfg(steps, dtype=F64, **kw):
+    return K.SculptConfig(steps=steps, dtype=dtype, progress=False, **kw)
+
+
+def rel(a, b):
+    return abs(a - b) / max(abs(b), 1e-300)
+
+
+# --- building blocks ---------------------------------------------------------------------------------------
+
+def test_loss_and_gradient_match_the_reference_objective_with_padding():
+    problems = [random_problem(k=k, seed=k) for k in (2, 5, 9)]
+    preps = [B.Prepared(p, F64) for p in problems]
+    batch = BT._Batch(preps, [p.k for p in problems])
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.zeros(3, 9, 8, dtype=F64)
+    values = torch.zeros(3, 9, 8, dtype=F64)
+    for i, p in enumerate(problems):
+        keys[i, : p.k] = torch.randn(p.k, 8, generator=gen, dtype=F64) * 2
+        values[i, : p.k] = torch.randn(p.k, 8, generator=gen, dtype=F64)
+    loss, grad = batch.loss_grad(keys.clone(), values)
+    for i, (p, prep) in enumerate(zip(problems, preps)):
+        kc = keys[i, : p.k].clone().requires_grad_(True)
+        want = prep.loss(kc, values[i, : p.k])
+        want.backward()
+        assert rel(float(loss[i]), float(want.detach())) < 1e-12
+        assert (grad[i, : p.k] - kc.grad).abs().max() < 1e-12 * kc.grad.abs().max()
+        assert torch.equal(grad[i, p.k:], torch.zeros_like(grad[i, p.k:])), "padded keys get no gradient"
+    # V-step: the reference's ridge values on the real keys, exact zeros on the padding
+    v = batch.ridge(keys, 1e-3)
+    for i, (p, prep) in enumerate(zip(problems, preps)):
+        want = prep.ridge(keys[i, : p.k], 1e-3)
+        assert (v[i, : p.k] - want).abs().max() < 1e-7 * want.abs().max()
+        assert torch.equal(v[i, p.k:], torch.zeros_like(v[i, p.k:]))
+
+
+def test_batched_strong_wolfe_is_torchs_line_search_per_problem():
+    """Each problem's search equals torch.optim.lbfgs._strong_wolfe: same step, loss, gradient, evaluations,
+    through extrapolation, zoom and the out-of-evaluations fallback (max_ls 1–3)."""
+    torch.manual_seed(3)
+    P, n = 40, 5
+    a, b, c = torch.rand(P, n, dtype=F64) + 0.1, torch.randn(P, n, dtype=F64), torch.rand(P, n, dtype=F64) * 0.5
+
+    def one(i, x):
+        return (c[i] * x ** 4 + a[i] * x ** 2 / 2 + b[i] * x).sum(), 4 * c[i] * x ** 3 + a[i] * x + b[i]
+
+    def fg(points, idx):
+        rows = range(P) if idx is None else idx.tolist()
+        fs, gs = zip(*[one(i, pt) for i, pt in zip(rows, points)])
+        return torch.stack(fs), torch.stack(gs)
+
+    x = torch.randn(P, n, dtype=F64)
+    f, g = fg(x, None)
+    d = -g * torch.logspace(-4, 2, P, dtype=F64)[:, None]
+    t = torch.logspace(-5, 3, P, dtype=F64)[torch.randperm(P)]
+    gtd = (g * d).sum(1)
+    max_ls = torch.tensor([25, 1, 2, 3] * (P // 4))
+    active = torch.ones(P, dtype=torch.bool)
+    active[7] = False
+    fb, gb, tb, evals, rounds = BT._strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls)
+    assert rounds == int(evals.max()) and tb[7] == 0 and evals[7] == 0
+    seen = set()
+    for i in range(P):
+        if not active[i]:
+            continue
+
+        def obj(xx, tt, dd, i=i):
+            loss, grad = one(i, xx + tt * dd)
+            return float(loss), grad
+
+        fr, gr, tr, er = torch_strong_wolfe(obj, x[i], float(t[i]), d[i], float(f[i]), g[i], gtd[i],
+                                            max_ls=int(max_ls[i]))
+        assert er == int(evals[i]) and rel(float(tb[i]), float(tr)) < 1e-12 and rel(float(fb[i]), fr) < 1e-12
+        assert (gb[i] - gr).abs().max() < 1e-10
+        seen.add(er)
+    assert len(seen) >= 4, "the problems exercise searches of several lengths"
+
+
+def test_buckets_pad_by_less_than_a_tile():
+    ks = [5, 200, 64, 130, 70, 1, 199]
+    groups = BT.buckets(ks, 64)
+    assert sorted(i for g in groups for i in g) == list(range(len(ks)))
+    for g in groups:
+        assert max(ks[i] for i in g) - min(ks[i] for i in g) < 64
+    assert BT.buckets(ks, None) == [sorted(range(len(ks)), key=lambda i: -ks[i])]
+    assert BT.buckets([7, 7, 7], 64) == [[0, 1, 2]], "uniform budgets make one bucket"
+    with pytest.raises(ValueError, match="tile=0"):
+        BT.buckets(ks, 0)
+
+
+# --- the solver against the reference ---------------------------------------------------------------------
+
+def test_batched_solver_equals_reference_float64():
+    """Same loss history step by step (with a V-step and history restart at step 5), same final loss."""
+    problems = mixed_problems()
+    config = cfg(7)
+    ref = K.solve(problems, config)
+    got, stats = BT.solve_batched(problems, config, tile=None)
+    assert len(set(stats.bucket)) == 1 and set(stats.k_padded) == {20}
+    for p, r, s in zip(problems, ref, got):
+        assert s.keys.shape == (p.k, p.head_dim) and s.values.shape == (p.k, p.head_dim)
+        assert len(s.history) == len(r.history) == 8
+        assert s.initial_loss == r.initial_loss, "same start: Select+Fit"
+        assert max(rel(a, b) for a, b in zip(s.history, r.history)) < 1e-6
+        assert rel(s.loss, r.loss) < 1e-6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_batched_solver_equals_reference_on_cuda():
+    problems = mixed_problems()
+    config = cfg(7, device="cuda")
+    for r, s in zip(K.solve(problems, config), BT.solve(problems, config)):
+        assert s.keys.device.type == "cuda" and rel(s.loss, r.loss) < 1e-6
+
+
+def test_batched_solver_close_to_reference_float32():
+    problems = mixed_problems()
+    config = cfg(4, torch.float32)
+    ref = K.solve(problems, config)
+    got = BT.solve(problems, config)
+    for r, s in zip(ref, got):
+        assert s.initial_loss == pytest.approx(r.initial_loss, rel=1e-6)
+        assert rel(s.loss, r.loss) < 1e-3
+
+
+def test_history_overflow_without_restart_matches_reference():
+    """reset_history=False with a 3-pair memory: the oldest pair is dropped, as in torch's LBFGS."""
+    problems = [random_problem(k=k, seed=40 + k) for k in (4, 9)]
+    config = cfg(3, history_size=3, reset_history=False)
+    ref = K.solve(problems, config)
+    got = BT.solve(problems, config)
+    for r, s in zip(ref, got):
+        assert max(rel(a, b) for a, b in zip(s.history, r.history)) < 1e-6
+
+
+def test_padding_does_not_change_results():
+    """One bucket padded to the largest k gives each problem what it gets when solved alone."""
+    problems = mixed_problems()
+    config = cfg(6)
+    together = BT.solve_batched(problems, config, tile=None)[0]
+    for p, s in zip(problems, together):
+        alone = BT.solve([p], config)[0]
+        assert rel(s.loss, alone.loss) < 1e-8
+        assert max(rel(a, b) for a, b in zip(s.history, alone.history)) < 1e-8
+    tiles = BT.solve_batched(problems, config, tile=4)
+    assert len(set(tiles[1].bucket)) == 4  # k = 20 | 12 | 6, 3 | 1
+    for s, t in zip(together, tiles[0]):
+        assert rel(t.loss, s.loss) < 1e-8
+
+
+def test_converged_problem_freezes_while_others_continue():
+    """k = N − m and no ridge: Select+Fit is exact, the gradient is below tolerance_grad, L-BFGS never
+    moves it, so at the first V-step boundary it freezes; the other problem keeps descending."""
+    exact = random_problem(n=32, m=8, k=24, n_q=32, seed=6)
+    hard = random_problem(k=8, seed=7, sharp=3.0)
+    config = cfg(12, ridge=0.0)
+    (s_exact, s_hard), stats = BT.solve_batched([exact, hard], config, tile=None)
+    assert stats.frozen_at == [config.value_every, -1]
+    start = B.Prepared(exact, F64)
+    index = start.top_attention(exact.k)
+    assert torch.equal(s_exact.keys, start.k_old[index]), "a frozen problem's keys never change"
+    want = start.ridge(start.k_old[index], 0.0)  # the V-step at the boundary re-solves the same values
+    assert (s_exact.values - want).abs().max() < 1e-10 * want.abs().max()
+    after = s_exact.history[config.value_every:]
+    assert len(s_exact.history) == 13 and len(set(after)) == 1 and s_exact.loss < 1e-20, "frozen: loss repeats"
+    assert s_hard.history[-1] < s_hard.history[config.value_every] < s_hard.history[0]
+    ref = K.solve([exact, hard], config)
+    assert torch.equal(ref[0].keys, s_exact.keys), "the reference does not move it either"
+    assert max(rel(a, b) for a, b in zip(s_hard.history, ref[1].history)) < 1e-6
+    assert ref[0].loss < 1e-20
+
+
+def test_freeze_rtol_freezes_slow_problems():
+    problems = mixed_problems()[:3]
+    _, stats = BT.solve_batched(problems, cfg(10), freeze_rtol=1.0)  # any block improving < 100 % freezes
+    assert stats.frozen_at == [5, 5, 5]
+
+
+def test_final_loss_never_above_select_fit_and_zero_budget():
+    problems = [random_problem(k=k, seed=60 + k, sharp=s) for k in (1, 4, 9, 32) for s in (0.5, 3.0)]
+    problems.append(random_problem(k=0, seed=1))
+    sf = B.select_fit(problems)
+    got = BT.solve(problems, cfg(6, torch.float32))
+    for p, a, s in zip(problems, sf, got):
+        assert s.keys.shape == (p.k, p.head_dim)
+        assert s.initial_loss == pytest.approx(a.loss, rel=1e-6, abs=1e-12)
+        assert s.loss <= s.initial_loss
+        assert s.loss == pytest.approx(B.problem_loss(p, s.keys, s.values), rel=1e-4, abs=1e-9)
+
+
+def test_compress_with_the_batched_solver(tiny_capture):
+    budget = torch.tensor([[1, 40, 5], [7, 13, 2]])
+    cache = K.compress(tiny_capture, 0.5, "kvsculpt", m=8, n_synthetic=8, budget=budget,
+                       config=cfg(4, torch.float32), solver=BT.make_solver(tile=16))
+    assert torch.equal(cache.lengths, budget + 8)
+    assert (cache.loss <= cache.initial_loss).all()
+
+
+# --- Qwen-shaped problems and the benchmark ---------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_capture():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zipkv.models import capture
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=144, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper attention than the 0.02-std init
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight.mul_(20.0)
+    ids = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(1))
+    return capture(model, ids)
+
+
+def test_qwen_shaped_problems_concatenate_real_heads(tiny_capture):
+    cap = tiny_capture  # 2 layers × 3 KV heads × 16, 3 query heads per KV head
+    problems = BT.qwen_shaped_problems(cap, 0.5, m=8, n_synthetic=4, layers=2)
+    assert len(problems) == 4 and [(p.layer, p.head) for p in problems] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(p.k == 16 and p.head_dim == 32 and p.queries.shape == (6 * 12, 32) for p in problems)
+    p = problems[1]  # layer 0, head 1 = [h2 | h0]
+    lc = cap.layers[0]
+    assert torch.equal(p.keys, torch.cat([lc.keys[2], lc.keys[0]], -1))
+    assert torch.equal(p.values, torch.cat([lc.values[2], lc.values[0]], -1))
+    q = p.queries.view(6, 12, 32)
+    # retain queries: real queries of both halves at the same positions; pairs (i, i), then (i, i+1 mod 3)
+    assert torch.equal(q[3, :8], torch.cat([lc.queries[6, -8:], lc.queries[1, -8:]], -1).float())
+    # every logit is the sum of the two heads' logits
+    s = q[0] @ p.keys.T.float()
+    s_halves = q[0, :, :16] @ lc.keys[2].T.float() + q[0, :, 16:] @ lc.keys[0].T.float()
+    assert (s - s_halves).abs().max() < 1e-4 * s.abs().max()
+    with pytest.raises(ValueError, match="layers=28"):
+        BT.qwen_shaped_problems(cap, 0.5, m=8)
+
+
+def test_bench_distill_reports_both_solvers():
+    problems = mixed_problems()
+    timings, losses = BT.bench_distill(problems, problem_shape="tiny", config=cfg(3, torch.float32),
+                                       reference_limit=3)
+    assert list(timings.solver) == ["reference", "batched"]
+    for column in ("problem_shape", "ctx", "ratio", "solver", "seconds", "speedup"):
+        assert column in timings.columns
+    assert timings.reference_problems.iloc[0] == 3 and timings.speedup.iloc[0] == 1.0
+    assert (timings.seconds > 0).all() and math.isfinite(timings.speedup.iloc[1])
+    assert len(losses) == 5 and losses.reference.notna().sum() == 3
+    assert (losses.batched <= losses.select_fit).all()
+    assert (losses.rel_diff.dropna().abs() < 1e-2).all()
