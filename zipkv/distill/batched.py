@@ -812,3 +812,46 @@ def bench_distill(problems: Sequence[Problem], *, problem_shape: str, ratio: flo
                            for i, (p, s) in enumerate(zip(problems, batched))])
     losses["rel_diff"] = (losses["batched"] - losses["reference"]) / losses["reference"]
     return timings, losses
+
+
+def speed_sweep(model, tokenizer, books, *, contexts=(1024, 2048, 4096, 8192), ratios=(0.3,),
+                ratio_sweep_context: int = 2048, sweep_ratios=(0.1, 0.3, 0.5, 0.7), m: int = 256,
+                n_synthetic: int = 128, config: SculptConfig | None = None, qwen_context: int | None = 2048,
+                reference_at=((2048, 0.3),),
+                reference_limit: int | None = 8, seed: int = 0, progress: bool = True):
+    """Seconds per context of the batched solver against context length and ratio (issue: "Distillation
+    in seconds"), on the embedded model's own problems and on Qwen2.5-1.5B-shaped ones.
+
+    One PG19 window per context length is captured once. The embedded shape is timed at every
+    ``contexts × ratios`` and at ``ratio_sweep_context × sweep_ratios``; the Qwen shape at
+    ``(qwen_context, 0.3)`` (skipped when ``None`` or when the model is too small to build it). The reference solver runs in the same process at the ``reference_at`` points
+    (on ``reference_limit`` evenly spread problems, scaled to the context).
+
+    Returns ``(timings, losses)`` as :func:`bench_distill`, concatenated.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from zipkv.data import windows as make_windows
+    from zipkv.models import capture as capture_fn, model_shape
+
+    shape = model_shape(model)
+    embedded_label = f"{shape.name} {shape.layers}×{shape.kv_heads}×{shape.head_dim}"
+    qwen_label = "Qwen2.5-1.5B-shaped 28×2×128"
+    points = [("embedded", c, r) for c in contexts for r in ratios]
+    points += [("embedded", ratio_sweep_context, r) for r in sweep_ratios if ("embedded", ratio_sweep_context, r) not in points]
+    if qwen_context and shape.layers >= QWEN_SHAPE["layers"] and shape.kv_heads >= 2:
+        points.append(("qwen", qwen_context, 0.3))
+    captures = {}
+    timings, losses = [], []
+    for kind, ctx, ratio in tqdm(points, desc="distill speed", disable=not progress):
+        if ctx not in captures:
+            (window,) = make_windows(tokenizer, books, 1, context=ctx, continuation=0, seed=seed + ctx)
+            captures[ctx] = capture_fn(model, window.context_ids)
+        problems = context_problems(captures[ctx], ratio, kind, m=m, n_synthetic=n_synthetic, seed=seed)
+        timing, loss = bench_distill(problems, problem_shape=embedded_label if kind == "embedded" else qwen_label,
+                                     ratio=ratio, config=config, reference=(ctx, ratio) in reference_at,
+                                     reference_limit=reference_limit)
+        timings.append(timing)
+        losses.append(loss.assign(problem_shape=timing.problem_shape.iloc[0], ctx=ctx, ratio=ratio))
+    return pd.concat(timings, ignore_index=True), pd.concat(losses, ignore_index=True)

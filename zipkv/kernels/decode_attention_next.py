@@ -1,0 +1,711 @@
+"""Fused decode attention over a paged, partly compressed KV cache (ZipFusion §III-C).
+
+One Triton kernel reads K and V pages as they are stored — compressed blocks (low bytes +
+4-bit codes) or raw bf16 blocks — rebuilds BF16 in registers with integer ops, and runs
+online-softmax attention for all query heads of one KV head (GQA), so each KV byte is
+read once. With every page raw it is the uncompressed baseline (same kernel).
+
+Physical storage (:class:`PagedKVCache`)
+----------------------------------------
+* ``pool``: one uint8 byte pool. Each *page-head* (16 tokens × head_dim of one KV head,
+  keys or values) is a slot laid out exactly as :func:`zipkv.format.pack` writes it:
+  its blocks back to back, 768 bytes per compressed block, 1024 per raw block.
+* ``desc``: int64 ``[num_pages, 2, kv_heads, n_blocks]`` block descriptors (index 0 of
+  dim 1 = keys, 1 = values): ``desc = byte_address << 8 | flag << 7 | b >> 1``, i.e. the
+  block's absolute byte address in ``pool`` (a multiple of 256), its compressed flag and
+  its exponent base. One 8-byte load per block gives everything needed to decode it, and
+  slots may sit anywhere (fixed slots, or packed back to back: ``compact=True``), so a
+  memory manager can move pages without touching the page table.
+* Page table: FlashInfer's CSR form, page size 16: ``indptr`` int32 ``[batch + 1]``,
+  ``indices`` int32 ``[nnz_pages]`` (physical page ids), ``last_page_len`` int32
+  ``[batch]`` in 1..16. The last page of a request is partial and stays raw.
+* Keys use ``k_layout``, values ``v_layout`` (``"token"`` or ``"channel"``, see
+  ``zipkv.format``); with the token layout a raw page is the plain row-major
+  ``[16, head_dim]`` bf16 page.
+
+Kernel
+------
+Grid ``(batch, kv_heads, num_splits)``. A program keeps its ``G = q_heads / kv_heads``
+query rows (padded to 16 for the tensor cores) and walks tiles of ``pages_per_tile``
+whole pages; split ``s`` takes tiles ``s, s + S, s + 2S, ...``; the page ids of the next
+tile are fetched while the current one is computed. Per tile it loads, for the
+``[16 * pages_per_tile, head_dim]`` K (then V) tile, three coalesced int32 streams: code
+words (8 values each), low-byte words (4 values), raw pair words (2 values); compressed
+and raw loads are masked by the block flag, so only the stored bytes are read. Four high
+bytes are rebuilt per 32-bit op: ``H = (C & 0x08080808) << 4 | (C & 0x07070707)`` then
+``H += (b/2) * 0x01010101`` (no carries: ``b/2 + 7 <= 127``), and a byte interleave of
+``H`` and the low-byte word gives two bf16 pairs. Splits write normalised partial outputs
+and a log2-sum-exp; a second small kernel merges them.
+
+Numerics: on the GPU, bf16 ``tl.dot`` (fp32 accumulate), bf16 P for PV. Under
+``TRITON_INTERPRET=1`` bf16 math is wrong, so the rebuilt bits are turned into fp32 (exact:
+bf16 bits << 16) and all dots run in fp32 (``FP32`` constexpr).
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from zipkv import format as fmt
+
+__all__ = ["PagedKVCache", "build_paged_cache", "compress_cache_", "decode_attention"]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _interleave(a, b, FP32: tl.constexpr):
+    """Byte interleave of two int32 words (a ``prmt`` on the GPU), little-endian bytes:
+    x0 = a0 b0 a1 b1, x1 = a2 b2 a3 b3 -- with a = low bytes, b = high bytes, two bf16
+    pairs."""
+    if FP32:
+        x0 = (a & 0xFF) | ((b & 0xFF) << 8) | ((a & 0xFF00) << 8) | ((b & 0xFF00) << 16)
+        x1 = ((a >> 16) & 0xFF) | ((b >> 8) & 0xFF00) | ((a >> 8) & 0xFF0000) | (b & -16777216)
+    else:
+        x0, x1 = tl.inline_asm_elementwise(
+            "prmt.b32 $0, $2, $3, 0x5140;\n\tprmt.b32 $1, $2, $3, 0x7362;",
+            "=r,=r,r,r", [a, b], dtype=(tl.int32, tl.int32), is_pure=True, pack=1)
+    return x0, x1
+
+
+@triton.jit
+def _high_bytes(N, base4):
+    """Four 4-bit codes (low nibbles of N's bytes) -> four high bytes: one 32-bit add of
+    ``(b/2) * 0x01010101`` (carry-free since b/2 + 7 <= 127)."""
+    N = N & 0x0F0F0F0F
+    return (((N << 4) & -2139062144) | (N & 0x07070707)) + base4     # -2139062144 = 0x80808080
+
+
+@triton.jit
+def _fetch(pool_ptr, desc_ptr, drow, r, row_ok, BN: tl.constexpr, D: tl.constexpr,
+           LAYOUT: tl.constexpr):
+    """Issue the loads of one [BN, D] K or V tile. drow [BN]: index of the row's page-head
+    descriptors, r [BN]: row in its page, row_ok [BN]: the row holds a token.
+    Returns (L, C, R, comp, base4): per group of 8 channels m (8m .. 8m+7) of each row, the
+    two low-byte words L [BN, M, 2], the code word C [BN, M] (compressed blocks) and the
+    four raw pair words R [BN, M, 4] (raw blocks); comp / base4 broadcastable to [BN, M].
+    Each stream is loaded as one contiguous run per row (token layout) for wide loads."""
+    M: tl.constexpr = D // 8
+    ok = row_ok[:, None]
+    if LAYOUT == 0:                            # token-major: block = r // TPB, contiguous rows
+        TPB: tl.constexpr = 512 // D
+        dsc = tl.load(desc_ptr + drow + r // TPB, mask=row_ok, other=0)
+        rr = r % TPB
+        blk = dsc >> 10                        # word address of the block (multiple of 64)
+        comp = (((dsc >> 7) & 1) != 0)[:, None]
+        base4 = ((dsc & 0x7F).to(tl.int32) * 0x01010101)[:, None]
+        cm = ok & comp
+        rm = ok & (comp == 0)
+        a_l = tl.multiple_of(blk + rr * (D // 4), 16)         # row starts, int32 words
+        a_c = tl.multiple_of(blk + 128 + rr * (D // 8), 4)
+        a_r = tl.multiple_of(blk + rr * (D // 2), 16)
+        L = tl.load(pool_ptr + a_l[:, None] + tl.arange(0, 2 * M)[None, :], mask=cm, other=0)
+        C = tl.load(pool_ptr + a_c[:, None] + tl.arange(0, M)[None, :], mask=cm, other=0)
+        R = tl.load(pool_ptr + a_r[:, None] + tl.arange(0, 4 * M)[None, :], mask=rm, other=0)
+        L = L.reshape([BN, M, 2])
+        R = R.reshape([BN, M, 4])
+    else:                                      # channel-major: block = m // 4
+        m = tl.arange(0, M)[None, :]
+        dsc = tl.load(desc_ptr + drow[:, None] + m // 4, mask=ok & (m >= 0), other=0)
+        rr = r[:, None]
+        comp = ((dsc >> 7) & 1) != 0
+        blk = dsc >> 10
+        base4 = (dsc & 0x7F).to(tl.int32) * 0x01010101
+        cm = ok & comp
+        rm = ok & (comp == 0)
+        a_l = tl.multiple_of(blk + rr * 8 + 2 * (m % 4), [2, 2])
+        a_r = tl.multiple_of(blk + rr * 16 + 4 * (m % 4), [4, 4])
+        L = tl.load(pool_ptr + a_l[:, :, None] + tl.arange(0, 2)[None, None, :], mask=cm[:, :, None], other=0)
+        C = tl.load(pool_ptr + (blk + 128 + rr * 4 + (m % 4)), mask=cm, other=0)
+        R = tl.load(pool_ptr + a_r[:, :, None] + tl.arange(0, 4)[None, None, :], mask=rm[:, :, None], other=0)
+    return L, C, R, comp, base4
+
+
+@triton.jit
+def _pairs_to_tile(P, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    """int32 [BN, M, 4] bf16 pairs (channels 8m+2w, 8m+2w+1) -> the [BN, D] tile (bf16 on
+    the GPU, fp32 under FP32), channels in natural order."""
+    if FP32:                                   # exact: a bf16's fp32 bits are its bits << 16
+        lo = (P << 16).to(tl.float32, bitcast=True)
+        hi = (P & -65536).to(tl.float32, bitcast=True)
+    else:                                      # a register split, no instruction
+        lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [P],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+    return tl.join(lo, hi).reshape([BN, D])
+
+
+@triton.jit
+def _rebuild_words(L0, L1, C, base4, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    """Low-byte words L0, L1 [BN, M] (channels 8m..8m+3, 8m+4..8m+7) + code words C [BN, M]
+    -> bf16 pair words [BN, M, 4] (channels 8m+2w, 8m+2w+1)."""
+    M: tl.constexpr = D // 8
+    w0, w1 = _interleave(L0, _high_bytes(C, base4), FP32)
+    w2, w3 = _interleave(L1, _high_bytes(C >> 4, base4), FP32)
+    return tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape([BN, M, 4])
+
+
+@triton.jit
+def _rebuild(L, C, R, comp, base4, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    """Mixed tile: compressed rows from (L, C), raw rows from R -> [BN, D] tile."""
+    L0, L1 = tl.split(L)
+    W = _rebuild_words(L0, L1, C, base4, BN, D, FP32)
+    return _pairs_to_tile(tl.where(comp[:, :, None], W, R), BN, D, FP32)
+
+
+@triton.jit
+def _rows(dsc, r, D: tl.constexpr):
+    """Token layout: per row, word addresses of its low bytes, codes and raw pairs."""
+    TPB: tl.constexpr = 512 // D
+    blk = dsc >> 10                            # word address of the block (multiple of 64)
+    rr = r % TPB
+    a_l = tl.multiple_of(blk + rr * (D // 4), 4)
+    a_c = tl.multiple_of(blk + 128 + rr * (D // 8), 4)
+    a_r = tl.multiple_of(blk + rr * (D // 2), 4)
+    return a_l, a_c, a_r
+
+
+@triton.jit
+def _fetch_comp(pool_ptr, dsc, r, row_ok, BN: tl.constexpr, D: tl.constexpr):
+    """Token layout, every block of the tile compressed: loads only the low bytes (one
+    8-byte word per group of 8 channels) and the codes (one 4-byte word per group), both
+    8 bytes per thread so that a thread holds the same groups of both streams."""
+    M: tl.constexpr = D // 8
+    a_l, a_c, a_r = _rows(dsc, r, D)
+    ok = row_ok[:, None]
+    m = tl.arange(0, M)[None, :]
+    pool64 = pool_ptr.to(tl.pointer_type(tl.int64))
+    L = tl.load(pool64 + tl.multiple_of(a_l // 2, 2)[:, None] + m, mask=ok, other=0)
+    C = tl.load(pool_ptr + tl.multiple_of(a_c, 2)[:, None] + m, mask=ok, other=0)
+    return L.to(tl.int32), (L >> 32).to(tl.int32), C
+
+
+@triton.jit
+def _fetch_raw(pool_ptr, dsc, r, row_ok, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    """Token layout, every block of the tile raw: the plain [BN, D] bf16 rows."""
+    a_l, a_c, a_r = _rows(dsc, r, D)
+    ok = row_ok[:, None]
+    if FP32:
+        M: tl.constexpr = D // 8
+        R = tl.load(pool_ptr + a_r[:, None] + tl.arange(0, 4 * M)[None, :], mask=ok, other=0)
+        return _pairs_to_tile(R.reshape([BN, M, 4]), BN, D, FP32)
+    else:
+        pool16 = pool_ptr.to(tl.pointer_type(tl.bfloat16))
+        return tl.load(pool16 + tl.multiple_of(a_r * 2, 8)[:, None] + tl.arange(0, D)[None, :],
+                       mask=ok, other=0.0)
+
+
+@triton.jit
+def _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32: tl.constexpr):
+    """Online softmax, first half: scores of one [BN, D] K tile (log2 domain) ->
+    (p, alpha, m_new, l_new)."""
+    if FP32:
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    else:
+        sc = tl.dot(q, tl.trans(k)) * qk_scale
+    sc = tl.where(row_ok[None, :], sc, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(sc, axis=1))           # finite: every tile has a token
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _accum(acc, p, alpha, v, FP32: tl.constexpr):
+    """Online softmax, second half: acc * alpha + p @ V."""
+    if FP32:
+        return acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+
+
+@triton.jit
+def _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len, tile, h, tp, r,
+               HKV: tl.constexpr, D: tl.constexpr, PPT: tl.constexpr):
+    """Page-table and descriptor loads of one tile: (row_ok, K row desc index, V row desc
+    index, K desc, V desc) -- the descs per row for the token layout (0 where not needed)."""
+    NB: tl.constexpr = D // 32
+    TPB: tl.constexpr = 512 // D
+    pg = tile * PPT + tp
+    page = tl.load(indices_ptr + p_start + pg, mask=pg < npages, other=0).to(tl.int64)
+    row_ok = (pg * 16 + r) < seq_len
+    k_row = ((page * 2) * HKV + h) * NB
+    v_row = k_row + HKV * NB
+    kd = tl.load(desc_ptr + k_row + r // TPB, mask=row_ok, other=0)
+    vd = tl.load(desc_ptr + v_row + r // TPB, mask=row_ok, other=0)
+    return row_ok, k_row, v_row, kd, vd
+
+
+@triton.jit
+def _attend_mixed(q, m_i, l_i, acc, tile, pool_ptr, desc_ptr, indices_ptr, p_start, npages,
+                  seq_len, h, qk_scale, HKV: tl.constexpr, D: tl.constexpr,
+                  K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, PPT: tl.constexpr,
+                  SUB: tl.constexpr, FP32: tl.constexpr):
+    """Any tile (mixed blocks, any layout): sub-tiles of SUB rows, K then V, every row
+    loading the compressed streams or the raw one, masked by its block's flag (registers
+    stay low: only one SUB-row tile is live at a time)."""
+    NB: tl.constexpr = D // 32
+    for j in tl.static_range((16 * PPT) // SUB):
+        t = j * SUB + tl.arange(0, SUB)
+        pg = tile * PPT + t // 16
+        r = t % 16
+        page = tl.load(indices_ptr + p_start + pg, mask=pg < npages, other=0).to(tl.int64)
+        row_ok = (pg * 16 + r) < seq_len
+        k_row = ((page * 2) * HKV + h) * NB
+        kL, kC, kR, kc, kb = _fetch(pool_ptr, desc_ptr, k_row, r, row_ok, SUB, D, K_LAYOUT)
+        k = _rebuild(kL, kC, kR, kc, kb, SUB, D, FP32)
+        p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32)
+        vL, vC, vR, vc, vb = _fetch(pool_ptr, desc_ptr, k_row + HKV * NB, r, row_ok, SUB, D, V_LAYOUT)
+        v = _rebuild(vL, vC, vR, vc, vb, SUB, D, FP32)
+        acc = _accum(acc, p, alpha, v, FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr, indices_ptr,
+                 p_start, npages, seq_len, h, r, qk_scale, HKV: tl.constexpr, D: tl.constexpr,
+                 K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, PPT: tl.constexpr,
+                 SUB: tl.constexpr, FP32: tl.constexpr, BRANCH: tl.constexpr):
+    """One tile of PPT whole pages. With the token layout and BRANCH, a tile whose blocks
+    are all compressed (or all raw) loads only those streams, K and V at once; any other
+    tile goes through :func:`_attend_mixed`."""
+    BN: tl.constexpr = 16 * PPT
+    if BRANCH and K_LAYOUT == 0 and V_LAYOUT == 0:
+        ck = ((kd >> 7) & 1) != 0
+        cv = ((vd >> 7) & 1) != 0
+        n_comp = tl.sum(tl.where(row_ok, (ck & cv).to(tl.int32), 1), axis=0)
+        n_raw = tl.sum(tl.where(row_ok, ((ck == 0) & (cv == 0)).to(tl.int32), 1), axis=0)
+        if BRANCH == 2 or (BRANCH == 1 and n_comp == BN):
+            kL0, kL1, kC = _fetch_comp(pool_ptr, kd, r, row_ok, BN, D)
+            vL0, vL1, vC = _fetch_comp(pool_ptr, vd, r, row_ok, BN, D)
+            kb = ((kd & 0x7F).to(tl.int32) * 0x01010101)[:, None]
+            vb = ((vd & 0x7F).to(tl.int32) * 0x01010101)[:, None]
+            k = _pairs_to_tile(_rebuild_words(kL0, kL1, kC, kb, BN, D, FP32), BN, D, FP32)
+            p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32)
+            v = _pairs_to_tile(_rebuild_words(vL0, vL1, vC, vb, BN, D, FP32), BN, D, FP32)
+            acc = _accum(acc, p, alpha, v, FP32)
+        elif BRANCH == 3 or (BRANCH == 1 and n_raw == BN):
+            k = _fetch_raw(pool_ptr, kd, r, row_ok, BN, D, FP32)
+            v = _fetch_raw(pool_ptr, vd, r, row_ok, BN, D, FP32)
+            p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32)
+            acc = _accum(acc, p, alpha, v, FP32)
+        else:
+            m_i, l_i, acc = _attend_mixed(q, m_i, l_i, acc, tile, pool_ptr, desc_ptr, indices_ptr,
+                                          p_start, npages, seq_len, h, qk_scale, HKV, D,
+                                          K_LAYOUT, V_LAYOUT, PPT, SUB, FP32)
+    else:
+        m_i, l_i, acc = _attend_mixed(q, m_i, l_i, acc, tile, pool_ptr, desc_ptr, indices_ptr,
+                                      p_start, npages, seq_len, h, qk_scale, HKV, D,
+                                      K_LAYOUT, V_LAYOUT, PPT, SUB, FP32)
+    return m_i, l_i, acc
+
+
+# ----------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _decode_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr,
+                   out_ptr, part_ptr, lse_ptr, qk_scale,
+                   HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                   K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, PPT: tl.constexpr,
+                   SPLITS: tl.constexpr, FP32: tl.constexpr, STAGES: tl.constexpr,
+                   BRANCH: tl.constexpr, PREFETCH: tl.constexpr, SUB: tl.constexpr):
+    BN: tl.constexpr = 16 * PPT
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    p_start = tl.load(indptr_ptr + b)
+    npages = tl.load(indptr_ptr + b + 1) - p_start
+    seq_len = (npages - 1) * 16 + tl.load(last_ptr + b)
+    n_tiles = tl.cdiv(npages, PPT)
+    per = tl.cdiv(n_tiles, SPLITS)             # split s: tiles [s * per, (s + 1) * per)
+    t_lo = s * per
+    t_hi = tl.minimum(t_lo + per, n_tiles)
+
+    g = tl.arange(0, G_PAD)
+    dd = tl.arange(0, D)
+    q_rows = b * (HKV * G) + h * G + g
+    q = tl.load(q_ptr + q_rows[:, None] * D + dd[None, :], mask=(g < G)[:, None], other=0.0)
+
+    t = tl.arange(0, BN)
+    tp = t // 16                               # page of the row inside the tile
+    r = t % 16                                 # row inside its page
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+    # page table + descriptors of the next tile are fetched while the current one is computed
+    row_ok, k_row, v_row, kd, vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
+                                              t_lo, h, tp, r, HKV, D, PPT)
+    if FP32:
+        # the interpreter cannot take tensor loop bounds in range() (numpy >= 2), use while
+        tile = t_lo
+        while tile < t_hi:
+            n_ok, n_k, n_v, n_kd, n_vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
+                                                    tile + 1, h, tp, r, HKV, D, PPT)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr,
+                                         indices_ptr, p_start, npages, seq_len, h, r, qk_scale, HKV,
+                                         D, K_LAYOUT, V_LAYOUT, PPT, SUB, FP32, BRANCH)
+            row_ok, k_row, v_row, kd, vd = n_ok, n_k, n_v, n_kd, n_vd
+            tile += 1
+    elif PREFETCH:
+        for tile in tl.range(t_lo, t_hi, num_stages=STAGES):
+            n_ok, n_k, n_v, n_kd, n_vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
+                                                    tile + 1, h, tp, r, HKV, D, PPT)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr,
+                                         indices_ptr, p_start, npages, seq_len, h, r, qk_scale, HKV,
+                                         D, K_LAYOUT, V_LAYOUT, PPT, SUB, FP32, BRANCH)
+            row_ok, k_row, v_row, kd, vd = n_ok, n_k, n_v, n_kd, n_vd
+    else:
+        for tile in tl.range(t_lo, t_hi, num_stages=STAGES):
+            row_ok, k_row, v_row, kd, vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
+                                                      tile, h, tp, r, HKV, D, PPT)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr,
+                                         indices_ptr, p_start, npages, seq_len, h, r, qk_scale, HKV,
+                                         D, K_LAYOUT, V_LAYOUT, PPT, SUB, FP32, BRANCH)
+
+    gm = g < G
+    if SPLITS == 1:
+        o = acc / l_i[:, None]
+        tl.store(out_ptr + q_rows[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=gm[:, None])
+    else:                                      # empty split: l = 0, lse = -inf, o = 0
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        prow = q_rows * SPLITS + s
+        tl.store(part_ptr + prow[:, None] * D + dd[None, :], o, mask=gm[:, None])
+        tl.store(lse_ptr + prow, lse, mask=gm)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.constexpr,
+                  S_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    sp = tl.arange(0, S_PAD)
+    dd = tl.arange(0, D)
+    sm = sp < SPLITS
+    lse = tl.load(lse_ptr + row * SPLITS + sp, mask=sm, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, axis=0))    # split 0 always holds a token: max is finite
+    o = tl.load(part_ptr + (row * SPLITS + sp)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    tl.store(out_ptr + row * D + dd, res.to(out_ptr.dtype.element_ty))
+
+
+
+# ----------------------------------------------------------------------------- cache
+
+@dataclass
+class PagedKVCache:
+    """Paged KV cache whose page-heads may be compressed per block (see module docstring).
+
+    pool: uint8 ``[pool_bytes]``; desc: int64 ``[num_pages, 2, kv_heads, n_blocks]``.
+    """
+    pool: torch.Tensor
+    desc: torch.Tensor
+    head_dim: int
+    k_layout: str = "token"
+    v_layout: str = "token"
+
+    @property
+    def num_pages(self) -> int:
+        return self.desc.shape[0]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.desc.shape[2]
+
+    @property
+    def n_blocks(self) -> int:
+        return fmt.n_blocks(self.head_dim)
+
+    def meta(self, kv: int) -> fmt.PageMeta:
+        """Metadata of keys (kv=0) or values (kv=1): PageMeta ``[num_pages, kv_heads, n_blocks]``."""
+        d = self.desc[:, kv]
+        return fmt.PageMeta.from_packed((d & 0xFF).to(torch.uint8),
+                                        (self.k_layout, self.v_layout)[kv], self.head_dim)
+
+    def slot_offsets(self) -> torch.Tensor:
+        """int64 ``[num_pages, 2, kv_heads]``: byte address of each page-head slot."""
+        return self.desc[..., 0] >> 8
+
+    def read_pages(self, page_ids: torch.Tensor | None = None):
+        """Decode pages with ``zipkv.format.unpack``: ``(k, v)``, each bf16
+        ``[len(page_ids), kv_heads, 16, head_dim]`` (all pages by default)."""
+        ids = torch.arange(self.num_pages, device=self.desc.device) if page_ids is None else page_ids.long()
+        pb = fmt.page_bytes(self.head_dim)
+        off = self.slot_offsets()[ids]                                   # [n, 2, H]
+        padded = torch.cat([self.pool, self.pool.new_zeros(pb)])        # compact slots may end early
+        idx = off[..., None] + torch.arange(pb, device=off.device)
+        slots = padded[idx]                                              # [n, 2, H, pb]
+        out = []
+        for kv in (0, 1):
+            m = self.meta(kv)[ids]
+            out.append(fmt.unpack(slots[:, kv], m))
+        return out[0], out[1]
+
+    def stats(self) -> dict:
+        """Pool bytes in use vs. raw, compressed block fractions for K and V."""
+        mk, mv = self.meta(0), self.meta(1)
+        used = int(mk.nbytes.sum() + mv.nbytes.sum())
+        raw = 2 * self.num_pages * self.kv_heads * fmt.page_bytes(self.head_dim)
+        return dict(pool_bytes=self.pool.numel(), used_bytes=used, raw_bytes=raw,
+                    frac_k=float(mk.compressed.float().mean()), frac_v=float(mv.compressed.float().mean()))
+
+
+def _check_kv(x, name):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"{name} must have dtype torch.bfloat16, got {x.dtype}")
+    if x.dim() != 4:
+        raise ValueError(f"{name} must have shape [batch, kv_heads, T, head_dim], got {tuple(x.shape)}")
+    fmt._check_head_dim(x.shape[-1], f"{name} (shape {tuple(x.shape)})")
+
+
+def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
+                      k_layout: str = "token", v_layout: str = "token",
+                      compress="eligible", shuffle: bool = True, compact: bool = False,
+                      seed: int = 0):
+    """Build a :class:`PagedKVCache` and its CSR page table from contiguous K/V.
+
+    k, v: bf16 ``[batch, kv_heads, T, head_dim]``; seq_lens: ``[batch]`` ints in 1..T
+    (default T): request ``b`` uses its first ``seq_lens[b]`` tokens. Full pages are packed
+    with ``zipkv.format.pack`` (partial last pages stay raw). compress: ``"eligible"``
+    (every eligible block), ``"none"`` (all raw: the uncompressed baseline), a float ``f``
+    (a seeded random fraction ``f`` of the eligible blocks), or a bool tensor
+    ``[num_pages, 2, kv_heads, n_blocks]`` in logical page order (forcing the mix).
+    shuffle: random physical page ids; compact: slots back to back at their packed size.
+    Returns ``(cache, indptr, indices, last_page_len)`` on k's device.
+    """
+    _check_kv(k, "k")
+    _check_kv(v, "v")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    fmt._check_layout(k_layout, "k_layout")
+    fmt._check_layout(v_layout, "v_layout")
+    B, H, T, D = k.shape
+    dev = k.device
+    lens = [T] * B if seq_lens is None else [int(x) for x in seq_lens]
+    if len(lens) != B or any(not 1 <= x <= T for x in lens):
+        raise ValueError(f"seq_lens must hold {B} lengths in [1, {T}], got {lens}")
+    npg = [(x + 15) // 16 for x in lens]
+    P = sum(npg)
+    pages, full = [], []
+    for b in range(B):
+        n = npg[b] * 16
+        kv = torch.stack([k[b, :, :lens[b]], v[b, :, :lens[b]]])        # [2, H, L, D]
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, n - lens[b]))
+        pages.append(kv.reshape(2, H, npg[b], 16, D).permute(2, 0, 1, 3, 4))
+        full.append(torch.arange(npg[b]) < lens[b] // 16)
+    pages = torch.cat(pages).contiguous()                              # [P, 2, H, 16, D] logical
+    full = torch.cat(full).to(dev)
+    nb = fmt.n_blocks(D)
+    if isinstance(compress, torch.Tensor):
+        if compress.dtype != torch.bool or compress.shape != (P, 2, H, nb):
+            raise ValueError(f"compress mask must be bool [{P}, 2, {H}, {nb}], got {compress.dtype} {tuple(compress.shape)}")
+        enable = compress.to(dev)
+    elif compress == "eligible":
+        enable = torch.ones(P, 2, H, nb, dtype=torch.bool, device=dev)
+    elif compress == "none":
+        enable = torch.zeros(P, 2, H, nb, dtype=torch.bool, device=dev)
+    elif isinstance(compress, float) and 0.0 <= compress <= 1.0:
+        gen = torch.Generator().manual_seed(seed)
+        enable = (torch.rand(P, 2, H, nb, generator=gen) < compress).to(dev)
+    else:
+        raise ValueError(f"compress must be 'eligible', 'none', a float in [0, 1] or a bool mask, got {compress!r}")
+    enable = enable & full[:, None, None, None]
+    pb = fmt.page_bytes(D)
+    payload = torch.empty(P, 2, H, pb, dtype=torch.uint8, device=dev)
+    packed = torch.empty(P, 2, H, nb, dtype=torch.uint8, device=dev)
+    for kv, lay in ((0, k_layout), (1, v_layout)):
+        pl, m = fmt.pack(pages[:, kv], lay, enable=enable[:, kv])
+        payload[:, kv], packed[:, kv] = pl, m.packed()
+    # logical page i -> physical id perm[i]
+    gen = torch.Generator().manual_seed(seed + 1)
+    perm = (torch.randperm(P, generator=gen) if shuffle else torch.arange(P)).to(dev)
+    phys_payload = torch.empty_like(payload)
+    phys_payload[perm] = payload
+    phys_packed = torch.empty_like(packed)
+    phys_packed[perm] = packed
+    comp = (phys_packed >> 7).bool()
+    size = torch.where(comp, fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).to(torch.int64)
+    blk_off = torch.cumsum(size, -1) - size                            # inside the slot
+    if compact:
+        used = size.sum(-1).reshape(-1)                                # [P*2*H]
+        slot = (torch.cumsum(used, 0) - used).reshape(P, 2, H)
+        units = torch.arange(pb // 256, device=dev) < (used // 256)[:, None]
+        pool = phys_payload.reshape(-1, pb // 256, 256)[units].reshape(-1)
+    else:
+        slot = torch.arange(P * 2 * H, device=dev, dtype=torch.int64).reshape(P, 2, H) * pb
+        pool = phys_payload.reshape(-1)
+    desc = ((slot[..., None] + blk_off) << 8) | phys_packed.to(torch.int64)
+    indptr = torch.tensor([0] + npg, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
+    last = torch.tensor([x - 16 * (n - 1) for x, n in zip(lens, npg)], dtype=torch.int32, device=dev)
+    cache = PagedKVCache(pool.contiguous(), desc.contiguous(), D, k_layout, v_layout)
+    return cache, indptr, perm.to(torch.int32), last
+
+
+def compress_cache_(cache: PagedKVCache, page_ids: torch.Tensor, *,
+                    pages_per_program: int | None = None) -> PagedKVCache:
+    """Compress raw full pages of ``cache`` in place with the Triton pack kernel
+    (ZipFusion §III-D: the page id stays, its slot shrinks to a prefix). page_ids: int
+    ``[n]`` physical ids whose page-heads are all raw; their descriptors are updated."""
+    from zipkv.kernels.pack import pack_into
+    _check_cache(cache)
+    if not isinstance(page_ids, torch.Tensor) or page_ids.dim() != 1 or page_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"page_ids must be a 1-D int32/int64 tensor, got {getattr(page_ids, 'dtype', type(page_ids))} "
+                         f"{tuple(getattr(page_ids, 'shape', ()))}")
+    ids = page_ids.long().to(cache.desc.device)
+    if ids.numel() == 0:
+        return cache
+    if int(ids.min()) < 0 or int(ids.max()) >= cache.num_pages:
+        raise ValueError(f"page_ids must lie in [0, {cache.num_pages}), got range [{int(ids.min())}, {int(ids.max())}]")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("page_ids must not repeat")
+    d = cache.desc[ids]                                                # [n, 2, H, nb]
+    slot = d[..., :1] >> 8
+    raw_contig = (d >> 8) == slot + 1024 * torch.arange(cache.n_blocks, device=d.device)
+    if bool(((d >> 7) & 1).any()) or not bool(raw_contig.all()):
+        raise ValueError("compress_cache_: every page-head of page_ids must be raw (not yet compressed)")
+    for kv, lay in ((0, cache.k_layout), (1, cache.v_layout)):
+        off = slot[:, kv, :, 0].reshape(-1).contiguous()
+        meta = pack_into(cache.pool, off, cache.pool, off, cache.head_dim, lay, src_packed=True,
+                         pages_per_program=pages_per_program)
+        m = fmt.PageMeta.from_packed(meta, lay, cache.head_dim)
+        new = ((off[:, None] + m.block_offsets()) << 8) | meta.to(torch.int64)
+        cache.desc[ids, kv] = new.reshape(ids.numel(), cache.kv_heads, cache.n_blocks)
+    return cache
+
+
+# ----------------------------------------------------------------------------- launcher
+
+_TUNE = dict(stages=1, num_warps=4, branch=True, prefetch=True)     # GPU launch options (set by the tuning benchmark)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
+
+
+def _check_cache(cache):
+    if not isinstance(cache, PagedKVCache):
+        raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
+    fmt._check_head_dim(cache.head_dim, "cache.head_dim")
+    fmt._check_layout(cache.k_layout, "cache.k_layout")
+    fmt._check_layout(cache.v_layout, "cache.v_layout")
+    p, d = cache.pool, cache.desc
+    if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous():
+        raise TypeError(f"cache.pool must be a contiguous 1-D uint8 tensor, got "
+                        f"{getattr(p, 'dtype', type(p))} {tuple(getattr(p, 'shape', ()))}")
+    if p.numel() % 4 or p.data_ptr() % 4:
+        raise ValueError(f"cache.pool must be 4-byte aligned with a size multiple of 4, got {p.numel()} bytes")
+    nb = fmt.n_blocks(cache.head_dim)
+    if (not isinstance(d, torch.Tensor) or d.dtype != torch.int64 or d.dim() != 4
+            or d.shape[1] != 2 or d.shape[3] != nb or not d.is_contiguous()):
+        raise ValueError(f"cache.desc must be a contiguous int64 tensor [num_pages, 2, kv_heads, {nb}], got "
+                         f"{getattr(d, 'dtype', type(d))} {tuple(getattr(d, 'shape', ()))}")
+
+
+def _check_index(x, name, n=None):
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {x.dtype}")
+    if x.dim() != 1 or (n is not None and x.shape[0] != n):
+        want = f"[{n}]" if n is not None else "1-D"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got stride {x.stride()}")
+
+
+def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
+                     indices: torch.Tensor, last_page_len: torch.Tensor, *,
+                     softmax_scale: float | None = None, num_splits: int | None = None,
+                     pages_per_tile: int | None = None, out: torch.Tensor | None = None,
+                     validate: bool = True) -> torch.Tensor:
+    """Decode attention of one new token per request over a paged, partly compressed cache.
+
+    q: bf16 ``[batch, q_heads, head_dim]`` (q_heads a multiple of kv_heads; query head
+    ``i`` reads KV head ``i // (q_heads / kv_heads)``). Page table in FlashInfer's CSR form
+    (int32; every request has >= 1 page). softmax_scale: default ``1/sqrt(head_dim)``.
+    num_splits: split-KV factor (default: enough programs for the GPU, 1 on CPU).
+    pages_per_tile: pages per inner tile (default 4 on the GPU, 1 interpreting).
+    validate: also check values (indptr consistent, page ids in range, last_page_len in
+    1..16) — this syncs with the device; pass False in timed loops / CUDA graphs.
+    Returns bf16 ``[batch, q_heads, head_dim]``.
+    """
+    _check_cache(cache)
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype != torch.bfloat16:
+        raise TypeError(f"q must have dtype torch.bfloat16, got {q.dtype}")
+    D, HKV = cache.head_dim, cache.kv_heads
+    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % HKV or q.shape[1] == 0:
+        raise ValueError(f"q must have shape [batch, q_heads, {D}] with q_heads a multiple of "
+                         f"kv_heads={HKV}, got {tuple(q.shape)}")
+    if not q.is_contiguous():
+        raise ValueError(f"q must be contiguous, got stride {q.stride()} for shape {tuple(q.shape)}")
+    B, HQ = q.shape[0], q.shape[1]
+    _check_index(indptr, "indptr", B + 1)
+    _check_index(indices, "indices")
+    _check_index(last_page_len, "last_page_len", B)
+    devs = {t.device for t in (q, cache.pool, cache.desc, indptr, indices, last_page_len)}
+    if len(devs) != 1:
+        raise ValueError(f"q, cache, indptr, indices and last_page_len must be on one device, got {sorted(map(str, devs))}")
+    if validate:
+        ip = indptr.tolist()
+        if ip[0] != 0 or any(b2 <= a for a, b2 in zip(ip, ip[1:])) or ip[-1] > indices.numel():
+            raise ValueError(f"indptr must start at 0, increase strictly (every request has >= 1 page) "
+                             f"and end at <= len(indices)={indices.numel()}, got {ip if len(ip) <= 20 else ip[:20] + ['...']}")
+        used = indices[: ip[-1]]
+        if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache.num_pages):
+            raise ValueError(f"indices must lie in [0, {cache.num_pages}) (cache.num_pages), got range "
+                             f"[{int(used.min())}, {int(used.max())}]")
+        if B and (int(last_page_len.min()) < 1 or int(last_page_len.max()) > 16):
+            raise ValueError(f"last_page_len must lie in [1, 16], got range "
+                             f"[{int(last_page_len.min())}, {int(last_page_len.max())}]")
+    if out is None:
+        out = torch.empty_like(q)
+    elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != q.shape
+          or not out.is_contiguous() or out.device != q.device):
+        raise ValueError(f"out must be a contiguous bf16 tensor {tuple(q.shape)} on {q.device}")
+    if B == 0:
+        return out
+    interp = _interpreting()
+    ppt = pages_per_tile or (1 if interp else 4)
+    if ppt < 1 or ppt & (ppt - 1):
+        raise ValueError(f"pages_per_tile must be a power of two >= 1, got {ppt}")
+    if num_splits is None:
+        if q.device.type == "cuda":
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+            avg_tiles = max(1, indices.numel() // max(B, 1) // ppt)
+            num_splits = max(1, min(avg_tiles, math.ceil(2 * sms / (B * HKV))))
+        else:
+            num_splits = 1
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    G = HQ // HKV
+    fp32 = interp or q.device.type != "cuda"
+    qk = q.float() if fp32 else q
+    res = torch.empty(B, HQ, D, dtype=torch.float32, device=q.device) if fp32 else out
+    if num_splits > 1:
+        part = torch.empty(B, HQ, num_splits, D, dtype=torch.float32, device=q.device)
+        lse = torch.empty(B, HQ, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part = lse = res                                               # unused
+    _decode_kernel[(B, HKV, num_splits)](
+        qk, cache.pool.view(torch.int32), cache.desc, indptr, indices, last_page_len,
+        res, part, lse, scale * math.log2(math.e),
+        HKV=HKV, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D,
+        K_LAYOUT=fmt.LAYOUTS.index(cache.k_layout), V_LAYOUT=fmt.LAYOUTS.index(cache.v_layout),
+        PPT=ppt, SPLITS=num_splits, FP32=fp32, STAGES=_TUNE["stages"], BRANCH=_TUNE["branch"], PREFETCH=_TUNE["prefetch"], SUB=ppt * 16 if fp32 else min(ppt * 16, 32),
+        **({} if interp else dict(num_warps=_TUNE["num_warps"])))
+    if num_splits > 1:
+        _merge_kernel[(B * HQ,)](part, lse, res, D=D, SPLITS=num_splits,
+                                 S_PAD=triton.next_power_of_2(num_splits))
+    if fp32:
+        out.copy_(res)                                                 # torch's fp32 -> bf16 (exact RNE)
+    return out
