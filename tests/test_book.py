@@ -122,3 +122,13 @@ def test_quick_book_builds_and_renders_in_chromium(tmp_path):
         assert "Provenance" in body and "The model, the data and the KV cache" in body
     finally:
         driver.quit()
+
+
+def test_unparseable_parameter_line_is_a_clear_error(tmp_path):
+    root = _tiny_root(tmp_path, [])
+    path = root / "notebooks" / "part" / "tiny.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[1].source = "x = 1  # a comment with r = 0.3 inside\nresults_csv = None"
+    nbformat.write(nb, path)
+    with pytest.raises(ValueError, match="cannot parse the parameter line 'x = 1"):
+        book.plan("quick", root=root)

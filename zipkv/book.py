@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -72,7 +73,15 @@ def declared_parameters(source: Path) -> dict:
     code_cells = [c for c in nb.cells if c.cell_type == "code"]
     if not code_cells or "parameters" not in code_cells[0].metadata.get("tags", []):
         raise ValueError(f"notebook {source.name}: its first code cell must be tagged 'parameters'")
-    return papermill.inspect_notebook(str(source))
+    declared = papermill.inspect_notebook(str(source))
+    # papermill skips (with only a log warning) an assignment it cannot parse, e.g. one whose
+    # comment holds "=": the parameter would then be rejected later as unknown. Say so here.
+    for line in code_cells[0].source.splitlines():
+        name = re.match(r"^([A-Za-z_]\w*)\s*=", line)
+        if name and name.group(1) not in declared:
+            raise ValueError(f"notebook {source.name}: papermill cannot parse the parameter line {line!r} "
+                             "(keep '=' out of its comment)")
+    return declared
 
 
 def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT) -> list[NotebookJob]:
