@@ -2,6 +2,7 @@
 
 ``python -m zipkv book [--profile quick|paper] [--only NAME ...]`` — execute the notebooks, build the book.
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput).
+``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 """
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
-    bench.add_argument("what", choices=["attention", "pack"])
+    bench.add_argument("what", choices=["attention", "pack", "distill"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
-    bench.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
+    bench.add_argument("--contexts", type=int, nargs="+", default=None,
+                       help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
     bench.add_argument("--batches", type=int, nargs="+", default=[32, 64, 96])
     bench.add_argument("--real-kv", type=Path, default=None,
                        help="first chapter's results CSV: also time the measured mix of compressed blocks")
     bench.add_argument("--reps", type=int, default=30)
+    bench.add_argument("--steps", type=int, default=100, help="distill: outer L-BFGS steps (paper: 100)")
+    bench.add_argument("--reference-limit", type=int, default=4,
+                       help="distill: problems the reference solver runs per timed context (scaled to the context)")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV)")
     args = parser.parse_args(argv)
 
@@ -37,9 +42,22 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.what == "attention":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
-            table = benchmarks.attention_benchmark(args.shape, args.contexts, args.batches, fraction, reps=args.reps)
-        else:
+            table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192], args.batches, fraction,
+                                                  reps=args.reps)
+        elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
+        else:
+            import torch
+
+            from zipkv import data, models
+            from zipkv.distill import batched, kvsculpt
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            model, tokenizer = models.load_model(dtype=torch.float32, device=device)
+            table, _ = batched.speed_sweep(model, tokenizer, data.load_books(),
+                                           contexts=args.contexts or [1024, 2048, 4096, 8192],
+                                           config=kvsculpt.SculptConfig(steps=args.steps, progress=False),
+                                           reference_limit=args.reference_limit)
         with pd.option_context("display.width", 200, "display.max_columns", 30):
             print(table.to_string(index=False))
         if args.out:
