@@ -158,3 +158,79 @@ def test_build_errors():
         build_paged_cache(k, k, [21])
     with pytest.raises(ValueError, match="compress must be"):
         build_paged_cache(k, k, compress="all")
+
+
+def _request_mask(lens, H, D, kinds):
+    """compress mask [P, 2, H, nb] in logical page order: per request 'c' (all blocks),
+    'r' (none) or 'm' (a fixed mix of blocks in every page)."""
+    nb = 16 * D // 512
+    rows = []
+    for n, kind in zip(lens, kinds):
+        pages = (n + 15) // 16
+        if kind == "c":
+            m = torch.ones(pages, 2, H, nb, dtype=torch.bool)
+        elif kind == "r":
+            m = torch.zeros(pages, 2, H, nb, dtype=torch.bool)
+        else:
+            m = (torch.arange(pages * 2 * H * nb) % 3 != 0).reshape(pages, 2, H, nb)
+        rows.append(m)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("ppt,splits", [(1, 1), (2, 3), (4, 2)])
+def test_routing_mixes_uniform_and_mixed_requests(ppt, splits):
+    """One batch: all-compressed requests (partial and full last pages), an all-raw one, a
+    mixed one and a one-page one; every (request, head) is routed to its own kernel."""
+    lens = [70, 64, 50, 40, 9]
+    kinds = ["c", "c", "r", "m", "c"]
+    B, H, G, D = len(lens), 2, 3, 64
+    q, k, v = make_inputs(B, H, G, max(lens), D, seed=11, outliers=False)
+    mask = _request_mask(lens, H, D, kinds)
+    cache, ip, idx, last = build_paged_cache(k, v, lens, compress=mask)
+    assert cache.kind() == "mixed"
+    pk = cache.page_kinds()
+    assert set(torch.unique(pk).tolist()) == {0, 1, 2}
+    ref = decode_attention_reference(q, cache, ip, idx, last)
+    out = decode_attention(q, cache, ip, idx, last, num_splits=splits, pages_per_tile=ppt)
+    check(out, ref)
+    out_m = decode_attention(q, cache, ip, idx, last, num_splits=splits, pages_per_tile=ppt, path="mixed")
+    check(out_m, ref)
+    # same values; the split boundaries differ (the all-compressed kernel takes the last page
+    # on its own), so fp32 rounding may differ by a bf16 ulp
+    assert (out.float() - out_m.float()).abs().max() <= 1e-2
+
+
+@pytest.mark.parametrize("compress,kind", [("eligible", "compressed"), ("none", "raw")])
+def test_uniform_cache_single_launch(compress, kind):
+    """Whole pages only (lengths multiples of 16): the cache is uniform and one
+    specialised kernel runs, including splits whose tiles are partly past the end."""
+    q, k, v = make_inputs(3, 2, 4, 80, 128, seed=12, outliers=False)
+    k, v = [(x.float().sign() * (0.25 + x.float().abs() % 4)).to(torch.bfloat16) for x in (k, v)]
+    lens = [80, 48, 16]                                 # every block eligible (|x| in [0.25, 4.25))
+    cache, ip, idx, last = build_paged_cache(k, v, lens, compress=compress)
+    assert cache.kind() == kind
+    ref = decode_attention_reference(q, cache, ip, idx, last)
+    for ppt, splits in ((1, 1), (2, 2), (4, 3)):
+        out = decode_attention(q, cache, ip, idx, last, num_splits=splits, pages_per_tile=ppt)
+        check(out, ref)
+        out_m = decode_attention(q, cache, ip, idx, last, num_splits=splits, pages_per_tile=ppt,
+                                 path="mixed")
+        assert (out.float() - out_m.float()).abs().max() <= 1e-2
+
+
+def test_kinds_refresh_after_compress_in_place():
+    from zipkv.kernels.decode_attention import compress_cache_
+    q, k, v = make_inputs(2, 1, 2, 40, 64, seed=13, outliers=False)
+    lens = [40, 32]
+    cache, ip, idx, last = build_paged_cache(k, v, lens, compress="none")
+    assert cache.kind() == "raw"
+    before = decode_attention(q, cache, ip, idx, last, pages_per_tile=2)
+    full = torch.tensor([int(p) for b, n in enumerate(lens) for j, p in enumerate(idx[ip[b]: ip[b + 1]])
+                         if (j + 1) * 16 <= n], dtype=torch.int32)
+    compress_cache_(cache, full)
+    assert cache.kind() == "mixed"                      # request 0's partial last page stays raw
+    assert int((cache.page_kinds() == 1).sum()) == full.numel()
+    after = decode_attention(q, cache, ip, idx, last, pages_per_tile=2)
+    assert torch.equal(before, after)
+    with pytest.raises(ValueError, match="path must be"):
+        decode_attention(q, cache, ip, idx, last, path="fast")

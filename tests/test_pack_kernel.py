@@ -156,3 +156,16 @@ def test_errors():
         pack_into(pages.view(-1), off.int(), buf, off, 64)
     with pytest.raises(ValueError, match="src must be a contiguous 1-D buffer"):
         pack_into(pages, off, buf, off, 64)
+
+
+def test_unaligned_buffer_is_refused():
+    """The kernel moves 16-byte words: buffers must start 16-byte aligned."""
+    d = 64
+    pages = random_pages(1, d)
+    pb = F.page_bytes(d)
+    src = torch.zeros(pb + 16, dtype=torch.uint8, device=DEV)
+    src[8: 8 + pb] = pages.view(torch.uint8).reshape(-1).to(DEV)
+    off = torch.zeros(1, dtype=torch.int64, device=DEV)
+    dst = torch.zeros(pb, dtype=torch.uint8, device=DEV)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        pack_into(src[8: 8 + pb], off, dst, off, d)

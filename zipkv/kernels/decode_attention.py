@@ -27,21 +27,37 @@ Kernel
 ------
 Grid ``(batch, kv_heads, num_splits)``. A program keeps its ``G = q_heads / kv_heads``
 query rows (padded to 16 for the tensor cores) and walks tiles of ``pages_per_tile``
-whole pages; split ``s`` takes a contiguous range of tiles. The page ids and the per-row
-block descriptors of the next tile are loaded while the current tile is computed. With
-the token layout (K and V), each tile takes one of three paths, chosen from its
-descriptors:
+whole pages; split ``s`` takes a contiguous range of tiles. The kernel is specialised by
+a constexpr ``PATH`` so that each compiled variant carries only its own tile code (one
+kernel with three run-time paths needed 255 registers and spilled):
 
-* every block compressed: per row, the low bytes as 8-byte words (one per group of 8
-  channels) and the codes as 4-byte words, both loaded 8 bytes per thread so that a thread
-  holds the same channel groups of both streams (no layout shuffles); K and V loads are
-  issued together, V is rebuilt after QK^T. Four high bytes are rebuilt per 32-bit op:
+* all-compressed (token layouts): per row, the low bytes as 8-byte words (one per group of
+  8 channels) and the codes as 4-byte words, both loaded 8 bytes per thread so that a
+  thread holds the same channel groups of both streams; K and V loads are issued together,
+  V is rebuilt after QK^T. Four high bytes are rebuilt per 32-bit op:
   ``H = (C << 4) & 0x80808080 | C & 0x07070707`` then ``H += (b/2) * 0x01010101`` (no
   carries: ``b/2 + 7 <= 127``), and two ``prmt.b32`` byte permutes of ``H`` and the
-  low-byte word give two bf16 pairs, split into bf16 halves with a register move;
-* every block raw: plain bf16 row loads (the uncompressed baseline's path);
-* mixed (or the channel layout): sub-tiles of ``sub`` rows, K then V, every row loading
-  the compressed streams or the raw pairs masked by its block's flag.
+  low-byte word give two bf16 pairs, split into bf16 halves with a register move. Covers
+  every page of a request but the last, which (partial, so raw, or full) goes through the
+  mixed code after the loop, in the last split;
+* all-raw (token layouts): plain bf16 rows (the uncompressed baseline);
+* mixed (any tile, any layout): per (row, group of 8 channels) two 8-byte loads whose
+  addresses depend on the block's flag -- compressed: the 8 low bytes and the aligned
+  8 bytes holding the group's code word; raw: the four bf16 pair words -- so one register
+  set serves both kinds of block, then a select between the rebuilt and the raw words.
+
+Routing (:func:`decode_attention`, ``path="auto"``): :meth:`PagedKVCache.page_kinds` keeps
+one byte per (page, kv head) -- all-compressed, all-raw or mixed. A uniform cache
+(:meth:`PagedKVCache.kind`) gets one launch of its specialisation; otherwise three
+launches with ``ROUTE``: each program first classifies its (request, kv head) from the page
+kinds of the request and does nothing unless the class is its kernel's.
+
+Pipelining: in every path a tile needs three dependent loads (page ids -> descriptors ->
+data). They are written plainly in the loop and ``tl.range(num_stages=4)`` lets Triton's
+pipeliner put each level one stage apart as ``cp.async`` copies into shared memory: the
+page ids of tile i+3, the descriptors of tile i+2 and the data of tile i+1 are in flight
+while tile i is computed. ``zipkv.kernels.kernel_info`` compiles the variants offline and
+reports registers, spills, shared memory and async copies.
 
 Splits write normalised partial outputs and a log2-sum-exp; a second small kernel merges
 them.
@@ -54,7 +70,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -66,6 +82,11 @@ __all__ = ["PagedKVCache", "build_paged_cache", "compress_cache_", "decode_atten
 
 
 # ----------------------------------------------------------------------------- helpers
+
+PATH_COMP, PATH_RAW, PATH_MIXED = 0, 1, 2
+PATHS = ("compressed", "raw", "mixed")
+KIND_MIXED, KIND_COMP, KIND_RAW = 0, 1, 2        # PagedKVCache.page_kinds() values
+
 
 @triton.jit
 def _interleave(a, b, FP32: tl.constexpr):
@@ -91,54 +112,20 @@ def _high_bytes(N, base4):
 
 
 @triton.jit
-def _fetch(pool_ptr, desc_ptr, drow, r, row_ok, BN: tl.constexpr, D: tl.constexpr,
-           LAYOUT: tl.constexpr):
-    """Issue the loads of one [BN, D] K or V tile. drow [BN]: index of the row's page-head
-    descriptors, r [BN]: row in its page, row_ok [BN]: the row holds a token.
-    Returns (L, C, R, comp, base4): per group of 8 channels m (8m .. 8m+7) of each row, the
-    two low-byte words L [BN, M, 2], the code word C [BN, M] (compressed blocks) and the
-    four raw pair words R [BN, M, 4] (raw blocks); comp / base4 broadcastable to [BN, M].
-    Each stream is loaded as one contiguous run per row (token layout) for wide loads."""
-    M: tl.constexpr = D // 8
-    ok = row_ok[:, None]
-    if LAYOUT == 0:                            # token-major: block = r // TPB, contiguous rows
-        TPB: tl.constexpr = 512 // D
-        dsc = tl.load(desc_ptr + drow + r // TPB, mask=row_ok, other=0)
-        rr = r % TPB
-        blk = dsc >> 10                        # word address of the block (multiple of 64)
-        comp = (((dsc >> 7) & 1) != 0)[:, None]
-        base4 = ((dsc & 0x7F).to(tl.int32) * 0x01010101)[:, None]
-        cm = ok & comp
-        rm = ok & (comp == 0)
-        a_l = tl.multiple_of(blk + rr * (D // 4), 16)         # row starts, int32 words
-        a_c = tl.multiple_of(blk + 128 + rr * (D // 8), 4)
-        a_r = tl.multiple_of(blk + rr * (D // 2), 16)
-        L = tl.load(pool_ptr + a_l[:, None] + tl.arange(0, 2 * M)[None, :], mask=cm, other=0)
-        C = tl.load(pool_ptr + a_c[:, None] + tl.arange(0, M)[None, :], mask=cm, other=0)
-        R = tl.load(pool_ptr + a_r[:, None] + tl.arange(0, 4 * M)[None, :], mask=rm, other=0)
-        L = L.reshape([BN, M, 2])
-        R = R.reshape([BN, M, 4])
-    else:                                      # channel-major: block = m // 4
-        m = tl.arange(0, M)[None, :]
-        dsc = tl.load(desc_ptr + drow[:, None] + m // 4, mask=ok & (m >= 0), other=0)
-        rr = r[:, None]
-        comp = ((dsc >> 7) & 1) != 0
-        blk = dsc >> 10
-        base4 = (dsc & 0x7F).to(tl.int32) * 0x01010101
-        cm = ok & comp
-        rm = ok & (comp == 0)
-        a_l = tl.multiple_of(blk + rr * 8 + 2 * (m % 4), [2, 2])
-        a_r = tl.multiple_of(blk + rr * 16 + 4 * (m % 4), [4, 4])
-        L = tl.load(pool_ptr + a_l[:, :, None] + tl.arange(0, 2)[None, None, :], mask=cm[:, :, None], other=0)
-        C = tl.load(pool_ptr + (blk + 128 + rr * 4 + (m % 4)), mask=cm, other=0)
-        R = tl.load(pool_ptr + a_r[:, :, None] + tl.arange(0, 4)[None, None, :], mask=rm[:, :, None], other=0)
-    return L, C, R, comp, base4
+def _words(L0, L1, C, base4, FP32: tl.constexpr):
+    """Low-byte words L0, L1 (channels 8m..8m+3, 8m+4..8m+7) + code word C -> the four bf16
+    pair words (channels 8m+2w, 8m+2w+1), w = 0..3."""
+    w0, w1 = _interleave(L0, _high_bytes(C, base4), FP32)
+    w2, w3 = _interleave(L1, _high_bytes(C >> 4, base4), FP32)
+    return w0, w1, w2, w3
 
 
 @triton.jit
-def _pairs_to_tile(P, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
-    """int32 [BN, M, 4] bf16 pairs (channels 8m+2w, 8m+2w+1) -> the [BN, D] tile (bf16 on
-    the GPU, fp32 under FP32), channels in natural order."""
+def _pairs_to_tile(w0, w1, w2, w3, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    """Four int32 [BN, M] bf16 pair words (channels 8m+2w, 8m+2w+1) -> the [BN, D] tile
+    (bf16 on the GPU, fp32 under FP32), channels in natural order."""
+    M: tl.constexpr = D // 8
+    P = tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape([BN, M, 4])
     if FP32:                                   # exact: a bf16's fp32 bits are its bits << 16
         lo = (P << 16).to(tl.float32, bitcast=True)
         hi = (P & -65536).to(tl.float32, bitcast=True)
@@ -146,66 +133,6 @@ def _pairs_to_tile(P, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
         lo, hi = tl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [P],
                                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
     return tl.join(lo, hi).reshape([BN, D])
-
-
-@triton.jit
-def _rebuild_words(L0, L1, C, base4, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
-    """Low-byte words L0, L1 [BN, M] (channels 8m..8m+3, 8m+4..8m+7) + code words C [BN, M]
-    -> bf16 pair words [BN, M, 4] (channels 8m+2w, 8m+2w+1)."""
-    M: tl.constexpr = D // 8
-    w0, w1 = _interleave(L0, _high_bytes(C, base4), FP32)
-    w2, w3 = _interleave(L1, _high_bytes(C >> 4, base4), FP32)
-    return tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape([BN, M, 4])
-
-
-@triton.jit
-def _rebuild(L, C, R, comp, base4, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
-    """Mixed tile: compressed rows from (L, C), raw rows from R -> [BN, D] tile."""
-    L0, L1 = tl.split(L)
-    W = _rebuild_words(L0, L1, C, base4, BN, D, FP32)
-    return _pairs_to_tile(tl.where(comp[:, :, None], W, R), BN, D, FP32)
-
-
-@triton.jit
-def _rows(dsc, r, D: tl.constexpr):
-    """Token layout: per row, word addresses of its low bytes, codes and raw pairs."""
-    TPB: tl.constexpr = 512 // D
-    blk = dsc >> 10                            # word address of the block (multiple of 64)
-    rr = r % TPB
-    a_l = tl.multiple_of(blk + rr * (D // 4), 4)
-    a_c = tl.multiple_of(blk + 128 + rr * (D // 8), 4)
-    a_r = tl.multiple_of(blk + rr * (D // 2), 4)
-    return a_l, a_c, a_r
-
-
-@triton.jit
-def _fetch_comp(pool_ptr, dsc, r, row_ok, BN: tl.constexpr, D: tl.constexpr):
-    """Token layout, every block of the tile compressed: loads only the low bytes (one
-    8-byte word per group of 8 channels) and the codes (one 4-byte word per group), both
-    8 bytes per thread so that a thread holds the same groups of both streams."""
-    M: tl.constexpr = D // 8
-    a_l, a_c, a_r = _rows(dsc, r, D)
-    ok = row_ok[:, None]
-    m = tl.arange(0, M)[None, :]
-    pool64 = pool_ptr.to(tl.pointer_type(tl.int64))
-    L = tl.load(pool64 + tl.multiple_of(a_l // 2, 2)[:, None] + m, mask=ok, other=0)
-    C = tl.load(pool_ptr + tl.multiple_of(a_c, 2)[:, None] + m, mask=ok, other=0)
-    return L.to(tl.int32), (L >> 32).to(tl.int32), C
-
-
-@triton.jit
-def _fetch_raw(pool_ptr, dsc, r, row_ok, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
-    """Token layout, every block of the tile raw: the plain [BN, D] bf16 rows."""
-    a_l, a_c, a_r = _rows(dsc, r, D)
-    ok = row_ok[:, None]
-    if FP32:
-        M: tl.constexpr = D // 8
-        R = tl.load(pool_ptr + a_r[:, None] + tl.arange(0, 4 * M)[None, :], mask=ok, other=0)
-        return _pairs_to_tile(R.reshape([BN, M, 4]), BN, D, FP32)
-    else:
-        pool16 = pool_ptr.to(tl.pointer_type(tl.bfloat16))
-        return tl.load(pool16 + tl.multiple_of(a_r * 2, 8)[:, None] + tl.arange(0, D)[None, :],
-                       mask=ok, other=0.0)
 
 
 @triton.jit
@@ -233,152 +160,303 @@ def _accum(acc, p, alpha, v, FP32: tl.constexpr):
         return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
+# ------------------------------------------------------------------- page table and descriptors
+
 @triton.jit
-def _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len, tile, h, tp, r,
-               HKV: tl.constexpr, D: tl.constexpr, PPT: tl.constexpr):
-    """Page-table and descriptor loads of one tile: (row_ok, K row desc index, V row desc
-    index, K desc, V desc) -- the descs per row for the token layout (0 where not needed)."""
+def _pages(indices_ptr, p_start, n_pg, tile, t_hi, tp, PPT: tl.constexpr):
+    """Physical page id of every row of ``tile`` ([BN] int32; 0 where the row's page is past
+    ``n_pg`` pages or the tile past ``t_hi``: masked later, loads stay in bounds)."""
+    pg = tile * PPT + tp
+    return tl.load(indices_ptr + p_start + pg, mask=(pg < n_pg) & (tile < t_hi), other=0)
+
+
+@triton.jit
+def _row_desc(desc_ptr, page, h, r, ok, HKV: tl.constexpr, D: tl.constexpr):
+    """Token layout: the K and V descriptors of every row's block ([BN] int64 each)."""
     NB: tl.constexpr = D // 32
     TPB: tl.constexpr = 512 // D
-    pg = tile * PPT + tp
-    page = tl.load(indices_ptr + p_start + pg, mask=pg < npages, other=0).to(tl.int64)
-    row_ok = (pg * 16 + r) < seq_len
-    k_row = ((page * 2) * HKV + h) * NB
-    v_row = k_row + HKV * NB
-    kd = tl.load(desc_ptr + k_row + r // TPB, mask=row_ok, other=0)
-    vd = tl.load(desc_ptr + v_row + r // TPB, mask=row_ok, other=0)
-    return row_ok, k_row, v_row, kd, vd
+    k_row = ((page.to(tl.int64) * 2) * HKV + h) * NB + r // TPB
+    kd = tl.load(desc_ptr + k_row, mask=ok, other=0)
+    vd = tl.load(desc_ptr + k_row + HKV * NB, mask=ok, other=0)
+    return kd, vd
+
+
+# ------------------------------------------------------------------- tile loads, one per path
+
+@triton.jit
+def _row_words(dsc, r, D: tl.constexpr):
+    """Token layout: word (int32) address of each row's block start and the row's offset in
+    it (``rr * D`` values)."""
+    TPB: tl.constexpr = 512 // D
+    return dsc >> 10, (r % TPB) * D
 
 
 @triton.jit
-def _attend_mixed(q, m_i, l_i, acc, tile, pool_ptr, desc_ptr, indices_ptr, p_start, npages,
-                  seq_len, h, qk_scale, HKV: tl.constexpr, D: tl.constexpr,
-                  K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, PPT: tl.constexpr,
-                  SUB: tl.constexpr, FP32: tl.constexpr):
-    """Any tile (mixed blocks, any layout): sub-tiles of SUB rows, K then V, every row
-    loading the compressed streams or the raw one, masked by its block's flag (registers
-    stay low: only one SUB-row tile is live at a time)."""
+def _load_comp(pool_ptr, dsc, r, ok, BN: tl.constexpr, D: tl.constexpr):
+    """All-compressed tile (token layout): the low bytes as one 8-byte word per group of 8
+    channels and the codes as one 4-byte word per group, both 8 bytes per thread so a
+    thread holds the same groups of both streams. Returns (L int64 [BN, M], C int32 [BN, M])."""
+    M: tl.constexpr = D // 8
+    blk, p = _row_words(dsc, r, D)
+    a_l = tl.multiple_of((blk + p // 4) // 2, 2)                 # int64 units
+    a_c = tl.multiple_of(blk + 128 + p // 8, 2)
+    m = tl.arange(0, M)[None, :]
+    pool64 = pool_ptr.to(tl.pointer_type(tl.int64))
+    L = tl.load(pool64 + a_l[:, None] + m, mask=ok[:, None], other=0)
+    C = tl.load(pool_ptr + a_c[:, None] + m, mask=ok[:, None], other=0)
+    return L, C
+
+
+@triton.jit
+def _rebuild_comp(L, C, base4, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    w0, w1, w2, w3 = _words(L.to(tl.int32), (L >> 32).to(tl.int32), C, base4[:, None], FP32)
+    return _pairs_to_tile(w0, w1, w2, w3, BN, D, FP32)
+
+
+@triton.jit
+def _load_raw(pool_ptr, dsc, r, ok, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    """All-raw tile (token layout): the plain [BN, D] bf16 rows (int32 pairs under FP32)."""
+    blk, p = _row_words(dsc, r, D)
+    a_r = tl.multiple_of(blk + p // 2, 4)
+    if FP32:
+        return tl.load(pool_ptr + a_r[:, None] + tl.arange(0, D // 2)[None, :], mask=ok[:, None], other=0)
+    else:
+        pool16 = pool_ptr.to(tl.pointer_type(tl.bfloat16))
+        return tl.load(pool16 + tl.multiple_of(a_r * 2, 8)[:, None] + tl.arange(0, D)[None, :],
+                       mask=ok[:, None], other=0.0)
+
+
+@triton.jit
+def _raw_tile(R, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    if FP32:                                   # int32 pairs -> fp32 (exact)
+        lo = (R << 16).to(tl.float32, bitcast=True)
+        hi = (R & -65536).to(tl.float32, bitcast=True)
+        return tl.join(lo, hi).reshape([BN, D])
+    else:
+        return R
+
+
+@triton.jit
+def _mixed_desc(desc_ptr, page, h, r, ok, KV: tl.constexpr, HKV: tl.constexpr,
+                D: tl.constexpr, LAYOUT: tl.constexpr):
+    """Mixed tile: the descriptor of the block holding each (row, group of 8 channels) and
+    the group's first value's position p in that block (int64 / int32 [BN, M] or [BN, 1])."""
     NB: tl.constexpr = D // 32
-    for j in tl.static_range((16 * PPT) // SUB):
-        t = j * SUB + tl.arange(0, SUB)
-        pg = tile * PPT + t // 16
-        r = t % 16
-        page = tl.load(indices_ptr + p_start + pg, mask=pg < npages, other=0).to(tl.int64)
-        row_ok = (pg * 16 + r) < seq_len
-        k_row = ((page * 2) * HKV + h) * NB
-        kL, kC, kR, kc, kb = _fetch(pool_ptr, desc_ptr, k_row, r, row_ok, SUB, D, K_LAYOUT)
-        k = _rebuild(kL, kC, kR, kc, kb, SUB, D, FP32)
-        p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32)
-        vL, vC, vR, vc, vb = _fetch(pool_ptr, desc_ptr, k_row + HKV * NB, r, row_ok, SUB, D, V_LAYOUT)
-        v = _rebuild(vL, vC, vR, vc, vb, SUB, D, FP32)
-        acc = _accum(acc, p, alpha, v, FP32)
+    M: tl.constexpr = D // 8
+    m = tl.arange(0, M)[None, :]
+    row = (((page.to(tl.int64) * 2) + KV) * HKV + h) * NB
+    if LAYOUT == 0:                            # token-major: block r // TPB, p = rr * D + 8m
+        TPB: tl.constexpr = 512 // D
+        dsc = tl.load(desc_ptr + row + r // TPB, mask=ok, other=0)[:, None]
+        p = ((r % TPB) * D)[:, None] + 8 * m
+    else:                                      # channel-major: block m // 4, p = r * 32 + 8 (m % 4)
+        dsc = tl.load(desc_ptr + row[:, None] + m // 4, mask=ok[:, None] & (m >= 0), other=0)
+        p = (r * 32)[:, None] + 8 * (m % 4)
+    return dsc, p
+
+
+@triton.jit
+def _load_mixed(pool_ptr, dsc, p, ok, BN: tl.constexpr, D: tl.constexpr):
+    """Mixed tile, any layout: per (row, group of 8 channels) two 8-byte loads whose address
+    depends on the block's flag -- compressed: A = the 8 low bytes, B = the 8-byte-aligned
+    code word pair holding the group's code word; raw: A, B = the four bf16 pair words. One
+    register set whatever the flag (no raw and compressed streams live side by side).
+    Returns A, B int32 [BN, M, 2]."""
+    blk = dsc >> 10
+    comp = ((dsc >> 7) & 1) != 0
+    a = tl.where(comp, blk + p // 4, blk + p // 2)
+    b = tl.where(comp, blk + 128 + ((p // 8) & -2), blk + p // 2 + 2)
+    two = tl.arange(0, 2)[None, None, :]
+    okk = ok[:, None, None]
+    A = tl.load(pool_ptr + tl.multiple_of(a, [2, 2])[:, :, None] + two, mask=okk, other=0)
+    B = tl.load(pool_ptr + tl.multiple_of(b, [2, 2])[:, :, None] + two, mask=okk, other=0)
+    return A, B
+
+
+@triton.jit
+def _rebuild_mixed(A, B, dsc, BN: tl.constexpr, D: tl.constexpr, FP32: tl.constexpr):
+    M: tl.constexpr = D // 8
+    A0, A1 = tl.split(A)
+    B0, B1 = tl.split(B)
+    comp = ((dsc >> 7) & 1) != 0
+    base4 = (dsc & 0x7F).to(tl.int32) * 0x01010101
+    odd = (tl.arange(0, M) & 1)[None, :] != 0  # the group's code word is the odd half of B
+    w0, w1, w2, w3 = _words(A0, A1, tl.where(odd, B1, B0), base4, FP32)
+    return _pairs_to_tile(tl.where(comp, w0, A0), tl.where(comp, w1, A1),
+                          tl.where(comp, w2, B0), tl.where(comp, w3, B1), BN, D, FP32)
+
+
+# ------------------------------------------------------------------- routing
+
+@triton.jit
+def _route(indices_ptr, kind_ptr, p_start, npages, h, HKV: tl.constexpr, CH: tl.constexpr):
+    """Class of (request, kv head) from the per-page kinds: 0 every page but the last is
+    all-compressed (K and V), 1 every page is raw, 2 anything else."""
+    bad_c = p_start * 0
+    bad_r = p_start * 0
+    c = p_start * 0
+    while c < npages:
+        pg = c + tl.arange(0, CH)
+        m = pg < npages
+        page = tl.load(indices_ptr + p_start + pg, mask=m, other=0)
+        kd = tl.load(kind_ptr + page.to(tl.int64) * HKV + h, mask=m, other=0)
+        bad_c += tl.sum((m & (pg < npages - 1) & (kd != 1)).to(tl.int32), axis=0)
+        bad_r += tl.sum((m & (kd != 2)).to(tl.int32), axis=0)
+        c += CH
+    return tl.where(bad_c == 0, 0, tl.where(bad_r == 0, 1, 2))
+
+
+# ------------------------------------------------------------------- per-path tiles and loops
+
+@triton.jit
+def _comp_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+               HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FP32: tl.constexpr):
+    """One all-compressed tile (token layout): K and V loads issued together, V rebuilt
+    after QK^T."""
+    kd, vd = _row_desc(desc_ptr, page, h, r, ok, HKV, D)
+    kL, kC = _load_comp(pool_ptr, kd, r, ok, BN, D)
+    vL, vC = _load_comp(pool_ptr, vd, r, ok, BN, D)
+    k = _rebuild_comp(kL, kC, (kd & 0x7F).to(tl.int32) * 0x01010101, BN, D, FP32)
+    p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, ok, qk_scale, FP32)
+    v = _rebuild_comp(vL, vC, (vd & 0x7F).to(tl.int32) * 0x01010101, BN, D, FP32)
+    acc = _accum(acc, p, alpha, v, FP32)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr, indices_ptr,
-                 p_start, npages, seq_len, h, r, qk_scale, HKV: tl.constexpr, D: tl.constexpr,
-                 K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, PPT: tl.constexpr,
-                 SUB: tl.constexpr, FP32: tl.constexpr, BRANCH: tl.constexpr):
-    """One tile of PPT whole pages. With the token layout and BRANCH, a tile whose blocks
-    are all compressed (or all raw) loads only those streams, K and V at once; any other
-    tile goes through :func:`_attend_mixed`."""
+def _raw_tile_attend(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+                     HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FP32: tl.constexpr):
+    """One all-raw tile (token layout): plain bf16 rows, straight into the dots."""
+    kd, vd = _row_desc(desc_ptr, page, h, r, ok, HKV, D)
+    kR = _load_raw(pool_ptr, kd, r, ok, BN, D, FP32)
+    vR = _load_raw(pool_ptr, vd, r, ok, BN, D, FP32)
+    p, alpha, m_i, l_i = _scores(q, m_i, l_i, _raw_tile(kR, BN, D, FP32), ok, qk_scale, FP32)
+    acc = _accum(acc, p, alpha, _raw_tile(vR, BN, D, FP32), FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _mixed_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+                HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, FP32: tl.constexpr):
+    """One mixed tile, any layout: per-block flags, one register set per (row, group) (see
+    :func:`_load_mixed`); K and V loads issued together, V rebuilt after QK^T."""
+    kd, kp = _mixed_desc(desc_ptr, page, h, r, ok, 0, HKV, D, K_LAYOUT)
+    vd, vp = _mixed_desc(desc_ptr, page, h, r, ok, 1, HKV, D, V_LAYOUT)
+    kA, kB = _load_mixed(pool_ptr, kd, kp, ok, BN, D)
+    vA, vB = _load_mixed(pool_ptr, vd, vp, ok, BN, D)
+    k = _rebuild_mixed(kA, kB, kd, BN, D, FP32)
+    p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, ok, qk_scale, FP32)
+    v = _rebuild_mixed(vA, vB, vd, BN, D, FP32)
+    acc = _accum(acc, p, alpha, v, FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _step(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_len, tile, t_hi,
+          h, tp, r, qk_scale, HKV: tl.constexpr, D: tl.constexpr, PPT: tl.constexpr,
+          K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, FP32: tl.constexpr, PATH: tl.constexpr):
+    """One tile through path PATH: page ids -> descriptors -> data, three dependent loads.
+    On the GPU the loop runs with ``num_stages`` >= 3 and Triton's software pipeliner puts
+    each level of that chain one stage apart, as ``cp.async`` copies into shared memory
+    (with 4 stages: the page ids of tile i+3, the descriptors of tile i+2 and the data of
+    tile i+1 are in flight while tile i is computed; see ``zipkv.kernels.kernel_info``). The
+    chain is written plainly on purpose: rotating prefetched page ids through loop-carried
+    registers made the pipeliner give up (no async copies at all)."""
     BN: tl.constexpr = 16 * PPT
-    if BRANCH and K_LAYOUT == 0 and V_LAYOUT == 0:
-        ck = ((kd >> 7) & 1) != 0
-        cv = ((vd >> 7) & 1) != 0
-        n_comp = tl.sum(tl.where(row_ok, (ck & cv).to(tl.int32), 1), axis=0)
-        n_raw = tl.sum(tl.where(row_ok, ((ck == 0) & (cv == 0)).to(tl.int32), 1), axis=0)
-        if n_comp == BN:
-            kL0, kL1, kC = _fetch_comp(pool_ptr, kd, r, row_ok, BN, D)
-            vL0, vL1, vC = _fetch_comp(pool_ptr, vd, r, row_ok, BN, D)
-            kb = ((kd & 0x7F).to(tl.int32) * 0x01010101)[:, None]
-            vb = ((vd & 0x7F).to(tl.int32) * 0x01010101)[:, None]
-            k = _pairs_to_tile(_rebuild_words(kL0, kL1, kC, kb, BN, D, FP32), BN, D, FP32)
-            p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32)
-            v = _pairs_to_tile(_rebuild_words(vL0, vL1, vC, vb, BN, D, FP32), BN, D, FP32)
-            acc = _accum(acc, p, alpha, v, FP32)
-        elif n_raw == BN:
-            k = _fetch_raw(pool_ptr, kd, r, row_ok, BN, D, FP32)
-            v = _fetch_raw(pool_ptr, vd, r, row_ok, BN, D, FP32)
-            p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32)
-            acc = _accum(acc, p, alpha, v, FP32)
-        else:
-            m_i, l_i, acc = _attend_mixed(q, m_i, l_i, acc, tile, pool_ptr, desc_ptr, indices_ptr,
-                                          p_start, npages, seq_len, h, qk_scale, HKV, D,
-                                          K_LAYOUT, V_LAYOUT, PPT, SUB, FP32)
+    pg = tile * PPT + tp
+    page = _pages(indices_ptr, p_start, n_pg, tile, t_hi, tp, PPT)
+    ok = (pg < n_pg) & (pg * 16 + r < seq_len)
+    if PATH == 0:
+        m_i, l_i, acc = _comp_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+                                   HKV, D, BN, FP32)
+    elif PATH == 1:
+        m_i, l_i, acc = _raw_tile_attend(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok,
+                                         qk_scale, HKV, D, BN, FP32)
     else:
-        m_i, l_i, acc = _attend_mixed(q, m_i, l_i, acc, tile, pool_ptr, desc_ptr, indices_ptr,
-                                      p_start, npages, seq_len, h, qk_scale, HKV, D,
-                                      K_LAYOUT, V_LAYOUT, PPT, SUB, FP32)
+        m_i, l_i, acc = _mixed_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+                                    HKV, D, BN, K_LAYOUT, V_LAYOUT, FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _loop(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_len, t_lo, t_hi,
+          h, tp, r, qk_scale, HKV: tl.constexpr, D: tl.constexpr, PPT: tl.constexpr,
+          K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, FP32: tl.constexpr,
+          PATH: tl.constexpr, STAGES: tl.constexpr):
+    """Tiles [t_lo, t_hi) of pages [0, n_pg) through path PATH (same body on the GPU and in
+    the interpreter, whose range() cannot take tensor bounds)."""
+    if FP32:
+        tile = t_lo
+        while tile < t_hi:
+            m_i, l_i, acc = _step(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg,
+                                  seq_len, tile, t_hi, h, tp, r, qk_scale, HKV, D, PPT, K_LAYOUT,
+                                  V_LAYOUT, FP32, PATH)
+            tile += 1
+    else:
+        for tile in tl.range(t_lo, t_hi, num_stages=STAGES):
+            m_i, l_i, acc = _step(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg,
+                                  seq_len, tile, t_hi, h, tp, r, qk_scale, HKV, D, PPT, K_LAYOUT,
+                                  V_LAYOUT, FP32, PATH)
     return m_i, l_i, acc
 
 
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _decode_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr,
+def _decode_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, kind_ptr,
                    out_ptr, part_ptr, lse_ptr, qk_scale,
                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                    K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, PPT: tl.constexpr,
-                   SPLITS: tl.constexpr, FP32: tl.constexpr, STAGES: tl.constexpr,
-                   BRANCH: tl.constexpr, PREFETCH: tl.constexpr, SUB: tl.constexpr):
-    BN: tl.constexpr = 16 * PPT
+                   SPLITS: tl.constexpr, FP32: tl.constexpr, PATH: tl.constexpr,
+                   ROUTE: tl.constexpr, STAGES: tl.constexpr):
+    """Grid (batch, kv_heads, splits). PATH: 0 all-compressed (token layouts; the request's
+    last page goes through the mixed code after the loop), 1 all-raw (token layouts), 2
+    mixed (any layout). ROUTE: the program first classifies its (request, head) from the
+    per-page kinds and does nothing unless the class is PATH (three launches cover a batch)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     p_start = tl.load(indptr_ptr + b)
     npages = tl.load(indptr_ptr + b + 1) - p_start
     seq_len = (npages - 1) * 16 + tl.load(last_ptr + b)
-    n_tiles = tl.cdiv(npages, PPT)
+    if PATH == 0:
+        n_pg = npages - 1                      # full pages before the last one
+    else:
+        n_pg = npages
+    n_tiles = tl.cdiv(n_pg, PPT)
+    mine = n_pg >= 0
+    if ROUTE:
+        mine = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV, 128) == PATH
+        n_tiles = tl.where(mine, n_tiles, 0)
     per = tl.cdiv(n_tiles, SPLITS)             # split s: tiles [s * per, (s + 1) * per)
-    t_lo = s * per
+    t_lo = tl.minimum(s * per, n_tiles)
     t_hi = tl.minimum(t_lo + per, n_tiles)
 
     g = tl.arange(0, G_PAD)
     dd = tl.arange(0, D)
     q_rows = b * (HKV * G) + h * G + g
     q = tl.load(q_ptr + q_rows[:, None] * D + dd[None, :], mask=(g < G)[:, None], other=0.0)
-
-    t = tl.arange(0, BN)
+    t = tl.arange(0, 16 * PPT)
     tp = t // 16                               # page of the row inside the tile
     r = t % 16                                 # row inside its page
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D], dtype=tl.float32)
-    # page table + descriptors of the next tile are fetched while the current one is computed
-    row_ok, k_row, v_row, kd, vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
-                                              t_lo, h, tp, r, HKV, D, PPT)
-    if FP32:
-        # the interpreter cannot take tensor loop bounds in range() (numpy >= 2), use while
-        tile = t_lo
-        while tile < t_hi:
-            n_ok, n_k, n_v, n_kd, n_vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
-                                                    tile + 1, h, tp, r, HKV, D, PPT)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr,
-                                         indices_ptr, p_start, npages, seq_len, h, r, qk_scale, HKV,
-                                         D, K_LAYOUT, V_LAYOUT, PPT, SUB, FP32, BRANCH)
-            row_ok, k_row, v_row, kd, vd = n_ok, n_k, n_v, n_kd, n_vd
-            tile += 1
-    elif PREFETCH:
-        for tile in tl.range(t_lo, t_hi, num_stages=STAGES):
-            n_ok, n_k, n_v, n_kd, n_vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
-                                                    tile + 1, h, tp, r, HKV, D, PPT)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr,
-                                         indices_ptr, p_start, npages, seq_len, h, r, qk_scale, HKV,
-                                         D, K_LAYOUT, V_LAYOUT, PPT, SUB, FP32, BRANCH)
-            row_ok, k_row, v_row, kd, vd = n_ok, n_k, n_v, n_kd, n_vd
-    else:
-        for tile in tl.range(t_lo, t_hi, num_stages=STAGES):
-            row_ok, k_row, v_row, kd, vd = _tile_desc(desc_ptr, indices_ptr, p_start, npages, seq_len,
-                                                      tile, h, tp, r, HKV, D, PPT)
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, row_ok, kd, vd, tile, pool_ptr, desc_ptr,
-                                         indices_ptr, p_start, npages, seq_len, h, r, qk_scale, HKV,
-                                         D, K_LAYOUT, V_LAYOUT, PPT, SUB, FP32, BRANCH)
+    m_i, l_i, acc = _loop(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_len,
+                          t_lo, t_hi, h, tp, r, qk_scale, HKV, D, PPT, K_LAYOUT, V_LAYOUT, FP32,
+                          PATH, STAGES)
+    if PATH == 0:
+        if mine & (s == SPLITS - 1):           # the last page (partial: raw; full: any kind)
+            r16 = tl.arange(0, 16)
+            last = tl.load(indices_ptr + p_start + n_pg + r16 * 0)
+            ok = n_pg * 16 + r16 < seq_len
+            m_i, l_i, acc = _mixed_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, last, h, r16, ok,
+                                        qk_scale, HKV, D, 16, K_LAYOUT, V_LAYOUT, FP32)
 
-    gm = g < G
+    gm = (g < G) & mine
     if SPLITS == 1:
-        o = acc / l_i[:, None]
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(out_ptr + q_rows[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=gm[:, None])
     else:                                      # empty split: l = 0, lse = -inf, o = 0
@@ -397,11 +475,10 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, D: tl.constexpr, SPLITS: tl.conste
     dd = tl.arange(0, D)
     sm = sp < SPLITS
     lse = tl.load(lse_ptr + row * SPLITS + sp, mask=sm, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))    # split 0 always holds a token: max is finite
+    w = tl.exp2(lse - tl.max(lse, axis=0))    # some split holds a token: max is finite
     o = tl.load(part_ptr + (row * SPLITS + sp)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0)
     res = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
     tl.store(out_ptr + row * D + dd, res.to(out_ptr.dtype.element_ty))
-
 
 
 # ----------------------------------------------------------------------------- cache
@@ -417,6 +494,7 @@ class PagedKVCache:
     head_dim: int
     k_layout: str = "token"
     v_layout: str = "token"
+    _kinds: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_pages(self) -> int:
@@ -454,6 +532,37 @@ class PagedKVCache:
             m = self.meta(kv)[ids]
             out.append(fmt.unpack(slots[:, kv], m))
         return out[0], out[1]
+
+    def page_kinds(self) -> torch.Tensor:
+        """uint8 ``[num_pages, kv_heads]``: 1 where every K and V block of the page-head is
+        compressed, 2 where every one is raw, 0 otherwise (what :func:`decode_attention`
+        routes on). Cached; :func:`compress_cache_` refreshes it, and code that edits
+        ``desc`` by hand must call :meth:`refresh`."""
+        return self._kind_info()[0]
+
+    def kind(self) -> str:
+        """``"compressed"`` (every page-head all-compressed), ``"raw"`` (every one raw) or
+        ``"mixed"``; computed once (one device sync) and cached like :meth:`page_kinds`."""
+        info = self._kind_info()
+        if info[1] is None:
+            present = set(torch.unique(info[0]).tolist())
+            k = {frozenset({1}): "compressed", frozenset({2}): "raw"}.get(frozenset(present), "mixed")
+            self._kinds = info = (info[0], k)
+        return info[1]
+
+    def refresh(self) -> "PagedKVCache":
+        """Forget the cached page kinds (after editing ``desc`` by hand)."""
+        self._kinds = None
+        return self
+
+    def _kind_info(self):
+        if self._kinds is None or self._kinds[0].shape != self.desc.shape[:1] + self.desc.shape[2:3]:
+            comp = ((self.desc >> 7) & 1).bool()                      # [P, 2, H, nb]
+            allc = comp.all(-1).all(1)
+            allr = (~comp).all(-1).all(1)
+            kinds = torch.where(allc, 1, torch.where(allr, 2, 0)).to(torch.uint8).contiguous()
+            self._kinds = (kinds, None)
+        return self._kinds
 
     def stats(self) -> dict:
         """Pool bytes in use vs. raw, compressed block fractions for K and V."""
@@ -586,15 +695,33 @@ def compress_cache_(cache: PagedKVCache, page_ids: torch.Tensor, *,
         m = fmt.PageMeta.from_packed(meta, lay, cache.head_dim)
         new = ((off[:, None] + m.block_offsets()) << 8) | meta.to(torch.int64)
         cache.desc[ids, kv] = new.reshape(ids.numel(), cache.kv_heads, cache.n_blocks)
-    return cache
+    return cache.refresh()
 
 
 # ----------------------------------------------------------------------------- launcher
 
-# GPU launch options. Measured on the H200 (ctx 8192, batch 64, 32/8 heads, d 128): 2 warps
-# and 4-page tiles (with 2 splits) were the fastest of the configurations tried; see
-# ``decode_attention``'s docstring. ``sub``: rows per sub-tile of the mixed-tile path.
-_TUNE = dict(stages=1, num_warps=2, branch=True, prefetch=True, maxnreg=None, sub=64)
+# GPU launch options per path (token layouts: all-compressed, all-raw; mixed: any tile, any
+# layout). Chosen offline from the compiled kernels' register counts (``zipkv.kernels.kernel_info``)
+# at the benchmark shape; to be confirmed by timing on the H200.
+_TUNE = {
+    PATH_COMP: dict(num_warps=4, stages=4, maxnreg=168),
+    PATH_RAW: dict(num_warps=4, stages=4, maxnreg=168),
+    PATH_MIXED: dict(num_warps=4, stages=4, maxnreg=168),
+}
+
+
+def _plan(cache, path: str):
+    """Kernel launches for one call: list of (PATH, ROUTE)."""
+    if path not in ("auto", "mixed"):
+        raise ValueError(f"path must be 'auto' or 'mixed', got {path!r}")
+    if path == "mixed" or cache.k_layout != "token" or cache.v_layout != "token":
+        return [(PATH_MIXED, False)]
+    kind = cache.kind()
+    if kind == "compressed":
+        return [(PATH_COMP, False)]
+    if kind == "raw":
+        return [(PATH_RAW, False)]
+    return [(PATH_COMP, True), (PATH_RAW, True), (PATH_MIXED, True)]
 
 
 def _interpreting() -> bool:
@@ -637,7 +764,7 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
                      indices: torch.Tensor, last_page_len: torch.Tensor, *,
                      softmax_scale: float | None = None, num_splits: int | None = None,
                      pages_per_tile: int | None = None, out: torch.Tensor | None = None,
-                     validate: bool = True) -> torch.Tensor:
+                     validate: bool = True, path: str = "auto") -> torch.Tensor:
     """Decode attention of one new token per request over a paged, partly compressed cache.
 
     q: bf16 ``[batch, q_heads, head_dim]`` (q_heads a multiple of kv_heads; query head
@@ -647,6 +774,12 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     pages_per_tile: pages per inner tile (default 4 on the GPU, 1 interpreting).
     validate: also check values (indptr consistent, page ids in range, last_page_len in
     1..16) — this syncs with the device; pass False in timed loops / CUDA graphs.
+    path: ``"auto"`` (default) routes each (request, kv head) to a specialised kernel --
+    all-compressed (every page but the last all-compressed, K and V), all-raw, or mixed --
+    from the cache's page kinds (:meth:`PagedKVCache.page_kinds`; the cache-wide kind,
+    computed once with one sync, picks a single launch when the cache is uniform, three
+    routed launches otherwise). ``"mixed"`` sends everything through the mixed kernel.
+    Channel layouts always use the mixed kernel.
     Returns bf16 ``[batch, q_heads, head_dim]``.
     """
     _check_cache(cache)
@@ -686,6 +819,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
         raise ValueError(f"out must be a contiguous bf16 tensor {tuple(q.shape)} on {q.device}")
     if B == 0:
         return out
+    if path not in ("auto", "mixed"):
+        raise ValueError(f"path must be 'auto' or 'mixed', got {path!r}")
     interp = _interpreting()
     ppt = pages_per_tile or (1 if interp else 4)
     if ppt < 1 or ppt & (ppt - 1):
@@ -709,15 +844,17 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
         lse = torch.empty(B, HQ, num_splits, dtype=torch.float32, device=q.device)
     else:
         part = lse = res                                               # unused
-    _decode_kernel[(B, HKV, num_splits)](
-        qk, cache.pool.view(torch.int32), cache.desc, indptr, indices, last_page_len,
-        res, part, lse, scale * math.log2(math.e),
-        HKV=HKV, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D,
-        K_LAYOUT=fmt.LAYOUTS.index(cache.k_layout), V_LAYOUT=fmt.LAYOUTS.index(cache.v_layout),
-        PPT=ppt, SPLITS=num_splits, FP32=fp32, STAGES=_TUNE["stages"], BRANCH=_TUNE["branch"],
-        PREFETCH=_TUNE["prefetch"], SUB=ppt * 16 if fp32 else min(ppt * 16, _TUNE["sub"]),
-        **({} if interp else dict(num_warps=_TUNE["num_warps"],
-                                  **({"maxnreg": _TUNE["maxnreg"]} if _TUNE["maxnreg"] else {}))))
+    kinds = cache.page_kinds()
+    for p, route in _plan(cache, path):
+        tune = _TUNE[p]
+        _decode_kernel[(B, HKV, num_splits)](
+            qk, cache.pool.view(torch.int32), cache.desc, indptr, indices, last_page_len, kinds,
+            res, part, lse, scale * math.log2(math.e),
+            HKV=HKV, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D,
+            K_LAYOUT=fmt.LAYOUTS.index(cache.k_layout), V_LAYOUT=fmt.LAYOUTS.index(cache.v_layout),
+            PPT=ppt, SPLITS=num_splits, FP32=fp32, PATH=p, ROUTE=route, STAGES=tune["stages"],
+            **({} if interp else dict(num_warps=tune["num_warps"], **(
+                {"maxnreg": tune["maxnreg"]} if tune.get("maxnreg") else {}))))
     if num_splits > 1:
         _merge_kernel[(B * HQ,)](part, lse, res, D=D, SPLITS=num_splits,
                                  S_PAD=triton.next_power_of_2(num_splits))

@@ -2,14 +2,27 @@
 
 Bit-identical to :func:`zipkv.format.pack` (payload slot and metadata byte
 ``flag << 7 | b >> 1``; byte order in ``zipkv.format``'s docstring). One program handles
-``pages_per_program`` pages, i.e. a ``[pages * n_blocks, 512]`` tile of values, loaded as two
-``[.., 256]`` halves: values ``8m+k`` and ``8m+4+k`` (k = 0..3), whose codes share code byte
-``4m+k`` — so the codes are packed without any shuffle.
+``pages_per_program`` whole pages, i.e. ``BLK = pages * n_blocks`` blocks, as an int32
+``[BLK, 64, 4]`` tile: block, group ``m`` of 8 values (``8m .. 8m+7``), bf16 pair word.
+A group is 16 contiguous source bytes in either layout (token layout: bytes ``16m`` of the
+block; channel layout from a plain page: 8 channels of one token), so every load is one
+16-byte vector per thread. Everything after is 32-bit SWAR on those words, in registers:
 
-Source and destination are addressed per page by byte offsets, so the same kernel packs
-a contiguous batch of pages into a new buffer, packs in place (every value of a page is
-loaded before the first store; the per-block reductions order them), or compresses page
-slots of a :class:`zipkv.kernels.decode_attention.PagedKVCache` pool.
+* exponent min / max per block: two reductions over the block's 256 words
+  (``(x >> 7) & 0xFF`` and ``(x >> 23) & 0xFF``);
+* low bytes: two byte permutes give the two 4-byte low-byte words of the group;
+* codes: the four high bytes of 4 values in one word, then ``(H & 0x80808080) >> 4`` (sign
+  to bit 3 of each byte) ``| (H & 0x7F7F7F7F) - (b/2) * 0x01010101`` (no borrows: every
+  value's ``e >> 1 >= b/2`` in a compressed block); the group's code word is
+  ``codes(8m..8m+3) | codes(8m+4..8m+7) << 4``.
+
+Stores are int32 words: low bytes ``[BLK, 64, 2]`` (8 contiguous bytes per group), codes
+``[BLK, 64]``, raw blocks the loaded words themselves; offsets are computed per block
+(int64), never per element. Source and destination are addressed per page by byte
+offsets, so the same kernel packs a contiguous batch of pages into a new buffer, packs in
+place (every value of a page is loaded before the first store: a program owns whole
+pages, and a barrier separates its loads from its stores), or compresses page slots of a
+:class:`zipkv.kernels.decode_attention.PagedKVCache` pool.
 """
 from __future__ import annotations
 
@@ -23,57 +36,67 @@ __all__ = ["pack_pages", "pack_into"]
 
 
 @triton.jit
-def _pack_kernel(src16_ptr, src_off_ptr, dst8_ptr, dst_off_ptr, meta_ptr, n_pages,
+def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
                  D: tl.constexpr, LAYOUT: tl.constexpr, SRC_PACKED: tl.constexpr,
                  PAGES: tl.constexpr):
+    """src_ptr, dst_ptr: int32 views of the byte buffers; offsets in bytes (multiples of 256)."""
     NB: tl.constexpr = D // 32
-    BM: tl.constexpr = PAGES * NB
-    PB: tl.constexpr = 32 * D
+    BLK: tl.constexpr = PAGES * NB
+    PW: tl.constexpr = 8 * D                   # page slot in int32 words (32 * D bytes)
     pid = tl.program_id(0)
-    blk = tl.arange(0, BM)
+    blk = tl.arange(0, BLK)
     page = pid * PAGES + blk // NB
     j = blk % NB
     ok = page < n_pages
-    src_off = tl.load(src_off_ptr + page, mask=ok, other=0).to(tl.int64)
-    dst_off = tl.load(dst_off_ptr + page, mask=ok, other=0).to(tl.int64)
-    q = tl.arange(0, 256)
-    p_a = (q // 4) * 8 + q % 4                 # value 8m+k: low nibble of code byte 4m+k
-    p_b = p_a + 4                              # value 8m+4+k: high nibble
-    if SRC_PACKED or LAYOUT == 0:              # raw block order (token layout = plain page)
-        s_a = j[:, None] * 512 + p_a[None, :]
-        s_b = j[:, None] * 512 + p_b[None, :]
-    else:                                      # plain page, channel layout: [16 tok, 32 ch] blocks
-        s_a = (p_a // 32)[None, :] * D + j[:, None] * 32 + (p_a % 32)[None, :]
-        s_b = (p_b // 32)[None, :] * D + j[:, None] * 32 + (p_b % 32)[None, :]
-    src = src16_ptr + (src_off // 2)[:, None]
-    xa = tl.load(src + s_a, mask=ok[:, None], other=0).to(tl.int32) & 0xFFFF
-    xb = tl.load(src + s_b, mask=ok[:, None], other=0).to(tl.int32) & 0xFFFF
-    ea = (xa >> 7) & 0xFF
-    eb = (xb >> 7) & 0xFF
-    emin = tl.minimum(tl.min(ea, axis=1), tl.min(eb, axis=1))
-    emax = tl.maximum(tl.max(ea, axis=1), tl.max(eb, axis=1))
+    src_w = tl.multiple_of(tl.load(src_off_ptr + page, mask=ok, other=0) // 4, 64)   # int64 per block
+    dst_w = tl.multiple_of(tl.load(dst_off_ptr + page, mask=ok, other=0) // 4, 64)
+    m = tl.arange(0, 64)[None, :, None]
+    w = tl.arange(0, 4)[None, None, :]
+    if SRC_PACKED or LAYOUT == 0:              # raw block order: block j = words 256j ..
+        row = (j * 256)[:, None, None] + 4 * m
+    else:                                      # plain page, channel layout: token m // 4, channels 32j + 8 (m % 4) ..
+        row = (j * 16)[:, None, None] + (m // 4) * (D // 2) + 4 * (m % 4)
+    okb = ok[:, None, None]
+    X = tl.load(src_ptr + src_w[:, None, None] + tl.multiple_of(row, [1, 4, 4]) + w, mask=okb, other=0)
+
+    # exponent range per block (0 for masked blocks: harmless, never stored)
+    e_lo = (X >> 7) & 0xFF
+    e_hi = (X >> 23) & 0xFF
+    emin = tl.min(tl.min(tl.minimum(e_lo, e_hi), axis=2), axis=1)
+    emax = tl.max(tl.max(tl.maximum(e_lo, e_hi), axis=2), axis=1)
     base_hi = emin >> 1
     comp = (emax - 2 * base_hi) <= 15
-    ca = ((xa >> 15) << 3) | (((xa >> 8) & 0x7F) - base_hi[:, None])
-    cb = ((xb >> 15) << 3) | (((xb >> 8) & 0x7F) - base_hi[:, None])
-    codes = (ca | (cb << 4)) & 0xFF
-    # block offsets inside the slot: 1024*j - 256 * (#compressed blocks before j)
+
+    XA, XB = tl.split(X.reshape([BLK, 64, 2, 2]))    # words (0, 2) and (1, 3) of each group
+    X0, X2 = tl.split(XA)
+    X1, X3 = tl.split(XB)
+    # low bytes: bytes 0, 2 of each word
+    L0 = (X0 & 0xFF) | ((X0 >> 8) & 0xFF00) | ((X1 & 0xFF) << 16) | ((X1 << 8) & -16777216)
+    L1 = (X2 & 0xFF) | ((X2 >> 8) & 0xFF00) | ((X3 & 0xFF) << 16) | ((X3 << 8) & -16777216)
+    # high bytes: bytes 1, 3 of each word
+    H0 = ((X0 >> 8) & 0xFF) | ((X0 >> 16) & 0xFF00) | ((X1 << 8) & 0xFF0000) | (X1 & -16777216)
+    H1 = ((X2 >> 8) & 0xFF) | ((X2 >> 16) & 0xFF00) | ((X3 << 8) & 0xFF0000) | (X3 & -16777216)
+    b4 = (base_hi * 0x01010101)[:, None]
+    c0 = ((H0 >> 4) & 0x08080808) | ((H0 & 0x7F7F7F7F) - b4)
+    c1 = ((H1 >> 4) & 0x08080808) | ((H1 & 0x7F7F7F7F) - b4)
+    codes = c0 | (c1 << 4)                     # [BLK, 64]
+
+    # block offsets inside the slot: 1024*j - 256 * (#compressed blocks before j), in words
     f = comp.to(tl.int32).reshape([PAGES, NB])
-    before = (tl.cumsum(f, axis=1) - f).reshape([BM])
-    boff = dst_off + j * 1024 - 256 * before
+    before = (tl.cumsum(f, axis=1) - f).reshape([BLK])
+    boff = tl.multiple_of(dst_w + j * 256 - 64 * before, 64)
     tl.debug_barrier()                         # in place: all loads before any store
-    cm = (ok & comp)[:, None]
-    rm = (ok & (comp == 0))[:, None]
-    dst = dst8_ptr + boff[:, None]
-    tl.store(dst + p_a[None, :], (xa & 0xFF).to(tl.uint8), mask=cm)
-    tl.store(dst + p_b[None, :], (xb & 0xFF).to(tl.uint8), mask=cm)
-    tl.store(dst + 512 + q[None, :], codes.to(tl.uint8), mask=cm)
-    # zero the slot's tail: compressed block of rank k clears [PB - 256(k+1), PB - 256k)
-    tail = dst8_ptr + (dst_off + PB - 256 * (before + 1))[:, None]
-    tl.store(tail + q[None, :], tl.zeros([BM, 256], dtype=tl.uint8), mask=cm)
-    dst16 = dst8_ptr.to(tl.pointer_type(tl.int16)) + (boff // 2)[:, None]
-    tl.store(dst16 + p_a[None, :], xa.to(tl.int16), mask=rm)
-    tl.store(dst16 + p_b[None, :], xb.to(tl.int16), mask=rm)
+    cm = ok & comp
+    rm = ok & (comp == 0)
+    m2 = tl.arange(0, 64)[None, :]
+    dst = dst_ptr + boff[:, None]
+    tl.store(dst[:, :, None] + 2 * m2[:, :, None] + tl.arange(0, 2)[None, None, :],
+             tl.join(L0, L1), mask=cm[:, None, None])
+    tl.store(dst + 128 + m2, codes, mask=cm[:, None])
+    # zero the slot's tail: compressed block of rank k clears words [PW - 64(k+1), PW - 64k)
+    tail = dst_ptr + tl.multiple_of(dst_w + PW - 64 * (before + 1), 64)[:, None]
+    tl.store(tail + m2, tl.zeros([BLK, 64], dtype=tl.int32), mask=cm[:, None])
+    tl.store(dst[:, :, None] + 4 * m + w, X, mask=rm[:, None, None])
     mbyte = tl.where(comp, 128 + base_hi, 0)
     tl.store(meta_ptr + page * NB + j, mbyte.to(tl.uint8), mask=ok)
 
@@ -83,10 +106,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
 
 
-def _default_pages_per_program(head_dim: int) -> int:
-    if _interpreting():                        # few, large programs: the interpreter's cost is per program
-        return max(1, (1 << 21) // (16 * head_dim))
-    return max(1, 4096 // (16 * head_dim))
+# GPU launch options: pages per program and warps (per head_dim 16 KB of input per program).
+# Chosen offline (``zipkv.kernels.kernel_info.pack_info``: registers, spills, vector widths);
+# to be confirmed by timing on the H200.
+_TUNE = dict(bytes_per_program=16384, num_warps=4)
+
+
+def _launch_config(head_dim: int, pages_per_program: int | None, gpu: bool):
+    """(constexprs, num_warps) for a launch: PAGES is a power of two."""
+    if pages_per_program:
+        ppp = pages_per_program
+    elif not gpu:                              # few, large programs: the interpreter's cost is per program
+        ppp = max(1, (1 << 21) // (16 * head_dim))
+    else:
+        ppp = max(1, _TUNE["bytes_per_program"] // fmt.page_bytes(head_dim))
+    return dict(PAGES=triton.next_power_of_2(ppp)), _TUNE["num_warps"]
 
 
 def _check_int_tensor(x, name, dtype, n):
@@ -149,12 +183,16 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
         if lo < 0 or hi + pb > buf.numel() or bool((off % 256 != 0).any()):
             raise ValueError(f"{name} must be multiples of 256 in [0, {buf.numel() - pb}] "
                              f"(buffer of {buf.numel()} bytes), got range [{lo}, {hi}]")
-    ppp = pages_per_program or _default_pages_per_program(head_dim)
-    ppp = triton.next_power_of_2(ppp)
-    grid = (triton.cdiv(n, ppp),)
-    _pack_kernel[grid](src8.view(torch.int16), src_offsets, dst, dst_offsets, meta_out, n,
+    for name, buf in (("src", src8), ("dst", dst)):
+        if buf.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address, got {buf.data_ptr():#x}")
+    gpu = dst.device.type == "cuda" and not _interpreting()
+    cst, warps = _launch_config(head_dim, pages_per_program, gpu)
+    grid = (triton.cdiv(n, cst["PAGES"]),)
+    n4 = lambda b: b[: b.numel() // 4 * 4].view(torch.int32)          # noqa: E731 (offsets stay in bounds)
+    _pack_kernel[grid](n4(src8), src_offsets, n4(dst), dst_offsets, meta_out, n,
                        D=head_dim, LAYOUT=fmt.LAYOUTS.index(layout), SRC_PACKED=bool(src_packed),
-                       PAGES=ppp)
+                       **cst, **({"num_warps": warps} if gpu else {}))
     return meta_out
 
 
