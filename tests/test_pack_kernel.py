@@ -14,22 +14,9 @@ import pytest  # noqa: E402
 from zipkv import format as F  # noqa: E402
 from zipkv.kernels.decode_attention import build_paged_cache, compress_cache_  # noqa: E402
 from zipkv.kernels.pack import pack_into, pack_pages  # noqa: E402
+from test_format import all_pattern_blocks, bits  # noqa: E402  (every BF16 pattern in every position)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def all_pattern_blocks() -> torch.Tensor:
-    """int16 [65536, 512]: every BF16 bit pattern at every block position, each block inside
-    one 16-exponent window (all compressible); see tests/test_format.py."""
-    w = torch.arange(16, dtype=torch.int32).repeat_interleave(4096)[:, None]
-    k = (torch.arange(65536, dtype=torch.int32) % 4096)[:, None]
-    idx = (k + torch.arange(512, dtype=torch.int32)) % 4096
-    bits = ((idx >> 11) << 15) | ((16 * w + ((idx >> 7) & 15)) << 7) | (idx & 127)
-    return bits.to(torch.int16)
-
-
-def bits(x):
-    return x.contiguous().view(torch.int16)
 
 
 def random_pages(n, d, seed=0, spread=3.0):
