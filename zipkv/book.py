@@ -170,7 +170,7 @@ def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
 
 
 def _stamp(executed: Path, record: dict) -> None:
-    """Write provenance into the notebook's metadata and as a visible cell under its title."""
+    """Write provenance into the notebook's metadata and as a visible cell under its title; fold code cells."""
     import nbformat
 
     nb = nbformat.read(executed, as_version=4)
@@ -182,6 +182,10 @@ def _stamp(executed: Path, record: dict) -> None:
     nb.cells = [c for c in nb.cells if "zipkv-provenance" not in c.metadata.get("tags", [])]
     at = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
     nb.cells.insert(at, cell)
+    for c in nb.cells:  # the book shows results first; code stays one click away
+        tags = c.metadata.setdefault("tags", [])
+        if c.cell_type == "code" and not {"parameters", "injected-parameters", "hide-input"} & set(tags):
+            tags.append("hide-input")
     nbformat.write(nb, executed)
 
 
