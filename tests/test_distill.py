@@ -332,3 +332,100 @@ def test_allocate_sums_bounds_and_dampening():
     with pytest.raises(ValueError, match="total=100"):
         budget_mod.allocate(signal, 100, k_max=10)
     assert torch.equal(budget_mod.split(7, torch.tensor([1.0, 1.0, 1.0]), 0, 7).sort().values, torch.tensor([2, 2, 3]))
+
+
+# --- batched baselines (all problems of a shape at once) against the one-at-a-time references ------------
+
+def mixed_baseline_problems():
+    """Different k (incl. 0 and N − m), N, m (one with m = 0) and sharpness: several shape groups."""
+    spec = [(1, 40, 8, 2.0), (3, 30, 4, 1.0), (6, 40, 8, 3.0), (12, 48, 8, 2.0), (20, 40, 0, 1.5),
+            (0, 40, 8, 2.0), (32, 40, 8, 2.0), (9, 40, 8, 0.5)]
+    return [random_problem(n=n, m=m, k=k, seed=10 + k, sharp=sh) for k, n, m, sh in spec]
+
+
+BATCHED = {
+    "random": (B.random_selection, B.random_selection_reference, dict(seed=3)),
+    "attention_score": (B.attention_score, B.attention_score_reference, {}),
+    "select_fit": (B.select_fit, B.select_fit_reference, {}),
+    "joint_opt": (B.joint_opt, B.joint_opt_reference, dict(config=B.JointConfig(steps=25), seed=5, progress=False)),
+    "joint_opt_norefit": (B.joint_opt, B.joint_opt_reference,
+                          dict(config=B.JointConfig(steps=25, refit=False), progress=False)),
+}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("name", list(BATCHED))
+def test_batched_baselines_equal_the_references(name, dtype, tol):
+    fast, ref, kw = BATCHED[name]
+    problems = mixed_baseline_problems()
+    got, want = fast(problems, dtype=dtype, **kw), ref(problems, dtype=dtype, **kw)
+    for p, a, b in zip(problems, got, want):
+        assert a.keys.shape == b.keys.shape == (p.k, p.head_dim)
+        assert torch.equal(a.indices, b.indices), "same selected positions"
+        assert torch.equal(a.keys, b.keys)
+        scale = max(float(b.values.abs().max()), 1.0) if b.values.numel() else 1.0
+        if b.values.numel():
+            assert float((a.values - b.values).abs().max()) <= tol * scale
+        for x, y in ((a.loss, b.loss), (a.output_mse, b.output_mse), (a.lse_mse, b.lse_mse),
+                     (a.initial_loss, b.initial_loss)):
+            assert abs(x - y) <= tol * max(abs(y), 1e-12)
+        assert len(a.history) == len(b.history)
+        assert all(abs(x - y) <= tol * max(abs(y), 1e-12) for x, y in zip(a.history, b.history)), \
+            "Joint Optimization: the same loss at every Adam step"
+
+
+@pytest.mark.parametrize("name", ["random", "select_fit", "joint_opt"])
+def test_batch_chunking_does_not_change_results(name):
+    fast, _, kw = BATCHED[name]
+    problems = mixed_baseline_problems() + [random_problem(k=k, seed=70 + k) for k in (2, 5, 7)]
+    whole = fast(problems, dtype=torch.float64, chunk_elements=1 << 30, **kw)
+    single = fast(problems, dtype=torch.float64, chunk_elements=1, **kw)  # one problem per batch
+    for a, b in zip(whole, single):
+        assert torch.equal(a.indices, b.indices)
+        assert abs(a.loss - b.loss) <= 1e-12 * max(abs(b.loss), 1e-12)
+
+
+def test_problem_groups_split_by_shape_and_size():
+    problems = mixed_baseline_problems()
+    groups = B.problem_groups(problems)
+    assert sorted(i for g in groups for i in g) == list(range(len(problems)))
+    for g in groups:
+        assert len({(problems[i].n, problems[i].m) for i in g}) == 1
+    n_q = problems[0].queries.shape[0]
+    small = B.problem_groups(problems, chunk_elements=2 * n_q * 40)
+    assert max(len(g) for g in small) == 2
+
+
+def test_prepared_batch_matches_prepared():
+    problems = [random_problem(k=k, seed=80 + k) for k in (3, 7)]
+    batch = B.PreparedBatch(problems, torch.float64)
+    for i, p in enumerate(problems):
+        want, got = B.Prepared(p, torch.float64), batch.prepared(i)
+        for name in ("q", "k_old", "v_old", "v_ret", "s_old", "s_ret", "y", "lse", "attention_old"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-12 * max(float(b.abs().max()), 1.0), name
+    with pytest.raises(ValueError, match="shape"):
+        B.PreparedBatch([random_problem(n=40), random_problem(n=48)])
+
+
+def test_build_problems_uniform_queries_equal_per_head_training_queries(cap):
+    problems = K.build_problems(cap, 4, m=8, n_synthetic=8)
+    H = cap.layers[0].keys.shape[0]
+    for p in problems:
+        lc = cap.layers[p.layer]
+        g = lc.queries.shape[0] // H
+        want = Q.training_queries(lc.queries[p.head * g:(p.head + 1) * g], cap.positions, cap.rope, 8, 8,
+                                  seed=7919 * p.layer + p.head)
+        assert torch.equal(p.queries, want.reshape(-1, want.shape[-1]))
+
+
+def test_compress_reuses_prebuilt_problems(cap):
+    problems = K.build_problems(cap, 1, m=8, n_synthetic=8)
+    for method in ("select_fit", "joint_opt"):
+        a = K.compress(cap, 0.5, method, m=8, n_synthetic=8, config=FAST, joint_config=B.JointConfig(steps=5))
+        b = K.compress(cap, 0.5, method, m=8, n_synthetic=8, config=FAST, joint_config=B.JointConfig(steps=5),
+                       problems=problems)
+        assert torch.equal(a.loss, b.loss) and torch.equal(a.lengths, b.lengths)
+        assert all(torch.equal(x, y) for xs, ys in zip(a.keys, b.keys) for x, y in zip(xs, ys))
+    with pytest.raises(ValueError, match="problems"):
+        K.compress(cap, 0.5, "select_fit", m=8, n_synthetic=8, config=FAST, problems=problems[:1])

@@ -187,3 +187,14 @@ def test_evaluate_errors(model, cap, full, window):
         E.compare_methods(model, [torch.cat(window)], [0.5], ["select_fit"], m=M)
     with pytest.raises(ValueError, match="values"):
         K.CompressedCache([[torch.zeros(3, 4)]], [[torch.zeros(2, 4)]], 3)
+
+
+def test_compare_methods_prints_one_line_per_run_with_seconds(model, window, capsys):
+    E.compare_methods(model, [window], [0.5], ["random", "select_fit"], m=M, n_synthetic=8,
+                      config=K.SculptConfig(steps=1, progress=False), n_context=N, progress=True)
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 + 2, "one line per window (capture), then one per (window, ratio, method)"
+    assert lines[0].startswith("window 0: capture")
+    for line, method in zip(lines[1:], ["random", "select_fit"]):
+        assert line.startswith(f"window 0 r=0.5 {method}") and "compress" in line and "evaluate" in line
+        assert line.rstrip().endswith("s)")

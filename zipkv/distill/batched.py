@@ -4,8 +4,10 @@
 reference's algorithm (:func:`zipkv.distill.kvsculpt.solve_one`, paper §3.4) on a batch of ``P``
 problems at once, with nothing shared between problems:
 
-* **Initialisation** — per problem exactly the reference's code path (Select+Fit: top-``k`` old
-  positions by accumulated attention, ridge values), so the starting loss is Select+Fit's.
+* **Initialisation** — the reference's start, Select+Fit (top-``k`` old positions by accumulated
+  attention, ridge values), computed for all problems of a shape at once with
+  :class:`~zipkv.distill.baselines.PreparedBatch` (the batched Select+Fit baseline's code), so the
+  starting loss is Select+Fit's (to the rounding of batched matmuls).
 * **K-step** — ``torch.optim.LBFGS`` re-implemented over a batch: per problem its own history, its
   own step count, its own ``func_evals`` budget (``max_eval = 5·max_iter//4`` per outer step) and
   its own stopping tests (``tolerance_grad``, ``tolerance_change``, curvature test ``sᵀy > 1e-10``),
@@ -71,7 +73,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from .baselines import Prepared, Problem, Solution
+from .baselines import Prepared, PreparedBatch, Problem, Solution, chunk_for, problem_groups
 from .kvsculpt import SculptConfig, Solver, budget_for_ratio, build_problems
 from .kvsculpt import solve as reference_solve
 from .queries import training_queries
@@ -106,9 +108,15 @@ class _Batch:
         self.q = torch.stack([p.q for p in preps])
         self.y = torch.stack([p.y for p in preps])
         self.lse = torch.stack([p.lse for p in preps])
-        s_ret64 = [p.s_ret.double() for p in preps]
-        self.lse_r64 = torch.stack([torch.logsumexp(s, dim=-1) for s in s_ret64])
-        self.y_r64 = torch.stack([torch.softmax(s, dim=-1) @ p.v_ret.double() for s, p in zip(s_ret64, preps)])
+        if len({tuple(p.s_ret.shape) for p in preps}) == 1:  # one retain-zone size: batched
+            s_ret64 = torch.stack([p.s_ret for p in preps]).double()
+            self.lse_r64 = torch.logsumexp(s_ret64, dim=-1)
+            self.y_r64 = torch.bmm(torch.softmax(s_ret64, dim=-1), torch.stack([p.v_ret for p in preps]).double())
+            del s_ret64
+        else:
+            s_ret64 = [p.s_ret.double() for p in preps]
+            self.lse_r64 = torch.stack([torch.logsumexp(s, dim=-1) for s in s_ret64])
+            self.y_r64 = torch.stack([torch.softmax(s, dim=-1) @ p.v_ret.double() for s, p in zip(s_ret64, preps)])
         dtype, device = self.q.dtype, self.q.device
         self.lse_r = self.lse_r64.to(dtype)
         self.y_r = self.y_r64.to(dtype)
@@ -516,24 +524,29 @@ def _sync(device):
 def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: float | None, bar=None):
     """The batched solver on problems of equal query count and head dim; returns (solutions, frozen_at)."""
     started = time.perf_counter()
-    preps = [Prepared(p, cfg.dtype, cfg.device) for p in problems]
     P, ks = len(problems), [p.k for p in problems]
-    device, dtype = preps[0].q.device, cfg.dtype
-    init_keys, init_values, init_loss = [], [], []
-    for prep, p in zip(preps, problems):  # exactly the reference's start: Select+Fit
-        keys = prep.k_old[prep.top_attention(p.k)]
-        values = prep.ridge(keys, cfg.ridge)
-        with torch.no_grad():
-            init_loss.append(prep.loss(keys, values))
-        init_keys.append(keys)
-        init_values.append(values)
-        prep.s_old = prep.attention_old = None  # [n_q, N − m] no longer needed
-    batch = _Batch(preps, ks)
-    kmax, d = batch.kmax, batch.d
+    dtype = cfg.dtype
+    kmax, d = max(ks), problems[0].head_dim
+    # the reference's start, Select+Fit (top-k old positions by accumulated attention, ridge values),
+    # computed for all problems of a shape (N, m) at once: baselines.select_fit's batched path
+    groups = [(members, PreparedBatch([problems[i] for i in members], dtype, cfg.device))
+              for members in problem_groups(problems, chunk_for(problems, cfg.device))]
+    device = groups[0][1].device
+    preps: list[Prepared | None] = [None] * P
     x0 = torch.zeros(P, kmax, d, dtype=dtype, device=device)
     values = torch.zeros_like(x0)
-    for i, (kk, vv) in enumerate(zip(init_keys, init_values)):
-        x0[i, : kk.shape[0]], values[i, : vv.shape[0]] = kk, vv
+    init_loss_t = torch.empty(P, dtype=dtype, device=device)
+    for members, pb in groups:
+        rows = torch.tensor(members, device=device)
+        keys0 = pb.gather_old(pb.top_attention())
+        values0 = pb.ridge(keys0, cfg.ridge)
+        init_loss_t[rows] = pb.loss(keys0, values0)
+        x0[rows, : pb.kmax], values[rows, : pb.kmax] = keys0, values0
+        for j, i in enumerate(members):
+            preps[i] = pb.prepared(j)
+    init_loss = init_loss_t.tolist()
+    values_start = values.clone()
+    batch = _Batch(preps, ks)
     n = kmax * d
     x = x0.reshape(P, n).clone()
 
@@ -611,17 +624,28 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
     hist = history.cpu()
     _sync(device)
     seconds = (time.perf_counter() - started) / P
-    solutions = []
-    for i, (prep, p) in enumerate(zip(preps, problems)):
+    histories = []
+    for i in range(P):
         if frozen_at_h[i] >= 0:
             hist[frozen_at_h[i] + 1:, i] = hist[frozen_at_h[i], i]
-        k = p.k
-        sol = prep.solution(best_x_all[i].view(kmax, d)[:k].clone(), best_v_all[i, :k].clone(),
-                            initial_loss=init_loss[i], seconds=seconds, history=hist[: stopped_at_h[i] + 1, i].tolist())
-        if not sol.loss <= sol.initial_loss:  # never above Select+Fit's (rounding of a non-improvement)
-            sol = prep.solution(init_keys[i], init_values[i], initial_loss=init_loss[i], seconds=seconds,
-                                history=sol.history)
-        solutions.append(sol)
+        histories.append(hist[: stopped_at_h[i] + 1, i].tolist())
+    solutions: list[Solution | None] = [None] * P
+    best_keys = best_x_all.view(P, kmax, d)
+    for members, pb in groups:  # one host sync per shape group
+        rows = torch.tensor(members, device=device)
+        k = pb.kmax
+        sols = pb.solutions(best_keys[rows, :k].clone(), best_v_all[rows, :k].clone(),
+                            initial_loss=[init_loss[i] for i in members], seconds=seconds,
+                            histories=[histories[i] for i in members])
+        worse = [j for j, s in enumerate(sols) if not s.loss <= s.initial_loss]
+        if worse:  # never above Select+Fit's (rounding of a non-improvement): return the start
+            start = pb.solutions(x0[rows, :k], values_start[rows, :k],
+                                 initial_loss=[init_loss[i] for i in members], seconds=seconds,
+                                 histories=[histories[i] for i in members])
+            for j in worse:
+                sols[j] = start[j]
+        for i, s in zip(members, sols):
+            solutions[i] = s
     return solutions, frozen_at_h
 
 

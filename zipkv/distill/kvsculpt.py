@@ -33,6 +33,9 @@ from . import baselines, budget as budget_mod
 from .baselines import RIDGE, JointConfig, Prepared, Problem, Solution
 from .queries import check_strategy, training_queries
 
+DETERMINISTIC_STRATEGIES = ("uniform",)
+"""Query sampling strategies that draw no random numbers (so the per-head seed is irrelevant)."""
+
 METHODS = ("kvsculpt", "random", "attention_score", "select_fit", "joint_opt")
 """Method names accepted by :func:`compress` (§4 baselines and KVSculpt)."""
 
@@ -210,6 +213,10 @@ class CompressedCache:
         device = device or ks[0].device
         n_max = max(k.shape[0] for k in ks)
         H, d = len(ks), ks[0].shape[1]
+        if all(k.shape[0] == n_max for k in ks):  # equal lengths (uniform budget): no padding
+            keys = torch.stack(ks).to(device=device, dtype=dtype)
+            values = torch.stack(vs).to(device=device, dtype=dtype)
+            return keys, values, torch.ones(H, n_max, dtype=torch.bool, device=device)
         keys = torch.zeros(H, n_max, d, dtype=dtype, device=device)
         values = torch.zeros(H, n_max, d, dtype=dtype, device=device)
         valid = torch.zeros(H, n_max, dtype=torch.bool, device=device)
@@ -268,7 +275,6 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
         raise ValueError(f"budget has shape {tuple(ks.shape)}: expected [layers, kv_heads] = [{L}, {H}]")
     if tuple(capture.positions.shape) != (N,):
         raise ValueError(f"capture.positions has shape {tuple(capture.positions.shape)}: expected [{N}]")
-    problems = []
     for layer, lc in enumerate(capture.layers):
         if lc.keys.shape != (H, N, d) or lc.values.shape != (H, N, d):
             raise ValueError(f"layer {layer}: keys {tuple(lc.keys.shape)} / values {tuple(lc.values.shape)}, "
@@ -277,10 +283,23 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
         if lc.queries.ndim != 3 or Hq % H or lc.queries.shape[1:] != (N, d):
             raise ValueError(f"layer {layer}: queries {tuple(lc.queries.shape)}, expected [q_heads, {N}, {d}] "
                              f"with q_heads a multiple of kv_heads={H}")
-        g = Hq // H
+    # "uniform" sampling draws no random numbers, so the per-head seeds do not matter and every query head
+    # of every layer goes through one training_queries call (elementwise the same as one call per head)
+    together = None
+    if strategy in DETERMINISTIC_STRATEGIES and len({lc.queries.shape[0] for lc in capture.layers}) == 1:
+        stacked = torch.stack([lc.queries for lc in capture.layers])  # [L, Hq, N, d]
+        Hq = stacked.shape[1]
+        together = training_queries(stacked.flatten(0, 1), capture.positions, capture.rope, m, n_synthetic,
+                                    strategy=strategy, seed=seed).view(L, H, Hq // H, -1, d)
+    problems = []
+    for layer, lc in enumerate(capture.layers):
+        g = lc.queries.shape[0] // H
         for head in range(H):
-            q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, capture.rope, m,
-                                 n_synthetic, strategy=strategy, seed=seed + 7919 * layer + head)
+            if together is not None:
+                q = together[layer, head]
+            else:
+                q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, capture.rope, m,
+                                     n_synthetic, strategy=strategy, seed=seed + 7919 * layer + head)
             problems.append(Problem(keys=lc.keys[head], values=lc.values[head], queries=q, m=m,
                                     k=int(ks[layer, head]), scale=scale, layer=layer, head=head))
     return problems
@@ -315,7 +334,8 @@ def _grid(problems: Sequence[Problem], solutions: Sequence[Solution], attr: str,
 def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n_synthetic: int = 128,
              strategy: str = "uniform", budget="uniform", config: SculptConfig | None = None,
              joint_config: JointConfig | None = None, pilot_steps: int = 30, alpha: float = 0.5,
-             seed: int = 0, scale: float | None = None, solver: Solver | None = None) -> CompressedCache:
+             seed: int = 0, scale: float | None = None, solver: Solver | None = None,
+             problems: Sequence[Problem] | None = None) -> CompressedCache:
     """Compress a whole captured cache at ratio ``r = (k + m)/N`` with a named method (§3, §4).
 
     Args:
@@ -335,6 +355,9 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
         seed: for random selection, query sampling and Joint Optimization's gate noise.
         scale: attention score scale (``1/√d`` when ``None``).
         solver: a batch solver replacing :func:`solve` for ``"kvsculpt"`` and the pilot.
+        problems: this capture's problems from :func:`build_problems` (any ``k``; built with the same
+            ``m``, ``n_synthetic``, ``strategy``, ``seed`` and ``scale``), to reuse the training queries
+            across ratios and methods; their ``k`` is replaced by the budget.
 
     Returns:
         A :class:`CompressedCache` with ``k_lh + m`` pairs per layer and KV head.
@@ -346,7 +369,13 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     L = len(capture.layers)
     H, N, _ = capture.layers[0].keys.shape
     k = budget_for_ratio(ratio, N, m)
-    problems = build_problems(capture, k, m=m, n_synthetic=n_synthetic, strategy=strategy, seed=seed, scale=scale)
+    if problems is None:
+        problems = build_problems(capture, k, m=m, n_synthetic=n_synthetic, strategy=strategy, seed=seed, scale=scale)
+    else:
+        if len(problems) != L * H or any(p.m != m or p.n != N for p in problems):
+            raise ValueError(f"problems: expected {L * H} problems (layer-major) with N={N} and m={m}, as "
+                             "build_problems makes for this capture")
+        problems = [replace(p, k=k) for p in problems]
     if isinstance(budget, str):
         if budget not in BUDGETS:
             raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)} or an [L, H] tensor of ints")
