@@ -19,20 +19,9 @@ from zipkv.distill import kvsculpt as K
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is faster on a shared 2-core machine
-    yield
-    torch.set_num_threads(before)
+from test_distill import random_problem  # noqa: E402  (shared synthetic problem builder)
 
-
-def random_problem(n=40, m=8, d=8, g=2, n_q=24, k=6, seed=0, sharp=2.0) -> B.Problem:
-    gen = torch.Generator().manual_seed(seed)
-    keys = torch.randn(n, d, generator=gen) * sharp
-    values = torch.randn(n, d, generator=gen)
-    queries = torch.randn(g, n_q, d, generator=gen) * sharp
-    return B.Problem(keys, values, queries, m=m, k=k)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def mixed_problems():

@@ -14,13 +14,7 @@ from zipkv.distill import queries as Q
 FAST = K.SculptConfig(steps=6, progress=False)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny matrices: one intra-op thread is several times faster on a shared 2-core machine.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llama(seed: int = 0):
