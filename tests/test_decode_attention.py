@@ -234,3 +234,12 @@ def test_kinds_refresh_after_compress_in_place():
     assert torch.equal(before, after)
     with pytest.raises(ValueError, match="path must be"):
         decode_attention(q, cache, ip, idx, last, path="fast")
+
+
+def test_occupancy_from_compiled_resources():
+    from zipkv.kernels.kernel_info import H200_SM, programs_per_sm
+
+    assert programs_per_sm(32, 1, 0) == H200_SM["programs"]              # block-count limit
+    assert programs_per_sm(255, 4, 0) < programs_per_sm(168, 4, 0)      # registers bind
+    assert programs_per_sm(64, 4, H200_SM["shared_bytes"] // 2) == 2    # shared memory binds
+    assert programs_per_sm(32, 32, 0) == H200_SM["threads"] // (32 * 32)  # threads bind

@@ -21,7 +21,7 @@ import re
 import subprocess
 import tempfile
 
-__all__ = ["compile_info", "decode_attention_info", "pack_info", "table"]
+__all__ = ["compile_info", "decode_attention_info", "pack_info", "table", "table_in_subprocess", "programs_per_sm"]
 
 
 def _ptxas() -> str:
@@ -169,3 +169,36 @@ def table(configs=None):
     cols = ["kernel", "path", "pages_per_tile", "num_warps", "num_stages", "registers", "spill_stores",
             "spill_loads", "stack_bytes", "shared_bytes", "cp_async_ptx", "ld_global_v4"]
     return pd.DataFrame(rows).reindex(columns=cols)
+
+
+H200_SM = dict(registers=65536, shared_bytes=233472, threads=2048, programs=32)
+"""Per-SM limits of the H200/H100 (sm_90): 64 K registers, 228 KB shared memory, 2048 threads, 32 blocks."""
+
+
+def programs_per_sm(registers: int, num_warps: int, shared_bytes: int, sm: dict = H200_SM) -> int:
+    """How many programs of a compiled kernel fit on one SM at once (occupancy), from its
+    registers per thread, warps and shared memory; registers are allocated per warp in units of 256."""
+    regs_per_warp = -(-registers * 32 // 256) * 256
+    by_regs = sm["registers"] // (regs_per_warp * num_warps)
+    by_smem = sm["shared_bytes"] // shared_bytes if shared_bytes else sm["programs"]
+    by_threads = sm["threads"] // (32 * num_warps)
+    return int(min(by_regs, by_smem, by_threads, sm["programs"]))
+
+
+def table_in_subprocess(timeout: float = 600):
+    """:func:`table` computed in a fresh Python process without the Triton interpreter, so it can be
+    called from a session where ``TRITON_INTERPRET=1`` (CPU notebooks); adds ``programs_per_sm``."""
+    import io
+    import sys
+
+    import pandas as pd
+
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    code = "import sys; from zipkv.kernels.kernel_info import table; table().to_csv(sys.stdout, index=False)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"compiling the kernels offline failed:\n{done.stderr[-3000:]}")
+    frame = pd.read_csv(io.StringIO(done.stdout))
+    frame["programs_per_sm"] = [programs_per_sm(r, w, s) for r, w, s in
+                                zip(frame.registers, frame.num_warps, frame.shared_bytes)]
+    return frame
