@@ -111,7 +111,7 @@ def _converted_embedded_model() -> Path:
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    print(f"zipkv: converting {gguf.name} to safetensors once (about 45 s on 2 CPU cores; later loads take seconds) "
+    print(f"zipkv: converting {gguf.name} to safetensors once (de-quantizing takes a while; later loads take seconds) "
           f"→ {target}", file=sys.stderr, flush=True)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
