@@ -193,3 +193,15 @@ def test_compare_methods_prints_one_line_per_run_with_seconds(model, window, cap
     for line, method in zip(lines[1:], ["random", "select_fit"]):
         assert line.startswith(f"window 0 r=0.5 {method}") and "compress" in line and "evaluate" in line
         assert line.rstrip().endswith("s)")
+
+
+def test_heldout_objective_is_zero_for_the_full_cache_and_positive_when_compressed(model, window, cap, full):
+    from zipkv.models import capture
+
+    whole = capture(model, torch.cat(window))
+    evicted = K.compress(cap, 0.5, "random", m=M, n_synthetic=8, config=K.SculptConfig(steps=1, progress=False))
+    table = E.heldout_objective(whole, N, {"full": full, "random": evicted}, M)
+    per = table.groupby("method").heldout
+    assert len(table) == 2 * len(cap.layers) * cap.layers[0].keys.shape[0]
+    assert per.max()["full"] < 1e-10, "the uncompressed cache reproduces attention on any query"
+    assert per.min()["random"] > 1e-6, "evicting half the old pairs must cost something on held-out queries"

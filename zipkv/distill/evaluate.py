@@ -323,3 +323,40 @@ def single_layer_kl(model, full: CompressedCache, compressed: CompressedCache, c
         rows.append(dict(layer=layer, kl=ev.kl))
     rows.append(dict(layer=-1, kl=evaluate(model, compressed, continuation_ids, reference).kl))
     return pd.DataFrame(rows)
+
+
+def heldout_objective(capture_full, n_context: int, caches: dict, m: int) -> "object":
+    """The §3.2 objective of each compressed cache on queries it was NOT trained on: the real
+    queries of the continuation tokens (positions ``N … N+C−1``), against the full context cache.
+
+    A method whose training objective falls far below Select+Fit's but whose held-out objective
+    does not has fitted its training queries (retain zone + synthetic), not the future ones.
+
+    Args:
+        capture_full: :func:`zipkv.models.capture` of the whole window (context + continuation); its
+            keys ``[:N]`` equal the context's own capture up to float rounding (causal attention).
+        n_context: ``N``: keys ``[:N]`` are the cache, queries ``[N:]`` the held-out set.
+        caches: method name → :class:`CompressedCache` of the context (``budget`` gives each ``k``; the
+            uncompressed cache, without a budget, keeps all ``N − m`` old pairs and scores 0).
+        m: the retain zone the caches kept.
+
+    Returns:
+        ``pandas.DataFrame`` with ``method, layer, head, heldout`` (objective on continuation queries).
+    """
+    import pandas as pd
+
+    from .baselines import Problem, problem_loss
+
+    rows = []
+    for layer_idx, layer in enumerate(capture_full.layers):
+        H = layer.keys.shape[0]
+        g = layer.queries.shape[0] // H
+        for h in range(H):
+            queries = layer.queries[h * g:(h + 1) * g, n_context:].float()  # [g, C, d]
+            for method, cache in caches.items():
+                k = n_context - m if cache.budget is None else int(cache.budget[layer_idx, h])  # full cache: all old pairs
+                problem = Problem(keys=layer.keys[h, :n_context].float(), values=layer.values[h, :n_context].float(),
+                                  queries=queries, m=m, k=k, layer=layer_idx, head=h)
+                loss = problem_loss(problem, cache.keys[layer_idx][h][:k].float(), cache.values[layer_idx][h][:k].float())
+                rows.append(dict(method=method, layer=layer_idx, head=h, heldout=loss))
+    return pd.DataFrame(rows)
