@@ -96,6 +96,7 @@ def test_quick_book_builds_and_renders_in_chromium(tmp_path):
 
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
 
     options = webdriver.ChromeOptions()
     options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
@@ -107,10 +108,14 @@ def test_quick_book_builds_and_renders_in_chromium(tmp_path):
     ARTIFACTS.mkdir(exist_ok=True)
     try:
         html = index.parent
-        pages = {"index": html / "index.html", "model_data_kv_cache": html / "book" / "intro" / "model_data_kv_cache.html"}
-        for name, page in pages.items():
+        # The top-level index.html redirects to the root page: wait for the page each visit ends on.
+        pages = {"index": (html / "index.html", "book/index.html"),
+                 "model_data_kv_cache": (html / "book" / "intro" / "model_data_kv_cache.html", "model_data_kv_cache.html")}
+        for name, (page, lands_on) in pages.items():
             driver.get(page.as_uri())
-            body = driver.find_element("tag name", "body").text
+            WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith(lands_on)
+                                            and d.execute_script("return document.readyState") == "complete")
+            body = WebDriverWait(driver, 30).until(lambda d: d.find_element("tag name", "body")).text
             assert "Traceback" not in body and "Error" not in driver.title, f"{name} shows an error"
             driver.save_screenshot(str(ARTIFACTS / f"book_{name}.png"))
         images = driver.execute_script(
