@@ -32,7 +32,11 @@ KVSCULPT_TABLE2 = pd.DataFrame({
 KVSCULPT_EASY_KL = 0.01
 """§5.1: a sequence is *easy* when KVSculpt's KL at r = 0.3 is below this."""
 
+KVSCULPT_TABLE1_SEQUENCES = 5
+"""Table 1 and Table 2 average over 5 PG19 sequences."""
+
 # KVSculpt Appendix A (tab:full_baseline): KL mean ± std over 20 sequences.
+KVSCULPT_APPENDIX_SEQUENCES = 20
 KVSCULPT_APPENDIX = {
     "random": {0.1: (3.43, 1.21), 0.3: (2.60, 0.45), 0.5: (2.06, 0.62), 0.7: (1.83, 0.57)},
     "attention_score": {0.1: (0.322, 0.105), 0.3: (0.198, 0.084), 0.5: (0.137, 0.065), 0.7: (0.086, 0.056)},
