@@ -23,3 +23,22 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def tiny_llama(*, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 16, seed: int = 0, sharpen_logits: bool = False):
+    """A 2-layer random Llama with sharper attention than the 0.02-std init (Q/K/V weights × 20),
+    so distillation problems are not uniform attention; ``sharpen_logits`` also scales the LM head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=q_heads * head_dim, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                      max_position_embeddings=512, rope_theta=10000.0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight.mul_(20.0)
+        if sharpen_logits:
+            model.lm_head.weight.mul_(20.0)
+    return model

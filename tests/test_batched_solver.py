@@ -19,6 +19,7 @@ from zipkv.distill import kvsculpt as K
 F64 = torch.float64
 
 
+from conftest import tiny_llama  # noqa: E402
 from test_distill import random_problem  # noqa: E402  (shared synthetic problem builder)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -232,18 +233,9 @@ def test_compress_with_the_batched_solver(tiny_capture):
 
 @pytest.fixture(scope="module")
 def tiny_capture():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     from zipkv.models import capture
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=144, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=512)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # sharper attention than the 0.02-std init
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.weight.mul_(20.0)
+    model = tiny_llama(q_heads=9, kv_heads=3)
     ids = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(1))
     return capture(model, ids)
 

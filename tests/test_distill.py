@@ -10,28 +10,12 @@ from zipkv.distill import baselines as B
 from zipkv.distill import budget as budget_mod
 from zipkv.distill import kvsculpt as K
 from zipkv.distill import queries as Q
+from conftest import tiny_llama
 
 FAST = K.SculptConfig(steps=6, progress=False)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def tiny_llama(seed: int = 0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      rope_theta=10000.0)
-    model = LlamaForCausalLM(cfg).eval()
-    # Sharper attention than the 0.02-std init gives, so the problems are not all uniform attention.
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(20.0)
-            layer.self_attn.k_proj.weight.mul_(20.0)
-            layer.self_attn.v_proj.weight.mul_(20.0)
-    return model
 
 
 @pytest.fixture(scope="module")

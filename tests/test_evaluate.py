@@ -6,6 +6,7 @@ import torch
 
 from zipkv.distill import evaluate as E
 from zipkv.distill import kvsculpt as K
+from conftest import tiny_llama
 
 N, C, M = 40, 12, 8
 
@@ -15,18 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # sharper attention and larger logits than the 0.02-std init
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.weight.mul_(20.0)
-        model.lm_head.weight.mul_(20.0)
-    return model
+    return tiny_llama(sharpen_logits=True)  # larger logits too, so KL differences show
 
 
 @pytest.fixture(scope="module")

@@ -101,3 +101,16 @@ def test_missing_gguf_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("ZIPKV_GGUF", str(tmp_path / "nope.gguf"))
     with pytest.raises(FileNotFoundError, match="ZIPKV_GGUF"):
         models.embedded_gguf_path()
+
+
+def test_prefix_of_a_capture_equals_capturing_the_prefix(embedded, sample_ids):
+    model, _ = embedded
+    whole = models.capture(model, sample_ids)
+    part = whole.prefix(40)
+    alone = models.capture(model, sample_ids[:40])
+    assert torch.equal(part.positions, alone.positions)
+    for a, b in zip(part.layers, alone.layers):
+        assert torch.allclose(a.keys, b.keys, rtol=1e-4, atol=1e-5)
+        assert torch.allclose(a.queries, b.queries, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="n=0"):
+        whole.prefix(0)

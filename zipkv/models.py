@@ -231,6 +231,14 @@ class Capture:
     rope: Rope
     shape: ModelShape
 
+    def prefix(self, n: int) -> "Capture":
+        """The first ``n`` positions: with causal attention, the capture of ``input_ids[:n]``
+        (equal up to float rounding), without a second forward pass."""
+        if not 1 <= n <= self.positions.shape[0]:
+            raise ValueError(f"n={n}: expected 1 <= n <= {self.positions.shape[0]} (captured positions)")
+        layers = [LayerCapture(keys=x.keys[:, :n], values=x.values[:, :n], queries=x.queries[:, :n]) for x in self.layers]
+        return Capture(layers=layers, positions=self.positions[:n], rope=self.rope, shape=self.shape)
+
 
 _CAPTURE_ATTENTION = "zipkv_capture"
 _captured: list | None = None
