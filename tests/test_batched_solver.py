@@ -123,10 +123,12 @@ def test_buckets_pad_by_less_than_a_tile():
 
 # --- the solver against the reference ---------------------------------------------------------------------
 
-def test_batched_solver_equals_reference_float64():
-    """Same loss history step by step (with a V-step and history restart at step 5), same final loss."""
+@pytest.mark.parametrize("reset_history", [False, True])
+def test_batched_solver_equals_reference_float64(reset_history):
+    """Same loss history step by step (across a V-step at step 5, with or without restarting the
+    L-BFGS history there), same final loss."""
     problems = mixed_problems()
-    config = cfg(7)
+    config = cfg(7, reset_history=reset_history)
     ref = K.solve(problems, config)
     got, stats = BT.solve_batched(problems, config, tile=None)
     assert len(set(stats.bucket)) == 1 and set(stats.k_padded) == {20}
@@ -181,21 +183,23 @@ def test_padding_does_not_change_results():
         assert rel(t.loss, s.loss) < 1e-8
 
 
-def test_converged_problem_freezes_while_others_continue():
+@pytest.mark.parametrize("reset_history", [False, True])
+def test_converged_problem_stops_changing_while_others_continue(reset_history):
     """k = N − m and no ridge: Select+Fit is exact, the gradient is below tolerance_grad, L-BFGS never
-    moves it, so at the first V-step boundary it freezes; the other problem keeps descending."""
+    moves it; the other problem keeps descending. With history restarts the converged problem is also
+    frozen (dropped from the batch) at the first V-step boundary."""
     exact = random_problem(n=32, m=8, k=24, n_q=32, seed=6)
     hard = random_problem(k=8, seed=7, sharp=3.0)
-    config = cfg(12, ridge=0.0)
+    config = cfg(12, ridge=0.0, reset_history=reset_history)
     (s_exact, s_hard), stats = BT.solve_batched([exact, hard], config, tile=None)
-    assert stats.frozen_at == [config.value_every, -1]
+    assert stats.frozen_at == ([config.value_every, -1] if reset_history else [-1, -1])
     start = B.Prepared(exact, F64)
     index = start.top_attention(exact.k)
-    assert torch.equal(s_exact.keys, start.k_old[index]), "a frozen problem's keys never change"
+    assert torch.equal(s_exact.keys, start.k_old[index]), "a converged problem's keys never change"
     want = start.ridge(start.k_old[index], 0.0)  # the V-step at the boundary re-solves the same values
     assert (s_exact.values - want).abs().max() < 1e-10 * want.abs().max()
     after = s_exact.history[config.value_every:]
-    assert len(s_exact.history) == 13 and len(set(after)) == 1 and s_exact.loss < 1e-20, "frozen: loss repeats"
+    assert len(s_exact.history) == 13 and len(set(after)) == 1 and s_exact.loss < 1e-20, "its loss repeats"
     assert s_hard.history[-1] < s_hard.history[config.value_every] < s_hard.history[0]
     ref = K.solve([exact, hard], config)
     assert torch.equal(ref[0].keys, s_exact.keys), "the reference does not move it either"

@@ -26,3 +26,23 @@ def test_unknown_shape_or_method_is_a_clear_error():
         bench.attention_benchmark("gpt5")
     with pytest.raises(ValueError, match="unknown"):
         bench.attention_benchmark(methods=("zipkv_compressed", "vllm"))
+
+
+def test_tuned_launch_options_are_stored_per_gpu_and_read_back(tmp_path, monkeypatch):
+    from zipkv.kernels import decode_attention as da
+
+    file = tmp_path / "tuning.json"
+    monkeypatch.setattr(da, "TUNING_FILE", file)
+    assert da.launch_config("compressed", "GPU X") == da.DEFAULT_LAUNCH  # no file yet
+    rows = [dict(path=p, pages_per_tile=ppt, num_warps=4, stages=3, maxnreg=0, programs_per_sm=2,
+                 latency_us=us, device="GPU X") for p, ppt, us in
+            [("compressed", 2, 5.0), ("compressed", 8, 4.0), ("raw", 4, 6.0), ("raw", 2, float("nan"))]]
+    table = pd.DataFrame(rows)
+    table["best"] = [False, True, True, False]
+    entry = bench.write_tuning(table, file)
+    assert entry["compressed"]["pages_per_tile"] == 8 and entry["raw"]["pages_per_tile"] == 4
+    assert da.launch_config("compressed", "GPU X") == {**da.DEFAULT_LAUNCH, **entry["compressed"]}
+    assert da.launch_config("mixed", "GPU X") == da.DEFAULT_LAUNCH  # not tuned: defaults
+    assert da.launch_config("compressed", "GPU Y") == da.DEFAULT_LAUNCH  # another GPU model
+    with pytest.raises(ValueError, match="path must be one of"):
+        da.launch_config("fast")

@@ -144,6 +144,8 @@ def test_errors(small):
         call(q, cache, ip, idx, last, num_splits=0)
     with pytest.raises(ValueError, match="pages_per_tile must be a power of two"):
         call(q, cache, ip, idx, last, pages_per_tile=3)
+    with pytest.raises(ValueError, match="launch must be a dict with keys from"):
+        call(q, cache, ip, idx, last, launch={"warps": 4})
 
 
 def test_build_errors():

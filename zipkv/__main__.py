@@ -2,6 +2,7 @@
 
 ``python -m zipkv book [--profile quick|paper] [--only NAME ...]`` — execute the notebooks, build the book.
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput).
+``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 """
 from __future__ import annotations
@@ -21,17 +22,19 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
-    bench.add_argument("what", choices=["attention", "pack", "distill"])
+    bench.add_argument("what", choices=["attention", "pack", "tune", "distill"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
     bench.add_argument("--contexts", type=int, nargs="+", default=None,
                        help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
-    bench.add_argument("--batches", type=int, nargs="+", default=[32, 64, 96])
+    bench.add_argument("--batches", type=int, nargs="+", default=None, help="attention: 32 64 96; tune: 64")
     bench.add_argument("--real-kv", type=Path, default=None,
                        help="first chapter's results CSV: also time the measured mix of compressed blocks")
     bench.add_argument("--reps", type=int, default=30)
     bench.add_argument("--steps", type=int, default=100, help="distill: outer L-BFGS steps (paper: 100)")
     bench.add_argument("--reference-limit", type=int, default=4,
                        help="distill: problems the reference solver runs per timed context (scaled to the context)")
+    bench.add_argument("--write", action="store_true",
+                       help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV)")
     args = parser.parse_args(argv)
 
@@ -42,8 +45,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.what == "attention":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
-            table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192], args.batches, fraction,
-                                                  reps=args.reps)
+            table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
+                                                  args.batches or [32, 64, 96], fraction, reps=args.reps)
+        elif args.what == "tune":
+            fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
+            contexts = args.contexts or [8192]
+            table = benchmarks.tune_decode_attention(args.shape, contexts[0], (args.batches or [64])[0], fraction,
+                                                   reps=args.reps)
+            if args.write:
+                print("stored:", benchmarks.write_tuning(table))
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:

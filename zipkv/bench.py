@@ -256,3 +256,104 @@ def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "t
     return dict(head_dim=head_dim, layout=layout, input_bytes=n_bytes, latency_us=micros,
                 input_tbps=n_bytes / micros / 1e6, bytes_moved=moved, frac_copy_bw=moved / (micros * 1e-6) / copy_bw,
                 copy_bw_tbps=copy_bw / 1e12, device=torch.cuda.get_device_name())
+
+
+# ----------------------------------------------------------------------------- launch tuning
+
+TUNE_GRID = dict(pages_per_tile=(2, 4, 8), num_warps=(4, 8), stages=(3, 4), maxnreg=(0, 168))
+"""Launch options swept per kernel specialisation by :func:`tune_decode_attention` (``maxnreg`` 0: no
+cap); the best of them is then tried at every ``programs_per_sm`` in :data:`TUNE_PROGRAMS_PER_SM`."""
+TUNE_PROGRAMS_PER_SM = (2, 4, 8)
+
+
+def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64,
+                          real_fraction: dict[str, float] | None = None, grid: dict | None = None,
+                          programs_per_sm=TUNE_PROGRAMS_PER_SM, reps: int = 10, seed: int = 0,
+                          progress: bool = True):
+    """Time every launch configuration of each decode-attention specialisation at one shape.
+
+    Specialisations and their data: ``compressed`` on K/V whose blocks are all compressible, ``raw`` on
+    the same data uncompressed, ``mixed`` (forced, ``path="mixed"``) on the measured mix of compressed
+    blocks when ``real_fraction`` is given. Every configuration is checked against fp32 attention before
+    it is timed (cold L2, median of ``reps``); one that fails to compile or disagrees is recorded with its
+    error and no latency.
+
+    Returns a DataFrame: ``path``, the launch options (:data:`zipkv.kernels.decode_attention.LAUNCH_KEYS`),
+    ``latency_us``, ``rel_rms_error``, ``error``, ``best`` (the fastest configuration of its path) and
+    ``device``; :func:`write_tuning` stores the best ones.
+    """
+    import itertools
+
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from zipkv.kernels.decode_attention import DEFAULT_LAUNCH, build_paged_cache, decode_attention
+
+    q_heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
+    grid = grid or TUNE_GRID
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, gen)
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    ref = _reference_attention(q, k, v)
+    data = [("compressed", "eligible", "auto"), ("raw", "none", "auto")]
+    if real_fraction is not None:
+        data.append(("mixed", _mix_mask(batch, kv_heads, ctx, head_dim, real_fraction, seed), "mixed"))
+    timer = ColdTimer()
+    rows = []
+    names = list(grid)
+    for path, compress, route in data:
+        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, seed=seed)
+
+        def trial(launch):
+            row = dict(path=path, **{**DEFAULT_LAUNCH, **launch}, latency_us=float("nan"),
+                       rel_rms_error=float("nan"), error="")
+            fn = lambda: decode_attention(q, cache, indptr, indices, last, validate=False, path=route,
+                                          launch=launch)
+            try:
+                row["rel_rms_error"] = _error(fn(), ref)[0]
+                if row["rel_rms_error"] > 2e-2:
+                    row["error"] = "disagrees with fp32 attention"
+                else:
+                    row["latency_us"] = timer(fn, reps=reps)
+            except Exception as err:  # a configuration that does not compile (e.g. shared memory)
+                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            rows.append(row)
+            return row
+
+        combos = list(itertools.product(*(grid[n] for n in names)))
+        for values in tqdm(combos, desc=f"tune {path}", disable=not progress):
+            trial(dict(zip(names, values)))
+        mine = pd.DataFrame([r for r in rows if r["path"] == path]).dropna(subset=["latency_us"])
+        if len(mine):
+            best = mine.sort_values("latency_us").iloc[0]
+            for pps in programs_per_sm:
+                if pps != best["programs_per_sm"]:
+                    trial({n: _plain(best[n]) for n in names} | dict(programs_per_sm=pps))
+        del cache
+        torch.cuda.empty_cache()
+    table = pd.DataFrame(rows)
+    fastest = table.dropna(subset=["latency_us"]).groupby("path")["latency_us"].idxmin()
+    table["best"] = table.index.isin(fastest.values)
+    table["device"] = torch.cuda.get_device_name()
+    table["shape"], table["ctx"], table["batch"] = shape, ctx, batch
+    return table
+
+
+def _plain(x):
+    return x.item() if hasattr(x, "item") else x
+
+
+def write_tuning(table, path=None) -> dict:
+    """Store the best configuration of each specialisation in ``table`` (from
+    :func:`tune_decode_attention`) for its device in the decode kernel's tuning file; returns the entry."""
+    import json
+
+    from zipkv.kernels.decode_attention import LAUNCH_KEYS, TUNING_FILE
+
+    path = path or TUNING_FILE
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    best = table[table["best"]]
+    entry = {row["path"]: {key: _plain(row[key]) for key in LAUNCH_KEYS} for _, row in best.iterrows()}
+    stored[str(table["device"].iloc[0])] = entry
+    path.write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
+    return entry

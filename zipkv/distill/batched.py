@@ -27,7 +27,8 @@ problems at once, with nothing shared between problems:
   ``ℓ̂ = log(Σ_j e^{s_j} + e^{ℓ_r})``, which is the reference's softmax over ``[K_c; K_ret]``
   rewritten, without its ``m`` retain columns.
 * **V-step** — every ``value_every`` steps, ridge regression (λ) for all problems at once in float64
-  (``torch.linalg.solve`` on ``[P, k_max, k_max]``), L-BFGS history restarted as in the reference.
+  (``torch.linalg.solve`` on ``[P, k_max, k_max]``); the L-BFGS history is kept across it, or restarted
+  with ``reset_history``, as in the reference.
 * **Best iterate** — the lowest-loss iterate over the outer steps is returned, and never one whose
   loss is above Select+Fit's.
 
@@ -38,7 +39,7 @@ so their L-BFGS directions are zero and they never move; in the V-step their Gra
 identity with zero right-hand side, so their values stay zero and do not couple to the real ones.
 Uniform budgets make one bucket. Problems also group by query count and head dim.
 
-**Freezing.** With ``reset_history`` (the reference's default) a problem whose keys did not change
+**Freezing.** With ``reset_history`` (not the default) a problem whose keys did not change
 at all over a whole V-step block restarts the next block from exactly the state it started the
 last one (same keys, same ridge values, fresh L-BFGS): the reference would repeat that block
 forever, so the problem is frozen (its keys and values never change again, its history repeats its

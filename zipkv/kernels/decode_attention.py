@@ -68,9 +68,11 @@ bf16 bits << 16) and all dots run in fp32 (``FP32`` constexpr).
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import triton
@@ -700,14 +702,32 @@ def compress_cache_(cache: PagedKVCache, page_ids: torch.Tensor, *,
 
 # ----------------------------------------------------------------------------- launcher
 
-# GPU launch options per path (token layouts: all-compressed, all-raw; mixed: any tile, any
-# layout). Chosen offline from the compiled kernels' register counts (``zipkv.kernels.kernel_info``)
-# at the benchmark shape; to be confirmed by timing on the H200.
-_TUNE = {
-    PATH_COMP: dict(num_warps=4, stages=4, maxnreg=168),
-    PATH_RAW: dict(num_warps=4, stages=4, maxnreg=168),
-    PATH_MIXED: dict(num_warps=4, stages=4, maxnreg=168),
-}
+# GPU launch options per kernel specialisation: pages per tile, warps, pipeline stages, register
+# cap and the split-KV target (programs per SM). Defaults below; ``decode_tuning.json`` beside this
+# file holds entries measured per GPU model by ``python -m zipkv bench tune --write``
+# (:func:`zipkv.bench.tune_decode_attention`), which take precedence on that GPU.
+TUNING_FILE = Path(__file__).with_name("decode_tuning.json")
+DEFAULT_LAUNCH = dict(pages_per_tile=4, num_warps=4, stages=4, maxnreg=168, programs_per_sm=4)
+LAUNCH_KEYS = tuple(DEFAULT_LAUNCH)
+
+
+def launch_config(path: str, gpu_name: str | None = None) -> dict:
+    """Launch options of the ``path`` specialisation (``"compressed"``, ``"raw"`` or ``"mixed"``) on
+    the GPU model ``gpu_name`` (``torch.cuda.get_device_name()``): its tuned entry in
+    :data:`TUNING_FILE` if there is one, else :data:`DEFAULT_LAUNCH`."""
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    config = dict(DEFAULT_LAUNCH)
+    if gpu_name and TUNING_FILE.exists():
+        config.update(json.loads(TUNING_FILE.read_text()).get(gpu_name, {}).get(path, {}))
+    return config
+
+
+def _check_launch(launch):
+    if launch is None:
+        return
+    if not isinstance(launch, dict) or set(launch) - set(LAUNCH_KEYS):
+        raise ValueError(f"launch must be a dict with keys from {LAUNCH_KEYS}, got {launch!r}")
 
 
 def _plan(cache, path: str):
@@ -764,14 +784,16 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
                      indices: torch.Tensor, last_page_len: torch.Tensor, *,
                      softmax_scale: float | None = None, num_splits: int | None = None,
                      pages_per_tile: int | None = None, out: torch.Tensor | None = None,
-                     validate: bool = True, path: str = "auto") -> torch.Tensor:
+                     validate: bool = True, path: str = "auto", launch: dict | None = None) -> torch.Tensor:
     """Decode attention of one new token per request over a paged, partly compressed cache.
 
     q: bf16 ``[batch, q_heads, head_dim]`` (q_heads a multiple of kv_heads; query head
     ``i`` reads KV head ``i // (q_heads / kv_heads)``). Page table in FlashInfer's CSR form
     (int32; every request has >= 1 page). softmax_scale: default ``1/sqrt(head_dim)``.
-    num_splits: split-KV factor (default: enough programs for the GPU, 1 on CPU).
-    pages_per_tile: pages per inner tile (default 4 on the GPU, 1 interpreting).
+    num_splits: split-KV factor (default: about ``programs_per_sm`` programs per SM on the
+    GPU, 1 on CPU).
+    pages_per_tile: pages per inner tile (default: the launch configuration's on the GPU, 1
+    interpreting).
     validate: also check values (indptr consistent, page ids in range, last_page_len in
     1..16) — this syncs with the device; pass False in timed loops / CUDA graphs.
     path: ``"auto"`` (default) routes each (request, kv head) to a specialised kernel --
@@ -780,6 +802,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     computed once with one sync, picks a single launch when the cache is uniform, three
     routed launches otherwise). ``"mixed"`` sends everything through the mixed kernel.
     Channel layouts always use the mixed kernel.
+    launch: overrides of the GPU launch options (keys :data:`LAUNCH_KEYS`) for every launched
+    specialisation; default :func:`launch_config` per specialisation.
     Returns bf16 ``[batch, q_heads, head_dim]``.
     """
     _check_cache(cache)
@@ -819,17 +843,20 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
         raise ValueError(f"out must be a contiguous bf16 tensor {tuple(q.shape)} on {q.device}")
     if B == 0:
         return out
-    if path not in ("auto", "mixed"):
-        raise ValueError(f"path must be 'auto' or 'mixed', got {path!r}")
+    _check_launch(launch)
     interp = _interpreting()
-    ppt = pages_per_tile or (1 if interp else 4)
+    plan = _plan(cache, path)
+    gpu = torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else None
+    configs = [{**launch_config(PATHS[p], gpu), **(launch or {})} for p, _ in plan]
+    ppt = pages_per_tile or (1 if interp else configs[0]["pages_per_tile"])
     if ppt < 1 or ppt & (ppt - 1):
         raise ValueError(f"pages_per_tile must be a power of two >= 1, got {ppt}")
     if num_splits is None:
-        if q.device.type == "cuda":
+        if q.device.type == "cuda" and not interp:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
             avg_tiles = max(1, indices.numel() // max(B, 1) // ppt)
-            num_splits = max(1, min(avg_tiles, math.ceil(4 * sms / (B * HKV))))
+            want = configs[0]["programs_per_sm"] * sms
+            num_splits = max(1, min(avg_tiles, math.ceil(want / (B * HKV))))
         else:
             num_splits = 1
     if num_splits < 1:
@@ -845,16 +872,16 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     else:
         part = lse = res                                               # unused
     kinds = cache.page_kinds()
-    for p, route in _plan(cache, path):
-        tune = _TUNE[p]
+    for (p, route), cfg in zip(plan, configs):
         _decode_kernel[(B, HKV, num_splits)](
             qk, cache.pool.view(torch.int32), cache.desc, indptr, indices, last_page_len, kinds,
             res, part, lse, scale * math.log2(math.e),
             HKV=HKV, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=D,
             K_LAYOUT=fmt.LAYOUTS.index(cache.k_layout), V_LAYOUT=fmt.LAYOUTS.index(cache.v_layout),
-            PPT=ppt, SPLITS=num_splits, FP32=fp32, PATH=p, ROUTE=route, STAGES=tune["stages"],
-            **({} if interp else dict(num_warps=tune["num_warps"], **(
-                {"maxnreg": tune["maxnreg"]} if tune.get("maxnreg") else {}))))
+            PPT=pages_per_tile or (1 if interp else cfg["pages_per_tile"]), SPLITS=num_splits, FP32=fp32,
+            PATH=p, ROUTE=route, STAGES=cfg["stages"],
+            **({} if interp else dict(num_warps=cfg["num_warps"],
+                                      **({"maxnreg": cfg["maxnreg"]} if cfg["maxnreg"] else {}))))
     if num_splits > 1:
         _merge_kernel[(B * HQ,)](part, lse, res, D=D, SPLITS=num_splits,
                                  S_PAD=triton.next_power_of_2(num_splits))
