@@ -195,3 +195,21 @@ def test_heldout_objective_is_zero_for_the_full_cache_and_positive_when_compress
     assert len(table) == 2 * len(cap.layers) * cap.layers[0].keys.shape[0]
     assert per.max()["full"] < 1e-10, "the uncompressed cache reproduces attention on any query"
     assert per.min()["random"] > 1e-6, "evicting half the old pairs must cost something on held-out queries"
+
+
+def test_solver_agreement_reports_both_solvers_on_every_problem(model, window):
+    from zipkv.distill import batched
+
+    config = K.SculptConfig(steps=3, dtype=torch.float64, progress=False)
+    problems, summary = E.solver_agreement(model, window, 0.5, m=M, n_synthetic=8, config=config, n_context=N,
+                                           progress=False)
+    assert list(summary.solver) == ["select_fit", "reference", "batched"]
+    assert len(problems) == 2 * 2 and {"select_fit", "reference", "batched"} <= set(problems.columns)
+    assert (problems.reference <= problems.select_fit + 1e-12).all()
+    row = summary.set_index("solver")
+    assert row.loc["reference", "median_loss_ratio"] == 1 and row.loc["reference", "kl_ratio"] == 1
+    assert abs(row.loc["batched", "median_loss_ratio"] - 1) < 1e-6, "float64: the same trajectories"
+    assert abs(row.loc["batched", "kl_ratio"] - 1) < 1e-4
+    same, _ = E.solver_agreement(model, window, 0.5, solvers={"a": batched.solve, "b": batched.solve}, m=M,
+                                 n_synthetic=8, config=config, n_context=N, progress=False)
+    assert (same.a == same.b).all()

@@ -360,3 +360,54 @@ def heldout_objective(capture_full, n_context: int, caches: dict, m: int) -> "ob
                 loss = problem_loss(problem, cache.keys[layer_idx][h][:k].float(), cache.values[layer_idx][h][:k].float())
                 rows.append(dict(method=method, layer=layer_idx, head=h, heldout=loss))
     return pd.DataFrame(rows)
+
+
+def solver_agreement(model, window, ratio: float = 0.3, *, solvers: dict[str, Solver] | None = None, m: int = 256,
+                     n_synthetic: int = 128, config: SculptConfig | None = None, seed: int = 0,
+                     n_context: int | None = None, progress: bool = True):
+    """KVSculpt with each solver on every (layer, KV head) problem of one window: per-problem final loss and
+    end-to-end KL of each (issue: the batched solver has the reference's quality).
+
+    Args:
+        solvers: name → solver (default ``{"reference": kvsculpt.solve, "batched": batched.solve}``).
+        other arguments: as :func:`compare_methods`.
+
+    Returns:
+        ``(problems, summary)``. ``problems``: one row per (layer, head) with ``select_fit`` (the common
+        starting loss) and each solver's final loss. ``summary``: one row per solver with ``kl``, ``seconds``
+        (compression), ``median_loss`` and, against the first solver, ``median_loss_ratio`` (median over
+        problems of the per-problem ratio) and ``kl_ratio``; plus a ``select_fit`` row (its KL).
+    """
+    import pandas as pd
+
+    from zipkv.models import capture as capture_fn
+
+    from . import batched
+    from .kvsculpt import solve as reference_solve
+
+    solvers = solvers or {"reference": reference_solve, "batched": batched.solve}
+    context, continuation = _split_window(window, n_context)
+    cap = capture_fn(model, torch.as_tensor(context))
+    reference = teacher_force(model, CompressedCache.from_capture(cap), continuation)
+    caches, rows = {}, []
+    for name, solver in [("select_fit", None), *solvers.items()]:
+        started = time.perf_counter()
+        method = "select_fit" if solver is None else "kvsculpt"
+        cache = compress(cap, ratio, method, m=m, n_synthetic=n_synthetic, config=config, seed=seed, solver=solver)
+        seconds = time.perf_counter() - started
+        caches[name] = cache
+        kl = evaluate(model, cache, continuation, reference).kl
+        rows.append(dict(solver=name, ratio=ratio, kl=kl, seconds=seconds, median_loss=float(cache.loss.median())))
+        if progress:
+            print(f"{name}: KL={kl:.4g}, median loss {rows[-1]['median_loss']:.4g} ({seconds:.1f} s)", flush=True)
+    first = next(iter(solvers))
+    L, H = caches[first].loss.shape
+    problems = pd.DataFrame([dict(layer=l, head=h, select_fit=float(caches["select_fit"].loss[l, h]),
+                                  **{name: float(caches[name].loss[l, h]) for name in solvers})
+                             for l in range(L) for h in range(H)])
+    summary = pd.DataFrame(rows)
+    for name in solvers:
+        at = summary.solver == name
+        summary.loc[at, "median_loss_ratio"] = float((problems[name] / problems[first]).median())
+        summary.loc[at, "kl_ratio"] = float(summary.loc[at, "kl"].iloc[0] / summary.loc[summary.solver == first, "kl"].iloc[0])
+    return problems, summary
