@@ -350,9 +350,11 @@ def _rowdot(v: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
 class _LBFGS:
     """``torch.optim.LBFGS`` state for ``P`` independent problems of ``n`` parameters each.
 
-    History in the compact form: ``S``, ``Y`` ``[P, cap, n]`` (pairs in acceptance order, ``count`` valid),
-    ``SY[i, j] = s_iᵀy_j`` and ``YY[i, j] = y_iᵀy_j`` ``[P, cap, cap]``, ``gamma`` the initial scaling
-    ``sᵀy/yᵀy`` of the newest pair (``LBFGS``'s ``H_diag``).
+    History in the compact form: ``S``, ``Y`` ``[P, cap, n]`` ring buffers (a problem's logical pair ``j``, in
+    acceptance order, sits in slot ``(head + j) % cap``; ``count`` valid), ``SY[i, j] = s_iᵀy_j`` and
+    ``YY[i, j] = y_iᵀy_j`` ``[P, cap, cap]`` in logical order, ``gamma`` the initial scaling ``sᵀy/yᵀy`` of the
+    newest pair (``LBFGS``'s ``H_diag``). A full history drops its oldest pair by advancing ``head`` and
+    shifting the small ``SY``/``YY`` matrices: the big buffers are never moved.
     """
 
     def __init__(self, P: int, n: int, cfg: SculptConfig, dtype, device):
@@ -367,6 +369,7 @@ class _LBFGS:
         self.SY = torch.zeros(P, self.cap, self.cap, **kw)
         self.YY = torch.zeros(P, self.cap, self.cap, **kw)
         self.count = torch.zeros(P, dtype=torch.long, device=device)
+        self.head = torch.zeros(P, dtype=torch.long, device=device)
         self.gamma = torch.ones(P, **kw)
         self.n_iter = torch.zeros(P, dtype=torch.long, device=device)
         self.d = torch.zeros(P, n, **kw)
@@ -378,13 +381,18 @@ class _LBFGS:
     def reset(self):
         """A fresh optimizer (the reference re-creates ``LBFGS`` after each V-step)."""
         self.count.zero_()
+        self.head.zero_()
         self.gamma.fill_(1.0)
         self.n_iter.zero_()
         self.used = 0
 
     def take(self, idx: torch.Tensor):
-        for name in ("S", "Y", "SY", "YY", "count", "gamma", "n_iter", "d", "t", "prev_g", "prev_loss"):
+        for name in ("S", "Y", "SY", "YY", "count", "head", "gamma", "n_iter", "d", "t", "prev_g", "prev_loss"):
             setattr(self, name, getattr(self, name)[idx])
+
+    def _order(self, ub: int) -> torch.Tensor:
+        """``[P, ub]`` slot of each logical pair (slots ``0 … ub−1`` hold every pair while the buffer has not wrapped)."""
+        return (self.head[:, None] + torch.arange(ub, device=self.head.device)[None]) % self.cap
 
     def _push(self, s, y, ys, accept):
         P = s.shape[0]
@@ -393,19 +401,20 @@ class _LBFGS:
             full = accept & (self.count >= self.cap)
             if bool(full.any()):
                 m = full[:, None, None]
-                self.S = torch.where(m, self.S.roll(-1, 1), self.S)
-                self.Y = torch.where(m, self.Y.roll(-1, 1), self.Y)
                 self.SY = torch.where(m, self.SY.roll((-1, -1), (1, 2)), self.SY)
                 self.YY = torch.where(m, self.YY.roll((-1, -1), (1, 2)), self.YY)
+                self.head = (self.head + full.long()) % self.cap
                 self.count = self.count - full.long()
-        slot = self.count.clamp(max=self.cap - 1)
-        self.S[rows, slot] = torch.where(accept[:, None], s, self.S[rows, slot])
-        self.Y[rows, slot] = torch.where(accept[:, None], y, self.Y[rows, slot])
+        slot = self.count.clamp(max=self.cap - 1)  # logical position of the new pair
+        phys = (self.head + slot) % self.cap
+        self.S[rows, phys] = torch.where(accept[:, None], s, self.S[rows, phys])
+        self.Y[rows, phys] = torch.where(accept[:, None], y, self.Y[rows, phys])
         ub = min(self.used + 1, self.cap)
+        order = self._order(ub)
         S, Y = self.S[:, :ub], self.Y[:, :ub]
-        s_y = _rowdot(y, S)  # s_iᵀ y_new, [P, ub]
-        sn_y = _rowdot(s, Y)  # s_newᵀ y_j
-        y_y = _rowdot(y, Y)
+        s_y = _rowdot(y, S).gather(1, order)  # s_iᵀ y_new, [P, ub], logical order
+        sn_y = _rowdot(s, Y).gather(1, order)  # s_newᵀ y_j
+        y_y = _rowdot(y, Y).gather(1, order)
         cols = torch.arange(ub, device=s.device)[None]
         a = accept[:, None]
         self.SY[rows[:, None], cols, slot[:, None]] = torch.where(a, s_y, self.SY[rows[:, None], cols, slot[:, None]])
@@ -422,11 +431,12 @@ class _LBFGS:
         gamma = self.gamma[:, None]
         if ub == 0:
             return -gamma * g
-        valid = torch.arange(ub, device=g.device)[None] < self.count[:, None]  # [P, ub]
+        order = self._order(ub)
+        valid = torch.arange(ub, device=g.device)[None] < self.count[:, None]  # [P, ub], logical order
         both = valid[:, :, None] & valid[:, None, :]
         S, Y = self.S[:, :ub], self.Y[:, :ub]
-        a = (_rowdot(g, S) * valid)[..., None]  # [P, ub, 1]
-        b = (_rowdot(g, Y) * valid)[..., None]
+        a = (_rowdot(g, S).gather(1, order) * valid)[..., None]  # [P, ub, 1]
+        b = (_rowdot(g, Y).gather(1, order) * valid)[..., None]
         SY = self.SY[:, :ub, :ub]
         eye = torch.diag_embed((~valid).to(g.dtype))  # identity on unused slots keeps R invertible
         R = torch.where(both, SY.triu(), 0.0) + eye
@@ -435,6 +445,9 @@ class _LBFGS:
         u = torch.linalg.solve_triangular(R, a, upper=True)
         w = D * u + gamma[..., None] * (torch.bmm(YY, u) - b)
         p = torch.linalg.solve_triangular(R.transpose(1, 2), w, upper=False)
+        # back to slot order for the products with the buffers
+        p = torch.zeros_like(p).scatter_(1, order[..., None], p)
+        u = torch.zeros_like(u).scatter_(1, order[..., None], u)
         hg = gamma * g + torch.bmm(p.transpose(1, 2), S).squeeze(1) - gamma * torch.bmm(u.transpose(1, 2), Y).squeeze(1)
         return -hg
 
