@@ -278,3 +278,39 @@ def test_bench_distill_reports_both_solvers():
     assert len(losses) == 5 and losses.reference.notna().sum() == 3
     assert (losses.batched <= losses.select_fit).all()
     assert (losses.rel_diff.dropna().abs() < 1e-2).all()
+
+
+def test_a_problem_going_non_finite_at_a_v_step_stops_alone(monkeypatch):
+    """A problem whose keys become non-finite on a V-step boundary stops there with its best iterate, as in
+    the reference; the V-step of the others is unaffected (on the CPU a NaN Gram matrix makes LU raise)."""
+    problems = mixed_problems()[:3]
+    config = cfg(10)
+    clean = BT.solve_batched(problems, config, tile=None)[0]
+    step, calls = BT._LBFGS.step, []
+
+    def poisoned(self, x, loss, g, fg, frozen):
+        loss, g = step(self, x, loss, g, fg, frozen)
+        calls.append(1)
+        if len(calls) == config.value_every:  # the step that ends with the first V-step
+            x[0] = float("inf")
+            loss = loss.clone()
+            loss[0] = float("nan")
+        return loss, g
+
+    ridge = BT._Batch.ridge
+
+    def finite_ridge(self, keys, lam):
+        assert torch.isfinite(keys).all(), "the V-step must never see non-finite keys (LU raises on the CPU)"
+        return ridge(self, keys, lam)
+
+    monkeypatch.setattr(BT._LBFGS, "step", poisoned)
+    monkeypatch.setattr(BT._Batch, "ridge", finite_ridge)
+    got = BT.solve_batched(problems, config, tile=None)[0]
+    row0 = max(range(len(problems)), key=lambda i: (problems[i].k, -i))  # the batch is ordered by k, largest first
+    first = got[row0]
+    assert len(first.history) == config.value_every + 1 and math.isnan(first.history[-1])
+    assert math.isfinite(first.loss) and torch.isfinite(first.keys).all()
+    assert rel(first.loss, min(first.history[:-1])) < 1e-12
+    for i, (s, c) in enumerate(zip(got, clean)):
+        if i != row0:
+            assert rel(s.loss, c.loss) < 1e-12

@@ -211,5 +211,5 @@ def test_solver_agreement_reports_both_solvers_on_every_problem(model, window):
     assert abs(row.loc["batched", "median_loss_ratio"] - 1) < 1e-6, "float64: the same trajectories"
     assert abs(row.loc["batched", "kl_ratio"] - 1) < 1e-4
     same, _ = E.solver_agreement(model, window, 0.5, solvers={"a": batched.solve, "b": batched.solve}, m=M,
-                                 n_synthetic=8, config=config, n_context=N, progress=False)
-    assert (same.a == same.b).all()
+                                 n_synthetic=8, config=config, n_context=N, concurrent=True, progress=False)
+    assert (same.a == same.b).all() and (same.a == problems.batched).all(), "threads change nothing"

@@ -592,9 +592,11 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
             break
         loss, g = lbfgs.step(x, loss, g, fg, frozen)
         boundary = step % cfg.value_every == 0
-        if boundary:  # V-step; frozen rows (maybe non-finite) solve at their best keys and are discarded
-            at = torch.where(frozen[:, None], best_x, x).view(-1, kmax, d)
-            values = torch.where(frozen[:, None, None], values, sub.ridge(at, cfg.ridge))
+        if boundary:  # V-step; frozen rows and rows whose loss just became non-finite solve at their best
+            # keys (finite, so the batched LU never sees NaN) and keep their values; the latter stop below
+            keep = frozen | ~torch.isfinite(loss)
+            at = torch.where(keep[:, None], best_x, x).view(-1, kmax, d)
+            values = torch.where(keep[:, None, None], values, sub.ridge(at, cfg.ridge))
             if cfg.reset_history:
                 lbfgs.reset()
             loss, g = fg(x, None)

@@ -16,6 +16,7 @@ metric), plus the relative L2 error of every decoder layer's output hidden state
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -364,12 +365,14 @@ def heldout_objective(capture_full, n_context: int, caches: dict, m: int) -> "ob
 
 def solver_agreement(model, window, ratio: float = 0.3, *, solvers: dict[str, Solver] | None = None, m: int = 256,
                      n_synthetic: int = 128, config: SculptConfig | None = None, seed: int = 0,
-                     n_context: int | None = None, progress: bool = True):
+                     n_context: int | None = None, concurrent: bool = False, progress: bool = True):
     """KVSculpt with each solver on every (layer, KV head) problem of one window: per-problem final loss and
     end-to-end KL of each (issue: the batched solver has the reference's quality).
 
     Args:
         solvers: name → solver (default ``{"reference": kvsculpt.solve, "batched": batched.solve}``).
+        concurrent: run the solvers at the same time in threads (for the CPU, where each is bound to one
+            core); their ``seconds`` then overlap.
         other arguments: as :func:`compare_methods`.
 
     Returns:
@@ -389,12 +392,18 @@ def solver_agreement(model, window, ratio: float = 0.3, *, solvers: dict[str, So
     context, continuation = _split_window(window, n_context)
     cap = capture_fn(model, torch.as_tensor(context))
     reference = teacher_force(model, CompressedCache.from_capture(cap), continuation)
-    caches, rows = {}, []
-    for name, solver in [("select_fit", None), *solvers.items()]:
+    def run(job):
+        name, solver = job
         started = time.perf_counter()
         method = "select_fit" if solver is None else "kvsculpt"
         cache = compress(cap, ratio, method, m=m, n_synthetic=n_synthetic, config=config, seed=seed, solver=solver)
-        seconds = time.perf_counter() - started
+        return name, cache, time.perf_counter() - started
+
+    jobs = [("select_fit", None), *solvers.items()]
+    with ThreadPoolExecutor(max_workers=len(jobs) if concurrent else 1) as pool:
+        done = list(pool.map(run, jobs))
+    caches, rows = {}, []
+    for name, cache, seconds in done:
         caches[name] = cache
         kl = evaluate(model, cache, continuation, reference).kl
         rows.append(dict(solver=name, ratio=ratio, kl=kl, seconds=seconds, median_loss=float(cache.loss.median())))
