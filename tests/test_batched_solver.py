@@ -60,11 +60,18 @@ def test_loss_and_gradient_match_the_reference_objective_with_padding():
         assert (grad[i, : p.k] - kc.grad).abs().max() < 1e-12 * kc.grad.abs().max()
         assert torch.equal(grad[i, p.k:], torch.zeros_like(grad[i, p.k:])), "padded keys get no gradient"
     # V-step: the reference's ridge values on the real keys, exact zeros on the padding
-    v = batch.ridge(keys, 1e-3)
+    v, ok = batch.ridge(keys, 1e-3)
+    assert ok.all()
     for i, (p, prep) in enumerate(zip(problems, preps)):
         want = prep.ridge(keys[i, : p.k], 1e-3)
         assert (v[i, : p.k] - want).abs().max() < 1e-7 * want.abs().max()
         assert torch.equal(v[i, p.k:], torch.zeros_like(v[i, p.k:]))
+    # a problem whose keys overflow is flagged and solved as the identity; the others are untouched
+    bad = keys.clone()
+    bad[1, 0, 0] = float("inf")
+    v2, ok2 = batch.ridge(bad, 1e-3)
+    assert ok2.tolist() == [True, False, True] and torch.equal(v2[1], torch.zeros_like(v2[1]))
+    assert torch.equal(v2[0], v[0]) and torch.equal(v2[2], v[2])
 
 
 def test_batched_strong_wolfe_is_torchs_line_search_per_problem():
@@ -300,7 +307,7 @@ def test_a_problem_going_non_finite_at_a_v_step_stops_alone(monkeypatch):
     ridge = BT._Batch.ridge
 
     def finite_ridge(self, keys, lam):
-        assert torch.isfinite(keys).all(), "the V-step must never see non-finite keys (LU raises on the CPU)"
+        assert torch.isfinite(keys).all(), "a problem that stopped is solved at its (finite) best keys"
         return ridge(self, keys, lam)
 
     monkeypatch.setattr(BT._LBFGS, "step", poisoned)

@@ -158,8 +158,9 @@ class _Batch:
         ds = torch.baddbmm(row[..., None], g_out, values.transpose(1, 2)).mul_(p)
         return loss, torch.bmm(ds.transpose(1, 2), self.q)
 
-    def ridge(self, keys: torch.Tensor, lam: float) -> torch.Tensor:
-        """V-step (§3.4) for all problems: ``[P, k_max, d]`` values, zero on padding, solved in float64."""
+    def ridge(self, keys: torch.Tensor, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """V-step (§3.4) for all problems: ``[P, k_max, d]`` values, zero on padding, solved in float64, and
+        ``[P]`` True where the system was finite (elsewhere the values are zero: the caller keeps its own)."""
         s = torch.baddbmm(self.bias, self.q, keys.transpose(1, 2)).double()
         lse_hat = torch.logaddexp(torch.logsumexp(s, dim=-1), self.lse_r64)
         a = torch.exp(s - lse_hat[..., None])  # [P, n_q, k_max] compressed weights, 0 on padding
@@ -168,8 +169,13 @@ class _Batch:
         # identity with a zero right-hand side and the real block is exactly the per-problem system.
         diag = torch.where(self.mask, lam, 1.0).to(torch.float64)
         gram = torch.bmm(a.transpose(1, 2), a) + torch.diag_embed(diag)
-        v = torch.linalg.solve(gram, torch.bmm(a.transpose(1, 2), residual))
-        return (v * self.mask[..., None]).to(keys.dtype)
+        rhs = torch.bmm(a.transpose(1, 2), residual)
+        # a problem whose keys overflow gives a non-finite system: solve the identity instead, so that
+        # one problem cannot make the batched LU fail for all (the CPU's raises on NaN pivots)
+        ok = torch.isfinite(gram).all(dim=(1, 2)) & torch.isfinite(rhs).all(dim=(1, 2))
+        gram = torch.where(ok[:, None, None], gram, torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device))
+        v = torch.linalg.solve(gram, torch.where(ok[:, None, None], rhs, 0.0))
+        return (v * self.mask[..., None]).to(keys.dtype), ok
 
 
 # --- strong-Wolfe line search, one per problem ------------------------------------------------------------
@@ -596,7 +602,8 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
             # keys (finite, so the batched LU never sees NaN) and keep their values; the latter stop below
             keep = frozen | ~torch.isfinite(loss)
             at = torch.where(keep[:, None], best_x, x).view(-1, kmax, d)
-            values = torch.where(keep[:, None, None], values, sub.ridge(at, cfg.ridge))
+            solved, ok = sub.ridge(at, cfg.ridge)
+            values = torch.where((keep | ~ok)[:, None, None], values, solved)
             if cfg.reset_history:
                 lbfgs.reset()
             loss, g = fg(x, None)
