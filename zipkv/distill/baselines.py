@@ -120,6 +120,28 @@ class Solution:
     history: list[float] = field(default_factory=list)
 
 
+def ridge_solve(a_c: torch.Tensor, residual: torch.Tensor, lam: float,
+                mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The V-step's least squares (§3.4) for a batch of problems, in the inputs' dtype (float64 here).
+
+    ``a_c`` ``[P, n_q, k]`` attention weights of the compressed keys, ``residual`` ``[P, n_q, d]`` what they
+    must produce; returns values ``[P, k, d]`` minimising ``‖a_c V − residual‖² + λ‖V‖²`` and ``[P]`` True
+    where the system was finite. ``mask`` ``[P, k]`` marks real keys: padded rows and columns of ``AᵀA`` are
+    zero, so with 1 instead of λ on their diagonal the padded block is the identity with a zero right-hand
+    side and the real block is exactly the problem's own system. A non-finite system (keys that overflow)
+    is solved as the identity, zero values, so one problem cannot make the batched LU fail for all.
+    """
+    k = a_c.shape[-1]
+    lam_t = torch.full((k,), lam, dtype=a_c.dtype, device=a_c.device)
+    diag = lam_t.expand(a_c.shape[0], k) if mask is None else torch.where(mask, lam_t, torch.ones_like(lam_t))
+    gram = torch.bmm(a_c.transpose(1, 2), a_c) + torch.diag_embed(diag)
+    rhs = torch.bmm(a_c.transpose(1, 2), residual)
+    ok = torch.isfinite(gram).all(dim=(1, 2)) & torch.isfinite(rhs).all(dim=(1, 2))
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    v = torch.linalg.solve(torch.where(ok[:, None, None], gram, eye), torch.where(ok[:, None, None], rhs, 0.0))
+    return (v if mask is None else v * mask[..., None]), ok
+
+
 class Prepared:
     """A problem's fixed tensors in the solver dtype: scaled queries, full-cache targets, retain scores.
 
@@ -174,9 +196,8 @@ class Prepared:
             a = a.double()
             a_c, a_r = a[:, :k], a[:, k:]
             residual = self.y.double() - a_r @ self.v_ret.double()
-            gram = a_c.T @ a_c + lam * torch.eye(k, dtype=torch.float64, device=a.device)
-            v = torch.linalg.solve(gram, a_c.T @ residual)
-        return v.to(k_c.dtype)
+            v, _ = ridge_solve(a_c[None], residual[None], lam)
+        return v[0].to(k_c.dtype)
 
     def top_attention(self, k: int) -> torch.Tensor:
         """``[k]`` old positions with the largest accumulated attention, in position order."""
@@ -472,13 +493,8 @@ class PreparedBatch:
             a = a.double()
             a_c, a_r = a[..., :k], a[..., k:]
             residual = self.y.double() - torch.bmm(a_r, self.v_ret.double())
-            # λ on real keys, 1 on padding: padded rows/columns of AᵀA are zero, so the padded block is
-            # the identity with a zero right-hand side and the real block is the per-problem system.
-            diag = torch.where(self.mask, torch.tensor(lam, dtype=torch.float64, device=self.device),
-                               torch.tensor(1.0, dtype=torch.float64, device=self.device))
-            gram = torch.bmm(a_c.transpose(1, 2), a_c) + torch.diag_embed(diag)
-            v = torch.linalg.solve(gram, torch.bmm(a_c.transpose(1, 2), residual))
-        return (v * self.mask[..., None]).to(k_c.dtype)
+            v, _ = ridge_solve(a_c, residual, lam, self.mask)
+        return v.to(k_c.dtype)
 
     def solutions(self, k_c: torch.Tensor, v_c: torch.Tensor, *, initial_loss: Sequence[float] | None = None,
                   indices: torch.Tensor | None = None, seconds: float = 0.0,

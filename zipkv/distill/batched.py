@@ -74,7 +74,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
-from .baselines import Prepared, PreparedBatch, Problem, Solution, chunk_for, problem_groups
+from .baselines import Prepared, PreparedBatch, Problem, Solution, chunk_for, problem_groups, ridge_solve
 from .kvsculpt import SculptConfig, Solver, budget_for_ratio, build_problems
 from .kvsculpt import solve as reference_solve
 from .queries import training_queries
@@ -165,17 +165,8 @@ class _Batch:
         lse_hat = torch.logaddexp(torch.logsumexp(s, dim=-1), self.lse_r64)
         a = torch.exp(s - lse_hat[..., None])  # [P, n_q, k_max] compressed weights, 0 on padding
         residual = self.y.double() - torch.exp(self.lse_r64 - lse_hat)[..., None] * self.y_r64
-        # λ on real keys, 1 on padding: padded rows/columns of AᵀA are zero, so the padded block is the
-        # identity with a zero right-hand side and the real block is exactly the per-problem system.
-        diag = torch.where(self.mask, lam, 1.0).to(torch.float64)
-        gram = torch.bmm(a.transpose(1, 2), a) + torch.diag_embed(diag)
-        rhs = torch.bmm(a.transpose(1, 2), residual)
-        # a problem whose keys overflow gives a non-finite system: solve the identity instead, so that
-        # one problem cannot make the batched LU fail for all (the CPU's raises on NaN pivots)
-        ok = torch.isfinite(gram).all(dim=(1, 2)) & torch.isfinite(rhs).all(dim=(1, 2))
-        gram = torch.where(ok[:, None, None], gram, torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device))
-        v = torch.linalg.solve(gram, torch.where(ok[:, None, None], rhs, 0.0))
-        return (v * self.mask[..., None]).to(keys.dtype), ok
+        v, ok = ridge_solve(a, residual, lam, self.mask)
+        return v.to(keys.dtype), ok
 
 
 # --- strong-Wolfe line search, one per problem ------------------------------------------------------------
