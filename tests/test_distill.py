@@ -122,6 +122,33 @@ def test_ridge_matches_closed_form():
     assert objective(got) <= objective(got + 1e-3 * torch.randn_like(got))
 
 
+def test_batched_ridge_solve_on_several_threads_equals_one_at_a_time():
+    # torch 2.13's CPU batched LU returns garbage pivots for large systems on >1 thread; the batched ridge
+    # solve must not depend on it: a batch of 358-key systems (Qwen-shaped k) solved on 2 threads equals
+    # each system solved alone, including a non-finite one (zero values, flagged) and padded keys.
+    g = torch.Generator().manual_seed(0)
+    P, n_q, k, d = 4, 400, 358, 16
+    a = torch.softmax(torch.randn(P, n_q, k, generator=g, dtype=torch.float64) * 3, dim=-1)
+    residual = torch.randn(P, n_q, d, generator=g, dtype=torch.float64)
+    a[2, 0, 0] = math.inf
+    mask = torch.ones(P, k, dtype=torch.bool)
+    mask[3, 300:] = False
+    a[3, :, 300:] = 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        v, ok = B.ridge_solve(a, residual, 1e-3, mask)
+    finally:
+        torch.set_num_threads(threads)
+    assert ok.tolist() == [True, True, False, True]
+    assert torch.isfinite(v).all() and (v[2] == 0).all() and (v[3, 300:] == 0).all()
+    for i in (0, 1, 3):
+        kk = int(mask[i].sum())
+        ai = a[i, :, :kk]
+        want = torch.linalg.solve(ai.T @ ai + 1e-3 * torch.eye(kk, dtype=torch.float64), ai.T @ residual[i])
+        assert (v[i, :kk] - want).abs().max() < 1e-8 * want.abs().max()
+
+
 def test_loss_is_zero_for_the_full_cache_and_matches_definition():
     p = random_problem(k=32, m=8, n=40, seed=4)  # k = N − m: the compress zone itself is a solution
     assert B.problem_loss(p, p.keys[:32], p.values[:32]) < 1e-20

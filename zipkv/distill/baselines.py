@@ -129,7 +129,12 @@ def ridge_solve(a_c: torch.Tensor, residual: torch.Tensor, lam: float,
     where the system was finite. ``mask`` ``[P, k]`` marks real keys: padded rows and columns of ``AᵀA`` are
     zero, so with 1 instead of λ on their diagonal the padded block is the identity with a zero right-hand
     side and the real block is exactly the problem's own system. A non-finite system (keys that overflow)
-    is solved as the identity, zero values, so one problem cannot make the batched LU fail for all.
+    is solved as the identity, zero values, so one problem cannot make the batched solve fail for all.
+
+    ``AᵀA + λI`` is symmetric positive definite (λ > 0), so the batch is solved by Cholesky. Not by
+    ``torch.linalg.solve``: torch 2.13's CPU build returns garbage LU pivots for a batch of large systems
+    when it runs on more than one thread (``lu_solve`` then raises, or MKL prints ``DLASWP`` errors).
+    A system whose Cholesky fails (not positive definite to rounding) is solved alone by LU.
     """
     k = a_c.shape[-1]
     lam_t = torch.full((k,), lam, dtype=a_c.dtype, device=a_c.device)
@@ -138,7 +143,11 @@ def ridge_solve(a_c: torch.Tensor, residual: torch.Tensor, lam: float,
     rhs = torch.bmm(a_c.transpose(1, 2), residual)
     ok = torch.isfinite(gram).all(dim=(1, 2)) & torch.isfinite(rhs).all(dim=(1, 2))
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    v = torch.linalg.solve(torch.where(ok[:, None, None], gram, eye), torch.where(ok[:, None, None], rhs, 0.0))
+    gram, rhs = torch.where(ok[:, None, None], gram, eye), torch.where(ok[:, None, None], rhs, 0.0)
+    factor, info = torch.linalg.cholesky_ex(gram)
+    v = torch.cholesky_solve(rhs, factor)
+    for i in (info != 0).nonzero().flatten().tolist():
+        v[i] = torch.linalg.solve(gram[i], rhs[i])
     return (v if mask is None else v * mask[..., None]), ok
 
 

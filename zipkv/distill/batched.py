@@ -27,7 +27,7 @@ problems at once, with nothing shared between problems:
   ``ℓ̂ = log(Σ_j e^{s_j} + e^{ℓ_r})``, which is the reference's softmax over ``[K_c; K_ret]``
   rewritten, without its ``m`` retain columns.
 * **V-step** — every ``value_every`` steps, ridge regression (λ) for all problems at once in float64
-  (``torch.linalg.solve`` on ``[P, k_max, k_max]``); the L-BFGS history is kept across it, or restarted
+  (one batched Cholesky solve, :func:`~zipkv.distill.baselines.ridge_solve`); the L-BFGS history is kept across it, or restarted
   with ``reset_history``, as in the reference.
 * **Best iterate** — the lowest-loss iterate over the outer steps is returned, and never one whose
   loss is above Select+Fit's.
