@@ -194,6 +194,23 @@ def _put(pair: torch.Tensor, pos: torch.Tensor, value: torch.Tensor, mask: torch
     return torch.where(slot, value[:, None], pair)
 
 
+def _evaluate(fg, x, t, d, need, f, g):
+    """The objective at ``x + t·d`` for the problems in ``need`` (a gathered sub-batch: one host sync);
+    ``(f, g)`` elsewhere. Returns None when no problem needs it."""
+    idx = need.nonzero().squeeze(1)
+    if idx.numel() == 0:
+        return None
+    if idx.numel() == x.shape[0]:
+        return fg(x + t[:, None] * d, None)
+    fs, gs = fg(x[idx] + t[idx, None] * d[idx], idx)
+    return f.index_copy(0, idx, fs), g.index_copy(0, idx, gs)
+
+
+def _first_trial_tests(f, t, gtd, f_new, gtd_new):
+    """Strong-Wolfe tests of a trial step: ``(armijo_fail, curvature_ok)`` ``[P]``."""
+    return f_new > f + WOLFE_C1 * t * gtd, gtd_new.abs() <= -WOLFE_C2 * gtd
+
+
 def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLERANCE_CHANGE):
     """``torch.optim.lbfgs._strong_wolfe`` for every problem at once, each with its own search.
 
@@ -208,34 +225,28 @@ def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLER
         and the number of batched evaluation rounds (0: no problem searched). Inactive problems get
         ``(f, g, 0, 0)``.
     """
-    P = x.shape[0]
-    c1, c2 = WOLFE_C1, WOLFE_C2
-
-    def evaluate(need, t, f_new, g_new):
-        idx = need.nonzero().squeeze(1)  # the one host sync per round
-        if idx.numel() == 0:
-            return None
-        if idx.numel() == P:
-            return fg(x + t[:, None] * d, None)
-        fs, gs = fg(x[idx] + t[idx, None] * d[idx], idx)
-        return f_new.index_copy(0, idx, fs), g_new.index_copy(0, idx, gs)
-
-    # first trial step of every search; most searches end here (strong Wolfe met at once), so that
-    # case is settled with a dozen kernels before any bracketing state exists
     zero = torch.zeros_like(t)
     t = torch.where(active, t, zero)
-    need = active
-    first = evaluate(need, t, f, g)
+    first = _evaluate(fg, x, t, d, active, f, g)
     if first is None:
         return f, g, zero, torch.zeros_like(max_ls), 0
     f_new, g_new = first
-    gtd_new = torch.where(need, (g_new * d).sum(dim=1), gtd)
-    armijo_fail = f_new > f + c1 * t * gtd
-    curvature_ok = gtd_new.abs() <= -c2 * gtd
-    evals = need.long()
-    if not bool((need & (armijo_fail | ~curvature_ok)).any()):
-        return torch.where(need, f_new, f), torch.where(need[:, None], g_new, g), t, evals, 1
+    gtd_new = torch.where(active, (g_new * d).sum(dim=1), gtd)
+    armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
+    if not bool((active & (armijo_fail | ~curvature_ok)).any()):  # most searches end at the first trial
+        return f_new, g_new, t, active.long(), 1
+    return _wolfe_rounds(fg, x, t, d, f, g, gtd, active, max_ls, f_new, g_new, gtd_new, tolerance_change)
 
+
+def _wolfe_rounds(fg, x, t, d, f, g, gtd, active, max_ls, f_new, g_new, gtd_new, tolerance_change):
+    """The strong-Wolfe search after its first trial (``t``, ``f_new``, ``g_new``, ``gtd_new`` evaluated for
+    every ``active`` problem): bracketing, then zoom, each problem on its own, until every one has accepted
+    a step. Returns ``(f, g, t, evals, rounds)`` as :func:`_strong_wolfe`."""
+    P = x.shape[0]
+    zero = torch.zeros_like(t)
+    armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
+    need = active
+    evals = need.long()
     d_norm = d.abs().amax(dim=1)
     phase = torch.where(active, _BRACKET, _DONE)
     t_prev, f_prev, g_prev, gtd_prev = zero.clone(), f.clone(), g.clone(), gtd.clone()
@@ -249,7 +260,7 @@ def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLER
     rounds, evaluated = 1, True
     while True:
         if not evaluated:  # later rounds: evaluate the problems still searching
-            step = evaluate(need, t, f_new, g_new)
+            step = _evaluate(fg, x, t, d, need, f_new, g_new)
             if step is None:
                 break
             rounds += 1
@@ -257,8 +268,7 @@ def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLER
             gtd_new = torch.where(need, (g_new * d).sum(dim=1), gtd_new)
             evals += need
             ls_iter += need
-            armijo_fail = f_new > f + c1 * t * gtd
-            curvature_ok = gtd_new.abs() <= -c2 * gtd
+            armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
 
         # bracketing phase (the first while loop of _strong_wolfe)
         in_b = need & (phase == _BRACKET)
@@ -352,28 +362,48 @@ class _LBFGS:
     ``YY[i, j] = y_iᵀy_j`` ``[P, cap, cap]`` in logical order, ``gamma`` the initial scaling ``sᵀy/yᵀy`` of the
     newest pair (``LBFGS``'s ``H_diag``). A full history drops its oldest pair by advancing ``head`` and
     shifting the small ``SY``/``YY`` matrices: the big buffers are never moved.
+
+    One inner iteration is three parts: :meth:`_open` (new history pair, direction, first trial step of
+    every search and its strong-Wolfe tests), the rest of the line search for the problems whose first
+    trial failed (:func:`_wolfe_rounds`, only when there are any), and :meth:`_close` (accept the steps,
+    stopping tests). ``_open`` and ``_close`` have fixed shapes and no host syncs, and keep every
+    result in the tensors allocated here, so on CUDA (``graphs``) each is captured once as a CUDA graph
+    and replayed: an iteration then costs two graph launches and one host sync (``flags``) instead of
+    hundreds of kernel launches. With graphs every problem's first trial is evaluated (inactive ones at
+    ``t = 0``, discarded); without (the CPU), only the active problems'.
     """
 
-    def __init__(self, P: int, n: int, cfg: SculptConfig, dtype, device):
+    def __init__(self, P: int, n: int, cfg: SculptConfig, dtype, device, graphs: bool = False):
         self.lr, self.max_iter = cfg.lr, cfg.inner_iterations
         self.max_eval = cfg.inner_iterations * 5 // 4
-        self.history_size = cfg.history_size
         per_block = cfg.value_every * cfg.inner_iterations if cfg.reset_history else cfg.history_size
         self.cap = max(1, min(cfg.history_size, per_block))
+        self.graphs = graphs and torch.device(device).type == "cuda"
+        self._captured: dict[str, object] = {}
         kw = dict(dtype=dtype, device=device)
+        long = dict(dtype=torch.long, device=device)
         self.S = torch.zeros(P, self.cap, n, **kw)
         self.Y = torch.zeros(P, self.cap, n, **kw)
         self.SY = torch.zeros(P, self.cap, self.cap, **kw)
         self.YY = torch.zeros(P, self.cap, self.cap, **kw)
-        self.count = torch.zeros(P, dtype=torch.long, device=device)
-        self.head = torch.zeros(P, dtype=torch.long, device=device)
+        self.count = torch.zeros(P, **long)
+        self.head = torch.zeros(P, **long)
         self.gamma = torch.ones(P, **kw)
-        self.n_iter = torch.zeros(P, dtype=torch.long, device=device)
+        self.n_iter = torch.zeros(P, **long)
         self.d = torch.zeros(P, n, **kw)
         self.t = torch.zeros(P, **kw)
         self.prev_g = torch.zeros(P, n, **kw)
         self.prev_loss = torch.zeros(P, **kw)
-        self.used = 0  # host-side bound on count (at most one new pair per iteration)
+        # one LBFGS.step: which problems still iterate, evaluations spent
+        self.active = torch.zeros(P, dtype=torch.bool, device=device)
+        self.evals = torch.zeros(P, **long)
+        # one inner iteration's line search: the direction's slope, the step taken with its loss, gradient
+        # and slope, evaluations spent, problems whose first trial failed; flags = [#active, #failed]
+        self.gtd, self.t_new, self.f_new, self.gtd_new = (torch.zeros(P, **kw) for _ in range(4))
+        self.g_new = torch.zeros(P, n, **kw)
+        self.spent = torch.zeros(P, **long)
+        self.more = torch.zeros(P, dtype=torch.bool, device=device)
+        self.flags = torch.zeros(2, **long)
 
     def reset(self):
         """A fresh optimizer (the reference re-creates ``LBFGS`` after each V-step)."""
@@ -381,111 +411,155 @@ class _LBFGS:
         self.head.zero_()
         self.gamma.fill_(1.0)
         self.n_iter.zero_()
-        self.used = 0
 
     def take(self, idx: torch.Tensor):
-        for name in ("S", "Y", "SY", "YY", "count", "head", "gamma", "n_iter", "d", "t", "prev_g", "prev_loss"):
-            setattr(self, name, getattr(self, name)[idx])
+        """Keep problems ``idx`` only (new tensors: captured graphs are dropped)."""
+        for name, value in list(vars(self).items()):
+            if isinstance(value, torch.Tensor) and name != "flags":
+                setattr(self, name, value[idx])
+        self._captured.clear()
 
-    def _order(self, ub: int) -> torch.Tensor:
-        """``[P, ub]`` slot of each logical pair (slots ``0 … ub−1`` hold every pair while the buffer has not wrapped)."""
-        return (self.head[:, None] + torch.arange(ub, device=self.head.device)[None]) % self.cap
+    def _order(self) -> torch.Tensor:
+        """``[P, cap]`` slot of each logical pair."""
+        return (self.head[:, None] + torch.arange(self.cap, device=self.head.device)[None]) % self.cap
 
     def _push(self, s, y, ys, accept):
-        P = s.shape[0]
-        rows = torch.arange(P, device=s.device)
-        if self.used >= self.cap:  # a full history drops its oldest pair (never with the paper's settings)
-            full = accept & (self.count >= self.cap)
-            if bool(full.any()):
-                m = full[:, None, None]
-                self.SY = torch.where(m, self.SY.roll((-1, -1), (1, 2)), self.SY)
-                self.YY = torch.where(m, self.YY.roll((-1, -1), (1, 2)), self.YY)
-                self.head = (self.head + full.long()) % self.cap
-                self.count = self.count - full.long()
-        slot = self.count.clamp(max=self.cap - 1)  # logical position of the new pair
-        phys = (self.head + slot) % self.cap
-        self.S[rows, phys] = torch.where(accept[:, None], s, self.S[rows, phys])
-        self.Y[rows, phys] = torch.where(accept[:, None], y, self.Y[rows, phys])
-        ub = min(self.used + 1, self.cap)
-        order = self._order(ub)
-        S, Y = self.S[:, :ub], self.Y[:, :ub]
-        s_y = _rowdot(y, S).gather(1, order)  # s_iᵀ y_new, [P, ub], logical order
-        sn_y = _rowdot(s, Y).gather(1, order)  # s_newᵀ y_j
-        y_y = _rowdot(y, Y).gather(1, order)
-        cols = torch.arange(ub, device=s.device)[None]
+        P, cap = s.shape[0], self.cap
+        full = accept & (self.count >= cap)  # a full history drops its oldest pair
+        m = full[:, None, None]
+        self.SY.copy_(torch.where(m, self.SY.roll((-1, -1), (1, 2)), self.SY))
+        self.YY.copy_(torch.where(m, self.YY.roll((-1, -1), (1, 2)), self.YY))
+        self.head.copy_((self.head + full.long()) % cap)
+        self.count.sub_(full.long())
+        slot = self.count.clamp(max=cap - 1)  # logical position of the new pair
+        flat = torch.arange(P, device=s.device) * cap + (self.head + slot) % cap  # its row of S, Y viewed [P·cap, n]
         a = accept[:, None]
-        self.SY[rows[:, None], cols, slot[:, None]] = torch.where(a, s_y, self.SY[rows[:, None], cols, slot[:, None]])
-        self.SY[rows[:, None], slot[:, None], cols] = torch.where(a, sn_y, self.SY[rows[:, None], slot[:, None], cols])
-        self.YY[rows[:, None], cols, slot[:, None]] = torch.where(a, y_y, self.YY[rows[:, None], cols, slot[:, None]])
-        self.YY[rows[:, None], slot[:, None], cols] = torch.where(a, y_y, self.YY[rows[:, None], slot[:, None], cols])
-        self.gamma = torch.where(accept, ys / (y * y).sum(dim=1), self.gamma)
-        self.count = self.count + accept.long()
-        self.used = min(self.used + 1, self.cap)
+        for buffer, new in ((self.S, s), (self.Y, y)):
+            rows = buffer.view(P * cap, -1)
+            rows.index_copy_(0, flat, torch.where(a, new, rows.index_select(0, flat)))
+        order = self._order()
+        s_y = _rowdot(y, self.S).gather(1, order)  # s_iᵀ y_new, [P, cap], logical order
+        sn_y = _rowdot(s, self.Y).gather(1, order)  # s_newᵀ y_j
+        y_y = _rowdot(y, self.Y).gather(1, order)
+        at = torch.arange(cap, device=s.device)[None] == slot[:, None]  # [P, cap] the new pair's logical slot
+        col = (at & a)[:, None, :]  # [P, 1, cap]: column `slot`
+        row = (at & a)[:, :, None]  # [P, cap, 1]: row `slot`
+        self.SY.copy_(torch.where(row, sn_y[:, None, :], torch.where(col, s_y[:, :, None], self.SY)))
+        self.YY.copy_(torch.where(row, y_y[:, None, :], torch.where(col, y_y[:, :, None], self.YY)))
+        self.gamma.copy_(torch.where(accept, ys / (y * y).sum(dim=1), self.gamma))
+        self.count.add_(accept.long())
 
     def _direction(self, g):
         """``−H g`` per problem, ``H`` the L-BFGS inverse Hessian of its own history (compact form)."""
-        ub = self.used
         gamma = self.gamma[:, None]
-        if ub == 0:
-            return -gamma * g
-        order = self._order(ub)
-        valid = torch.arange(ub, device=g.device)[None] < self.count[:, None]  # [P, ub], logical order
+        order = self._order()
+        valid = torch.arange(self.cap, device=g.device)[None] < self.count[:, None]  # [P, cap], logical order
         both = valid[:, :, None] & valid[:, None, :]
-        S, Y = self.S[:, :ub], self.Y[:, :ub]
-        a = (_rowdot(g, S).gather(1, order) * valid)[..., None]  # [P, ub, 1]
-        b = (_rowdot(g, Y).gather(1, order) * valid)[..., None]
-        SY = self.SY[:, :ub, :ub]
+        a = torch.where(valid, _rowdot(g, self.S).gather(1, order), 0.0)[..., None]  # [P, cap, 1]
+        b = torch.where(valid, _rowdot(g, self.Y).gather(1, order), 0.0)[..., None]
         eye = torch.diag_embed((~valid).to(g.dtype))  # identity on unused slots keeps R invertible
-        R = torch.where(both, SY.triu(), 0.0) + eye
-        D = (SY.diagonal(dim1=1, dim2=2) * valid)[..., None]
-        YY = torch.where(both, self.YY[:, :ub, :ub], 0.0)
+        R = torch.where(both, self.SY.triu(), 0.0) + eye
+        D = torch.where(valid, self.SY.diagonal(dim1=1, dim2=2), 0.0)[..., None]
+        YY = torch.where(both, self.YY, 0.0)
         u = torch.linalg.solve_triangular(R, a, upper=True)
         w = D * u + gamma[..., None] * (torch.bmm(YY, u) - b)
         p = torch.linalg.solve_triangular(R.transpose(1, 2), w, upper=False)
         # back to slot order for the products with the buffers
         p = torch.zeros_like(p).scatter_(1, order[..., None], p)
         u = torch.zeros_like(u).scatter_(1, order[..., None], u)
-        hg = gamma * g + torch.bmm(p.transpose(1, 2), S).squeeze(1) - gamma * torch.bmm(u.transpose(1, 2), Y).squeeze(1)
+        hg = gamma * g + torch.bmm(p.transpose(1, 2), self.S).squeeze(1) - gamma * torch.bmm(u.transpose(1, 2), self.Y).squeeze(1)
         return -hg
 
-    def step(self, x, loss, g, fg, frozen):
-        """One ``LBFGS.step(closure)`` for every problem not ``frozen``; updates ``x`` ``[P, n]`` in place.
+    def _open(self, x, loss, g, fg):
+        """First half of an inner iteration of ``LBFGS.step``: history, direction, first trial step."""
+        active = self.active
+        self.n_iter.add_(active.long())
+        y = g - self.prev_g
+        s = self.d * self.t[:, None]
+        ys = (y * s).sum(dim=1)
+        self._push(s, y, ys, active & (self.n_iter > 1) & (ys > CURVATURE_MIN))
+        self.d.copy_(torch.where(active[:, None], self._direction(g), self.d))
+        self.prev_g.copy_(torch.where(active[:, None], g, self.prev_g))
+        self.prev_loss.copy_(torch.where(active, loss, self.prev_loss))
+        first_t = (1.0 / g.abs().sum(dim=1)).clamp(max=1.0) * self.lr
+        self.t.copy_(torch.where(active, torch.where(self.n_iter == 1, first_t, self.lr), self.t))
+        gtd = (g * self.d).sum(dim=1)
+        self.gtd.copy_(gtd)
+        active = active & ~(gtd > -TOLERANCE_CHANGE)
+        self.active.copy_(active)
+        t = torch.where(active, self.t, 0.0)
+        if self.graphs:  # fixed shapes: every problem, the inactive ones at t = 0 (discarded below)
+            f_new, g_new = fg(x + t[:, None] * self.d, None)
+            f_new = torch.where(active, f_new, loss)
+            g_new = torch.where(active[:, None], g_new, g)
+        else:
+            f_new, g_new = _evaluate(fg, x, t, self.d, active, loss, g) or (loss, g)
+        gtd_new = torch.where(active, (g_new * self.d).sum(dim=1), gtd)
+        armijo_fail, curvature_ok = _first_trial_tests(loss, t, gtd, f_new, gtd_new)
+        more = active & (armijo_fail | ~curvature_ok)
+        self.t_new.copy_(t)
+        self.f_new.copy_(f_new)
+        self.g_new.copy_(g_new)
+        self.gtd_new.copy_(gtd_new)
+        self.spent.copy_(active.long())
+        self.more.copy_(more)
+        self.flags.copy_(torch.stack([active.sum(), more.sum()]))
 
-        ``loss`` ``[P]`` and ``g`` ``[P, n]`` are the objective at ``x`` (the closure call that opens
-        ``LBFGS.step``); returns them at the new ``x``.
-        """
-        tol_change = TOLERANCE_CHANGE
-        evals = torch.ones_like(self.count)
-        active = ~frozen & ~(g.abs().amax(dim=1) <= TOLERANCE_GRAD)
-        for n_iter in range(1, self.max_iter + 1):
-            self.n_iter += active
-            update = active & (self.n_iter > 1)
-            y = g - self.prev_g
-            s = self.d * self.t[:, None]
-            ys = (y * s).sum(dim=1)
-            self._push(s, y, ys, update & (ys > CURVATURE_MIN))
-            d = self._direction(g)
-            self.d = torch.where(active[:, None], d, self.d)
-            self.prev_g = torch.where(active[:, None], g, self.prev_g)
-            self.prev_loss = torch.where(active, loss, self.prev_loss)
-            first_t = (1.0 / g.abs().sum(dim=1)).clamp(max=1.0) * self.lr
-            self.t = torch.where(active, torch.where(self.n_iter == 1, first_t, self.lr), self.t)
-            gtd = (g * self.d).sum(dim=1)
-            active = active & ~(gtd > -tol_change)
-            f_new, g_new, t_new, spent, rounds = _strong_wolfe(fg, x, self.t, self.d, loss, g, gtd, active,
-                                                               self.max_eval - evals, tol_change)
-            if rounds == 0:  # nobody searched: every problem has left this step
+    def _search(self, x, loss, g, fg):
+        """The rest of the strong-Wolfe searches whose first trial failed (eager: data-dependent rounds)."""
+        f_new, g_new, t_new, spent, _ = _wolfe_rounds(fg, x, self.t_new, self.d, loss, g, self.gtd, self.active,
+                                                      self.max_eval - self.evals, self.f_new, self.g_new,
+                                                      self.gtd_new, TOLERANCE_CHANGE)
+        self.f_new.copy_(f_new)
+        self.g_new.copy_(g_new)
+        self.t_new.copy_(t_new)
+        self.spent.copy_(spent)
+
+    def _close(self, x, loss, g):
+        """Second half of an inner iteration: take the accepted steps, then ``LBFGS``'s stopping tests."""
+        active = self.active
+        self.t.copy_(torch.where(active, self.t_new, self.t))
+        x.copy_(torch.where(active[:, None], x + self.t[:, None] * self.d, x))
+        loss.copy_(torch.where(active, self.f_new, loss))
+        g.copy_(torch.where(active[:, None], self.g_new, g))
+        self.evals.add_(self.spent)
+        stop = ((self.evals >= self.max_eval) | (g.abs().amax(dim=1) <= TOLERANCE_GRAD)
+                | ((self.d * self.t[:, None]).abs().amax(dim=1) <= TOLERANCE_CHANGE)
+                | ((loss - self.prev_loss).abs() < TOLERANCE_CHANGE))
+        self.active.copy_(active & ~stop)
+
+    def _run(self, name: str, part):
+        """Run ``part()``; on CUDA the second call captures it as a CUDA graph and later calls replay it (the
+        first runs eagerly: it initialises cuBLAS and the allocator, which capture may not)."""
+        if not self.graphs:
+            part()
+            return
+        graph = self._captured.get(name)
+        if graph is None:
+            part()
+            self._captured[name] = "warm"
+            return
+        if graph == "warm":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                part()
+            self._captured[name] = graph
+        graph.replay()
+
+    def step(self, x, loss, g, fg, frozen):
+        """One ``LBFGS.step(closure)`` for every problem not ``frozen``; updates ``x`` ``[P, n]``, ``loss`` ``[P]``
+        and ``g`` ``[P, n]`` in place (on entry the objective at ``x``: the closure call that opens
+        ``LBFGS.step``). With graphs, pass the same tensors every time (the graphs read their addresses)."""
+        self.evals.fill_(1)
+        self.active.copy_(~frozen & ~(g.abs().amax(dim=1) <= TOLERANCE_GRAD))
+        for _ in range(self.max_iter):
+            self._run("open", lambda: self._open(x, loss, g, fg))
+            n_active, n_more = self.flags.tolist()  # the one host sync per inner iteration
+            if n_active == 0:  # nobody searched: every problem has left this step
                 break
-            self.t = torch.where(active, t_new, self.t)
-            x.copy_(torch.where(active[:, None], x + self.t[:, None] * self.d, x))
-            loss = torch.where(active, f_new, loss)
-            g = torch.where(active[:, None], g_new, g)
-            evals += spent
-            stop = ((evals >= self.max_eval) | (g.abs().amax(dim=1) <= TOLERANCE_GRAD)
-                    | ((self.d * self.t[:, None]).abs().amax(dim=1) <= tol_change)
-                    | ((loss - self.prev_loss).abs() < tol_change))
-            active = active & ~stop
-        return loss, g
+            if n_more:
+                self._search(x, loss, g, fg)
+            self._run("close", lambda: self._close(x, loss, g))
 
 
 # --- the solver -------------------------------------------------------------------------------------------
@@ -532,7 +606,8 @@ def _sync(device):
 
 
 @torch.no_grad()
-def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: float | None, bar=None):
+def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: float | None, bar=None,
+                  cuda_graphs: bool = True):
     """The batched solver on problems of equal query count and head dim; returns (solutions, frozen_at)."""
     started = time.perf_counter()
     P, ks = len(problems), [p.k for p in problems]
@@ -577,27 +652,29 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
     best_loss_all = torch.empty(P, dtype=dtype, device=device)
     best_x_all, best_v_all = x.clone(), values.clone()
 
-    loss, g = fg(x, None)
+    loss, g = fg(x, None)  # updated in place from here on (the CUDA graphs read these tensors)
     history[0] = loss.double()
     best_loss, best_x, best_v = loss.clone(), x.clone(), values.clone()
     best_loss_all.copy_(loss)
     frozen = torch.zeros(P, dtype=torch.bool, device=device)
     anchor, block_best = x.clone(), loss.clone()
-    lbfgs = _LBFGS(P, n, cfg, dtype, device) if steps > 0 else None
+    lbfgs = _LBFGS(P, n, cfg, dtype, device, graphs=cuda_graphs) if steps > 0 else None
     for step in range(1, steps + 1):
         if work.numel() == 0:
             break
-        loss, g = lbfgs.step(x, loss, g, fg, frozen)
+        lbfgs.step(x, loss, g, fg, frozen)
         boundary = step % cfg.value_every == 0
         if boundary:  # V-step; frozen rows and rows whose loss just became non-finite solve at their best
             # keys (finite, so the batched LU never sees NaN) and keep their values; the latter stop below
             keep = frozen | ~torch.isfinite(loss)
             at = torch.where(keep[:, None], best_x, x).view(-1, kmax, d)
             solved, ok = sub.ridge(at, cfg.ridge)
-            values = torch.where((keep | ~ok)[:, None, None], values, solved)
+            values.copy_(torch.where((keep | ~ok)[:, None, None], values, solved))
             if cfg.reset_history:
                 lbfgs.reset()
-            loss, g = fg(x, None)
+            f, gr = fg(x, None)
+            loss.copy_(f)
+            g.copy_(gr)
         history[step, work] = loss.double()
         finite = torch.isfinite(loss)
         better = ~frozen & finite & (loss < best_loss)
@@ -664,7 +741,7 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
 
 
 def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = None, *, tile: int | None = TILE,
-                  freeze_rtol: float | None = None) -> tuple[list[Solution], BatchStats]:
+                  freeze_rtol: float | None = None, cuda_graphs: bool = True) -> tuple[list[Solution], BatchStats]:
     """The batched KVSculpt solver (module docstring), with per-problem statistics.
 
     Args:
@@ -674,6 +751,8 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
         tile: bucket width in keys (no problem is padded by ``tile`` or more); ``None``: one bucket.
         freeze_rtol: also freeze problems whose best loss improves by less than this fraction over
             a V-step block (not the reference's behaviour; ``None``: off).
+        cuda_graphs: on CUDA, replay each inner iteration's fixed part as CUDA graphs (:class:`_LBFGS`);
+            ``False``: plain eager launches (the same arithmetic).
 
     Returns:
         ``(solutions, stats)``, solutions in input order. A solution's ``seconds`` is its bucket's wall
@@ -697,7 +776,7 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
     bar = tqdm(total=len(plan) * cfg.steps, desc="kvsculpt-batched", disable=not cfg.progress, leave=False)
     for b, members in enumerate(plan):
         started = time.perf_counter()
-        sols, frozen = _solve_bucket([problems[i] for i in members], cfg, freeze_rtol, bar)
+        sols, frozen = _solve_bucket([problems[i] for i in members], cfg, freeze_rtol, bar, cuda_graphs)
         bucket_seconds.append(time.perf_counter() - started)
         kmax = max(problems[i].k for i in members)
         for i, s, f in zip(members, sols, frozen):
@@ -711,10 +790,10 @@ def solve(problems: Sequence[Problem], config: SculptConfig | None = None) -> li
     return solve_batched(problems, config)[0]
 
 
-def make_solver(*, tile: int | None = TILE, freeze_rtol: float | None = None) -> Solver:
-    """A :data:`~zipkv.distill.kvsculpt.Solver` with non-default bucketing or freezing."""
+def make_solver(*, tile: int | None = TILE, freeze_rtol: float | None = None, cuda_graphs: bool = True) -> Solver:
+    """A :data:`~zipkv.distill.kvsculpt.Solver` with non-default bucketing, freezing or CUDA graphs."""
     def solver(problems: Sequence[Problem], config: SculptConfig | None = None) -> list[Solution]:
-        return solve_batched(problems, config, tile=tile, freeze_rtol=freeze_rtol)[0]
+        return solve_batched(problems, config, tile=tile, freeze_rtol=freeze_rtol, cuda_graphs=cuda_graphs)[0]
     return solver
 
 
