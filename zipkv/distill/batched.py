@@ -27,8 +27,8 @@ problems at once, with nothing shared between problems:
   ``ℓ̂ = log(Σ_j e^{s_j} + e^{ℓ_r})``, which is the reference's softmax over ``[K_c; K_ret]``
   rewritten, without its ``m`` retain columns.
 * **V-step** — every ``value_every`` steps, ridge regression (λ) for all problems at once in float64
-  (one batched Cholesky solve, :func:`~zipkv.distill.baselines.ridge_solve`); the L-BFGS history is kept across it, or restarted
-  with ``reset_history``, as in the reference.
+  (one batched Cholesky solve, :func:`~zipkv.distill.baselines.ridge_solve`); the L-BFGS history is
+  kept across it, or restarted with ``reset_history``, as in the reference.
 * **Best iterate** — the lowest-loss iterate over the outer steps is returned, and never one whose
   loss is above Select+Fit's.
 
@@ -54,8 +54,11 @@ solver reuses those values (bitwise the same point and values) and only re-evalu
 but counts the opening call against ``max_eval`` as the reference does.
 
 **Device.** Plain batched torch on any device (no Python loop over problems inside an iteration).
-The host waits on the device twice per inner iteration in the common case (which problems search;
-did every first trial meet the strong Wolfe conditions) and once more per extra line-search round.
+The host waits on the device once per inner iteration in the common case (how many problems search,
+how many first trials failed the strong Wolfe conditions) and once more per extra line-search round.
+On CUDA every fixed-shape part of an iteration (history and direction with the first trial; each
+line-search round's state update; accepting the steps) is replayed as a CUDA graph (:class:`_Graphs`):
+eager, the solver is bound by the CPU's kernel launches (about 440 per inner iteration).
 Agreement with the reference is to rounding only: both follow the same decisions, but the
 trajectories are chaotic (float64 histories agree to ~1e-9 over a few steps, float32 ones drift
 apart within tens of steps), so compare the two solvers by distributions over problems.
@@ -211,64 +214,107 @@ def _first_trial_tests(f, t, gtd, f_new, gtd_new):
     return f_new > f + WOLFE_C1 * t * gtd, gtd_new.abs() <= -WOLFE_C2 * gtd
 
 
-def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLERANCE_CHANGE):
-    """``torch.optim.lbfgs._strong_wolfe`` for every problem at once, each with its own search.
+class _Graphs:
+    """Named fixed-shape parts of an iteration, replayed as CUDA graphs when ``enabled``: a part is captured
+    at its second call (the first runs eagerly: it initialises cuBLAS and the allocator, which capture may
+    not) and replayed from then on. A part must keep its results in tensors allocated outside it and be
+    called with the same tensors every time (a graph replays fixed addresses); :meth:`clear` when they change."""
 
-    Args:
-        fg: ``fg(points [P', n], idx) → (loss [P'], grad [P', n])`` on problems ``idx`` (None: all).
-        x, d: ``[P, n]`` start points and directions; t: ``[P]`` first trial steps.
-        f, g, gtd: ``[P]``, ``[P, n]``, ``[P]`` loss, gradient and directional derivative at ``x``.
-        active: ``[P]`` bool, problems that search; max_ls: ``[P]`` evaluations each may spend.
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.parts: dict[str, object] = {}
 
-    Returns:
-        ``(f, g, t, evals, rounds)``: loss, gradient and step accepted per problem, evaluations spent,
-        and the number of batched evaluation rounds (0: no problem searched). Inactive problems get
-        ``(f, g, 0, 0)``.
+    def run(self, name: str, part):
+        if not self.enabled:
+            part()
+            return
+        graph = self.parts.get(name)
+        if graph is None:
+            part()
+            self.parts[name] = "warm"
+            return
+        if graph == "warm":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                part()
+            self.parts[name] = graph
+        graph.replay()
+
+    def clear(self):
+        self.parts.clear()
+
+
+class _LineSearch:
+    """``torch.optim.lbfgs._strong_wolfe`` for ``P`` problems at once, each with its own search: the
+    search's variables as ``[P]`` state tensors (bracketing, then zoom, per problem).
+
+    A search round is the objective at the trial steps of the problems still searching (``need``; a
+    gathered sub-batch, eager) followed by :meth:`_update`, the state machine for every problem at once
+    (fixed shapes, no host sync: a CUDA graph under ``graphs``); the host reads ``n_need`` once per round.
     """
-    zero = torch.zeros_like(t)
-    t = torch.where(active, t, zero)
-    first = _evaluate(fg, x, t, d, active, f, g)
-    if first is None:
-        return f, g, zero, torch.zeros_like(max_ls), 0
-    f_new, g_new = first
-    gtd_new = torch.where(active, (g_new * d).sum(dim=1), gtd)
-    armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
-    if not bool((active & (armijo_fail | ~curvature_ok)).any()):  # most searches end at the first trial
-        return f_new, g_new, t, active.long(), 1
-    return _wolfe_rounds(fg, x, t, d, f, g, gtd, active, max_ls, f_new, g_new, gtd_new, tolerance_change)
 
+    def __init__(self, P: int, n: int, dtype, device, graphs: _Graphs):
+        kw = dict(dtype=dtype, device=device)
+        long = dict(dtype=torch.long, device=device)
+        self.graphs = graphs
+        self.t, self.f_new, self.gtd_new, self.d_norm = (torch.zeros(P, **kw) for _ in range(4))
+        self.t_prev, self.f_prev, self.gtd_prev = (torch.zeros(P, **kw) for _ in range(3))
+        self.out_t, self.out_f = torch.zeros(P, **kw), torch.zeros(P, **kw)
+        self.g_new, self.g_prev, self.out_g = (torch.zeros(P, n, **kw) for _ in range(3))
+        self.b_t, self.b_f, self.b_gtd = (torch.zeros(P, 2, **kw) for _ in range(3))
+        self.b_g = torch.zeros(P, 2, n, **kw)
+        self.evals, self.ls_iter, self.phase, self.low = (torch.zeros(P, **long) for _ in range(4))
+        self.need = torch.zeros(P, dtype=torch.bool, device=device)
+        self.insuf = torch.zeros(P, dtype=torch.bool, device=device)
+        self.n_need = torch.zeros((), **long)
 
-def _wolfe_rounds(fg, x, t, d, f, g, gtd, active, max_ls, f_new, g_new, gtd_new, tolerance_change):
-    """The strong-Wolfe search after its first trial (``t``, ``f_new``, ``g_new``, ``gtd_new`` evaluated for
-    every ``active`` problem): bracketing, then zoom, each problem on its own, until every one has accepted
-    a step. Returns ``(f, g, t, evals, rounds)`` as :func:`_strong_wolfe`."""
-    P = x.shape[0]
-    zero = torch.zeros_like(t)
-    armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
-    need = active
-    evals = need.long()
-    d_norm = d.abs().amax(dim=1)
-    phase = torch.where(active, _BRACKET, _DONE)
-    t_prev, f_prev, g_prev, gtd_prev = zero.clone(), f.clone(), g.clone(), gtd.clone()
-    b_t = torch.zeros(P, 2, dtype=t.dtype, device=t.device)
-    b_f, b_gtd = b_t.clone(), b_t.clone()
-    b_g = torch.zeros(P, 2, g.shape[1], dtype=g.dtype, device=g.device)
-    low = torch.zeros(P, dtype=torch.long, device=t.device)
-    insuf = torch.zeros_like(active)
-    ls_iter = torch.zeros_like(evals)
-    out_t, out_f, out_g = zero.clone(), f.clone(), g.clone()
-    rounds, evaluated = 1, True
-    while True:
-        if not evaluated:  # later rounds: evaluate the problems still searching
-            step = _evaluate(fg, x, t, d, need, f_new, g_new)
-            if step is None:
-                break
-            rounds += 1
-            f_new, g_new = step
-            gtd_new = torch.where(need, (g_new * d).sum(dim=1), gtd_new)
-            evals += need
-            ls_iter += need
-            armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
+    def _begin(self, f, g, gtd, d, active, t, f_new, g_new, gtd_new):
+        """State after the first trial ``t`` (evaluated for every ``active`` problem)."""
+        self.t.copy_(t)
+        self.f_new.copy_(f_new)
+        self.g_new.copy_(g_new)
+        self.gtd_new.copy_(gtd_new)
+        self.d_norm.copy_(d.abs().amax(dim=1))
+        self.need.copy_(active)
+        self.evals.copy_(active.long())
+        self.ls_iter.zero_()
+        self.phase.copy_(torch.where(active, _BRACKET, _DONE))
+        self.low.zero_()
+        self.insuf.zero_()
+        self.t_prev.zero_()
+        self.f_prev.copy_(f)
+        self.g_prev.copy_(g)
+        self.gtd_prev.copy_(gtd)
+        for b in (self.b_t, self.b_f, self.b_gtd, self.b_g):
+            b.zero_()
+        self.out_t.zero_()
+        self.out_f.copy_(f)
+        self.out_g.copy_(g)
+
+    def _evaluate(self, fg, x, d):
+        """The objective at the trial steps of the problems in ``need`` (one host sync)."""
+        idx = self.need.nonzero().squeeze(1)
+        if idx.numel() == x.shape[0]:
+            fs, gs = fg(x + self.t[:, None] * d, None)
+            self.f_new.copy_(fs)
+            self.g_new.copy_(gs)
+        elif idx.numel():
+            fs, gs = fg(x[idx] + self.t[idx, None] * d[idx], idx)
+            self.f_new.index_copy_(0, idx, fs)
+            self.g_new.index_copy_(0, idx, gs)
+
+    def _update(self, f, g, gtd, d, max_ls, evaluated: bool, tolerance_change: float):
+        """One round of every search's state machine (the two while loops of ``_strong_wolfe``), after the
+        trial steps of ``need`` were evaluated (``evaluated``: by :meth:`_evaluate`; else the first trial)."""
+        need, t, f_new, g_new = self.need, self.t, self.f_new, self.g_new
+        if evaluated:
+            self.gtd_new.copy_(torch.where(need, (g_new * d).sum(dim=1), self.gtd_new))
+            self.evals.add_(need.long())
+            self.ls_iter.add_(need.long())
+        gtd_new, ls_iter, phase, low, insuf = self.gtd_new, self.ls_iter, self.phase, self.low, self.insuf
+        b_t, b_f, b_gtd, b_g = self.b_t, self.b_f, self.b_gtd, self.b_g
+        t_prev, f_prev, g_prev, gtd_prev = self.t_prev, self.f_prev, self.g_prev, self.gtd_prev
+        armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
 
         # bracketing phase (the first while loop of _strong_wolfe)
         in_b = need & (phase == _BRACKET)
@@ -310,7 +356,7 @@ def _wolfe_rounds(fg, x, t, d, f, g, gtd, active, max_ls, f_new, g_new, gtd_new,
         # zoom: stop, or the next trial step
         zooming = to_zoom | (in_z & ~z_done)
         lo_t, hi_t = torch.minimum(b_t[:, 0], b_t[:, 1]), torch.maximum(b_t[:, 0], b_t[:, 1])
-        z_stop = zooming & ((ls_iter >= max_ls) | ((b_t[:, 1] - b_t[:, 0]).abs() * d_norm < tolerance_change))
+        z_stop = zooming & ((ls_iter >= max_ls) | ((b_t[:, 1] - b_t[:, 0]).abs() * self.d_norm < tolerance_change))
         z_next = zooming & ~z_stop
         t_z = _cubic(b_t[:, 0], b_f[:, 0], b_gtd[:, 0], b_t[:, 1], b_f[:, 1], b_gtd[:, 1], lo_t, hi_t)
         eps = 0.1 * (hi_t - lo_t)
@@ -320,57 +366,101 @@ def _wolfe_rounds(fg, x, t, d, f, g, gtd, active, max_ls, f_new, g_new, gtd_new,
         insuf = torch.where(z_next, close & ~adjust, insuf)
 
         # results
+        zero = torch.zeros_like(t)
         fallback_low = exhausted & (f <= f_new)
         fallback_high = exhausted & ~fallback_low
         from_bracket = z_stop | z_done
         take_new = wolfe | fallback_high
-        out_t = torch.where(take_new, t, torch.where(fallback_low, zero, out_t))
-        out_f = torch.where(take_new, f_new, torch.where(fallback_low, f, out_f))
-        out_g = torch.where(take_new[:, None], g_new, torch.where(fallback_low[:, None], g, out_g))
+        out_t = torch.where(take_new, t, torch.where(fallback_low, zero, self.out_t))
+        out_f = torch.where(take_new, f_new, torch.where(fallback_low, f, self.out_f))
+        out_g = torch.where(take_new[:, None], g_new, torch.where(fallback_low[:, None], g, self.out_g))
         out_t = torch.where(from_bracket, _pick(b_t, low), out_t)
         out_f = torch.where(from_bracket, _pick(b_f, low), out_f)
         out_g = torch.where(from_bracket[:, None], _pick(b_g, low), out_g)
 
         # extrapolation: the next bracketing trial
         t_x = _cubic(t_prev, f_prev, gtd_prev, t, f_new, gtd_new, t + 0.01 * (t - t_prev), t * 10)
-        t_prev = torch.where(extrapolate, t, t_prev)
-        f_prev = torch.where(extrapolate, f_new, f_prev)
-        g_prev = torch.where(extrapolate[:, None], g_new, g_prev)
-        gtd_prev = torch.where(extrapolate, gtd_new, gtd_prev)
-        t = torch.where(extrapolate, t_x, torch.where(z_next, t_z, t))
+        new_t = torch.where(extrapolate, t_x, torch.where(z_next, t_z, t))
+        self.t_prev.copy_(torch.where(extrapolate, t, t_prev))
+        self.f_prev.copy_(torch.where(extrapolate, f_new, f_prev))
+        self.g_prev.copy_(torch.where(extrapolate[:, None], g_new, g_prev))
+        self.gtd_prev.copy_(torch.where(extrapolate, gtd_new, gtd_prev))
+        self.t.copy_(new_t)
 
         finished = exhausted | wolfe | from_bracket
-        phase = torch.where(finished, _DONE, torch.where(to_zoom, _ZOOM, phase))
+        self.phase.copy_(torch.where(finished, _DONE, torch.where(to_zoom, _ZOOM, phase)))
+        for state, value in ((self.b_t, b_t), (self.b_f, b_f), (self.b_gtd, b_gtd), (self.b_g, b_g),
+                             (self.low, low), (self.insuf, insuf), (self.out_t, out_t), (self.out_f, out_f),
+                             (self.out_g, out_g)):
+            state.copy_(value)
         need = extrapolate | z_next
-        evaluated = False
-    return out_f, out_g, out_t, evals, rounds
+        self.need.copy_(need)
+        self.n_need.copy_(need.sum())
+
+    def run(self, fg, x, d, f, g, gtd, active, max_ls, t, f_new, g_new, gtd_new,
+            tolerance_change: float = TOLERANCE_CHANGE) -> int:
+        """Every ``active`` search from its evaluated first trial to an accepted step; results in ``out_t``,
+        ``out_f``, ``out_g`` and ``evals``. ``f, g, gtd, d, max_ls`` must be the same tensors at every call
+        under CUDA graphs. Returns the number of evaluation rounds (the first trial included)."""
+        self.graphs.run("search_begin", lambda: self._begin(f, g, gtd, d, active, t, f_new, g_new, gtd_new))
+        self.graphs.run("search_first", lambda: self._update(f, g, gtd, d, max_ls, False, tolerance_change))
+        rounds = 1
+        while int(self.n_need):  # the one host sync per round
+            self._evaluate(fg, x, d)
+            rounds += 1
+            self.graphs.run("search_round", lambda: self._update(f, g, gtd, d, max_ls, True, tolerance_change))
+        return rounds
+
+
+def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLERANCE_CHANGE):
+    """``torch.optim.lbfgs._strong_wolfe`` for every problem at once, each with its own search (eager).
+
+    Args:
+        fg: ``fg(points [P', n], idx) → (loss [P'], grad [P', n])`` on problems ``idx`` (None: all).
+        x, d: ``[P, n]`` start points and directions; t: ``[P]`` first trial steps.
+        f, g, gtd: ``[P]``, ``[P, n]``, ``[P]`` loss, gradient and directional derivative at ``x``.
+        active: ``[P]`` bool, problems that search; max_ls: ``[P]`` evaluations each may spend.
+
+    Returns:
+        ``(f, g, t, evals, rounds)``: loss, gradient and step accepted per problem, evaluations spent,
+        and the number of batched evaluation rounds (0: no problem searched). Inactive problems get
+        ``(f, g, 0, 0)``.
+    """
+    zero = torch.zeros_like(t)
+    t = torch.where(active, t, zero)
+    first = _evaluate(fg, x, t, d, active, f, g)
+    if first is None:
+        return f, g, zero, torch.zeros_like(max_ls), 0
+    f_new, g_new = first
+    gtd_new = torch.where(active, (g_new * d).sum(dim=1), gtd)
+    search = _LineSearch(x.shape[0], x.shape[1], x.dtype, x.device, _Graphs(False))
+    rounds = search.run(fg, x, d, f, g, gtd, active, max_ls, t, f_new, g_new, gtd_new, tolerance_change)
+    return search.out_f, search.out_g, search.out_t, search.evals, rounds
 
 
 # --- L-BFGS over a batch ----------------------------------------------------------------------------------
 
-def _rowdot(v: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """``M[p] @ v[p]`` ``[P, r]`` for ``v`` ``[P, n]``, ``M`` ``[P, r, n]`` (as a row-vector product: the
-    matrix-vector form of ``bmm`` is several times slower on CPU)."""
-    return torch.bmm(v[:, None, :], M.transpose(1, 2)).squeeze(1)
-
-
 class _LBFGS:
     """``torch.optim.LBFGS`` state for ``P`` independent problems of ``n`` parameters each.
 
-    History in the compact form: ``S``, ``Y`` ``[P, cap, n]`` ring buffers (a problem's logical pair ``j``, in
-    acceptance order, sits in slot ``(head + j) % cap``; ``count`` valid), ``SY[i, j] = s_iᵀy_j`` and
-    ``YY[i, j] = y_iᵀy_j`` ``[P, cap, cap]`` in logical order, ``gamma`` the initial scaling ``sᵀy/yᵀy`` of the
-    newest pair (``LBFGS``'s ``H_diag``). A full history drops its oldest pair by advancing ``head`` and
-    shifting the small ``SY``/``YY`` matrices: the big buffers are never moved.
+    History in the compact form: ``H`` ``[P, 2, cap, n]`` holds the ring buffers ``S = H[:, 0]`` and
+    ``Y = H[:, 1]`` (a problem's logical pair ``j``, in acceptance order, sits in slot ``(head + j) % cap``;
+    ``count`` valid), ``SY[i, j] = s_iᵀy_j`` and ``YY[i, j] = y_iᵀy_j`` ``[P, cap, cap]`` in logical order,
+    ``gamma`` the initial scaling ``sᵀy/yᵀy`` of the newest pair (``LBFGS``'s ``H_diag``). A full history drops
+    its oldest pair by advancing ``head`` and shifting the small ``SY``/``YY`` matrices: the big buffers are
+    never moved. With the paper's 100 pairs the buffers are the dominant memory traffic (about 1 GB each
+    for a Qwen-shaped context), so an iteration reads them twice: once for every product with the new
+    pair and the gradient (one batched matmul of ``[y; g; s]`` against ``[S | Y]``, before the new pair is
+    written; its own products are computed directly), once for ``H g``.
 
     One inner iteration is three parts: :meth:`_open` (new history pair, direction, first trial step of
-    every search and its strong-Wolfe tests), the rest of the line search for the problems whose first
-    trial failed (:func:`_wolfe_rounds`, only when there are any), and :meth:`_close` (accept the steps,
-    stopping tests). ``_open`` and ``_close`` have fixed shapes and no host syncs, and keep every
-    result in the tensors allocated here, so on CUDA (``graphs``) each is captured once as a CUDA graph
-    and replayed: an iteration then costs two graph launches and one host sync (``flags``) instead of
-    hundreds of kernel launches. With graphs every problem's first trial is evaluated (inactive ones at
-    ``t = 0``, discarded); without (the CPU), only the active problems'.
+    every search and its strong-Wolfe tests), the rest of the line searches (:class:`_LineSearch`, only
+    when some first trial failed), and :meth:`_close` (accept the steps, stopping tests). Every part but
+    the objective's evaluation on a gathered sub-batch has fixed shapes and no host sync, and keeps its
+    results in tensors allocated here, so on CUDA (``graphs``) each is captured once as a CUDA graph and
+    replayed (:class:`_Graphs`): an iteration costs a few graph launches and one host sync per search
+    round instead of hundreds of kernel launches. With graphs every problem's first trial is evaluated
+    (inactive ones at ``t = 0``, discarded); without (the CPU), only the active problems'.
     """
 
     def __init__(self, P: int, n: int, cfg: SculptConfig, dtype, device, graphs: bool = False):
@@ -378,12 +468,11 @@ class _LBFGS:
         self.max_eval = cfg.inner_iterations * 5 // 4
         per_block = cfg.value_every * cfg.inner_iterations if cfg.reset_history else cfg.history_size
         self.cap = max(1, min(cfg.history_size, per_block))
-        self.graphs = graphs and torch.device(device).type == "cuda"
-        self._captured: dict[str, object] = {}
+        self.graphs = _Graphs(graphs and torch.device(device).type == "cuda")
+        self.P, self.n, self.dtype, self.device = P, n, dtype, device
         kw = dict(dtype=dtype, device=device)
         long = dict(dtype=torch.long, device=device)
-        self.S = torch.zeros(P, self.cap, n, **kw)
-        self.Y = torch.zeros(P, self.cap, n, **kw)
+        self.H = torch.zeros(P, 2, self.cap, n, **kw)
         self.SY = torch.zeros(P, self.cap, self.cap, **kw)
         self.YY = torch.zeros(P, self.cap, self.cap, **kw)
         self.count = torch.zeros(P, **long)
@@ -394,16 +483,16 @@ class _LBFGS:
         self.t = torch.zeros(P, **kw)
         self.prev_g = torch.zeros(P, n, **kw)
         self.prev_loss = torch.zeros(P, **kw)
-        # one LBFGS.step: which problems still iterate, evaluations spent
+        # one LBFGS.step: which problems still iterate, evaluations spent and left
         self.active = torch.zeros(P, dtype=torch.bool, device=device)
         self.evals = torch.zeros(P, **long)
-        # one inner iteration's line search: the direction's slope, the step taken with its loss, gradient
-        # and slope, evaluations spent, problems whose first trial failed; flags = [#active, #failed]
+        self.max_ls = torch.zeros(P, **long)
+        # one inner iteration: the direction's slope; the first trial step, its loss, gradient and slope;
+        # flags = [#active, #first trials that failed]
         self.gtd, self.t_new, self.f_new, self.gtd_new = (torch.zeros(P, **kw) for _ in range(4))
         self.g_new = torch.zeros(P, n, **kw)
-        self.spent = torch.zeros(P, **long)
-        self.more = torch.zeros(P, dtype=torch.bool, device=device)
         self.flags = torch.zeros(2, **long)
+        self.search = _LineSearch(P, n, dtype, device, self.graphs)
 
     def reset(self):
         """A fresh optimizer (the reference re-creates ``LBFGS`` after each V-step)."""
@@ -413,18 +502,27 @@ class _LBFGS:
         self.n_iter.zero_()
 
     def take(self, idx: torch.Tensor):
-        """Keep problems ``idx`` only (new tensors: captured graphs are dropped)."""
+        """Keep problems ``idx`` only (new tensors: the captured graphs are dropped)."""
         for name, value in list(vars(self).items()):
             if isinstance(value, torch.Tensor) and name != "flags":
                 setattr(self, name, value[idx])
-        self._captured.clear()
+        self.P = int(idx.numel())
+        self.graphs.clear()
+        self.search = _LineSearch(self.P, self.n, self.dtype, self.device, self.graphs)
 
     def _order(self) -> torch.Tensor:
         """``[P, cap]`` slot of each logical pair."""
         return (self.head[:, None] + torch.arange(self.cap, device=self.head.device)[None]) % self.cap
 
-    def _push(self, s, y, ys, accept):
-        P, cap = s.shape[0], self.cap
+    def _push(self, s, y, g, accept):
+        """Store the pair ``(s, y)`` where ``accept``; returns ``g·S`` and ``g·Y`` ``[P, cap]`` (slot order) of
+        the updated history, for :meth:`_direction`."""
+        P, cap, n = s.shape[0], self.cap, s.shape[1]
+        # products with every stored pair before the new one is written: rows y, g, s against [S | Y]
+        prod = torch.bmm(torch.stack([y, g, s], dim=1), self.H.view(P, 2 * cap, n).transpose(1, 2))
+        yS, gS, yY, gY, sY = prod[:, 0, :cap], prod[:, 1, :cap], prod[:, 0, cap:], prod[:, 1, cap:], prod[:, 2, cap:]
+        ys, yy, gs, gy = (y * s).sum(dim=1), (y * y).sum(dim=1), (g * s).sum(dim=1), (g * y).sum(dim=1)
+
         full = accept & (self.count >= cap)  # a full history drops its oldest pair
         m = full[:, None, None]
         self.SY.copy_(torch.where(m, self.SY.roll((-1, -1), (1, 2)), self.SY))
@@ -432,31 +530,39 @@ class _LBFGS:
         self.head.copy_((self.head + full.long()) % cap)
         self.count.sub_(full.long())
         slot = self.count.clamp(max=cap - 1)  # logical position of the new pair
-        flat = torch.arange(P, device=s.device) * cap + (self.head + slot) % cap  # its row of S, Y viewed [P·cap, n]
+        phys = (self.head + slot) % cap
+        flat = torch.arange(P, device=s.device) * (2 * cap) + phys  # its rows of H viewed [P·2·cap, n]
         a = accept[:, None]
-        for buffer, new in ((self.S, s), (self.Y, y)):
-            rows = buffer.view(P * cap, -1)
-            rows.index_copy_(0, flat, torch.where(a, new, rows.index_select(0, flat)))
+        rows = self.H.view(P * 2 * cap, n)
+        rows.index_copy_(0, flat, torch.where(a, s, rows.index_select(0, flat)))
+        rows.index_copy_(0, flat + cap, torch.where(a, y, rows.index_select(0, flat + cap)))
+        new = (torch.arange(cap, device=s.device)[None] == phys[:, None]) & a  # [P, cap] the new pair's slot
+        yS = torch.where(new, ys[:, None], yS)  # s_iᵀ y_new
+        sY = torch.where(new, ys[:, None], sY)  # s_newᵀ y_j
+        yY = torch.where(new, yy[:, None], yY)
+        gS = torch.where(new, gs[:, None], gS)
+        gY = torch.where(new, gy[:, None], gY)
         order = self._order()
-        s_y = _rowdot(y, self.S).gather(1, order)  # s_iᵀ y_new, [P, cap], logical order
-        sn_y = _rowdot(s, self.Y).gather(1, order)  # s_newᵀ y_j
-        y_y = _rowdot(y, self.Y).gather(1, order)
-        at = torch.arange(cap, device=s.device)[None] == slot[:, None]  # [P, cap] the new pair's logical slot
+        at = torch.arange(cap, device=s.device)[None] == slot[:, None]  # logical position of the new pair
         col = (at & a)[:, None, :]  # [P, 1, cap]: column `slot`
         row = (at & a)[:, :, None]  # [P, cap, 1]: row `slot`
+        s_y, sn_y, y_y = yS.gather(1, order), sY.gather(1, order), yY.gather(1, order)
         self.SY.copy_(torch.where(row, sn_y[:, None, :], torch.where(col, s_y[:, :, None], self.SY)))
         self.YY.copy_(torch.where(row, y_y[:, None, :], torch.where(col, y_y[:, :, None], self.YY)))
-        self.gamma.copy_(torch.where(accept, ys / (y * y).sum(dim=1), self.gamma))
+        self.gamma.copy_(torch.where(accept, ys / yy, self.gamma))
         self.count.add_(accept.long())
+        return gS, gY
 
-    def _direction(self, g):
-        """``−H g`` per problem, ``H`` the L-BFGS inverse Hessian of its own history (compact form)."""
+    def _direction(self, g, gS, gY):
+        """``−H g`` per problem, ``H`` the L-BFGS inverse Hessian of its own history (compact form); ``gS``,
+        ``gY`` ``[P, cap]`` the gradient's products with the stored pairs (slot order)."""
+        P, cap, n = g.shape[0], self.cap, g.shape[1]
         gamma = self.gamma[:, None]
         order = self._order()
-        valid = torch.arange(self.cap, device=g.device)[None] < self.count[:, None]  # [P, cap], logical order
+        valid = torch.arange(cap, device=g.device)[None] < self.count[:, None]  # [P, cap], logical order
         both = valid[:, :, None] & valid[:, None, :]
-        a = torch.where(valid, _rowdot(g, self.S).gather(1, order), 0.0)[..., None]  # [P, cap, 1]
-        b = torch.where(valid, _rowdot(g, self.Y).gather(1, order), 0.0)[..., None]
+        a = torch.where(valid, gS.gather(1, order), 0.0)[..., None]  # [P, cap, 1]
+        b = torch.where(valid, gY.gather(1, order), 0.0)[..., None]
         eye = torch.diag_embed((~valid).to(g.dtype))  # identity on unused slots keeps R invertible
         R = torch.where(both, self.SY.triu(), 0.0) + eye
         D = torch.where(valid, self.SY.diagonal(dim1=1, dim2=2), 0.0)[..., None]
@@ -464,21 +570,22 @@ class _LBFGS:
         u = torch.linalg.solve_triangular(R, a, upper=True)
         w = D * u + gamma[..., None] * (torch.bmm(YY, u) - b)
         p = torch.linalg.solve_triangular(R.transpose(1, 2), w, upper=False)
-        # back to slot order for the products with the buffers
-        p = torch.zeros_like(p).scatter_(1, order[..., None], p)
-        u = torch.zeros_like(u).scatter_(1, order[..., None], u)
-        hg = gamma * g + torch.bmm(p.transpose(1, 2), self.S).squeeze(1) - gamma * torch.bmm(u.transpose(1, 2), self.Y).squeeze(1)
+        # H g = γg + S p − γ Y u: back to slot order, one product with [S | Y]
+        coef = torch.zeros(P, 2 * cap, dtype=g.dtype, device=g.device)
+        coef.scatter_(1, order, p.squeeze(2))
+        coef.scatter_(1, order + cap, -gamma * u.squeeze(2))
+        hg = gamma * g + torch.bmm(coef[:, None, :], self.H.view(P, 2 * cap, n)).squeeze(1)
         return -hg
 
     def _open(self, x, loss, g, fg):
-        """First half of an inner iteration of ``LBFGS.step``: history, direction, first trial step."""
+        """First part of an inner iteration of ``LBFGS.step``: history, direction, first trial step."""
         active = self.active
         self.n_iter.add_(active.long())
         y = g - self.prev_g
         s = self.d * self.t[:, None]
-        ys = (y * s).sum(dim=1)
-        self._push(s, y, ys, active & (self.n_iter > 1) & (ys > CURVATURE_MIN))
-        self.d.copy_(torch.where(active[:, None], self._direction(g), self.d))
+        accept = active & (self.n_iter > 1) & ((y * s).sum(dim=1) > CURVATURE_MIN)
+        gS, gY = self._push(s, y, g, accept)
+        self.d.copy_(torch.where(active[:, None], self._direction(g, gS, gY), self.d))
         self.prev_g.copy_(torch.where(active[:, None], g, self.prev_g))
         self.prev_loss.copy_(torch.where(active, loss, self.prev_loss))
         first_t = (1.0 / g.abs().sum(dim=1)).clamp(max=1.0) * self.lr
@@ -488,7 +595,7 @@ class _LBFGS:
         active = active & ~(gtd > -TOLERANCE_CHANGE)
         self.active.copy_(active)
         t = torch.where(active, self.t, 0.0)
-        if self.graphs:  # fixed shapes: every problem, the inactive ones at t = 0 (discarded below)
+        if self.graphs.enabled:  # fixed shapes: every problem, the inactive ones at t = 0 (discarded below)
             f_new, g_new = fg(x + t[:, None] * self.d, None)
             f_new = torch.where(active, f_new, loss)
             g_new = torch.where(active[:, None], g_new, g)
@@ -496,55 +603,29 @@ class _LBFGS:
             f_new, g_new = _evaluate(fg, x, t, self.d, active, loss, g) or (loss, g)
         gtd_new = torch.where(active, (g_new * self.d).sum(dim=1), gtd)
         armijo_fail, curvature_ok = _first_trial_tests(loss, t, gtd, f_new, gtd_new)
-        more = active & (armijo_fail | ~curvature_ok)
         self.t_new.copy_(t)
         self.f_new.copy_(f_new)
         self.g_new.copy_(g_new)
         self.gtd_new.copy_(gtd_new)
-        self.spent.copy_(active.long())
-        self.more.copy_(more)
-        self.flags.copy_(torch.stack([active.sum(), more.sum()]))
+        self.max_ls.copy_(self.max_eval - self.evals)
+        self.flags.copy_(torch.stack([active.sum(), (active & (armijo_fail | ~curvature_ok)).sum()]))
 
-    def _search(self, x, loss, g, fg):
-        """The rest of the strong-Wolfe searches whose first trial failed (eager: data-dependent rounds)."""
-        f_new, g_new, t_new, spent, _ = _wolfe_rounds(fg, x, self.t_new, self.d, loss, g, self.gtd, self.active,
-                                                      self.max_eval - self.evals, self.f_new, self.g_new,
-                                                      self.gtd_new, TOLERANCE_CHANGE)
-        self.f_new.copy_(f_new)
-        self.g_new.copy_(g_new)
-        self.t_new.copy_(t_new)
-        self.spent.copy_(spent)
-
-    def _close(self, x, loss, g):
-        """Second half of an inner iteration: take the accepted steps, then ``LBFGS``'s stopping tests."""
+    def _close(self, x, loss, g, searched: bool):
+        """Last part of an inner iteration: take the accepted steps, then ``LBFGS``'s stopping tests."""
         active = self.active
-        self.t.copy_(torch.where(active, self.t_new, self.t))
+        if searched:
+            t_new, f_new, g_new, spent = self.search.out_t, self.search.out_f, self.search.out_g, self.search.evals
+        else:  # every first trial was accepted
+            t_new, f_new, g_new, spent = self.t_new, self.f_new, self.g_new, active.long()
+        self.t.copy_(torch.where(active, t_new, self.t))
         x.copy_(torch.where(active[:, None], x + self.t[:, None] * self.d, x))
-        loss.copy_(torch.where(active, self.f_new, loss))
-        g.copy_(torch.where(active[:, None], self.g_new, g))
-        self.evals.add_(self.spent)
+        loss.copy_(torch.where(active, f_new, loss))
+        g.copy_(torch.where(active[:, None], g_new, g))
+        self.evals.add_(spent)
         stop = ((self.evals >= self.max_eval) | (g.abs().amax(dim=1) <= TOLERANCE_GRAD)
                 | ((self.d * self.t[:, None]).abs().amax(dim=1) <= TOLERANCE_CHANGE)
                 | ((loss - self.prev_loss).abs() < TOLERANCE_CHANGE))
         self.active.copy_(active & ~stop)
-
-    def _run(self, name: str, part):
-        """Run ``part()``; on CUDA the second call captures it as a CUDA graph and later calls replay it (the
-        first runs eagerly: it initialises cuBLAS and the allocator, which capture may not)."""
-        if not self.graphs:
-            part()
-            return
-        graph = self._captured.get(name)
-        if graph is None:
-            part()
-            self._captured[name] = "warm"
-            return
-        if graph == "warm":
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                part()
-            self._captured[name] = graph
-        graph.replay()
 
     def step(self, x, loss, g, fg, frozen):
         """One ``LBFGS.step(closure)`` for every problem not ``frozen``; updates ``x`` ``[P, n]``, ``loss`` ``[P]``
@@ -553,13 +634,15 @@ class _LBFGS:
         self.evals.fill_(1)
         self.active.copy_(~frozen & ~(g.abs().amax(dim=1) <= TOLERANCE_GRAD))
         for _ in range(self.max_iter):
-            self._run("open", lambda: self._open(x, loss, g, fg))
-            n_active, n_more = self.flags.tolist()  # the one host sync per inner iteration
+            self.graphs.run("open", lambda: self._open(x, loss, g, fg))
+            n_active, n_failed = self.flags.tolist()  # host sync
             if n_active == 0:  # nobody searched: every problem has left this step
                 break
-            if n_more:
-                self._search(x, loss, g, fg)
-            self._run("close", lambda: self._close(x, loss, g))
+            if n_failed:
+                self.search.run(fg, x, self.d, loss, g, self.gtd, self.active, self.max_ls, self.t_new,
+                                self.f_new, self.g_new, self.gtd_new)
+            self.graphs.run("close_searched" if n_failed else "close",
+                            lambda: self._close(x, loss, g, bool(n_failed)))
 
 
 # --- the solver -------------------------------------------------------------------------------------------
