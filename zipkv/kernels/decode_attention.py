@@ -41,10 +41,13 @@ kernel with three run-time paths needed 255 registers and spilled):
   every page of a request but the last, which (partial, so raw, or full) goes through the
   mixed code after the loop, in the last split;
 * all-raw (token layouts): plain bf16 rows (the uncompressed baseline);
-* mixed (any tile, any layout): per (row, group of 8 channels) two 8-byte loads whose
-  addresses depend on the block's flag -- compressed: the 8 low bytes and the aligned
-  8 bytes holding the group's code word; raw: the four bf16 pair words -- so one register
-  set serves both kinds of block, then a select between the rebuilt and the raw words.
+* mixed, token layouts: a row lies in one block, so each row loads either its compressed
+  form or its raw form, with the pure paths' wide loads under per-row masks (only the
+  stored bytes move), and a per-row select takes the rebuilt or the raw row;
+* mixed, channel layouts (a row spans several blocks): per (row, group of 8 channels) two
+  8-byte loads whose addresses depend on the block's flag -- compressed: the 8 low bytes and
+  the aligned 8 bytes holding the group's code word; raw: the four bf16 pair words -- so one
+  register set serves both kinds of block, then a select between the rebuilt and the raw words.
 
 Routing (:func:`decode_attention`, ``path="auto"``): :meth:`PagedKVCache.page_kinds` keeps
 one byte per (page, kv head) -- all-compressed, all-raw or mixed. A uniform cache
@@ -338,6 +341,29 @@ def _raw_tile_attend(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_sc
 
 
 @triton.jit
+def _select_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+                 HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FP32: tl.constexpr):
+    """One tile of any mix of compressed and raw blocks, token layouts: a row lies in one block,
+    so each row loads either its compressed form (as the all-compressed path) or its raw form (as
+    the all-raw path) -- masked loads, only the stored bytes move, in the same wide loads as the
+    pure paths -- and a per-row select takes the rebuilt or the raw row."""
+    kd, vd = _row_desc(desc_ptr, page, h, r, ok, HKV, D)
+    kc = ((kd >> 7) & 1) != 0
+    vc = ((vd >> 7) & 1) != 0
+    kL, kC = _load_comp(pool_ptr, kd, r, ok & kc, BN, D)
+    kR = _load_raw(pool_ptr, kd, r, ok & ~kc, BN, D, FP32)
+    vL, vC = _load_comp(pool_ptr, vd, r, ok & vc, BN, D)
+    vR = _load_raw(pool_ptr, vd, r, ok & ~vc, BN, D, FP32)
+    k = tl.where(kc[:, None], _rebuild_comp(kL, kC, (kd & 0x7F).to(tl.int32) * 0x01010101, BN, D, FP32),
+                 _raw_tile(kR, BN, D, FP32))
+    p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, ok, qk_scale, FP32)
+    v = tl.where(vc[:, None], _rebuild_comp(vL, vC, (vd & 0x7F).to(tl.int32) * 0x01010101, BN, D, FP32),
+                 _raw_tile(vR, BN, D, FP32))
+    acc = _accum(acc, p, alpha, v, FP32)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _mixed_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
                 HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                 K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, FP32: tl.constexpr):
@@ -375,6 +401,9 @@ def _step(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_
     elif PATH == 1:
         m_i, l_i, acc = _raw_tile_attend(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok,
                                          qk_scale, HKV, D, BN, FP32)
+    elif (K_LAYOUT == 0) and (V_LAYOUT == 0):
+        m_i, l_i, acc = _select_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+                                     HKV, D, BN, FP32)
     else:
         m_i, l_i, acc = _mixed_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
                                     HKV, D, BN, K_LAYOUT, V_LAYOUT, FP32)
@@ -453,8 +482,8 @@ def _decode_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr,
             r16 = tl.arange(0, 16)
             last = tl.load(indices_ptr + p_start + n_pg + r16 * 0)
             ok = n_pg * 16 + r16 < seq_len
-            m_i, l_i, acc = _mixed_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, last, h, r16, ok,
-                                        qk_scale, HKV, D, 16, K_LAYOUT, V_LAYOUT, FP32)
+            m_i, l_i, acc = _select_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, last, h, r16, ok,
+                                         qk_scale, HKV, D, 16, FP32)
 
     gm = (g < G) & mine
     if SPLITS == 1:
