@@ -198,6 +198,7 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
     job.results_csv.parent.mkdir(parents=True, exist_ok=True)
     if job.results_csv.exists():
         job.results_csv.unlink()
+    record = provenance(profile, root)  # before the run: the commit that runs, not one made while it ran
     started = time.perf_counter()
     try:
         papermill.execute_notebook(str(job.source), str(job.executed), parameters=job.parameters,
@@ -207,7 +208,7 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
                              f"(executed copy with the traceback: {job.executed})") from None
     if not job.results_csv.is_file():
         raise NotebookFailed(f"notebook {job.name!r} ran but wrote no main table to {job.results_csv}")
-    record = provenance(profile, root) | {"wall_time_s": round(time.perf_counter() - started, 1)}
+    record["wall_time_s"] = round(time.perf_counter() - started, 1)
     _stamp(job.executed, record)
     return record
 
