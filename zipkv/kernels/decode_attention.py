@@ -71,6 +71,7 @@ bf16 bits << 16) and all dots run in fp32 (``FP32`` constexpr).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -748,8 +749,14 @@ def launch_config(path: str, gpu_name: str | None = None) -> dict:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     config = dict(DEFAULT_LAUNCH)
     if gpu_name and TUNING_FILE.exists():
-        config.update(json.loads(TUNING_FILE.read_text()).get(gpu_name, {}).get(path, {}))
+        config.update(_tuned(TUNING_FILE, TUNING_FILE.stat().st_mtime_ns).get(gpu_name, {}).get(path, {}))
     return config
+
+
+@functools.lru_cache(maxsize=4)
+def _tuned(file: Path, mtime_ns: int) -> dict:
+    """The tuning file's entries, parsed once per version of the file (not on every call)."""
+    return json.loads(file.read_text())
 
 
 def _check_launch(launch):
