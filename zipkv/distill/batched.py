@@ -748,7 +748,7 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
         lbfgs.step(x, loss, g, fg, frozen)
         boundary = step % cfg.value_every == 0
         if boundary:  # V-step; frozen rows and rows whose loss just became non-finite solve at their best
-            # keys (finite, so the batched LU never sees NaN) and keep their values; the latter stop below
+            # keys (finite, so the batched solve never sees NaN) and keep their values; the latter stop below
             keep = frozen | ~torch.isfinite(loss)
             at = torch.where(keep[:, None], best_x, x).view(-1, kmax, d)
             solved, ok = sub.ridge(at, cfg.ridge)
