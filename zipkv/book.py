@@ -194,11 +194,11 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
+    record = provenance(profile, root)  # before the run and its own outputs: the commit that runs
     job.executed.parent.mkdir(parents=True, exist_ok=True)
     job.results_csv.parent.mkdir(parents=True, exist_ok=True)
     if job.results_csv.exists():
         job.results_csv.unlink()
-    record = provenance(profile, root)  # before the run: the commit that runs, not one made while it ran
     started = time.perf_counter()
     try:
         papermill.execute_notebook(str(job.source), str(job.executed), parameters=job.parameters,
