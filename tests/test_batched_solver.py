@@ -74,6 +74,17 @@ def test_loss_and_gradient_match_the_reference_objective_with_padding():
     assert torch.equal(v2[0], v[0]) and torch.equal(v2[2], v[2])
 
 
+def batched_strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls):
+    """The batched solver's line search run eagerly from its first trial, as ``_LBFGS`` runs it:
+    ``(f, g, t, evals, rounds)`` per problem (inactive problems get ``(f, g, 0, 0)``)."""
+    t = torch.where(active, t, torch.zeros_like(t))
+    f_new, g_new = BT._evaluate(fg, x, t, d, active, f, g)
+    gtd_new = torch.where(active, (g_new * d).sum(dim=1), gtd)
+    search = BT._LineSearch(x.shape[0], x.shape[1], x.dtype, x.device, BT._Graphs(False))
+    rounds = search.run(fg, x, d, f, g, gtd, active, max_ls, t, f_new, g_new, gtd_new)
+    return search.out_f, search.out_g, search.out_t, search.evals, rounds
+
+
 def test_batched_strong_wolfe_is_torchs_line_search_per_problem():
     """Each problem's search equals torch.optim.lbfgs._strong_wolfe: same step, loss, gradient, evaluations,
     through extrapolation, zoom and the out-of-evaluations fallback (max_ls 1–3)."""
@@ -97,7 +108,7 @@ def test_batched_strong_wolfe_is_torchs_line_search_per_problem():
     max_ls = torch.tensor([25, 1, 2, 3] * (P // 4))
     active = torch.ones(P, dtype=torch.bool)
     active[7] = False
-    fb, gb, tb, evals, rounds = BT._strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls)
+    fb, gb, tb, evals, rounds = batched_strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls)
     assert rounds == int(evals.max()) and tb[7] == 0 and evals[7] == 0
     seen = set()
     for i in range(P):

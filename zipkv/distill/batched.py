@@ -209,8 +209,8 @@ def _evaluate(fg, x, t, d, need, f, g):
     return f.index_copy(0, idx, fs), g.index_copy(0, idx, gs)
 
 
-def _first_trial_tests(f, t, gtd, f_new, gtd_new):
-    """Strong-Wolfe tests of a trial step: ``(armijo_fail, curvature_ok)`` ``[P]``."""
+def _wolfe_tests(f, t, gtd, f_new, gtd_new):
+    """Strong-Wolfe tests of trial steps ``t``: ``(armijo_fail, curvature_ok)`` ``[P]``."""
     return f_new > f + WOLFE_C1 * t * gtd, gtd_new.abs() <= -WOLFE_C2 * gtd
 
 
@@ -293,15 +293,10 @@ class _LineSearch:
 
     def _evaluate(self, fg, x, d):
         """The objective at the trial steps of the problems in ``need`` (one host sync)."""
-        idx = self.need.nonzero().squeeze(1)
-        if idx.numel() == x.shape[0]:
-            fs, gs = fg(x + self.t[:, None] * d, None)
-            self.f_new.copy_(fs)
-            self.g_new.copy_(gs)
-        elif idx.numel():
-            fs, gs = fg(x[idx] + self.t[idx, None] * d[idx], idx)
-            self.f_new.index_copy_(0, idx, fs)
-            self.g_new.index_copy_(0, idx, gs)
+        trial = _evaluate(fg, x, self.t, d, self.need, self.f_new, self.g_new)
+        if trial is not None:
+            self.f_new.copy_(trial[0])
+            self.g_new.copy_(trial[1])
 
     def _update(self, f, g, gtd, d, max_ls, evaluated: bool, tolerance_change: float):
         """One round of every search's state machine (the two while loops of ``_strong_wolfe``), after the
@@ -314,7 +309,7 @@ class _LineSearch:
         gtd_new, ls_iter, phase, low, insuf = self.gtd_new, self.ls_iter, self.phase, self.low, self.insuf
         b_t, b_f, b_gtd, b_g = self.b_t, self.b_f, self.b_gtd, self.b_g
         t_prev, f_prev, g_prev, gtd_prev = self.t_prev, self.f_prev, self.g_prev, self.gtd_prev
-        armijo_fail, curvature_ok = _first_trial_tests(f, t, gtd, f_new, gtd_new)
+        armijo_fail, curvature_ok = _wolfe_tests(f, t, gtd, f_new, gtd_new)
 
         # bracketing phase (the first while loop of _strong_wolfe)
         in_b = need & (phase == _BRACKET)
@@ -410,32 +405,6 @@ class _LineSearch:
             rounds += 1
             self.graphs.run("search_round", lambda: self._update(f, g, gtd, d, max_ls, True, tolerance_change))
         return rounds
-
-
-def _strong_wolfe(fg, x, t, d, f, g, gtd, active, max_ls, tolerance_change=TOLERANCE_CHANGE):
-    """``torch.optim.lbfgs._strong_wolfe`` for every problem at once, each with its own search (eager).
-
-    Args:
-        fg: ``fg(points [P', n], idx) → (loss [P'], grad [P', n])`` on problems ``idx`` (None: all).
-        x, d: ``[P, n]`` start points and directions; t: ``[P]`` first trial steps.
-        f, g, gtd: ``[P]``, ``[P, n]``, ``[P]`` loss, gradient and directional derivative at ``x``.
-        active: ``[P]`` bool, problems that search; max_ls: ``[P]`` evaluations each may spend.
-
-    Returns:
-        ``(f, g, t, evals, rounds)``: loss, gradient and step accepted per problem, evaluations spent,
-        and the number of batched evaluation rounds (0: no problem searched). Inactive problems get
-        ``(f, g, 0, 0)``.
-    """
-    zero = torch.zeros_like(t)
-    t = torch.where(active, t, zero)
-    first = _evaluate(fg, x, t, d, active, f, g)
-    if first is None:
-        return f, g, zero, torch.zeros_like(max_ls), 0
-    f_new, g_new = first
-    gtd_new = torch.where(active, (g_new * d).sum(dim=1), gtd)
-    search = _LineSearch(x.shape[0], x.shape[1], x.dtype, x.device, _Graphs(False))
-    rounds = search.run(fg, x, d, f, g, gtd, active, max_ls, t, f_new, g_new, gtd_new, tolerance_change)
-    return search.out_f, search.out_g, search.out_t, search.evals, rounds
 
 
 # --- L-BFGS over a batch ----------------------------------------------------------------------------------
@@ -602,7 +571,7 @@ class _LBFGS:
         else:
             f_new, g_new = _evaluate(fg, x, t, self.d, active, loss, g) or (loss, g)
         gtd_new = torch.where(active, (g_new * self.d).sum(dim=1), gtd)
-        armijo_fail, curvature_ok = _first_trial_tests(loss, t, gtd, f_new, gtd_new)
+        armijo_fail, curvature_ok = _wolfe_tests(loss, t, gtd, f_new, gtd_new)
         self.t_new.copy_(t)
         self.f_new.copy_(f_new)
         self.g_new.copy_(g_new)
