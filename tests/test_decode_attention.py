@@ -50,13 +50,6 @@ CASES = [
     (2, 1, 4, 64, 128, [64, 47], "channel", "channel", 3, 1, "eligible"),    # split-KV, full last page
     (2, 2, 1, 40, 256, [40, 16], "token", "channel", 2, 2, 0.5),             # d=256, G=1, split
     (2, 1, 8, 80, 64, [80, 2], "channel", "token", 4, 1, "none"),            # uncompressed, empty splits
-    # values in the quad layout: the fused kernel that rebuilds in the tensor-core operand layout
-    (1, 1, 1, 1, 32, None, "token", "quad", 1, 1, "eligible"),               # 1 token
-    (1, 2, 3, 15, 64, None, "token", "quad", 1, 1, "eligible"),              # 15: one partial page
-    (1, 1, 4, 17, 128, None, "token", "quad", 1, 1, "eligible"),             # 17: full + 1
-    (3, 2, 3, 50, 64, [1, 50, 33], "token", "quad", 2, 2, 0.5),              # variable lengths, mixed, split
-    (2, 1, 4, 64, 128, [64, 47], "token", "quad", 3, 1, "eligible"),         # split-KV, full last page
-    (2, 1, 8, 80, 32, [80, 2], "token", "quad", 4, 2, "none"),               # uncompressed, empty splits
 ]
 
 
@@ -101,13 +94,6 @@ def test_compression_is_lossless_end_to_end():
             assert cache.stats()["frac_k"] > 0.5
         outs.append(decode_attention(q, cache, ip, idx, last, num_splits=2, pages_per_tile=2, path="mixed"))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    # values in the quad layout (another kernel): compressed blocks are rebuilt with a fixed exponent
-    # base and rescaled by exact powers of two, so again bit-identical to raw storage
-    quad = []
-    for compress in ("none", "eligible"):
-        cache, ip, idx, last = build_paged_cache(k, v, [70, 37], v_layout="quad", compress=compress)
-        quad.append(decode_attention(q, cache, ip, idx, last, num_splits=2, pages_per_tile=2, path="mixed"))
-    assert torch.equal(quad[0], quad[1])
 
 
 def test_softmax_scale_and_out():
@@ -177,11 +163,6 @@ def test_build_errors():
         build_paged_cache(k, k, [21])
     with pytest.raises(ValueError, match="compress must be"):
         build_paged_cache(k, k, compress="all")
-    with pytest.raises(ValueError, match="'quad' layout is for values, with keys in the 'token' layout"):
-        build_paged_cache(k, k, k_layout="channel", v_layout="quad")
-    with pytest.raises(ValueError, match="'quad' layout needs head_dim <= 128"):
-        k256 = torch.zeros(1, 1, 20, 256, dtype=torch.bfloat16)
-        build_paged_cache(k256, k256, v_layout="quad")
 
 
 def _request_mask(lens, H, D, kinds):

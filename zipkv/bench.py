@@ -199,9 +199,7 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     mode = _mix_mask(batch, kv_heads, ctx, head_dim, compress, seed)
                 else:
                     mode = compress
-                # uncompressed: the plain bf16 pages FlashInfer reads too (token layouts)
-                layout = "token" if method == "zipkv_uncompressed" else "quad"
-                cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed, v_layout=layout)
+                cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed)
                 stats = cache.stats()
                 desc_bytes = cache.desc.numel() * cache.desc.element_size()
                 kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
@@ -268,7 +266,7 @@ def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "t
 
 # ----------------------------------------------------------------------------- launch tuning
 
-TUNE_GRID = dict(pages_per_tile=(2, 4, 8), num_warps=(4, 8), stages=(3, 4), maxnreg=(0, 128))
+TUNE_GRID = dict(pages_per_tile=(2, 4, 8), num_warps=(4, 8), stages=(3, 4), maxnreg=(0, 168))
 """Launch options swept per kernel specialisation by :func:`tune_decode_attention` (``maxnreg`` 0: no
 cap); the best of them is then tried at every ``programs_per_sm`` in :data:`TUNE_PROGRAMS_PER_SM`."""
 TUNE_PROGRAMS_PER_SM = (2, 4, 8)
@@ -280,10 +278,9 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
                           progress: bool = True):
     """Time every launch configuration of each decode-attention specialisation at one shape.
 
-    Specialisations and their data: ``compressed`` on K/V whose blocks are all compressible (values in
-    the quad layout), ``raw`` on the same data uncompressed (plain token-layout pages), ``mixed``
-    (forced, ``path="mixed"``; values quad) on the measured mix of compressed blocks when
-    ``real_fraction`` is given. Every configuration is checked against fp32 attention before
+    Specialisations and their data: ``compressed`` on K/V whose blocks are all compressible, ``raw`` on
+    the same data uncompressed, ``mixed`` (forced, ``path="mixed"``) on the measured mix of compressed
+    blocks when ``real_fraction`` is given. Every configuration is checked against fp32 attention before
     it is timed (cold L2, median of ``reps``); one that fails to compile or disagrees is recorded with its
     error and no latency.
 
@@ -304,14 +301,14 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
     k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, gen)
     q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
     ref = _reference_attention(q, k, v)
-    data = [("compressed", "eligible", "auto", "quad"), ("raw", "none", "auto", "token")]
+    data = [("compressed", "eligible", "auto"), ("raw", "none", "auto")]
     if real_fraction is not None:
-        data.append(("mixed", _mix_mask(batch, kv_heads, ctx, head_dim, real_fraction, seed), "mixed", "quad"))
+        data.append(("mixed", _mix_mask(batch, kv_heads, ctx, head_dim, real_fraction, seed), "mixed"))
     timer = ColdTimer()
     rows = []
     names = list(grid)
-    for path, compress, route, v_layout in data:
-        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, seed=seed, v_layout=v_layout)
+    for path, compress, route in data:
+        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, seed=seed)
 
         def trial(launch):
             row = dict(path=path, **{**DEFAULT_LAUNCH, **launch}, latency_us=float("nan"),

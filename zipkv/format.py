@@ -21,15 +21,8 @@ Block arrangement (``layout``) — which page values form block ``j``, and in wh
   ``T = 512 / head_dim``; ``p = (token - j*T) * head_dim + channel``.
 * ``"channel"`` (channel-major): block ``j`` = all 16 tokens × channels
   ``[32j, 32j + 32)``; ``p = token * 32 + (channel - 32j)``.
-* ``"quad"`` (token quads, for values; ``head_dim <= 128``): the blocks of ``"token"``, with
-  each group of 4 tokens stored channel by channel: ``t = token - j*T``,
-  ``p = ((t // 4) * head_dim + channel) * 4 + t % 4``. Four consecutive positions are 4
-  consecutive tokens of one channel -- the operand of the ``P @ V`` tensor-core dot, which
-  sums over tokens -- and a code byte pairs channel ``2i`` (low nibble) with ``2i + 1``
-  (high nibble) for the same token.
 
-In the token and channel layouts, 8 consecutive positions ``8m .. 8m+7`` are 8 consecutive
-channels of one token.
+Either way 8 consecutive positions ``8m .. 8m+7`` are 8 consecutive channels of one token.
 
 Byte order of one block (little-endian everywhere):
 
@@ -69,7 +62,7 @@ PAGE_TOKENS = 16
 BLOCK_VALUES = 512
 RAW_BLOCK_BYTES = 2 * BLOCK_VALUES          # 1024
 PACKED_BLOCK_BYTES = BLOCK_VALUES * 3 // 2  # 768: 512 low bytes + 256 code bytes
-LAYOUTS = ("token", "channel", "quad")
+LAYOUTS = ("token", "channel")
 HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -79,13 +72,6 @@ def _check_layout(layout, name="layout"):
     if layout not in LAYOUTS:
         raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
     return layout
-
-
-def _check_layout_head_dim(layout, head_dim, name="layout"):
-    """The quad layout needs blocks of at least 4 tokens: head_dim <= 128."""
-    if layout == "quad" and head_dim > 128:
-        raise ValueError(f"{name}: the 'quad' layout needs head_dim <= 128 (4-token groups in a "
-                         f"512-value block), got head_dim {head_dim}; use 'token'")
 
 
 def _check_head_dim(head_dim, name="head_dim"):
@@ -132,29 +118,22 @@ def to_blocks(pages: torch.Tensor, layout: str) -> torch.Tensor:
     """``[..., 16, d]`` -> ``[..., n_blocks, 512]`` in block order (see module docstring)."""
     d = _check_pages(pages)
     _check_layout(layout)
-    _check_layout_head_dim(layout, d)
     nb = PAGE_TOKENS * d // BLOCK_VALUES
     lead = pages.shape[:-2]
     if layout == "token":
         return pages.reshape(*lead, nb, BLOCK_VALUES)
-    if layout == "quad":
-        return pages.reshape(*lead, nb, BLOCK_VALUES // d // 4, 4, d).transpose(-1, -2).reshape(*lead, nb, BLOCK_VALUES)
     return pages.reshape(*lead, PAGE_TOKENS, nb, 32).transpose(-3, -2).reshape(*lead, nb, BLOCK_VALUES)
 
 
 def from_blocks(blocks: torch.Tensor, layout: str, head_dim: int) -> torch.Tensor:
     """Inverse of :func:`to_blocks`: ``[..., n_blocks, 512]`` -> ``[..., 16, d]``."""
     _check_layout(layout)
-    _check_layout_head_dim(layout, head_dim)
     nb = n_blocks(head_dim)
     if blocks.shape[-2:] != (nb, BLOCK_VALUES):
         raise ValueError(f"blocks must have shape [..., {nb}, {BLOCK_VALUES}], got {tuple(blocks.shape)}")
     lead = blocks.shape[:-2]
     if layout == "token":
         return blocks.reshape(*lead, PAGE_TOKENS, head_dim)
-    if layout == "quad":
-        return blocks.reshape(*lead, nb, BLOCK_VALUES // head_dim // 4, head_dim, 4).transpose(-1, -2).reshape(
-            *lead, PAGE_TOKENS, head_dim)
     return blocks.reshape(*lead, nb, PAGE_TOKENS, 32).transpose(-3, -2).reshape(*lead, PAGE_TOKENS, head_dim)
 
 
@@ -164,7 +143,7 @@ def _exponent_view(pages: torch.Tensor, layout: str):
     nb = PAGE_TOKENS * d // BLOCK_VALUES
     e = (pages.view(torch.int16) >> 7) & 0xFF
     lead = pages.shape[:-2]
-    if layout in ("token", "quad"):                 # the same blocks, stored in another order
+    if layout == "token":
         return e.reshape(*lead, nb, BLOCK_VALUES // d, d), (-2, -1)
     return e.reshape(*lead, PAGE_TOKENS, nb, 32), (-3, -1)
 
@@ -178,8 +157,8 @@ def eligible(pages: torch.Tensor, layout: str = "token") -> torch.Tensor:
     the block lie in ``[b, b + 15]``, ``b`` = min exponent rounded down to even (§III-B).
     Works without copying the values (one int16 exponent tensor); fine for millions of values.
     """
+    _check_pages(pages)
     _check_layout(layout)
-    _check_layout_head_dim(layout, _check_pages(pages))
     e, dims = _exponent_view(pages, layout)
     lo = torch.amin(e, dim=dims) & ~1
     hi = torch.amax(e, dim=dims)
@@ -222,7 +201,6 @@ class PageMeta:
         if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
             raise TypeError(f"packed must be a uint8 tensor, got {getattr(packed, 'dtype', type(packed))}")
         nb = n_blocks(head_dim)
-        _check_layout_head_dim(layout, head_dim)
         if packed.dim() < 1 or packed.shape[-1] != nb:
             raise ValueError(f"packed must have shape [..., {nb}] for head_dim={head_dim}, got {tuple(packed.shape)}")
         comp = (packed >> 7).bool()
@@ -254,7 +232,7 @@ def _row_index(rows: int, n_units: int, device) -> torch.Tensor:
 def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Tensor = True):
     """Compress pages (§III-B).
 
-    pages: ``[..., 16, head_dim]`` bf16. layout: ``"token"``, ``"channel"`` or ``"quad"``.
+    pages: ``[..., 16, head_dim]`` bf16. layout: ``"token"`` or ``"channel"``.
     enable: ``False`` keeps every block raw; a bool tensor ``[..., n_blocks]`` compresses
     only eligible blocks where it is True (forcing a mix).
     Returns ``(payload, meta)``: payload uint8 ``[..., 32 * head_dim]`` (page slots, byte

@@ -142,16 +142,13 @@ def _pairs_to_tile(w0, w1, w2, w3, BN: tl.constexpr, D: tl.constexpr, FP32: tl.c
 
 
 @triton.jit
-def _dot(a, b, FP32: tl.constexpr):
+def _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32: tl.constexpr):
+    """Online softmax, first half: scores of one [BN, D] K tile (log2 domain) ->
+    (p, alpha, m_new, l_new)."""
     if FP32:
-        return tl.dot(a, b, input_precision="ieee")
+        sc = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _softmax(sc, m_i, l_i, row_ok):
-    """Online softmax, first half: scores [G, BN] (log2 domain, scaled) -> (p, alpha, m_new, l_new)."""
+        sc = tl.dot(q, tl.trans(k)) * qk_scale
     sc = tl.where(row_ok[None, :], sc, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(sc, axis=1))           # finite: every tile has a token
     alpha = tl.exp2(m_i - m_new)
@@ -161,15 +158,12 @@ def _softmax(sc, m_i, l_i, row_ok):
 
 
 @triton.jit
-def _scores(q, m_i, l_i, k, row_ok, qk_scale, FP32: tl.constexpr):
-    """Scores of one [BN, D] K tile, then :func:`_softmax`."""
-    return _softmax(_dot(q, tl.trans(k), FP32) * qk_scale, m_i, l_i, row_ok)
-
-
-@triton.jit
 def _accum(acc, p, alpha, v, FP32: tl.constexpr):
     """Online softmax, second half: acc * alpha + p @ V."""
-    return acc * alpha[:, None] + _dot(p.to(v.dtype), v, FP32)
+    if FP32:
+        return acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 # ------------------------------------------------------------------- page table and descriptors
@@ -321,150 +315,18 @@ def _route(indices_ptr, kind_ptr, p_start, npages, h, HKV: tl.constexpr, CH: tl.
 # ------------------------------------------------------------------- per-path tiles and loops
 
 @triton.jit
-def _rebuild_biased(lo, code, HIGH: tl.constexpr, FP32: tl.constexpr):
-    """Low bytes + code bytes (uint8, same shape; each value's code in the low nibble, or the
-    HIGH one) -> the values with their block's exponent base ``b`` replaced by 128, i.e.
-    ``value * 2^(128 - b)`` exactly (bf16; fp32 under FP32); :func:`_base_scale` undoes it.
-    No per-block operand, so Triton keeps this elementwise op in the tensor-core operand
-    layout. On the GPU one inline-asm instance rebuilds four values: high bytes
-    ``(C << 4) & 0x80808080 | C & 0x07070707`` plus ``0x40404040`` (no carries), then two
-    byte permutes with the low-byte word."""
-    if FP32:
-        c = code.to(tl.int32)
-        if HIGH:
-            c = c >> 4
-        hi = (((c << 4) & 0x80) | (c & 7)) + 64
-        return ((hi << 24) | (lo.to(tl.int32) << 16)).to(tl.float32, bitcast=True)
-    elif HIGH:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 n, t; shr.b32 n, $3, 4; and.b32 n, n, 0x0F0F0F0F; shl.b32 t, n, 4; "
-            "and.b32 t, t, 0x80808080; and.b32 n, n, 0x07070707; or.b32 n, n, t; add.u32 n, n, 0x40404040; "
-            "prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
-            "=r,=r,r,r", [lo, code], dtype=tl.bfloat16, is_pure=True, pack=4)
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 n, t; and.b32 n, $3, 0x0F0F0F0F; shl.b32 t, n, 4; "
-            "and.b32 t, t, 0x80808080; and.b32 n, n, 0x07070707; or.b32 n, n, t; add.u32 n, n, 0x40404040; "
-            "prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
-            "=r,=r,r,r", [lo, code], dtype=tl.bfloat16, is_pure=True, pack=4)
-
-
-@triton.jit
-def _base_scale(dsc, comp):
-    """Per row: ``2^(b - 128)`` where its block is compressed (``b = 2 * (dsc & 0x7F)``), else 1.
-    Exact fp32 powers of two (b = 0 gives the subnormal 2^-128)."""
-    b = (dsc & 0x7F).to(tl.int32) * 2
-    bits = tl.where(b == 0, 0x200000, (b - 1) << 23)
-    return tl.where(comp, bits.to(tl.float32, bitcast=True), 1.0)
-
-
-@triton.jit
-def _raw_values(pool_ptr, idx16, mask, keep, FP32: tl.constexpr):
-    """The raw bf16 values at 16-bit index ``idx16`` of the pool (fp32 under FP32); 0 where not
-    loaded (``mask``) or not kept (``keep``: a partial page's slots past the request may hold
-    anything, and 0 * NaN is NaN)."""
-    x = tl.load(pool_ptr.to(tl.pointer_type(tl.int16)) + idx16, mask=mask, other=0)
-    x = tl.where(keep, x, 0)
-    if FP32:
-        return (x.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return x.to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _bytes(pool8, addr, mask):
-    return tl.load(pool8 + addr, mask=mask, other=0)
-
-
-@triton.jit
-def _quad_tile(qa, qb, m_i, l_i, acc_e, acc_o, pool_ptr, desc_ptr, page, h, r, pg_ok, ok, qk_scale,
-               HKV: tl.constexpr, D: tl.constexpr, MIXED: tl.constexpr, FP32: tl.constexpr):
-    """One tile of keys in the token layout and values in the quad layout, rebuilt in the
-    tensor cores' operand layout (no trip through shared memory).
-
-    Keys: a code byte holds channels ``8m + k`` (low nibble) and ``8m + 4 + k`` (k < 4), so the
-    keys are two halves of ``D/2`` channels, each rebuilt from 4-byte low-byte runs and the
-    contiguous code bytes: ``S = qa @ Ka^T + qb @ Kb^T``. Values (quad): 4 consecutive bytes are
-    4 tokens of one channel -- the ``P @ V`` operand -- and a code byte holds channels ``2i`` and
-    ``2i + 1``, so ``acc_e`` / ``acc_o`` take the even / odd channels. Rebuilt values carry the
-    fixed exponent base 128 (:func:`_rebuild_biased`); each row's ``2^(b - 128)`` scales its score
-    column (keys) or its column of P (values). pg_ok: the row's page exists (masks loads: a whole
-    block at a time, so loads stay vectorised); ok: the row is a token of the request (softmax).
-    MIXED: rows of raw blocks load their bf16 values instead (masked loads: only stored bytes
-    move) and a per-row select takes them; otherwise every row's block is compressed and
-    loads are unmasked (rows past the end read page 0's blocks: finite, and masked out)."""
-    H2: tl.constexpr = D // 2
-    TPB: tl.constexpr = 512 // D
-    kd, vd = _row_desc(desc_ptr, page, h, r, pg_ok, HKV, D)
-    kblk = tl.multiple_of(kd >> 8, 256)       # byte address of each row's block
-    if MIXED:
-        vblk = vd >> 8
-    else:                                      # all-compressed page-heads: block i at slot + 768 i
-        NB: tl.constexpr = D // 32
-        slot = tl.load(desc_ptr + ((page.to(tl.int64) * 2 + 1) * HKV + h) * NB, mask=pg_ok, other=0) >> 8
-        vblk = slot + 768 * (r // TPB)
-    rr = r % TPB
-    j = tl.arange(0, H2)[None, :]
-    k_lo = tl.multiple_of(kblk + rr * D, 16)[:, None] + 8 * (j // 4) + j % 4
-    k_code = tl.multiple_of(kblk + 512 + rr * H2, 16)[:, None] + j
-    jt = tl.arange(0, H2)[:, None]            # values are built transposed, [channel, token] like
-    v_lo = (vblk + (rr // 4) * (4 * D) + rr % 4)[None, :] + 8 * jt      # keys: the layout Triton keeps
-    v_code = (vblk + 512 + (rr // 4) * (4 * H2) + rr % 4)[None, :] + 4 * jt
-    v_lo = tl.max_contiguous(tl.multiple_of(v_lo, [4, 4]), [1, 4])        # runs of 4 tokens
-    v_code = tl.max_contiguous(tl.multiple_of(v_code, [4, 4]), [1, 4])
-    if MIXED:
-        kc = pg_ok & (((kd >> 7) & 1) != 0)
-        vc = pg_ok & (((vd >> 7) & 1) != 0)
-    else:
-        kc = pg_ok
-        vc = pg_ok
-    pool8 = pool_ptr.to(tl.pointer_type(tl.uint8))
-    kcode = _bytes(pool8, k_code, kc[:, None])
-    ka = _rebuild_biased(_bytes(pool8, k_lo, kc[:, None]), kcode, False, FP32)
-    kb = _rebuild_biased(_bytes(pool8, k_lo + 4, kc[:, None]), kcode, True, FP32)
-    vcode = _bytes(pool8, v_code, vc[None, :])
-    ve = _rebuild_biased(_bytes(pool8, v_lo, vc[None, :]), vcode, False, FP32)
-    vo = _rebuild_biased(_bytes(pool8, v_lo + 4, vc[None, :]), vcode, True, FP32)
-    if MIXED:
-        kr = (pg_ok & ~kc)[:, None]
-        k16 = tl.multiple_of(kblk // 2 + rr * D, 8)[:, None] + 8 * (j // 4) + j % 4
-        v16 = (vblk // 2 + (rr // 4) * (4 * D) + rr % 4)[None, :] + 8 * jt
-        ka = tl.where(kc[:, None], ka, _raw_values(pool_ptr, k16, kr, ok[:, None], FP32))
-        kb = tl.where(kc[:, None], kb, _raw_values(pool_ptr, k16 + 4, kr, ok[:, None], FP32))
-        vr = (pg_ok & ~vc)[None, :]
-        ve = tl.where(vc[None, :], ve, _raw_values(pool_ptr, v16, vr, ok[None, :], FP32))
-        vo = tl.where(vc[None, :], vo, _raw_values(pool_ptr, v16 + 4, vr, ok[None, :], FP32))
-    sc = _dot(qa, tl.trans(ka), FP32) + _dot(qb, tl.trans(kb), FP32)
-    p, alpha, m_i, l_i = _softmax(sc * (qk_scale * _base_scale(kd, kc))[None, :], m_i, l_i, ok)
-    p = p * _base_scale(vd, vc)[None, :]
-    acc_e = _accum(acc_e, p, alpha, tl.trans(ve), FP32)
-    acc_o = _accum(acc_o, p, alpha, tl.trans(vo), FP32)
-    return m_i, l_i, acc_e, acc_o
-
-
-@triton.jit
-def _quad_loop(qa, qb, m_i, l_i, acc_e, acc_o, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_len,
-               t_lo, t_hi, h, tp, r, qk_scale, HKV: tl.constexpr, D: tl.constexpr, PPT: tl.constexpr,
-               MIXED: tl.constexpr, FP32: tl.constexpr, STAGES: tl.constexpr):
-    """Tiles [t_lo, t_hi) of pages [0, n_pg) through :func:`_quad_tile` (software-pipelined on the
-    GPU like :func:`_loop`)."""
-    if FP32:
-        tile = t_lo
-        while tile < t_hi:
-            pg = tile * PPT + tp
-            page = _pages(indices_ptr, p_start, n_pg, tile, t_hi, tp, PPT)
-            m_i, l_i, acc_e, acc_o = _quad_tile(qa, qb, m_i, l_i, acc_e, acc_o, pool_ptr, desc_ptr, page, h, r,
-                                                pg < n_pg, (pg < n_pg) & (pg * 16 + r < seq_len), qk_scale,
-                                                HKV, D, MIXED, FP32)
-            tile += 1
-    else:
-        for tile in tl.range(t_lo, t_hi, num_stages=STAGES):
-            pg = tile * PPT + tp
-            page = _pages(indices_ptr, p_start, n_pg, tile, t_hi, tp, PPT)
-            m_i, l_i, acc_e, acc_o = _quad_tile(qa, qb, m_i, l_i, acc_e, acc_o, pool_ptr, desc_ptr, page, h, r,
-                                                pg < n_pg, (pg < n_pg) & (pg * 16 + r < seq_len), qk_scale,
-                                                HKV, D, MIXED, FP32)
-    return m_i, l_i, acc_e, acc_o
+def _comp_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+               HKV: tl.constexpr, D: tl.constexpr, BN: tl.constexpr, FP32: tl.constexpr):
+    """One all-compressed tile (token layout): K and V loads issued together, V rebuilt
+    after QK^T."""
+    kd, vd = _row_desc(desc_ptr, page, h, r, ok, HKV, D)
+    kL, kC = _load_comp(pool_ptr, kd, r, ok, BN, D)
+    vL, vC = _load_comp(pool_ptr, vd, r, ok, BN, D)
+    k = _rebuild_comp(kL, kC, (kd & 0x7F).to(tl.int32) * 0x01010101, BN, D, FP32)
+    p, alpha, m_i, l_i = _scores(q, m_i, l_i, k, ok, qk_scale, FP32)
+    v = _rebuild_comp(vL, vC, (vd & 0x7F).to(tl.int32) * 0x01010101, BN, D, FP32)
+    acc = _accum(acc, p, alpha, v, FP32)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -534,7 +396,10 @@ def _step(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_
     pg = tile * PPT + tp
     page = _pages(indices_ptr, p_start, n_pg, tile, t_hi, tp, PPT)
     ok = (pg < n_pg) & (pg * 16 + r < seq_len)
-    if PATH == 1:
+    if PATH == 0:
+        m_i, l_i, acc = _comp_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok, qk_scale,
+                                   HKV, D, BN, FP32)
+    elif PATH == 1:
         m_i, l_i, acc = _raw_tile_attend(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, r, ok,
                                          qk_scale, HKV, D, BN, FP32)
     elif (K_LAYOUT == 0) and (V_LAYOUT == 0):
@@ -571,32 +436,16 @@ def _loop(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_
 # ----------------------------------------------------------------------------- kernels
 
 @triton.jit
-def _store(out_ptr, part_ptr, lse_ptr, acc, cols, m_i, l_i, q_rows, s, gm, D: tl.constexpr,
-           SPLITS: tl.constexpr):
-    """Normalised output columns ``cols`` of the program's query rows (split partials + log2-sum-exp
-    when SPLITS > 1; an empty split stores l = 0, lse = -inf, o = 0)."""
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    if SPLITS == 1:
-        tl.store(out_ptr + q_rows[:, None] * D + cols[None, :], o.to(out_ptr.dtype.element_ty), mask=gm[:, None])
-    else:
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        prow = q_rows * SPLITS + s
-        tl.store(part_ptr + prow[:, None] * D + cols[None, :], o, mask=gm[:, None])
-        tl.store(lse_ptr + prow, lse, mask=gm)
-
-
-@triton.jit
 def _decode_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, kind_ptr,
                    out_ptr, part_ptr, lse_ptr, qk_scale,
                    HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                    K_LAYOUT: tl.constexpr, V_LAYOUT: tl.constexpr, PPT: tl.constexpr,
                    SPLITS: tl.constexpr, FP32: tl.constexpr, PATH: tl.constexpr,
                    ROUTE: tl.constexpr, STAGES: tl.constexpr):
-    """Grid (batch, kv_heads, splits). PATH: 0 all-compressed (keys token, values quad; the
-    request's last page goes through the mixed tile after the loop), 1 all-raw (token layouts),
-    2 mixed (any layouts). ROUTE: the program first classifies its (request, head) from the
-    per-page kinds and does nothing unless the class is its kernel's (see :func:`_plan`)."""
-    QUAD: tl.constexpr = V_LAYOUT == 2
+    """Grid (batch, kv_heads, splits). PATH: 0 all-compressed (token layouts; the request's
+    last page goes through the mixed code after the loop), 1 all-raw (token layouts), 2
+    mixed (any layout). ROUTE: the program first classifies its (request, head) from the
+    per-page kinds and does nothing unless the class is PATH (three launches cover a batch)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -610,54 +459,44 @@ def _decode_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr,
     n_tiles = tl.cdiv(n_pg, PPT)
     mine = n_pg >= 0
     if ROUTE:
-        cls = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV, 128)
-        if PATH == 2:                          # the mixed kernel takes what no pure kernel launched takes
-            if QUAD:
-                mine = cls != 0
-            else:
-                mine = cls != 1
-        else:
-            mine = cls == PATH
+        mine = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV, 128) == PATH
         n_tiles = tl.where(mine, n_tiles, 0)
     per = tl.cdiv(n_tiles, SPLITS)             # split s: tiles [s * per, (s + 1) * per)
     t_lo = tl.minimum(s * per, n_tiles)
     t_hi = tl.minimum(t_lo + per, n_tiles)
 
     g = tl.arange(0, G_PAD)
+    dd = tl.arange(0, D)
     q_rows = b * (HKV * G) + h * G + g
-    gm = (g < G) & mine
+    q = tl.load(q_ptr + q_rows[:, None] * D + dd[None, :], mask=(g < G)[:, None], other=0.0)
     t = tl.arange(0, 16 * PPT)
     tp = t // 16                               # page of the row inside the tile
     r = t % 16                                 # row inside its page
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    if QUAD:
-        j = tl.arange(0, D // 2)
-        kch = 8 * (j // 4) + j % 4             # key channels of the low nibbles; the high ones: + 4
-        qa = tl.load(q_ptr + q_rows[:, None] * D + kch[None, :], mask=(g < G)[:, None], other=0.0)
-        qb = tl.load(q_ptr + q_rows[:, None] * D + kch[None, :] + 4, mask=(g < G)[:, None], other=0.0)
-        acc_e = tl.zeros([G_PAD, D // 2], dtype=tl.float32)
-        acc_o = tl.zeros([G_PAD, D // 2], dtype=tl.float32)
-        m_i, l_i, acc_e, acc_o = _quad_loop(qa, qb, m_i, l_i, acc_e, acc_o, pool_ptr, desc_ptr, indices_ptr,
-                                            p_start, n_pg, seq_len, t_lo, t_hi, h, tp, r, qk_scale, HKV, D,
-                                            PPT, PATH != 0, FP32, STAGES)
-        if PATH == 0:
-            if mine & (s == SPLITS - 1):       # the last page (partial: raw; full: any kind)
-                r16 = tl.arange(0, 16)
-                last = tl.load(indices_ptr + p_start + n_pg + r16 * 0)
-                m_i, l_i, acc_e, acc_o = _quad_tile(qa, qb, m_i, l_i, acc_e, acc_o, pool_ptr, desc_ptr, last, h,
-                                                    r16, r16 >= 0, n_pg * 16 + r16 < seq_len, qk_scale, HKV, D,
-                                                    True, FP32)
-        _store(out_ptr, part_ptr, lse_ptr, acc_e, 2 * j, m_i, l_i, q_rows, s, gm, D, SPLITS)
-        _store(out_ptr, part_ptr, lse_ptr, acc_o, 2 * j + 1, m_i, l_i, q_rows, s, gm, D, SPLITS)
-    else:
-        dd = tl.arange(0, D)
-        q = tl.load(q_ptr + q_rows[:, None] * D + dd[None, :], mask=(g < G)[:, None], other=0.0)
-        acc = tl.zeros([G_PAD, D], dtype=tl.float32)
-        m_i, l_i, acc = _loop(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_len,
-                              t_lo, t_hi, h, tp, r, qk_scale, HKV, D, PPT, K_LAYOUT, V_LAYOUT, FP32,
-                              PATH, STAGES)
-        _store(out_ptr, part_ptr, lse_ptr, acc, dd, m_i, l_i, q_rows, s, gm, D, SPLITS)
+    acc = tl.zeros([G_PAD, D], dtype=tl.float32)
+    m_i, l_i, acc = _loop(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, n_pg, seq_len,
+                          t_lo, t_hi, h, tp, r, qk_scale, HKV, D, PPT, K_LAYOUT, V_LAYOUT, FP32,
+                          PATH, STAGES)
+    if PATH == 0:
+        if mine & (s == SPLITS - 1):           # the last page (partial: raw; full: any kind)
+            r16 = tl.arange(0, 16)
+            last = tl.load(indices_ptr + p_start + n_pg + r16 * 0)
+            ok = n_pg * 16 + r16 < seq_len
+            m_i, l_i, acc = _select_tile(q, m_i, l_i, acc, pool_ptr, desc_ptr, last, h, r16, ok,
+                                         qk_scale, HKV, D, 16, FP32)
+
+    gm = (g < G) & mine
+    if SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + q_rows[:, None] * D + dd[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=gm[:, None])
+    else:                                      # empty split: l = 0, lse = -inf, o = 0
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        prow = q_rows * SPLITS + s
+        tl.store(part_ptr + prow[:, None] * D + dd[None, :], o, mask=gm[:, None])
+        tl.store(lse_ptr + prow, lse, mask=gm)
 
 
 @triton.jit
@@ -777,7 +616,7 @@ def _check_kv(x, name):
 
 
 def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
-                      k_layout: str = "token", v_layout: str | None = None,
+                      k_layout: str = "token", v_layout: str = "token",
                       compress="eligible", shuffle: bool = True, compact: bool = False,
                       seed: int = 0):
     """Build a :class:`PagedKVCache` and its CSR page table from contiguous K/V.
@@ -788,8 +627,6 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     (every eligible block), ``"none"`` (all raw: the uncompressed baseline), a float ``f``
     (a seeded random fraction ``f`` of the eligible blocks), or a bool tensor
     ``[num_pages, 2, kv_heads, n_blocks]`` in logical page order (forcing the mix).
-    k_layout / v_layout: block layouts (``zipkv.format``); v_layout defaults to ``"quad"`` (the
-    fused all-compressed kernel's) for head_dim <= 128, else ``"token"``.
     shuffle: random physical page ids; compact: slots back to back at their packed size.
     Returns ``(cache, indptr, indices, last_page_len)`` on k's device.
     """
@@ -797,12 +634,9 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     _check_kv(v, "v")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    B, H, T, D = k.shape
-    if v_layout is None:
-        v_layout = "quad" if D <= 128 else "token"
     fmt._check_layout(k_layout, "k_layout")
     fmt._check_layout(v_layout, "v_layout")
-    _check_layouts(k_layout, v_layout, D)
+    B, H, T, D = k.shape
     dev = k.device
     lens = [T] * B if seq_lens is None else [int(x) for x in seq_lens]
     if len(lens) != B or any(not 1 <= x <= T for x in lens):
@@ -933,33 +767,21 @@ def _check_launch(launch):
 
 
 def _plan(cache, path: str):
-    """Kernel launches for one call: list of (PATH, ROUTE). Keys token + values quad: the
-    all-compressed kernel, plus the mixed one for requests with raw blocks; token + token: the
-    all-raw kernel, plus the mixed one for requests with compressed blocks; channel layouts: the
-    mixed kernel."""
+    """Kernel launches for one call: list of (PATH, ROUTE)."""
     if path not in ("auto", "mixed"):
         raise ValueError(f"path must be 'auto' or 'mixed', got {path!r}")
-    layouts = (cache.k_layout, cache.v_layout)
-    if path == "mixed" or "channel" in layouts:
+    if path == "mixed" or cache.k_layout != "token" or cache.v_layout != "token":
         return [(PATH_MIXED, False)]
     kind = cache.kind()
-    pure, other = (PATH_COMP, "raw") if layouts == ("token", "quad") else (PATH_RAW, "compressed")
-    if kind == PATHS[pure]:
-        return [(pure, False)]
-    if kind == other:
-        return [(PATH_MIXED, False)]
-    return [(pure, True), (PATH_MIXED, True)]
+    if kind == "compressed":
+        return [(PATH_COMP, False)]
+    if kind == "raw":
+        return [(PATH_RAW, False)]
+    return [(PATH_COMP, True), (PATH_RAW, True), (PATH_MIXED, True)]
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
-
-
-def _check_layouts(k_layout, v_layout, head_dim):
-    fmt._check_layout_head_dim(v_layout, head_dim, "v_layout")
-    if "quad" in (k_layout, v_layout) and (k_layout, v_layout) != ("token", "quad"):
-        raise ValueError(f"the 'quad' layout is for values, with keys in the 'token' layout; got "
-                         f"k_layout={k_layout!r}, v_layout={v_layout!r}")
 
 
 def _check_cache(cache):
@@ -968,7 +790,6 @@ def _check_cache(cache):
     fmt._check_head_dim(cache.head_dim, "cache.head_dim")
     fmt._check_layout(cache.k_layout, "cache.k_layout")
     fmt._check_layout(cache.v_layout, "cache.v_layout")
-    _check_layouts(cache.k_layout, cache.v_layout, cache.head_dim)
     p, d = cache.pool, cache.desc
     if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous():
         raise TypeError(f"cache.pool must be a contiguous 1-D uint8 tensor, got "

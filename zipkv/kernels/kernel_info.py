@@ -112,21 +112,19 @@ _DECODE_SIG = {"q_ptr": "*bf16", "pool_ptr": "*i32", "desc_ptr": "*i64", "indptr
 def decode_attention_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: int = 8,
                           head_dim: int = 128, pages_per_tile: int | None = None, num_warps: int | None = None,
                           num_stages: int | None = None, splits: int = 2, route: bool = False,
-                          k_layout: str = "token", v_layout: str | None = None, arch: int = 90,
+                          k_layout: str = "token", v_layout: str = "token", arch: int = 90,
                           maxnreg: int | None = -1, gpu_name: str = "NVIDIA H200",
                           keep_asm: bool = False) -> dict:
     """Resources of one decode-attention specialisation (``path``: ``"compressed"``,
     ``"raw"`` or ``"mixed"``) at a given shape, compiled as :func:`decode_attention` would
-    launch it on the GPU (bf16, tensor-core dots). Defaults: Llama-3.1-8B shapes, values in the quad
-    layout (token for ``raw``), the launch options of the path on ``gpu_name`` (:func:`zipkv.kernels.decode_attention.launch_config`)."""
+    launch it on the GPU (bf16, tensor-core dots). Defaults: Llama-3.1-8B shapes, the
+    launch options of the path on ``gpu_name`` (:func:`zipkv.kernels.decode_attention.launch_config`)."""
     import triton
 
     from zipkv import format as fmt
     from zipkv.kernels import decode_attention as da
 
     p = da.PATHS.index(path)
-    if v_layout is None:                       # the compressed kernel reads quad values; raw: plain pages
-        v_layout = "token" if path == "raw" else "quad"
     tune = da.launch_config(path, gpu_name)
     pages_per_tile = tune["pages_per_tile"] if pages_per_tile is None else pages_per_tile
     G = q_heads // kv_heads

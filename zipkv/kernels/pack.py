@@ -4,10 +4,9 @@ Bit-identical to :func:`zipkv.format.pack` (payload slot and metadata byte
 ``flag << 7 | b >> 1``; byte order in ``zipkv.format``'s docstring). One program handles
 ``pages_per_program`` whole pages, i.e. ``BLK = pages * n_blocks`` blocks, as an int32
 ``[BLK, 64, 4]`` tile: block, group ``m`` of 8 values (``8m .. 8m+7``), bf16 pair word.
-A group is 16 contiguous source bytes in the token and channel layouts (token layout: bytes
-``16m`` of the block; channel layout from a plain page: 8 channels of one token), so every
-load is one 16-byte vector per thread; the quad layout from a plain page gathers 16-bit values
-(4 tokens of 2 channels per group). Everything after is 32-bit SWAR on those words, in registers:
+A group is 16 contiguous source bytes in either layout (token layout: bytes ``16m`` of the
+block; channel layout from a plain page: 8 channels of one token), so every load is one
+16-byte vector per thread. Everything after is 32-bit SWAR on those words, in registers:
 
 * exponent min / max per block: two reductions over the block's 256 words
   (``(x >> 7) & 0xFF`` and ``(x >> 23) & 0xFF``);
@@ -53,20 +52,12 @@ def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
     dst_w = tl.multiple_of(tl.load(dst_off_ptr + page, mask=ok, other=0) // 4, 64)
     m = tl.arange(0, 64)[None, :, None]
     w = tl.arange(0, 4)[None, None, :]
+    if SRC_PACKED or LAYOUT == 0:              # raw block order: block j = words 256j ..
+        row = (j * 256)[:, None, None] + 4 * m
+    else:                                      # plain page, channel layout: token m // 4, channels 32j + 8 (m % 4) ..
+        row = (j * 16)[:, None, None] + (m // 4) * (D // 2) + 4 * (m % 4)
     okb = ok[:, None, None]
-    if (LAYOUT == 2) and not SRC_PACKED:       # plain page, quad layout: word w of group m = tokens
-        idx = 2 * m + w // 2                   # k, k+1 (k = 2 (w % 2)) of one channel: two 16-bit loads
-        t = (j * (512 // D))[:, None, None] + 4 * (idx // D) + 2 * (w % 2)
-        src16 = src_ptr.to(tl.pointer_type(tl.int16)) + (2 * src_w)[:, None, None] + idx % D
-        lo = tl.load(src16 + t * D, mask=okb, other=0)
-        hi = tl.load(src16 + (t + 1) * D, mask=okb, other=0)
-        X = (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
-    else:
-        if SRC_PACKED or LAYOUT == 0:          # raw block order: block j = words 256j ..
-            row = (j * 256)[:, None, None] + 4 * m
-        else:                                  # plain page, channel layout: token m // 4, channels 32j + 8 (m % 4) ..
-            row = (j * 16)[:, None, None] + (m // 4) * (D // 2) + 4 * (m % 4)
-        X = tl.load(src_ptr + src_w[:, None, None] + tl.multiple_of(row, [1, 4, 4]) + w, mask=okb, other=0)
+    X = tl.load(src_ptr + src_w[:, None, None] + tl.multiple_of(row, [1, 4, 4]) + w, mask=okb, other=0)
 
     # exponent range per block (0 for masked blocks: harmless, never stored)
     e_lo = (X >> 7) & 0xFF
@@ -159,7 +150,6 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
     """
     fmt._check_layout(layout)
     nb = fmt.n_blocks(head_dim)
-    fmt._check_layout_head_dim(layout, head_dim)
     for name, buf in (("src", src), ("dst", dst)):
         if not isinstance(buf, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(buf).__name__}")
