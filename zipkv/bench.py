@@ -248,6 +248,7 @@ def _mix_mask(batch, kv_heads, ctx, head_dim, fraction: dict[str, float], seed: 
 def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "token", reps: int = 20):
     """Throughput of the Triton pack kernel on ``n_bytes`` of compressible bf16 pages: dict of
     latency_us, input TB/s, bytes moved (read + written) and fraction of copy bandwidth."""
+    from zipkv import format as kvformat
     from zipkv.kernels.pack import pack_pages
 
     n_pages = n_bytes // (PAGE * head_dim * 2)
@@ -255,6 +256,9 @@ def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "t
     pages = _compressible_kv(1, 1, n_pages * PAGE, head_dim, gen)[0].reshape(n_pages, PAGE, head_dim)
     out = torch.empty(n_pages, PAGE * head_dim * 2, dtype=torch.uint8, device="cuda")
     payload, meta = pack_pages(pages, layout, out=out)
+    sample = slice(0, 64)
+    if not torch.equal(kvformat.unpack(payload[sample], meta[sample]).view(torch.int16), pages[sample].view(torch.int16)):
+        raise AssertionError("pack kernel output does not unpack to its input")
     written = int(meta.nbytes.sum())
     micros = ColdTimer()(lambda: pack_pages(pages, layout, out=out), reps=reps)
     copy_bw = copy_bandwidth()

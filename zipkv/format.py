@@ -38,9 +38,9 @@ Byte order of one block (little-endian everywhere):
 Page payload (``pack``): one fixed slot of ``32 * head_dim`` bytes per page (the raw
 size). Blocks are stored in order ``j = 0, 1, ...`` back to back from the start of the
 slot, 768 bytes if compressed, 1024 if not (block ``j`` starts at
-``1024*j - 256 * #compressed blocks before j``); the slot's last
-``256 * #compressed`` bytes are zero. ``PageMeta.nbytes`` is the used prefix: the page's
-compressed size. With the token layout a page with no compressed block is byte for
+``1024*j - 256 * #compressed blocks before j``). ``PageMeta.nbytes`` is the used prefix: the
+page's compressed size; the slot's last ``256 * #compressed`` bytes are not part of the page
+(``pack`` leaves zeros there, the Triton pack kernel leaves them as they were). With the token layout a page with no compressed block is byte for
 byte the plain row-major ``[16, head_dim]`` bf16 page.
 
 Metadata per block (``PageMeta``): the compressed flag and the base ``b`` (even; 0 for

@@ -22,7 +22,9 @@ Stores are int32 words: low bytes ``[BLK, 64, 2]`` (8 contiguous bytes per group
 offsets, so the same kernel packs a contiguous batch of pages into a new buffer, packs in
 place (every value of a page is loaded before the first store: a program owns whole
 pages, and a barrier separates its loads from its stores), or compresses page slots of a
-:class:`zipkv.kernels.decode_attention.PagedKVCache` pool.
+:class:`zipkv.kernels.decode_attention.PagedKVCache` pool. The bytes of a slot past the page's
+compressed size are left as they were: they are not part of the page (the space ZipFusion's
+memory manager hands on, §III-D), so writing zeros there would only cost bandwidth.
 """
 from __future__ import annotations
 
@@ -42,7 +44,6 @@ def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
     """src_ptr, dst_ptr: int32 views of the byte buffers; offsets in bytes (multiples of 256)."""
     NB: tl.constexpr = D // 32
     BLK: tl.constexpr = PAGES * NB
-    PW: tl.constexpr = 8 * D                   # page slot in int32 words (32 * D bytes)
     pid = tl.program_id(0)
     blk = tl.arange(0, BLK)
     page = pid * PAGES + blk // NB
@@ -93,9 +94,6 @@ def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
     tl.store(dst[:, :, None] + 2 * m2[:, :, None] + tl.arange(0, 2)[None, None, :],
              tl.join(L0, L1), mask=cm[:, None, None])
     tl.store(dst + 128 + m2, codes, mask=cm[:, None])
-    # zero the slot's tail: compressed block of rank k clears words [PW - 64(k+1), PW - 64k)
-    tail = dst_ptr + tl.multiple_of(dst_w + PW - 64 * (before + 1), 64)[:, None]
-    tl.store(tail + m2, tl.zeros([BLK, 64], dtype=tl.int32), mask=cm[:, None])
     tl.store(dst[:, :, None] + 4 * m + w, X, mask=rm[:, None, None])
     mbyte = tl.where(comp, 128 + base_hi, 0)
     tl.store(meta_ptr + page * NB + j, mbyte.to(tl.uint8), mask=ok)
@@ -137,7 +135,7 @@ def _check_int_tensor(x, name, dtype, n):
 def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
               dst_offsets: torch.Tensor, head_dim: int, layout: str = "token", *,
               src_packed: bool = False, meta_out: torch.Tensor | None = None,
-              pages_per_program: int | None = None) -> torch.Tensor:
+              pages_per_program: int | None = None, validate: bool = True) -> torch.Tensor:
     """Low-level launcher: compress ``N`` pages addressed by byte offsets.
 
     src: bf16 or uint8 1-D contiguous buffer; page ``i`` is read at byte ``src_offsets[i]``
@@ -145,8 +143,10 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
     all-raw packed slot (raw blocks in block order; the same thing for the token layout).
     dst: uint8 1-D contiguous buffer; page ``i``'s slot (``32 * head_dim`` bytes) is written
     at ``dst_offsets[i]`` — ``dst`` may be ``src`` with equal offsets (in place).
-    Offsets must be multiples of 256. Returns the metadata bytes uint8 ``[N, n_blocks]``
-    (``flag << 7 | b >> 1``).
+    Offsets must be multiples of 256. Bytes of a destination slot past the page's compressed
+    size are not written. validate: also check the offsets' values (range, multiples of 256) --
+    this syncs with the device; pass False when the offsets are known good (e.g. timed loops).
+    Returns the metadata bytes uint8 ``[N, n_blocks]`` (``flag << 7 | b >> 1``).
     """
     fmt._check_layout(layout)
     nb = fmt.n_blocks(head_dim)
@@ -179,6 +179,8 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
     src8 = src.view(torch.uint8)
     pb = fmt.page_bytes(head_dim)
     for name, off, buf in (("src_offsets", src_offsets, src8), ("dst_offsets", dst_offsets, dst)):
+        if not validate:
+            break
         lo, hi = int(off.min()), int(off.max())
         if lo < 0 or hi + pb > buf.numel() or bool((off % 256 != 0).any()):
             raise ValueError(f"{name} must be multiples of 256 in [0, {buf.numel() - pb}] "
@@ -202,7 +204,8 @@ def pack_pages(pages: torch.Tensor, layout: str = "token", *, out: torch.Tensor 
 
     pages: bf16 ``[N, 16, head_dim]`` contiguous. out: uint8 ``[N, 32 * head_dim]``
     contiguous, or ``pages`` viewed as uint8 (the same memory) to compress in place.
-    Returns ``(payload, meta)`` like :func:`zipkv.format.pack`.
+    Returns ``(payload, meta)`` like :func:`zipkv.format.pack` (equal in each page's first
+    ``meta.nbytes`` bytes; the rest of a slot is left as it was).
     """
     d = fmt._check_pages(pages)
     fmt._check_layout(layout)
@@ -230,5 +233,5 @@ def pack_pages(pages: torch.Tensor, layout: str = "token", *, out: torch.Tensor 
             raise ValueError("out partially overlaps pages: pass disjoint memory, or the same memory to pack in place")
     off = torch.arange(n, dtype=torch.int64, device=pages.device) * pb
     packed = pack_into(pages.view(-1), off, out.view(-1), off, d, layout,
-                       pages_per_program=pages_per_program)
+                       pages_per_program=pages_per_program, validate=False)   # offsets built here
     return out, fmt.PageMeta.from_packed(packed, layout, d)
