@@ -4,6 +4,7 @@
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput).
 ``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
+``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
-    bench.add_argument("what", choices=["attention", "pack", "tune", "distill"])
+    bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
     bench.add_argument("--contexts", type=int, nargs="+", default=None,
                        help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="distill: problems the reference solver runs per timed context (scaled to the context)")
     bench.add_argument("--write", action="store_true",
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
-    bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV)")
+    bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
 
     if args.command == "bench":
@@ -43,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
         from zipkv import bench as benchmarks
 
+        if args.what == "ncu-targets":                 # what `bench ncu` runs under ncu
+            benchmarks.nsight_targets()
+            return 0
+        if args.what == "ncu":
+            print(benchmarks.nsight_report(args.out or Path("results/paper/zipfusion_decode_ncu.txt")))
+            return 0
         if args.what == "attention":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],

@@ -268,6 +268,80 @@ def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "t
                 copy_bw_tbps=copy_bw / 1e12, device=torch.cuda.get_device_name())
 
 
+# ----------------------------------------------------------------------------- Nsight Compute
+
+NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats", "LaunchStats")
+NCU_STALLS = ("long_scoreboard", "short_scoreboard", "wait", "selected", "not_selected", "mio_throttle", "barrier",
+              "math_pipe_throttle", "dispatch_stall", "branch_resolving", "lg_throttle", "no_instructions")
+"""Warp stall reasons sampled per kernel (``smsp__pcsamp_warps_issue_stalled_<reason>``)."""
+NCU_METRICS = tuple(f"smsp__pcsamp_warps_issue_stalled_{r}" for r in NCU_STALLS) + (
+    "smsp__inst_executed.sum", "smsp__inst_executed_op_shared_ld.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum")
+NCU_TARGETS = ("decode all compressed", "decode uncompressed", "pack")
+
+
+def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64):
+    """Launch the kernels :func:`nsight_report` profiles, in the order of :data:`NCU_TARGETS`, each once inside
+    the NVTX range ``zipkv`` after a warm-up call outside it: decode attention on all-compressible KV and on the
+    same KV uncompressed (the tuned launch options), and the pack kernel on 1 GiB of head_dim-128 pages."""
+    from zipkv.kernels.decode_attention import build_paged_cache, decode_attention
+    from zipkv.kernels.pack import pack_pages
+
+    q_heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, gen)
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    calls = []
+    for mode in ("eligible", "none"):
+        cache, indptr, indices, last = build_paged_cache(k, v, compress=mode)
+        calls.append(lambda c=cache, i=indptr, j=indices, n=last: decode_attention(q, c, i, j, n, validate=False))
+    n_pages = (1 << 30) // (PAGE * 128 * 2)
+    pages = _compressible_kv(1, 1, n_pages * PAGE, 128, gen)[0].reshape(n_pages, PAGE, 128)
+    out = torch.empty(n_pages, PAGE * 128 * 2, dtype=torch.uint8, device="cuda")
+    calls.append(lambda: pack_pages(pages, "token", out=out))
+    for call in calls:
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("zipkv")
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
+def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
+    """Profile :func:`nsight_targets` under ``ncu --clock-control none`` (sections :data:`NCU_SECTIONS`, metrics
+    :data:`NCU_METRICS`) in a subprocess and write the report to ``out`` behind a header with the device, driver,
+    date, commit and the launch options in use. Returns the report text."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zipkv.book import provenance
+    from zipkv.kernels.decode_attention import TUNING_FILE
+
+    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "zipkv/", "-k", "regex:_decode_kernel|_pack_kernel"]
+    for section in NCU_SECTIONS:
+        cmd += ["--section", section]
+    cmd += ["--metrics", ",".join(NCU_METRICS), sys.executable, "-m", "zipkv", "bench", "ncu-targets"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"ncu failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip()
+    record = provenance("ncu")
+    header = [f"# zipkv kernels under Nsight Compute: {' '.join(cmd[:7])} ..., sections {', '.join(NCU_SECTIONS)}; "
+              f"stall reasons and shared-memory counters as metrics",
+              f"# device: {record['device']} (driver {driver}); date: {record['date']}; commit: {record['commit']}",
+              f"# launch options: {json.dumps(json.loads(TUNING_FILE.read_text()))}",
+              f"# kernels, in order: {'; '.join(NCU_TARGETS)} (zipkv.bench.nsight_targets: Llama-3.1-8B attention shape, "
+              f"ctx 8192, batch 64; pack: 1 GiB of head_dim-128 pages)"]
+    text = "\n".join(header) + "\n" + done.stdout
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    return text
+
+
 # ----------------------------------------------------------------------------- launch tuning
 
 TUNE_GRID = dict(pages_per_tile=(2, 4, 8), num_warps=(4, 8), stages=(3, 4), maxnreg=(0, 168))
