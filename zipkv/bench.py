@@ -117,6 +117,22 @@ def _compressible_kv(batch: int, kv_heads: int, ctx: int, head_dim: int, generat
     return out
 
 
+def _attention_inputs(shape: str, ctx: int, batch: int, generator: torch.Generator):
+    """All-compressible K, V ``[batch, kv_heads, ctx, head_dim]`` and q ``[batch, q_heads, head_dim]`` (bf16) of an
+    attention shape of :data:`ATTENTION_SHAPES`."""
+    q_heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
+    k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, generator)
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=generator).to(torch.bfloat16)
+    return k, v, q
+
+
+def _pack_inputs(head_dim: int, n_bytes: int, generator: torch.Generator):
+    """``n_bytes`` of compressible bf16 pages ``[n, 16, head_dim]`` and an output buffer for their slots."""
+    n_pages = n_bytes // (PAGE * head_dim * 2)
+    pages = _compressible_kv(1, 1, n_pages * PAGE, head_dim, generator)[0].reshape(n_pages, PAGE, head_dim)
+    return pages, torch.empty(n_pages, PAGE * head_dim * 2, dtype=torch.uint8, device="cuda")
+
+
 def _reference_attention(q, k, v):
     """fp32 attention, q [B, Hq, d], k/v [B, Hkv, T, d] → [B, Hq, d], one request at a time."""
     group = q.shape[1] // k.shape[1]
@@ -165,8 +181,7 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     rows = []
     configs = [(c, b) for c in contexts for b in batches]
     for ctx, batch in tqdm(configs, desc=f"attention {shape}", disable=not progress):
-        k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, gen)
-        q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+        k, v, q = _attention_inputs(shape, ctx, batch, gen)
         ref = _reference_attention(q, k, v)
         io_bytes = 2 * q.numel() * q.element_size()  # q in, out
         raw_kv_bytes = 2 * k.numel() * k.element_size()
@@ -251,10 +266,7 @@ def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "t
     from zipkv import format as kvformat
     from zipkv.kernels.pack import pack_pages
 
-    n_pages = n_bytes // (PAGE * head_dim * 2)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    pages = _compressible_kv(1, 1, n_pages * PAGE, head_dim, gen)[0].reshape(n_pages, PAGE, head_dim)
-    out = torch.empty(n_pages, PAGE * head_dim * 2, dtype=torch.uint8, device="cuda")
+    pages, out = _pack_inputs(head_dim, n_bytes, torch.Generator(device="cuda").manual_seed(0))
     payload, meta = pack_pages(pages, layout, out=out)
     sample = slice(0, 64)
     if not torch.equal(kvformat.unpack(payload[sample], meta[sample]).view(torch.int16), pages[sample].view(torch.int16)):
@@ -287,17 +299,13 @@ def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64)
     from zipkv.kernels.decode_attention import build_paged_cache, decode_attention
     from zipkv.kernels.pack import pack_pages
 
-    q_heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(0)
-    k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, gen)
-    q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v, q = _attention_inputs(shape, ctx, batch, gen)
     calls = []
     for mode in ("eligible", "none"):
         cache, indptr, indices, last = build_paged_cache(k, v, compress=mode)
         calls.append(lambda c=cache, i=indptr, j=indices, n=last: decode_attention(q, c, i, j, n, validate=False))
-    n_pages = (1 << 30) // (PAGE * 128 * 2)
-    pages = _compressible_kv(1, 1, n_pages * PAGE, 128, gen)[0].reshape(n_pages, PAGE, 128)
-    out = torch.empty(n_pages, PAGE * 128 * 2, dtype=torch.uint8, device="cuda")
+    pages, out = _pack_inputs(128, 1 << 30, gen)
     calls.append(lambda: pack_pages(pages, "token", out=out))
     for call in calls:
         call()
@@ -373,11 +381,10 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
 
     from zipkv.kernels.decode_attention import DEFAULT_LAUNCH, build_paged_cache, decode_attention
 
-    q_heads, kv_heads, head_dim = ATTENTION_SHAPES[shape]
+    _, kv_heads, head_dim = ATTENTION_SHAPES[shape]
     grid = grid or TUNE_GRID
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    k, v = _compressible_kv(batch, kv_heads, ctx, head_dim, gen)
-    q = torch.randn(batch, q_heads, head_dim, device="cuda", generator=gen).to(torch.bfloat16)
+    k, v, q = _attention_inputs(shape, ctx, batch, gen)
     ref = _reference_attention(q, k, v)
     data = [("compressed", "eligible", "auto"), ("raw", "none", "auto")]
     if real_fraction is not None:

@@ -178,9 +178,8 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
         return meta_out
     src8 = src.view(torch.uint8)
     pb = fmt.page_bytes(head_dim)
-    for name, off, buf in (("src_offsets", src_offsets, src8), ("dst_offsets", dst_offsets, dst)):
-        if not validate:
-            break
+    checked = (("src_offsets", src_offsets, src8), ("dst_offsets", dst_offsets, dst)) if validate else ()
+    for name, off, buf in checked:
         lo, hi = int(off.min()), int(off.max())
         if lo < 0 or hi + pb > buf.numel() or bool((off % 256 != 0).any()):
             raise ValueError(f"{name} must be multiples of 256 in [0, {buf.numel() - pb}] "
