@@ -112,8 +112,7 @@ def test_block_offsets_and_mixed_page():
         assert torch.equal(bits(F.unpack(payload[: int(meta.nbytes)], meta)), bits(page))
 
 
-@pytest.mark.parametrize("d", F.HEAD_DIMS)
-@pytest.mark.parametrize("layout", F.LAYOUTS)
+@pytest.mark.parametrize("layout,d", [(lay, d) for d in F.HEAD_DIMS for lay in F.layouts_for(d)])
 def test_roundtrip_random(d, layout):
     pages = random_pages((3, 5), d, seed=d)
     pages[0, 0, 3, 1] = float("inf")
@@ -135,17 +134,18 @@ def test_roundtrip_random(d, layout):
 @pytest.mark.parametrize("layout", F.LAYOUTS)
 def test_enable_mask_and_switch_off(layout):
     g = torch.Generator().manual_seed(1)
-    pages = ((torch.rand(6, 16, 64, generator=g) + 1) * (torch.randint(0, 2, (6, 16, 64), generator=g) * 2 - 1)).to(torch.bfloat16)
+    d = 128 if layout in F.MMA_LAYOUTS else 64
+    pages = ((torch.rand(6, 16, d, generator=g) + 1) * (torch.randint(0, 2, (6, 16, d), generator=g) * 2 - 1)).to(torch.bfloat16)
     elig = F.eligible(pages, layout)
     assert bool(elig.all())
-    mask = torch.tensor([[True, False], [False, True]] * 3)
+    mask = torch.tensor([[True, False] * (d // 64), [False, True] * (d // 64)] * 3)
     _, meta = F.pack(pages, layout, enable=mask)
     assert torch.equal(meta.compressed, mask)
     off, meta0 = F.pack(pages, layout, enable=False)
     assert not bool(meta0.compressed.any())
     assert torch.equal(bits(F.unpack(off, meta0)), bits(pages))
     if layout == "token":  # an all-raw token-layout page is the plain page
-        assert torch.equal(off.view(6, 16, 64, 2), bits(pages).view(torch.uint8).view(6, 16, 64, 2))
+        assert torch.equal(off.view(6, 16, d, 2), bits(pages).view(torch.uint8).view(6, 16, d, 2))
 
 
 def test_layout_arrangement():
@@ -157,8 +157,28 @@ def test_layout_arrangement():
     cb = bits(F.to_blocks(page, "channel"))
     assert torch.equal(cb[1, :32], idx[0, 32:64])                     # block 1 = channels 32..63
     assert torch.equal(cb[0, 32:64], idx[1, :32])
-    for layout in F.LAYOUTS:
+    for layout in F.layouts_for(d):
         assert torch.equal(F.from_blocks(F.to_blocks(page, layout), layout, d), page)
+
+
+def test_mma_layout_arrangement():
+    """Spot checks of the documented mma positions, and the code pairing (values i, i + 256)."""
+    idx = torch.arange(16 * 128, dtype=torch.int16).reshape(16, 128)
+    kb = bits(F.to_blocks(idx.view(torch.bfloat16), "k_mma"))[1]         # block 1 = tokens 4..7
+    tc = [(t, c) for t, c in ((4, 0), (4, 1), (4, 8), (4, 16), (4, 2), (5, 0), (4, 64))]
+    assert kb[[0, 1, 2, 4, 16, 64, 256]].tolist() == [t * 128 + c for t, c in tc]
+    vb = bits(F.to_blocks(idx.view(torch.bfloat16), "v_mma"))[1]         # block 1 = tokens 2, 3, 10, 11
+    tc = [(2, 0), (3, 0), (10, 0), (2, 8), (2, 1), (2, 32), (2, 64)]
+    assert vb[[0, 1, 2, 4, 16, 128, 256]].tolist() == [t * 128 + c for t, c in tc]
+    for layout in F.MMA_LAYOUTS:
+        assert sorted(F.mma_index(layout).reshape(-1).tolist()) == list(range(2048))
+        blk = _block_with_exponents(118, 131, seed=5)
+        page = F.from_blocks(blk.reshape(1, 512).expand(4, 512).contiguous(), layout, 128)
+        payload, meta = F.pack(page, layout)
+        x = (bits(blk).to(torch.int32) & 0xFFFF).tolist()
+        code = [((v >> 15) << 3) | (((v >> 8) & 0x7F) - 59) for v in x]
+        assert payload[:512].tolist() == [v & 0xFF for v in x]
+        assert payload[512:768].tolist() == [code[i] | (code[i + 256] << 4) for i in range(256)]
 
 
 def test_cache_stats_and_to_pages():
@@ -182,8 +202,9 @@ def test_eligible_is_fast_on_a_large_cache():
     import time
     x = torch.randn(30, 3, 128, 16, 64).to(torch.bfloat16)            # ~12M values
     t = time.perf_counter()
-    for layout in F.LAYOUTS:
+    for layout in F.layouts_for(64):
         F.eligible(x, layout)
+    F.eligible(x.reshape(30, 3, 64, 16, 128), "v_mma")
     assert time.perf_counter() - t < 5.0
 
 
@@ -212,3 +233,8 @@ def test_errors():
         F.pack(good, enable=torch.ones(3, 2, dtype=torch.bool))
     with pytest.raises(ValueError, match="head_dim must be one of"):
         F.n_blocks(48)
+    for layout in F.MMA_LAYOUTS:
+        with pytest.raises(ValueError, match=f"the '{layout}' layout is defined for head_dim 128 only, got head_dim 64"):
+            F.pack(good, layout)
+    with pytest.raises(ValueError, match="head_dim 128 only, got head_dim 256"):
+        F.PageMeta.from_packed(torch.zeros(8, dtype=torch.uint8), "v_mma", 256)

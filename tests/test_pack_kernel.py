@@ -55,8 +55,7 @@ def test_all_bit_patterns_raw():
         assert_same(payload, meta, *F.pack(pages, layout))
 
 
-@pytest.mark.parametrize("d", F.HEAD_DIMS)
-@pytest.mark.parametrize("layout", F.LAYOUTS)
+@pytest.mark.parametrize("layout,d", [(lay, d) for d in F.HEAD_DIMS for lay in F.layouts_for(d)])
 def test_random_mixed_pages(d, layout):
     pages = random_pages(5, d, seed=d)                  # 5 pages, 2 per program: a partial program
     pages[0, 3, 1] = float("inf")
@@ -97,12 +96,13 @@ def test_pack_into_offsets():
         assert bool((dst[dst_off[i] + n: dst_off[i] + pb] == 0xAB).all())    # tail untouched
 
 
-@pytest.mark.parametrize("k_layout,v_layout", [("token", "channel"), ("channel", "token")])
+@pytest.mark.parametrize("k_layout,v_layout", [("token", "channel"), ("channel", "token"), ("k_mma", "v_mma")])
 def test_compress_cache_in_place(k_layout, v_layout):
     """Compressing a raw cache in place gives the cache built compressed, byte for byte."""
     g = torch.Generator().manual_seed(3)
-    k = torch.randn(2, 2, 40, 64, generator=g).to(torch.bfloat16)
-    v = torch.randn(2, 2, 40, 64, generator=g).to(torch.bfloat16)
+    d = 128 if k_layout in F.MMA_LAYOUTS else 64
+    k = torch.randn(2, 2, 40, d, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, 2, 40, d, generator=g).to(torch.bfloat16)
     lens = [40, 33]
     ref, ip, idx, last = build_paged_cache(k, v, lens, k_layout=k_layout, v_layout=v_layout)
     raw, ip2, idx2, last2 = build_paged_cache(k, v, lens, k_layout=k_layout, v_layout=v_layout, compress="none")
@@ -153,6 +153,10 @@ def test_errors():
         pack_into(pages.view(-1), off.int(), buf, off, 64)
     with pytest.raises(ValueError, match="src must be a contiguous 1-D buffer"):
         pack_into(pages, off, buf, off, 64)
+    with pytest.raises(ValueError, match="'k_mma' layout is defined for head_dim 128 only, got head_dim 64"):
+        pack_pages(pages, "k_mma")
+    with pytest.raises(ValueError, match="reads mma-layout pages only as all-raw packed slots"):
+        pack_into(pages.view(-1), off * 0, buf, off * 0, 128, "v_mma")
 
 
 def test_unaligned_buffer_is_refused():

@@ -11,6 +11,8 @@ import statistics
 
 import torch
 
+from zipkv import format as kvformat
+
 L2_FLUSH_BYTES = 256 << 20
 
 
@@ -94,6 +96,9 @@ ATTENTION_SHAPES = {
     "smollm2-135m": (9, 3, 64),
 }
 METHODS = ("zipkv_compressed", "zipkv_uncompressed", "flashinfer_tc", "flashinfer_cuda", "sdpa")
+KERNEL_LAYOUTS = {"gluon": ("gluon", ("k_mma", "v_mma")), "triton": ("triton", ("token", "token"))}
+"""zipkv's two decode kernels and the cache layouts each reads: the Gluon kernel
+(:mod:`zipkv.kernels.decode_mma`, head_dim 128) and the Triton kernel (any head_dim, mixed pages)."""
 PAGE = 16
 
 
@@ -160,7 +165,11 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     ("measured mix", the fractions measured on the embedded model's PG19 KV). Each method is checked
     against fp32 attention before it is timed (relative RMS error reported).
 
-    Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method): latency_us (median of
+    zipkv's rows say which kernel ran (``kernel``, ``layout``): on head_dim-128 shapes the all-compressible and
+    uncompressed data are timed with both kernels of :data:`KERNEL_LAYOUTS`, the measured mix with the Triton
+    kernel (the Gluon kernel takes mixed pages element by element).
+
+    Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method[, kernel]): latency_us (median of
     ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error,
     speedup_vs_flashinfer_tc / _cuda, copy_bw_tbps and the device.
     """
@@ -214,14 +223,20 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     mode = _mix_mask(batch, kv_heads, ctx, head_dim, compress, seed)
                 else:
                     mode = compress
-                cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed)
-                stats = cache.stats()
-                desc_bytes = cache.desc.numel() * cache.desc.element_size()
-                kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
-                fn = lambda: decode_attention(q, cache, indptr, indices, last, validate=False)
-                record(method, kv_data, fn, kv_bytes)
-                rows[-1].update(frac_compressed_k=stats["frac_k"], frac_compressed_v=stats["frac_v"])
-                del cache
+                layouts = [KERNEL_LAYOUTS["triton"]]
+                if head_dim == kvformat.MMA_HEAD_DIM and kv_data == mixes[0][0]:
+                    layouts.insert(0, KERNEL_LAYOUTS["gluon"])
+                for kernel, layout in layouts:
+                    cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed,
+                                                                     k_layout=layout[0], v_layout=layout[1])
+                    stats = cache.stats()
+                    desc_bytes = cache.desc.numel() * cache.desc.element_size()
+                    kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
+                    fn = lambda: decode_attention(q, cache, indptr, indices, last, validate=False)
+                    record(method, kv_data, fn, kv_bytes)
+                    rows[-1].update(kernel=kernel, layout="/".join(layout), frac_compressed_k=stats["frac_k"],
+                                    frac_compressed_v=stats["frac_v"])
+                    del cache
         pages = k.reshape(batch, kv_heads, ctx // PAGE, PAGE, head_dim).permute(0, 2, 3, 1, 4)
         k_pages = pages.reshape(-1, PAGE, kv_heads, head_dim).contiguous()
         v_pages = v.reshape(batch, kv_heads, ctx // PAGE, PAGE, head_dim).permute(0, 2, 3, 1, 4) \
@@ -251,8 +266,6 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
 
 def _mix_mask(batch, kv_heads, ctx, head_dim, fraction: dict[str, float], seed: int) -> torch.Tensor:
     """Bool [pages, 2, kv_heads, n_blocks]: each K block compressed with probability fraction["K"], V likewise."""
-    from zipkv import format as kvformat
-
     n_pages = batch * ctx // PAGE
     gen = torch.Generator().manual_seed(seed)
     draw = torch.rand(n_pages, 2, kv_heads, kvformat.n_blocks(head_dim), generator=gen)
@@ -263,7 +276,6 @@ def _mix_mask(batch, kv_heads, ctx, head_dim, fraction: dict[str, float], seed: 
 def pack_benchmark(head_dim: int = 128, n_bytes: int = 1 << 30, layout: str = "token", reps: int = 20):
     """Throughput of the Triton pack kernel on ``n_bytes`` of compressible bf16 pages: dict of
     latency_us, input TB/s, bytes moved (read + written) and fraction of copy bandwidth."""
-    from zipkv import format as kvformat
     from zipkv.kernels.pack import pack_pages
 
     pages, out = _pack_inputs(head_dim, n_bytes, torch.Generator(device="cuda").manual_seed(0))
@@ -290,12 +302,16 @@ NCU_METRICS = tuple(f"smsp__pcsamp_warps_issue_stalled_{r}" for r in NCU_STALLS)
     "smsp__inst_executed.sum", "smsp__inst_executed_op_shared_ld.sum",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum")
 NCU_TARGETS = ("decode all compressed", "decode uncompressed", "pack")
+NCU_KERNELS = ("_pipelined_kernel", "_pack_kernel")
+"""Kernel names profiled: the Gluon decode kernel's pipelined loop (the last-page and merge kernels around
+it are left out) and the pack kernel."""
 
 
 def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64):
     """Launch the kernels :func:`nsight_report` profiles, in the order of :data:`NCU_TARGETS`, each once inside
-    the NVTX range ``zipkv`` after a warm-up call outside it: decode attention on all-compressible KV and on the
-    same KV uncompressed (the tuned launch options), and the pack kernel on 1 GiB of head_dim-128 pages."""
+    the NVTX range ``zipkv`` after a warm-up call outside it: the Gluon decode kernel (mma layouts, default
+    launch options) on all-compressible KV and on the same KV uncompressed, and the pack kernel on 1 GiB of
+    head_dim-128 pages."""
     from zipkv.kernels.decode_attention import build_paged_cache, decode_attention
     from zipkv.kernels.pack import pack_pages
 
@@ -303,7 +319,7 @@ def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64)
     k, v, q = _attention_inputs(shape, ctx, batch, gen)
     calls = []
     for mode in ("eligible", "none"):
-        cache, indptr, indices, last = build_paged_cache(k, v, compress=mode)
+        cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, k_layout="k_mma", v_layout="v_mma")
         calls.append(lambda c=cache, i=indptr, j=indices, n=last: decode_attention(q, c, i, j, n, validate=False))
     pages, out = _pack_inputs(128, 1 << 30, gen)
     calls.append(lambda: pack_pages(pages, "token", out=out))
@@ -326,9 +342,9 @@ def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
     from pathlib import Path
 
     from zipkv.book import provenance
-    from zipkv.kernels.decode_attention import TUNING_FILE
+    from zipkv.kernels.decode_attention import MMA_LAUNCH, TUNING_FILE
 
-    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "zipkv/", "-k", "regex:_decode_kernel|_pack_kernel"]
+    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "zipkv/", "-k", "regex:" + "|".join(NCU_KERNELS)]
     for section in NCU_SECTIONS:
         cmd += ["--section", section]
     cmd += ["--metrics", ",".join(NCU_METRICS), sys.executable, "-m", "zipkv", "bench", "ncu-targets"]
@@ -341,7 +357,8 @@ def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
     header = [f"# zipkv kernels under Nsight Compute: {' '.join(cmd[:7])} ..., sections {', '.join(NCU_SECTIONS)}; "
               f"stall reasons and shared-memory counters as metrics",
               f"# device: {record['device']} (driver {driver}); date: {record['date']}; commit: {record['commit']}",
-              f"# launch options: {json.dumps(json.loads(TUNING_FILE.read_text()))}",
+              f"# launch options: Gluon kernel {json.dumps(MMA_LAUNCH)}; pack and Triton kernels "
+              f"{json.dumps(json.loads(TUNING_FILE.read_text()))}",
               f"# kernels, in order: {'; '.join(NCU_TARGETS)} (zipkv.bench.nsight_targets: Llama-3.1-8B attention shape, "
               f"ctx 8192, batch 64; pack: 1 GiB of head_dim-128 pages)"]
     text = "\n".join(header) + "\n" + done.stdout

@@ -22,17 +22,33 @@ Block arrangement (``layout``) — which page values form block ``j``, and in wh
 * ``"channel"`` (channel-major): block ``j`` = all 16 tokens × channels
   ``[32j, 32j + 32)``; ``p = token * 32 + (channel - 32j)``.
 
-Either way 8 consecutive positions ``8m .. 8m+7`` are 8 consecutive channels of one token.
+In these two layouts 8 consecutive positions ``8m .. 8m+7`` are 8 consecutive channels of one
+token.
+
+Two more layouts, for ``head_dim`` 128 only, arrange a block for the tensor cores' operand
+fragments (``mma.m16n8k16``, bf16) of the fused kernel's Gluon path
+(:mod:`zipkv.kernels.decode_mma`), so that one thread's operand values are 16 contiguous bytes
+and a page goes from memory to the tensor cores without a layout change. With ``t`` a token
+of the page (bits ``t0..t3``) and ``c`` a channel (bits ``c0..c6``):
+
+* ``"k_mma"`` (keys, the B operand of ``q @ K^T``): block ``j`` = tokens ``4j .. 4j+3`` (the
+  token layout's blocks); ``p = (c >> 6) * 256 + ((c >> 1 & 3) | (t & 3) << 2) * 16 + r`` with
+  ``r = c0 | c3 << 1 | c4 << 2 | c5 << 3``;
+* ``"v_mma"`` (values, the B operand of ``P @ V``): block ``j`` = the tokens with
+  ``(t >> 1) & 3 == j`` (``2j, 2j+1, 2j+8, 2j+9``); ``p = (r >> 4) * 128 + (c & 7) * 16 + (r & 15)``
+  with ``r = t0 | t3 << 1 | c3 << 2 | c4 << 3 | c5 << 4 | c6 << 5``.
 
 Byte order of one block (little-endian everywhere):
 
 * compressed (768 bytes): bytes ``0..511`` = low byte of value ``p`` at byte ``p``;
-  bytes ``512..767`` = codes: code byte ``512 + 4m + k`` (``k`` = 0..3) holds the code of
-  value ``8m + k`` in its low nibble and of value ``8m + 4 + k`` in its high nibble. So the
-  32-bit code word ``m`` gives, masked with ``0x0F0F0F0F``, the four codes that match
-  32-bit low-byte word ``2m`` (values ``8m..8m+3``), and shifted right by 4 and masked,
-  the four codes of low-byte word ``2m + 1`` (ZipFusion §III-C: eight low bytes and four
-  code bytes rebuild eight BF16 values).
+  bytes ``512..767`` = codes. Token and channel layouts: code byte ``512 + 4m + k`` (``k`` =
+  0..3) holds the code of value ``8m + k`` in its low nibble and of value ``8m + 4 + k`` in its
+  high nibble. So the 32-bit code word ``m`` gives, masked with ``0x0F0F0F0F``, the four codes
+  that match 32-bit low-byte word ``2m`` (values ``8m..8m+3``), and shifted right by 4 and
+  masked, the four codes of low-byte word ``2m + 1`` (ZipFusion §III-C: eight low bytes and four
+  code bytes rebuild eight BF16 values). Mma layouts: code byte ``512 + i`` (``i`` = 0..255)
+  holds the codes of values ``i`` (low nibble) and ``i + 256`` (high nibble), so a thread's 16
+  code bytes sit beside its two 16-byte runs of low bytes.
 * raw (1024 bytes): value ``p`` as little-endian bf16 at bytes ``2p, 2p+1``.
 
 Page payload (``pack``): one fixed slot of ``32 * head_dim`` bytes per page (the raw
@@ -48,13 +64,14 @@ raw blocks); ``PageMeta.packed()`` gives one byte per block, ``flag << 7 | b >> 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 __all__ = [
-    "PAGE_TOKENS", "BLOCK_VALUES", "LAYOUTS", "HEAD_DIMS", "PageMeta", "CacheStats",
-    "n_blocks", "page_bytes", "to_pages", "to_blocks", "from_blocks", "eligible",
+    "PAGE_TOKENS", "BLOCK_VALUES", "LAYOUTS", "MMA_LAYOUTS", "HEAD_DIMS", "PageMeta", "CacheStats",
+    "n_blocks", "page_bytes", "layouts_for", "mma_index", "to_pages", "to_blocks", "from_blocks", "eligible",
     "pack", "unpack", "cache_stats",
 ]
 
@@ -62,7 +79,9 @@ PAGE_TOKENS = 16
 BLOCK_VALUES = 512
 RAW_BLOCK_BYTES = 2 * BLOCK_VALUES          # 1024
 PACKED_BLOCK_BYTES = BLOCK_VALUES * 3 // 2  # 768: 512 low bytes + 256 code bytes
-LAYOUTS = ("token", "channel")
+LAYOUTS = ("token", "channel", "k_mma", "v_mma")
+MMA_LAYOUTS = ("k_mma", "v_mma")
+MMA_HEAD_DIM = 128
 HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -72,6 +91,18 @@ def _check_layout(layout, name="layout"):
     if layout not in LAYOUTS:
         raise ValueError(f"{name} must be one of {LAYOUTS}, got {layout!r}")
     return layout
+
+
+def _check_layout_head_dim(layout, head_dim, name="layout"):
+    if layout in MMA_LAYOUTS and head_dim != MMA_HEAD_DIM:
+        raise ValueError(f"{name}: the {layout!r} layout is defined for head_dim {MMA_HEAD_DIM} only, got "
+                         f"head_dim {head_dim}; use 'token' or 'channel'")
+
+
+def layouts_for(head_dim: int) -> tuple:
+    """The layouts defined for ``head_dim`` (every layout at 128; token and channel otherwise)."""
+    _check_head_dim(head_dim)
+    return LAYOUTS if head_dim == MMA_HEAD_DIM else LAYOUTS[:2]
 
 
 def _check_head_dim(head_dim, name="head_dim"):
@@ -118,23 +149,52 @@ def to_blocks(pages: torch.Tensor, layout: str) -> torch.Tensor:
     """``[..., 16, d]`` -> ``[..., n_blocks, 512]`` in block order (see module docstring)."""
     d = _check_pages(pages)
     _check_layout(layout)
+    _check_layout_head_dim(layout, d)
     nb = PAGE_TOKENS * d // BLOCK_VALUES
     lead = pages.shape[:-2]
     if layout == "token":
         return pages.reshape(*lead, nb, BLOCK_VALUES)
+    if layout in MMA_LAYOUTS:
+        return pages.reshape(*lead, PAGE_TOKENS * d)[..., mma_index(layout, pages.device)]
     return pages.reshape(*lead, PAGE_TOKENS, nb, 32).transpose(-3, -2).reshape(*lead, nb, BLOCK_VALUES)
 
 
 def from_blocks(blocks: torch.Tensor, layout: str, head_dim: int) -> torch.Tensor:
     """Inverse of :func:`to_blocks`: ``[..., n_blocks, 512]`` -> ``[..., 16, d]``."""
     _check_layout(layout)
+    _check_layout_head_dim(layout, head_dim)
     nb = n_blocks(head_dim)
     if blocks.shape[-2:] != (nb, BLOCK_VALUES):
         raise ValueError(f"blocks must have shape [..., {nb}, {BLOCK_VALUES}], got {tuple(blocks.shape)}")
     lead = blocks.shape[:-2]
     if layout == "token":
         return blocks.reshape(*lead, PAGE_TOKENS, head_dim)
+    if layout in MMA_LAYOUTS:
+        out = blocks.new_empty(*lead, PAGE_TOKENS * head_dim)
+        out[..., mma_index(layout, blocks.device).reshape(-1)] = blocks.reshape(*lead, nb * BLOCK_VALUES)
+        return out.reshape(*lead, PAGE_TOKENS, head_dim)
     return blocks.reshape(*lead, nb, PAGE_TOKENS, 32).transpose(-3, -2).reshape(*lead, PAGE_TOKENS, head_dim)
+
+
+def mma_index(layout: str, device=None) -> torch.Tensor:
+    """int64 ``[4, 512]``: for an mma layout, the flat page index ``token * 128 + channel`` of the
+    value at position ``p`` of block ``j`` (module docstring)."""
+    return _mma_index(layout).to(device) if device is not None else _mma_index(layout)
+
+
+@functools.lru_cache(maxsize=2)
+def _mma_index(layout: str) -> torch.Tensor:
+    p = torch.arange(BLOCK_VALUES)
+    j = torch.arange(4)[:, None]
+    if layout == "k_mma":
+        r, lane, half = p % 16, (p % 256) // 16, p // 256
+        c = (r & 1) | (lane & 3) << 1 | ((r >> 1) & 7) << 3 | half << 6
+        t = 4 * j + (lane >> 2)
+    else:
+        r = p % 16 | (p // 128) << 4
+        c = (p % 128) // 16 | ((r >> 2) & 15) << 3
+        t = (r & 1) | j << 1 | ((r >> 1) & 1) << 3
+    return t * MMA_HEAD_DIM + c
 
 
 def _exponent_view(pages: torch.Tensor, layout: str):
@@ -143,6 +203,10 @@ def _exponent_view(pages: torch.Tensor, layout: str):
     nb = PAGE_TOKENS * d // BLOCK_VALUES
     e = (pages.view(torch.int16) >> 7) & 0xFF
     lead = pages.shape[:-2]
+    if layout == "k_mma":                           # the token layout's blocks
+        layout = "token"
+    if layout == "v_mma":                           # tokens (t >> 1) & 3 == j: [t3, j, t0, d]
+        return e.reshape(*lead, 2, 4, 2, d), (-4, -2, -1)
     if layout == "token":
         return e.reshape(*lead, nb, BLOCK_VALUES // d, d), (-2, -1)
     return e.reshape(*lead, PAGE_TOKENS, nb, 32), (-3, -1)
@@ -157,8 +221,8 @@ def eligible(pages: torch.Tensor, layout: str = "token") -> torch.Tensor:
     the block lie in ``[b, b + 15]``, ``b`` = min exponent rounded down to even (§III-B).
     Works without copying the values (one int16 exponent tensor); fine for millions of values.
     """
-    _check_pages(pages)
     _check_layout(layout)
+    _check_layout_head_dim(layout, _check_pages(pages))
     e, dims = _exponent_view(pages, layout)
     lo = torch.amin(e, dim=dims) & ~1
     hi = torch.amax(e, dim=dims)
@@ -203,9 +267,10 @@ class PageMeta:
         nb = n_blocks(head_dim)
         if packed.dim() < 1 or packed.shape[-1] != nb:
             raise ValueError(f"packed must have shape [..., {nb}] for head_dim={head_dim}, got {tuple(packed.shape)}")
+        _check_layout_head_dim(_check_layout(layout), head_dim)
         comp = (packed >> 7).bool()
         base = torch.where(comp, (packed & 0x7F) << 1, torch.zeros_like(packed))
-        return cls(_check_layout(layout), head_dim, comp, base)
+        return cls(layout, head_dim, comp, base)
 
     def __getitem__(self, idx) -> "PageMeta":
         """Select pages (indexing the leading dims)."""
@@ -232,7 +297,8 @@ def _row_index(rows: int, n_units: int, device) -> torch.Tensor:
 def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Tensor = True):
     """Compress pages (§III-B).
 
-    pages: ``[..., 16, head_dim]`` bf16. layout: ``"token"`` or ``"channel"``.
+    pages: ``[..., 16, head_dim]`` bf16. layout: one of :data:`LAYOUTS` (the mma layouts need
+    head_dim 128).
     enable: ``False`` keeps every block raw; a bool tensor ``[..., n_blocks]`` compresses
     only eligible blocks where it is True (forcing a mix).
     Returns ``(payload, meta)``: payload uint8 ``[..., 32 * head_dim]`` (page slots, byte
@@ -256,8 +322,11 @@ def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Ten
         comp = torch.zeros_like(comp)
     base = torch.where(comp, emin, 0)
     code = ((high >> 7) << 3) | ((high & 0x7F) - (base >> 1)[..., None])  # garbage where raw
-    code = code.reshape(*lead, nb, 64, 2, 4)
-    codes = (code[..., 0, :] | (code[..., 1, :] << 4)).reshape(*lead, nb, 256)
+    if layout in MMA_LAYOUTS:                                        # values i, i + 256
+        codes = code[..., :256] | (code[..., 256:] << 4)
+    else:                                                            # values 8m + k, 8m + 4 + k
+        code = code.reshape(*lead, nb, 64, 2, 4)
+        codes = (code[..., 0, :] | (code[..., 1, :] << 4)).reshape(*lead, nb, 256)
     buf = torch.where(comp[..., None], torch.cat([low, codes, codes], -1), raw)
     meta = PageMeta(layout, d, comp, base)
     dst = _unit_map(meta)                                            # [..., nb*4]
@@ -296,8 +365,12 @@ def unpack(payload: torch.Tensor, meta: PageMeta) -> torch.Tensor:
     buf = units[_row_index(src.shape[0], 4 * nb, src.device), src]
     buf = buf.reshape(*lead, nb, RAW_BLOCK_BYTES)
     low = buf[..., :BLOCK_VALUES]
-    cb = buf[..., BLOCK_VALUES:PACKED_BLOCK_BYTES].reshape(*lead, nb, 64, 4)
-    code = torch.stack([cb & 15, cb >> 4], -2).reshape(*lead, nb, BLOCK_VALUES)
+    cb = buf[..., BLOCK_VALUES:PACKED_BLOCK_BYTES]
+    if meta.layout in MMA_LAYOUTS:
+        code = torch.cat([cb & 15, cb >> 4], -1)
+    else:
+        cb = cb.reshape(*lead, nb, 64, 4)
+        code = torch.stack([cb & 15, cb >> 4], -2).reshape(*lead, nb, BLOCK_VALUES)
     high = ((code >> 3) << 7) | ((meta.base >> 1)[..., None] + (code & 7))
     rebuilt = torch.stack([low, high], -1).reshape(*lead, nb, RAW_BLOCK_BYTES)
     x = torch.where(meta.compressed[..., None], rebuilt, buf).contiguous()

@@ -65,6 +65,10 @@ reports registers, spills, shared memory and async copies.
 Splits write normalised partial outputs and a log2-sum-exp; a second small kernel merges
 them.
 
+The mma layouts of :mod:`zipkv.format` (``k_mma`` / ``v_mma``, head_dim 128), arranged for the
+tensor cores' operand fragments, are decoded by a Gluon kernel instead
+(:mod:`zipkv.kernels.decode_mma`): same cache, page table, routing and merge; CUDA only.
+
 Numerics: on the GPU, bf16 ``tl.dot`` (fp32 accumulate), bf16 P for PV. Under
 ``TRITON_INTERPRET=1`` bf16 math is wrong, so the rebuilt bits are turned into fp32 (exact:
 bf16 bits << 16) and all dots run in fp32 (``FP32`` constexpr).
@@ -634,9 +638,8 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     _check_kv(v, "v")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    fmt._check_layout(k_layout, "k_layout")
-    fmt._check_layout(v_layout, "v_layout")
     B, H, T, D = k.shape
+    _check_layouts(k_layout, v_layout, D)
     dev = k.device
     lens = [T] * B if seq_lens is None else [int(x) for x in seq_lens]
     if len(lens) != B or any(not 1 <= x <= T for x in lens):
@@ -766,11 +769,15 @@ def _check_launch(launch):
         raise ValueError(f"launch must be a dict with keys from {LAUNCH_KEYS}, got {launch!r}")
 
 
+def _is_mma(cache) -> bool:
+    return cache.k_layout in fmt.MMA_LAYOUTS
+
+
 def _plan(cache, path: str):
     """Kernel launches for one call: list of (PATH, ROUTE)."""
     if path not in ("auto", "mixed"):
         raise ValueError(f"path must be 'auto' or 'mixed', got {path!r}")
-    if path == "mixed" or cache.k_layout != "token" or cache.v_layout != "token":
+    if path == "mixed" or (cache.k_layout, cache.v_layout) not in (("token", "token"), ("k_mma", "v_mma")):
         return [(PATH_MIXED, False)]
     kind = cache.kind()
     if kind == "compressed":
@@ -784,12 +791,21 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
 
 
+def _check_layouts(k_layout, v_layout, head_dim, prefix=""):
+    fmt._check_layout(k_layout, f"{prefix}k_layout")
+    fmt._check_layout(v_layout, f"{prefix}v_layout")
+    fmt._check_layout_head_dim(k_layout, head_dim, f"{prefix}k_layout")
+    fmt._check_layout_head_dim(v_layout, head_dim, f"{prefix}v_layout")
+    if (k_layout in fmt.MMA_LAYOUTS or v_layout in fmt.MMA_LAYOUTS) and (k_layout, v_layout) != ("k_mma", "v_mma"):
+        raise ValueError(f"{prefix}k_layout/v_layout: the mma layouts go together (k_layout='k_mma', "
+                         f"v_layout='v_mma'), got k_layout={k_layout!r}, v_layout={v_layout!r}")
+
+
 def _check_cache(cache):
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     fmt._check_head_dim(cache.head_dim, "cache.head_dim")
-    fmt._check_layout(cache.k_layout, "cache.k_layout")
-    fmt._check_layout(cache.v_layout, "cache.v_layout")
+    _check_layouts(cache.k_layout, cache.v_layout, cache.head_dim, "cache.")
     p, d = cache.pool, cache.desc
     if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous():
         raise TypeError(f"cache.pool must be a contiguous 1-D uint8 tensor, got "
@@ -816,6 +832,38 @@ def _check_index(x, name, n=None):
         raise ValueError(f"{name} must be contiguous, got stride {x.stride()}")
 
 
+MMA_LAUNCH = dict(programs_per_sm=4, stages=3)
+"""Launch options of the mma-layout kernel (one warp per program): the split-KV target in programs
+per SM and the pipeline depth (shared-memory ring slots); ``launch`` overrides them."""
+
+
+def _decode_mma(q, cache, indptr, indices, last_page_len, plan, softmax_scale, num_splits, out, launch, interp):
+    """The mma layouts' kernel (:mod:`zipkv.kernels.decode_mma`): CUDA only."""
+    if q.device.type != "cuda" or interp:
+        raise ValueError(f"the k_mma/v_mma layouts are decoded by a Gluon kernel that needs a CUDA GPU "
+                         f"(q is on {q.device}{', TRITON_INTERPRET=1' if interp else ''}); "
+                         f"use the 'token' layouts on the CPU")
+    B, HQ, D = q.shape
+    HKV = cache.kv_heads
+    if HQ // HKV > 16:
+        raise ValueError(f"q: the mma-layout kernel takes at most 16 query heads per KV head, got "
+                         f"{HQ // HKV} ({HQ} q heads, {HKV} kv heads)")
+    cfg = {**MMA_LAUNCH, **(launch or {})}
+    if cfg["stages"] < 2:
+        raise ValueError(f"launch['stages'] (ring slots of the mma-layout kernel) must be >= 2, got {cfg['stages']}")
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        avg_pages = max(1, indices.numel() // B - 1)
+        num_splits = max(1, min(avg_pages, math.ceil(cfg["programs_per_sm"] * sms / (B * HKV))))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    from zipkv.kernels.decode_mma import decode_mma
+    path_ids = {PATH_COMP: 0, PATH_RAW: 1, PATH_MIXED: 2}
+    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    return decode_mma(q, cache, indptr, indices, last_page_len, cache.page_kinds(),
+                      [(path_ids[p], r) for p, r in plan], scale, num_splits, out, slots=cfg["stages"])
+
+
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
                      indices: torch.Tensor, last_page_len: torch.Tensor, *,
                      softmax_scale: float | None = None, num_splits: int | None = None,
@@ -837,7 +885,10 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     from the cache's page kinds (:meth:`PagedKVCache.page_kinds`; the cache-wide kind,
     computed once with one sync, picks a single launch when the cache is uniform, three
     routed launches otherwise). ``"mixed"`` sends everything through the mixed kernel.
-    Channel layouts always use the mixed kernel.
+    Channel layouts always use the mixed kernel. The mma layouts (``k_layout='k_mma'``,
+    ``v_layout='v_mma'``, head_dim 128) go to the Gluon kernel of :mod:`zipkv.kernels.decode_mma`
+    (CUDA only; all-compressed and all-raw pages pipelined, other pages and each request's last
+    page element by element), launch options :data:`MMA_LAUNCH`.
     launch: overrides of the GPU launch options (keys :data:`LAUNCH_KEYS`) for every launched
     specialisation; default :func:`launch_config` per specialisation.
     Returns bf16 ``[batch, q_heads, head_dim]``.
@@ -882,6 +933,9 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     _check_launch(launch)
     interp = _interpreting()
     plan = _plan(cache, path)
+    if _is_mma(cache):
+        return _decode_mma(q, cache, indptr, indices, last_page_len, plan, softmax_scale, num_splits, out,
+                           launch, interp)
     gpu = torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else None
     configs = [{**launch_config(PATHS[p], gpu), **(launch or {})} for p, _ in plan]
     ppt = pages_per_tile or (1 if interp else configs[0]["pages_per_tile"])

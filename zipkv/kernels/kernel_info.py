@@ -21,7 +21,8 @@ import re
 import subprocess
 import tempfile
 
-__all__ = ["compile_info", "decode_attention_info", "pack_info", "table", "table_in_subprocess", "programs_per_sm"]
+__all__ = ["compile_info", "decode_attention_info", "decode_mma_info", "pack_info", "table", "table_in_subprocess",
+           "programs_per_sm"]
 
 
 def _ptxas() -> str:
@@ -79,7 +80,9 @@ def compile_info(fn, signature: dict, constexprs: dict, *, num_warps: int = 4, n
         else:
             raise ValueError(f"no type for argument {name!r} of {fn.__name__}")
     attrs = {(i,): [["tt.divisibility", 16]] for i in divisible}
-    src = ASTSource(fn=fn, signature=sig, constexprs=dict(constexprs), attrs=attrs)
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    source = GluonASTSource if isinstance(fn, GluonJITFunction) else ASTSource
+    src = source(fn=fn, signature=sig, constexprs=dict(constexprs), attrs=attrs)
     c = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=num_warps, num_stages=num_stages, **options))
     ttgir, ptx = c.asm["ttgir"], c.asm["ptx"]
@@ -160,14 +163,41 @@ def pack_info(head_dim: int = 128, layout: str = "token", *, pages_per_program: 
     return info
 
 
+def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: int = 8, splits: int = 2,
+                    slots: int | None = None, arch: int = 90, keep_asm: bool = False) -> dict:
+    """Resources of the Gluon decode kernel (:mod:`zipkv.kernels.decode_mma`, one warp): ``path``
+    ``"compressed"`` or ``"raw"`` (the pipelined kernel, ``slots`` ring slots, default its launch
+    option) or ``"any page"`` (the element-by-element kernel, with the mixed-page body)."""
+    from zipkv.kernels import decode_mma as dm
+    from zipkv.kernels.decode_attention import MMA_LAUNCH
+
+    sig = {"q_ptr": "*bf16", "pool_ptr": "*u8", "desc_ptr": "*i64", "indptr_ptr": "*i32", "indices_ptr": "*i32",
+           "last_ptr": "*i32", "kind_ptr": "*u8", "part_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits)
+    if path == "any page":
+        fn, stages = dm._any_page_kernel, 1
+        cst.update(BODY=True, ROUTE=True, PIPE=3)
+    elif path in ("compressed", "raw"):
+        fn, stages = dm._pipelined_kernel, slots or MMA_LAUNCH["stages"]
+        cst.update(RAW=path == "raw", ROUTE=False, SLOTS=stages)
+    else:
+        raise ValueError(f"path must be 'compressed', 'raw' or 'any page', got {path!r}")
+    info = compile_info(fn, sig, cst, num_warps=1, num_stages=stages, arch=arch, divisible=tuple(range(9)),
+                        keep_asm=keep_asm)
+    info.update(path=path)
+    return info
+
+
 def table(configs=None):
     """A small pandas table of :func:`decode_attention_info` for the three paths at the
-    benchmark shape (pages_per_tile 4 and 8) plus :func:`pack_info`."""
+    benchmark shape (pages_per_tile 4 and 8), :func:`decode_mma_info` for the Gluon kernel's three
+    and :func:`pack_info`."""
     import pandas as pd
 
     configs = configs or [dict(path=p, pages_per_tile=t) for p in ("compressed", "raw", "mixed")
                           for t in (4, 8)]
-    rows = [decode_attention_info(**c) for c in configs] + [pack_info()]
+    rows = [decode_attention_info(**c) for c in configs]
+    rows += [decode_mma_info(p) for p in ("compressed", "raw", "any page")] + [pack_info()]
     cols = ["kernel", "path", "pages_per_tile", "num_warps", "num_stages", "registers", "spill_stores",
             "spill_loads", "stack_bytes", "shared_bytes", "cp_async_ptx", "ld_global_v4"]
     return pd.DataFrame(rows).reindex(columns=cols)

@@ -80,7 +80,12 @@ def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
     b4 = (base_hi * 0x01010101)[:, None]
     c0 = ((H0 >> 4) & 0x08080808) | ((H0 & 0x7F7F7F7F) - b4)
     c1 = ((H1 >> 4) & 0x08080808) | ((H1 & 0x7F7F7F7F) - b4)
-    codes = c0 | (c1 << 4)                     # [BLK, 64]
+    if LAYOUT >= 2:                            # mma layouts: code byte i pairs values i and i + 256
+        lo_hi = tl.join(c0, c1).reshape([BLK, 2, 64]).permute(0, 2, 1)   # word w: values 4w .. 4w+3 (+ 256)
+        c_lo, c_hi = tl.split(lo_hi)
+        codes = c_lo | (c_hi << 4)
+    else:                                      # values 8m + k and 8m + 4 + k
+        codes = c0 | (c1 << 4)                 # [BLK, 64]
 
     # block offsets inside the slot: 1024*j - 256 * (#compressed blocks before j), in words
     f = comp.to(tl.int32).reshape([PAGES, NB])
@@ -149,6 +154,10 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
     Returns the metadata bytes uint8 ``[N, n_blocks]`` (``flag << 7 | b >> 1``).
     """
     fmt._check_layout(layout)
+    fmt._check_layout_head_dim(layout, head_dim)
+    if layout in fmt.MMA_LAYOUTS and not src_packed:
+        raise ValueError(f"layout {layout!r}: pack_into reads mma-layout pages only as all-raw packed slots "
+                         f"(src_packed=True); pack_pages takes plain pages")
     nb = fmt.n_blocks(head_dim)
     for name, buf in (("src", src), ("dst", dst)):
         if not isinstance(buf, torch.Tensor):
@@ -204,7 +213,8 @@ def pack_pages(pages: torch.Tensor, layout: str = "token", *, out: torch.Tensor 
     pages: bf16 ``[N, 16, head_dim]`` contiguous. out: uint8 ``[N, 32 * head_dim]``
     contiguous, or ``pages`` viewed as uint8 (the same memory) to compress in place.
     Returns ``(payload, meta)`` like :func:`zipkv.format.pack` (equal in each page's first
-    ``meta.nbytes`` bytes; the rest of a slot is left as it was).
+    ``meta.nbytes`` bytes; the rest of a slot is left as it was). The mma layouts first gather the
+    pages into block order (one extra pass in torch), then compress them as raw slots.
     """
     d = fmt._check_pages(pages)
     fmt._check_layout(layout)
@@ -231,6 +241,12 @@ def pack_pages(pages: torch.Tensor, layout: str = "token", *, out: torch.Tensor 
         if a0 < b1 and b0 < a1 and a0 != b0:
             raise ValueError("out partially overlaps pages: pass disjoint memory, or the same memory to pack in place")
     off = torch.arange(n, dtype=torch.int64, device=pages.device) * pb
-    packed = pack_into(pages.view(-1), off, out.view(-1), off, d, layout,
+    mma = layout in fmt.MMA_LAYOUTS
+    if mma:                                    # into block order first (a gather), then as raw slots
+        blocks = fmt.to_blocks(pages, layout).contiguous().view(-1)
+        if out.data_ptr() == pages.data_ptr():
+            pages.view(-1).copy_(blocks)
+            blocks = pages.view(-1)
+    packed = pack_into(blocks if mma else pages.view(-1), off, out.view(-1), off, d, layout, src_packed=mma,
                        pages_per_program=pages_per_program, validate=False)   # offsets built here
     return out, fmt.PageMeta.from_packed(packed, layout, d)

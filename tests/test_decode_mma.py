@@ -1,0 +1,115 @@
+"""The mma layouts' decode kernel (zipkv.kernels.decode_mma, Gluon) vs the fp32 reference.
+
+Gluon has no interpreter, so the kernel cases need a CUDA GPU (skipped on the CPU, run on the
+H200); the errors and the routing are checked everywhere. The format of the mma layouts and the
+pack kernel are tested on the CPU in test_format.py and test_pack_kernel.py."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from zipkv.kernels.decode_attention import _plan, build_paged_cache, decode_attention  # noqa: E402
+from zipkv.kernels.reference import decode_attention_reference  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+needs_gpu = pytest.mark.skipif(not CUDA, reason="the Gluon kernel needs a CUDA GPU")
+
+
+def make_inputs(B, HKV, G, T, seed=0, outliers=True):
+    """q, k, v (bf16). K and V magnitudes span 2^-6 .. 2^2, so every block is compressible unless
+    ``outliers`` puts values far outside (then those blocks stay raw: mixed pages)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.exp2(torch.rand(B, HKV, T, 128, generator=g) * 8 - 6)
+            * (torch.randint(0, 2, (B, HKV, T, 128), generator=g) * 2 - 1) for _ in range(2))
+    if outliers:
+        k[..., 16:20, 3] *= 3e4
+        v[..., 33:34, -5] *= 1e-6
+    q = torch.randn(B, HKV * G, 128, generator=g)
+    return q.to(torch.bfloat16).to(DEV), k.to(torch.bfloat16).to(DEV), v.to(torch.bfloat16).to(DEV)
+
+
+def check(out, ref, tol_rms=1e-2, tol_max=3e-2):
+    out = out.float()
+    err = out - ref
+    rel = (err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
+    mx = err.abs().max().item()
+    msg = f"relative RMS error {rel:.3e}, max abs diff {mx:.3e}"
+    assert torch.isfinite(out).all(), msg
+    assert rel < tol_rms and mx < tol_max * max(1.0, ref.abs().max().item()), msg
+
+
+CASES = [
+    # B, HKV, G, T, seq_lens, splits, compress, outliers
+    (1, 1, 1, 1, None, None, "eligible", False),            # 1 token: the last page only
+    (1, 2, 3, 15, None, 1, "eligible", False),              # 15: one partial page
+    (1, 1, 4, 17, None, 1, "eligible", False),              # 17: one full page + 1 token
+    (3, 2, 3, 50, [1, 50, 33], 2, 0.5, True),               # variable lengths, mixed pages: routed
+    (2, 1, 4, 64, [64, 47], 3, "eligible", True),           # split-KV, full last page, some raw blocks
+    (2, 2, 1, 40, [40, 16], 2, "none", False),              # all raw: the uncompressed pipeline, G = 1
+    (2, 1, 8, 80, [80, 2], 4, "eligible", False),           # empty splits
+    (3, 2, 4, 700, [700, 513, 64], None, "eligible", False),  # the all-compressed pipeline, default splits
+    (2, 2, 4, 520, [520, 300], 5, "none", False),           # the all-raw pipeline
+]
+
+
+@needs_gpu
+@pytest.mark.parametrize("B,HKV,G,T,lens,splits,compress,outliers", CASES)
+def test_matches_reference(B, HKV, G, T, lens, splits, compress, outliers):
+    q, k, v = make_inputs(B, HKV, G, T, seed=T + G, outliers=outliers)
+    cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma",
+                                             compress=compress, compact=(T % 2 == 0))
+    out = decode_attention(q, cache, ip, idx, last, num_splits=splits)
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    check(out, decode_attention_reference(q, cache, ip, idx, last))
+    Ls = lens or [T] * B
+    for b in range(B):                             # and plain attention on the original K/V
+        kb = k[b, :, : Ls[b]].float().repeat_interleave(G, 0)
+        vb = v[b, :, : Ls[b]].float().repeat_interleave(G, 0)
+        s = torch.einsum("hd,htd->ht", q[b].float(), kb) / 128 ** 0.5
+        check(out[b], torch.einsum("ht,htd->hd", s.softmax(-1), vb))
+    # every page element by element gives the same attention
+    check(decode_attention(q, cache, ip, idx, last, num_splits=splits, path="mixed"),
+          decode_attention_reference(q, cache, ip, idx, last))
+
+
+@needs_gpu
+def test_all_zero_blocks_and_softmax_scale():
+    """A compressed all-zero block (base 0) decodes to zeros; a custom softmax scale is used."""
+    q, k, v = make_inputs(2, 1, 4, 96, seed=3, outliers=False)
+    k[:, :, 16:32] = 0
+    v[:, :, 32:48] = 0
+    cache, ip, idx, last = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma")
+    assert cache.stats()["frac_k"] == 1.0
+    out = decode_attention(q, cache, ip, idx, last, softmax_scale=0.05)
+    check(out, decode_attention_reference(q, cache, ip, idx, last, softmax_scale=0.05))
+
+
+def test_plan_routes_by_page_kinds():
+    q, k, v = make_inputs(2, 1, 2, 48, seed=1, outliers=False)
+    for compress, plan in (("eligible", [(0, False)]), ("none", [(1, False)]),
+                           (0.5, [(0, True), (1, True), (2, True)])):
+        cache, *_ = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma", compress=compress)
+        assert _plan(cache, "auto") == plan
+        assert _plan(cache, "mixed") == [(2, False)]
+
+
+def test_errors():
+    q, k, v = make_inputs(1, 1, 2, 20, seed=2)
+    cache, ip, idx, last = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma")
+    if not CUDA:
+        with pytest.raises(ValueError, match="needs a CUDA GPU.*use the 'token' layouts"):
+            decode_attention(q, cache, ip, idx, last)
+    with pytest.raises(ValueError, match="the 'k_mma' layout is defined for head_dim 128 only, got head_dim 64"):
+        build_paged_cache(k[..., :64].contiguous(), v[..., :64].contiguous(), k_layout="k_mma", v_layout="v_mma")
+    with pytest.raises(ValueError, match="the mma layouts go together"):
+        build_paged_cache(k, v, k_layout="k_mma", v_layout="token")
+    if CUDA:
+        q17, k17, v17 = make_inputs(1, 1, 17, 20, seed=2)
+        c17, ip17, idx17, last17 = build_paged_cache(k17, v17, k_layout="k_mma", v_layout="v_mma")
+        with pytest.raises(ValueError, match="at most 16 query heads per KV head, got 17"):
+            decode_attention(q17, c17, ip17, idx17, last17)

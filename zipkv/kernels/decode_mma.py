@@ -1,0 +1,424 @@
+"""Fused decode attention for the mma layouts (ZipFusion §III-C), written in Gluon.
+
+The caches of :mod:`zipkv.kernels.decode_attention` with ``k_layout="k_mma"`` and
+``v_layout="v_mma"`` (head_dim 128, see :mod:`zipkv.format`) store each 512-value block so that
+one thread's tensor-core operand values (``mma.m16n8k16``, bf16 B operand: keys for ``q @ K^T``,
+values for ``P @ V``) are two or four runs of 16 contiguous bytes. Gluon (Triton's explicit-layout
+dialect, ``triton.experimental.gluon``) lets the kernel say so: a page is copied with 16-byte
+``cp.async`` into a ring of shared-memory slots (each thread later reads back exactly the bytes
+it copied, so no barrier between threads is needed), read into registers in a blocked layout whose
+reshape/permute *is* the operand layout (the conversion is a register renaming, checked offline),
+rebuilt with integer ops and fed to ``mma``. Nothing is written back to shared memory and no layout
+conversion moves data between threads.
+
+One warp per program: grid ``(batch, kv_heads, num_splits)``, the program's ``G`` query rows padded
+to 16 (the A operand, kept in registers), online softmax over one page (16 tokens) per step.
+
+Specialisations (constexpr ``PATH``), as in the Triton kernel:
+
+* 0, all-compressed: full pages whose K and V blocks are all compressed. The rebuild uses a fixed
+  exponent base 128 (``high = sign << 7 | (64 + offset)``: one ``or`` per 4 values, no per-block
+  operand) and undoes it exactly with a power of two per token: ``2^(b - 128)`` on the scores for
+  keys, on P for values (a block with b = 0 gets 0: exact for an all-zero block; a value below
+  2^-126 would be flushed). Three-slot ring: the data of pages i+1 and i+2, the descriptors of
+  page i+3 and the page id of i+4 are in flight while page i is computed.
+* 1, all-raw: the same pipeline on raw blocks (bf16 in block position order): the uncompressed
+  baseline, the same kernel with compression switched off.
+* 2, any page: per-element addresses from the block descriptors (compressed or raw, exact base),
+  for mixed pages and the request's last page (partial: raw), which every path handles after its
+  loop, in the last split.
+
+Routing is :func:`zipkv.kernels.decode_attention.decode_attention`'s: one launch for a uniform
+cache, three routed launches (each program classifies its request from the page kinds) otherwise.
+
+Gluon has no interpreter (``TRITON_INTERPRET=1``): this kernel runs on CUDA GPUs only; its tests
+run on the GPU, the format and the pack kernel are tested on the CPU.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+__all__ = ["decode_mma"]
+
+D = 128
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
+# Key page in registers: [16 tokens, 4 lanes q, 16 values]: lanes = q, t0..t2; registers = values, t3.
+K_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[8, 4, 1],
+                                       warps_per_cta=[1, 1, 1], order=[2, 1, 0]))
+# Value block chunk in registers: [4 blocks, 8 lanes m, 16 values]: lanes = block (t1, t2), c0..c2.
+V_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[4, 8, 1],
+                                       warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
+ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
+RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+SCALES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
+COLS = gl.constexpr(gl.SliceLayout(0, MMA.value))
+
+
+# ----------------------------------------------------------------------------- rebuild
+
+@gluon.jit
+def _rebuild128(low, code, HIGH: gl.constexpr):
+    """uint8 low bytes + uint8 code bytes (low or HIGH nibble) -> bf16 with exponent base 128,
+    4 values per asm: high byte ``(c << 4) & 0x80 | c & 7 | 0x40``, two byte permutes."""
+    if HIGH:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t; and.b32 n, $3, 0x80808080; shr.b32 t, $3, 4; and.b32 t, t, 0x07070707; "
+            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "=r,=r,r,r", [low, code], dtype=gl.bfloat16, is_pure=True, pack=4)
+    else:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; and.b32 t, $3, 0x07070707; "
+            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "=r,=r,r,r", [low, code], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _pow2(b2):
+    """``2^(b - 128)`` for the block base ``b = 2 * b2`` (fp32; 0 for b = 0, below the normal range)."""
+    e = 2 * b2.to(gl.int32) - 1
+    return gl.where(e > 0, e << 23, 0).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _key_operand(k0, k1):
+    """The two key halves ``[16, 4, 16]`` (channel bit 6 = 0, 1) -> the B operand ``[128, 16]``."""
+    k = gl.join(k0, k1).reshape([16, 4, 8, 2, 2]).permute([4, 2, 1, 3, 0]).reshape([128, 16])
+    return gl.convert_layout(k, B_OP)
+
+
+@gluon.jit
+def _value_operand(v0, v1, v2, v3):
+    """The four value chunks ``[4, 8, 16]`` (channel bits 5, 6) -> the B operand ``[16, 128]``."""
+    v = gl.join(gl.join(v0, v1), gl.join(v2, v3))                    # [blk, m, r, c5, c6]
+    v = v.reshape([2, 2, 8, 2, 2, 2, 2, 2, 2]).permute([5, 0, 1, 6, 8, 7, 3, 4, 2]).reshape([16, 128])
+    return gl.convert_layout(v, B_OP)
+
+
+@gluon.jit
+def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale):
+    """One page: scores (log2 domain, scaled per token), online softmax, ``acc += P @ V``."""
+    sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    pb = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16), A_OP)
+    return m_new, l_i, mma_v2(pb, vop, acc * alpha[:, None])
+
+
+# ----------------------------------------------------------------------------- pipelined paths
+
+@gluon.jit
+def _descs(desc_ptr, page, h, HKV: gl.constexpr):
+    """Descriptors of one page: keys per token row ``[16]``, values per block ``[4]``."""
+    kt = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, K_REGS)))
+    vb = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, V_REGS)))
+    kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + kt // 4)
+    vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + vb)
+    return kd, vd
+
+
+@gluon.jit
+def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, RAW: gl.constexpr):
+    """Per token of the page (an S / P column): the key scale (softmax scale included) and the
+    value scale, ``2^(b - 128)`` of the token's block (1 for raw pages)."""
+    st = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    if RAW:
+        return gl.full([16], qk_scale, gl.float32, layout=gl.SliceLayout(0, MMA)), \
+            gl.full([16], 1.0, gl.float32, layout=gl.SliceLayout(0, MMA))
+    kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + st // 4)
+    vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + (st >> 1) % 4)
+    return _pow2(kd & 0x7F) * qk_scale, _pow2(vd & 0x7F)
+
+
+@gluon.jit
+def _issue(pool_ptr, kbuf, vbuf, slot, kd, vd, RAW: gl.constexpr):
+    """cp.async of one page into ring ``slot``: keys as 3 (raw: 2) tiles ``[16, 4, 16]``, values as
+    6 (raw: 4) chunks ``[4, 8, 16]``; 16 contiguous bytes per thread and copy."""
+    kt = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, K_REGS)))
+    kq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_REGS)))
+    kj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_REGS)))
+    vm = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_REGS)))
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))
+    k_in = (kq * 16)[None, :, None] + kj[None, None, :]
+    v_in = (vm * 16)[None, :, None] + vr[None, None, :]
+    if RAW:                                  # bf16 in position order: the same indices in 2-byte units
+        pool16 = pool_ptr.to(gl.pointer_type(gl.bfloat16))
+        ka = pool16 + gl.multiple_of((kd >> 9) + (kt % 4) * 64, 8)[:, None, None] + k_in
+        async_copy.async_copy_global_to_shared(kbuf.index(slot * 2 + 0), ka)
+        async_copy.async_copy_global_to_shared(kbuf.index(slot * 2 + 1), ka + 256)
+        va = pool16 + gl.multiple_of(vd >> 9, 128)[:, None, None] + v_in
+        for c in gl.static_range(4):
+            async_copy.async_copy_global_to_shared(vbuf.index(slot * 4 + c), va + c * 128)
+    else:
+        ka = pool_ptr + gl.multiple_of((kd >> 8) + (kt % 4) * 64, 16)[:, None, None] + k_in
+        for c in gl.static_range(3):         # low bytes, channel bit 6 = 0 / 1; codes
+            async_copy.async_copy_global_to_shared(kbuf.index(slot * 3 + c), ka + c * 256)
+        va = pool_ptr + gl.multiple_of(vd >> 8, 256)[:, None, None] + v_in
+        for c in gl.static_range(6):         # low bytes, channel bits (5, 6) = c; codes, bit 5 = c - 4
+            async_copy.async_copy_global_to_shared(vbuf.index(slot * 6 + c), va + c * 128)
+
+
+@gluon.jit
+def _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, k_scale, v_scale, RAW: gl.constexpr):
+    if RAW:
+        kop = _key_operand(kbuf.index(slot * 2).load(K_REGS), kbuf.index(slot * 2 + 1).load(K_REGS))
+        vop = _value_operand(vbuf.index(slot * 4).load(V_REGS), vbuf.index(slot * 4 + 1).load(V_REGS),
+                             vbuf.index(slot * 4 + 2).load(V_REGS), vbuf.index(slot * 4 + 3).load(V_REGS))
+    else:
+        kc = kbuf.index(slot * 3 + 2).load(K_REGS)
+        kop = _key_operand(_rebuild128(kbuf.index(slot * 3).load(K_REGS), kc, False),
+                           _rebuild128(kbuf.index(slot * 3 + 1).load(K_REGS), kc, True))
+        c0 = vbuf.index(slot * 6 + 4).load(V_REGS)
+        c1 = vbuf.index(slot * 6 + 5).load(V_REGS)
+        vop = _value_operand(_rebuild128(vbuf.index(slot * 6).load(V_REGS), c0, False),
+                             _rebuild128(vbuf.index(slot * 6 + 1).load(V_REGS), c1, False),
+                             _rebuild128(vbuf.index(slot * 6 + 2).load(V_REGS), c0, True),
+                             _rebuild128(vbuf.index(slot * 6 + 3).load(V_REGS), c1, True))
+    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale)
+
+
+@gluon.jit
+def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, h, qk_scale,
+               HKV: gl.constexpr, RAW: gl.constexpr, SLOTS: gl.constexpr):
+    """Pages [lo, hi) (hi > lo) of one request through a ring of SLOTS shared-memory slots: while
+    page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
+    the page id of i+SLOTS+1 are in flight. The per-token scales wait in the ring too."""
+    NK: gl.constexpr = 2 if RAW else 3
+    NV: gl.constexpr = 4 if RAW else 6
+    ELEM: gl.constexpr = gl.bfloat16 if RAW else gl.uint8
+    kbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NK, 16, 4, 16], RING)
+    vbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NV, 4, 8, 16], RING)
+    sbuf = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, 16], SCALES)
+    last = hi - 1
+    for j in gl.static_range(SLOTS - 1):
+        pg = gl.load(indices_ptr + p_start + gl.minimum(lo + j, last)).to(gl.int64)
+        kd, vd = _descs(desc_ptr, pg, h, HKV)
+        _issue(pool_ptr, kbuf, vbuf, j, kd, vd, RAW)
+        async_copy.commit_group()
+        ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, RAW)
+        sbuf.index(2 * j).store(ks)
+        sbuf.index(2 * j + 1).store(vs)
+    pga = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS - 1, last)).to(gl.int64)
+    kdn, vdn = _descs(desc_ptr, pga, h, HKV)
+    pgn = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS, last)).to(gl.int64)
+    for i in range(lo, hi):
+        ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of page i + SLOTS - 1
+        _issue(pool_ptr, kbuf, vbuf, ahead, kdn, vdn, RAW)
+        async_copy.commit_group()
+        ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, RAW)
+        sbuf.index(2 * ahead).store(ks)
+        sbuf.index(2 * ahead + 1).store(vs)
+        kdn, vdn = _descs(desc_ptr, pgn, h, HKV)                         # page i + SLOTS
+        pga = pgn
+        pgn = gl.load(indices_ptr + p_start + gl.minimum(i + SLOTS + 1, last)).to(gl.int64)
+        async_copy.wait_group(SLOTS - 1)                                  # page i has landed
+        slot = (i - lo) % SLOTS
+        m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, sbuf.index(2 * slot).load(COLS),
+                                 sbuf.index(2 * slot + 1).load(COLS), RAW)
+    async_copy.wait_group(0)
+    return m_i, l_i, acc
+
+
+# ----------------------------------------------------------------------------- any page
+
+@gluon.jit
+def _element_bits(pool_ptr, dsc, p, ok):
+    """bf16 bits (int32) of the value at block position ``p`` of the block described by ``dsc``,
+    compressed (exact base) or raw; 0 where not ``ok``."""
+    addr = dsc >> 8
+    comp = ((dsc >> 7) & 1) != 0
+    low = gl.load(pool_ptr + addr + p, mask=ok & comp, other=0).to(gl.int32)
+    cb = gl.load(pool_ptr + addr + 512 + p % 256, mask=ok & comp, other=0).to(gl.int32)
+    code = gl.where(p >= 256, cb >> 4, cb & 15)
+    high = ((code >> 3) << 7) | ((dsc & 0x7F).to(gl.int32) + (code & 7))
+    pool16 = pool_ptr.to(gl.pointer_type(gl.int16))
+    raw = gl.load(pool16 + (addr >> 1) + p, mask=ok & ~comp, other=0).to(gl.int32) & 0xFFFF
+    return gl.where(comp, (high << 8) | low, raw)
+
+
+@gluon.jit
+def _any_page(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, valid, qk_scale, HKV: gl.constexpr):
+    """One page of any kind (mixed blocks, raw, partial: ``valid`` tokens), element by element."""
+    page = page.to(gl.int64)
+    c = gl.arange(0, 128, layout=gl.SliceLayout(1, B_OP))[:, None]         # keys [128 ch, 16 tok]
+    t = gl.arange(0, 16, layout=gl.SliceLayout(0, B_OP))[None, :]
+    kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + t // 4)
+    kp = (c >> 6) * 256 + (((c >> 1) & 3) | (t % 4) << 2) * 16 + ((c & 1) | ((c >> 3) & 7) << 1)
+    kbits = _element_bits(pool_ptr, kd, kp, t < valid)
+    kop = kbits.to(gl.int16).to(gl.bfloat16, bitcast=True)
+    tv = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))[:, None]        # values [16 tok, 128 ch]
+    cv = gl.arange(0, 128, layout=gl.SliceLayout(0, B_OP))[None, :]
+    vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + (tv >> 1) % 4)
+    r = (tv & 1) | ((tv >> 3) & 1) << 1 | ((cv >> 3) & 15) << 2
+    vp = (r >> 4) * 128 + (cv & 7) * 16 + (r & 15)
+    vbits = _element_bits(pool_ptr, vd, vp, tv < valid)
+    vop = vbits.to(gl.int16).to(gl.bfloat16, bitcast=True)
+    st = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA))
+    sc = gl.where((st < valid)[None, :], sc * qk_scale, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(sc, axis=1))                            # finite: valid >= 1
+    alpha = gl.exp2(m_i - m_new)
+    p = gl.exp2(sc - m_new[:, None])
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    pb = gl.convert_layout(p.to(gl.bfloat16), A_OP)
+    return m_new, l_i, mma_v2(pb, vop, acc * alpha[:, None])
+
+
+@gluon.jit
+def _route(indices_ptr, kind_ptr, p_start, npages, h, HKV: gl.constexpr):
+    """Class of (request, kv head) from the page kinds: 0 every page but the last all-compressed,
+    1 every page raw, 2 anything else."""
+    bad_c = 0
+    bad_r = 0
+    for c0 in range(0, npages, 32):
+        pg = c0 + gl.arange(0, 32, layout=ROWS)
+        m = pg < npages
+        page = gl.load(indices_ptr + p_start + pg, mask=m, other=0).to(gl.int64)
+        kd = gl.load(kind_ptr + page * HKV + h, mask=m, other=0)
+        bad_c += gl.sum((m & (pg < npages - 1) & (kd != 1)).to(gl.int32), axis=0)
+        bad_r += gl.sum((m & (kd != 2)).to(gl.int32), axis=0)
+    return gl.where(bad_c == 0, 0, gl.where(bad_r == 0, 1, 2))
+
+
+# ----------------------------------------------------------------------------- kernel
+
+@gluon.jit
+def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr):
+    """The request's pages, this split's share [lo, hi) of its full pages before the last, q as the
+    A operand and an empty softmax state."""
+    p_start = gl.load(indptr_ptr + b)
+    npages = gl.load(indptr_ptr + b + 1) - p_start
+    per = gl.cdiv(npages - 1, SPLITS)
+    lo = gl.minimum(s * per, npages - 1)
+    hi = gl.minimum(lo + per, npages - 1)
+    gq = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
+    dq = gl.arange(0, 128, layout=gl.SliceLayout(0, A_OP))
+    q_rows = b * (HKV * G) + h * G + gq
+    q = gl.load(q_ptr + q_rows[:, None] * 128 + dq[None, :], mask=(gq < G)[:, None], other=0.0)
+    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([16, 128], gl.float32, layout=MMA)
+    return p_start, npages, lo, hi, q, m_i, l_i, acc
+
+
+@gluon.jit
+def _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, slot, mine, HKV: gl.constexpr, G: gl.constexpr,
+                 SLOTS: gl.constexpr):
+    """Normalised partial output and log2-sum-exp of one split slot (empty: l = 0, lse = -inf, o = 0)."""
+    go = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+    gm = (go < G) & mine
+    den = gl.where(l_i > 0, l_i, 1.0)
+    lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
+    prow = (b * (HKV * G) + h * G + go) * SLOTS + slot
+    gl.store(part_ptr + prow[:, None] * 128 + do[None, :], acc / den[:, None], mask=gm[:, None])
+    gl.store(lse_ptr + prow, lse, mask=gm)
+
+
+@gluon.jit
+def _last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages, b, h, kind, HKV: gl.constexpr):
+    """Whether the request's last page is full and of page ``kind`` (1 all-compressed, 2 all-raw):
+    then the last split of that kind's pipeline takes it and the element-by-element kernel skips it."""
+    page = gl.load(indices_ptr + p_start + npages - 1).to(gl.int64)
+    return (gl.load(last_ptr + b) == 16) & (gl.load(kind_ptr + page * HKV + h) == kind)
+
+
+@gluon.jit
+def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, kind_ptr, part_ptr,
+                      lse_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
+                      RAW: gl.constexpr, ROUTE: gl.constexpr, SLOTS: gl.constexpr):
+    """Grid (batch, kv_heads, splits), one warp: split s of the request's full pages before its
+    last (the last split also takes the last page if it is full and of this kind), all-compressed
+    (or all-raw: RAW) pages through the cp.async ring. With ROUTE, only requests of that class
+    (the others write nothing)."""
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    s = gl.program_id(2)
+    p_start, npages, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS)
+    mine = True
+    if ROUTE:
+        mine = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV) == (1 if RAW else 0)
+    if (s == SPLITS - 1) & _last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages, b, h,
+                                             2 if RAW else 1, HKV):
+        hi = npages
+    if mine & (hi > lo):
+        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, h,
+                                   qk_scale, HKV, RAW, SLOTS)
+    _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, mine, HKV, G, SPLITS + 1)
+
+
+@gluon.jit
+def _any_page_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, kind_ptr, part_ptr, lse_ptr,
+                     qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, BODY: gl.constexpr,
+                     ROUTE: gl.constexpr, PIPE: gl.constexpr):
+    """Grid (batch, kv_heads, splits + 1), one warp, pages of any kind element by element. Program
+    s = splits: the request's last page, unless a pipeline took it (PIPE: 0 none ran, 1 / 2 the
+    all-compressed / all-raw one for every request, 3 both, routed). Programs s < splits, when BODY:
+    split s of the full pages before the last (with ROUTE, only requests of the mixed class)."""
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    s = gl.program_id(2)
+    p_start, npages, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS)
+    cls = 2
+    if ROUTE or PIPE == 3:
+        cls = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV)
+    take_last = s == SPLITS
+    if PIPE == 3:
+        take_last = take_last & ~((cls < 2) & _last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages,
+                                                                   b, h, cls + 1, HKV))
+    elif PIPE > 0:
+        take_last = take_last & ~_last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages, b, h, PIPE, HKV)
+    if BODY:
+        take_body = (s < SPLITS) & (cls == 2)
+    else:
+        take_body = s < 0
+    if take_last:
+        page = gl.load(indices_ptr + p_start + npages - 1)
+        m_i, l_i, acc = _any_page(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, gl.load(last_ptr + b),
+                                  qk_scale, HKV)
+    elif take_body:
+        for i in range(lo, hi):
+            page = gl.load(indices_ptr + p_start + i)
+            m_i, l_i, acc = _any_page(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, 16, qk_scale, HKV)
+    _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, (s == SPLITS) | take_body, HKV, G, SPLITS + 1)
+
+
+SLOTS = 3
+"""Ring slots of the pipelined kernel (pages in flight + 1)."""
+
+
+def decode_mma(q, cache, indptr, indices, last_page_len, kinds, plan, scale: float, num_splits: int,
+               out: torch.Tensor, slots: int = SLOTS) -> torch.Tensor:
+    """Launch the kernels of ``plan`` -- a list of ``(path, route)`` with path 0 all-compressed, 1
+    all-raw, 2 any page -- plus the last-page kernel, and merge the ``num_splits + 1`` split slots
+    into ``out``. Inputs are checked by the caller,
+    :func:`zipkv.kernels.decode_attention.decode_attention`."""
+    from zipkv.kernels.decode_attention import _merge_kernel
+
+    B, HQ, _ = q.shape
+    HKV, G = cache.kv_heads, HQ // cache.kv_heads
+    part = torch.empty(B, HQ, num_splits + 1, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, HQ, num_splits + 1, dtype=torch.float32, device=q.device)
+    qk_scale = scale * math.log2(math.e)
+    pipes = [(path, route) for path, route in plan if path < 2]
+    for path, route in pipes:
+        _pipelined_kernel[(B, HKV, num_splits)](
+            q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
+            HKV=HKV, G=G, SPLITS=num_splits, RAW=path == 1, ROUTE=route, SLOTS=slots, num_warps=1)
+    body = [route for path, route in plan if path == 2]
+    pipe = 0 if not pipes else 3 if len(pipes) > 1 else pipes[0][0] + 1
+    _any_page_kernel[(B, HKV, num_splits + 1)](
+        q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
+        HKV=HKV, G=G, SPLITS=num_splits, BODY=bool(body), ROUTE=bool(body) and body[0], PIPE=pipe, num_warps=1)
+    _merge_kernel[(B * HQ,)](part, lse, out, D=D, SPLITS=num_splits + 1,
+                             S_PAD=triton.next_power_of_2(num_splits + 1))
+    return out
