@@ -89,6 +89,19 @@ def test_all_zero_blocks_and_softmax_scale():
     check(out, decode_attention_reference(q, cache, ip, idx, last, softmax_scale=0.05))
 
 
+@needs_gpu
+def test_uniform_cache_with_a_short_last_page():
+    """A uniform all-compressed cache whose last pages hold fewer tokens than they store: the
+    pipeline takes them and masks the rest."""
+    q, k, v = make_inputs(3, 2, 4, 80, seed=4, outliers=False)
+    cache, ip, idx, last = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma")
+    assert cache.kind() == "compressed"
+    short = torch.tensor([16, 3, 9], dtype=torch.int32, device=DEV)
+    for splits in (1, 2):
+        check(decode_attention(q, cache, ip, idx, short, num_splits=splits),
+              decode_attention_reference(q, cache, ip, idx, short))
+
+
 def test_plan_routes_by_page_kinds():
     q, k, v = make_inputs(2, 1, 2, 48, seed=1, outliers=False)
     for compress, plan in (("eligible", [(0, False)]), ("none", [(1, False)]),

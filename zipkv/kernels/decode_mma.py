@@ -25,11 +25,14 @@ Specialisations (constexpr ``PATH``), as in the Triton kernel:
 * 1, all-raw: the same pipeline on raw blocks (bf16 in block position order): the uncompressed
   baseline, the same kernel with compression switched off.
 * 2, any page: per-element addresses from the block descriptors (compressed or raw, exact base),
-  for mixed pages and the request's last page (partial: raw), which every path handles after its
-  loop, in the last split.
+  for mixed pages, in a separate kernel (its register pressure would halve the pipeline's occupancy).
 
-Routing is :func:`zipkv.kernels.decode_attention.decode_attention`'s: one launch for a uniform
-cache, three routed launches (each program classifies its request from the page kinds) otherwise.
+The last split of a pipelined launch also takes the request's last page when it is of the launch's
+kind, masking the tokens past ``last_page_len``; any other last page goes to the element-by-element
+kernel, which writes one extra split slot. Routing is
+:func:`zipkv.kernels.decode_attention.decode_attention`'s: one pipelined launch for a uniform cache
+(and no element-by-element kernel), three routed launches (each program classifies its request from
+the page kinds) otherwise.
 
 Gluon has no interpreter (``TRITON_INTERPRET=1``): this kernel runs on CUDA GPUs only; its tests
 run on the GPU, the format and the pack kernel are tested on the CPU.
@@ -103,9 +106,12 @@ def _value_operand(v0, v1, v2, v3):
 
 
 @gluon.jit
-def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale):
-    """One page: scores (log2 domain, scaled per token), online softmax, ``acc += P @ V``."""
+def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid):
+    """One page of ``valid`` tokens: scores (log2 domain, scaled per token), online softmax,
+    ``acc += P @ V``."""
+    st = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
     sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
+    sc = gl.where((st < valid)[None, :], sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1))
     alpha = gl.exp2(m_i - m_new)
     p = gl.exp2(sc - m_new[:, None])
@@ -168,11 +174,14 @@ def _issue(pool_ptr, kbuf, vbuf, slot, kd, vd, RAW: gl.constexpr):
 
 
 @gluon.jit
-def _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, k_scale, v_scale, RAW: gl.constexpr):
+def _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, k_scale, v_scale, valid, RAW: gl.constexpr):
+    """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state."""
     if RAW:
         kop = _key_operand(kbuf.index(slot * 2).load(K_REGS), kbuf.index(slot * 2 + 1).load(K_REGS))
         vop = _value_operand(vbuf.index(slot * 4).load(V_REGS), vbuf.index(slot * 4 + 1).load(V_REGS),
                              vbuf.index(slot * 4 + 2).load(V_REGS), vbuf.index(slot * 4 + 3).load(V_REGS))
+        tv = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
+        vop = gl.where((tv < valid)[:, None], vop, 0.0)   # raw bytes past a partial page may be any bf16
     else:
         kc = kbuf.index(slot * 3 + 2).load(K_REGS)
         kop = _key_operand(_rebuild128(kbuf.index(slot * 3).load(K_REGS), kc, False),
@@ -183,13 +192,14 @@ def _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, k_scale, v_scale, RAW: gl.const
                              _rebuild128(vbuf.index(slot * 6 + 1).load(V_REGS), c1, False),
                              _rebuild128(vbuf.index(slot * 6 + 2).load(V_REGS), c0, True),
                              _rebuild128(vbuf.index(slot * 6 + 3).load(V_REGS), c1, True))
-    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale)
+    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid)
 
 
 @gluon.jit
-def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, h, qk_scale,
-               HKV: gl.constexpr, RAW: gl.constexpr, SLOTS: gl.constexpr):
-    """Pages [lo, hi) (hi > lo) of one request through a ring of SLOTS shared-memory slots: while
+def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, last_page, last_len, h,
+               qk_scale, HKV: gl.constexpr, RAW: gl.constexpr, SLOTS: gl.constexpr):
+    """Pages [lo, hi) (hi > lo) of one request (page ``last_page`` holds ``last_len`` tokens, the
+    others 16) through a ring of SLOTS shared-memory slots: while
     page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
     the page id of i+SLOTS+1 are in flight. The per-token scales wait in the ring too."""
     NK: gl.constexpr = 2 if RAW else 3
@@ -223,7 +233,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
         async_copy.wait_group(SLOTS - 1)                                  # page i has landed
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, sbuf.index(2 * slot).load(COLS),
-                                 sbuf.index(2 * slot + 1).load(COLS), RAW)
+                                 sbuf.index(2 * slot + 1).load(COLS), gl.where(i == last_page, last_len, 16), RAW)
     async_copy.wait_group(0)
     return m_i, l_i, acc
 
@@ -262,15 +272,8 @@ def _any_page(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, valid, qk_scale, HK
     vp = (r >> 4) * 128 + (cv & 7) * 16 + (r & 15)
     vbits = _element_bits(pool_ptr, vd, vp, tv < valid)
     vop = vbits.to(gl.int16).to(gl.bfloat16, bitcast=True)
-    st = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
-    sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA))
-    sc = gl.where((st < valid)[None, :], sc * qk_scale, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, axis=1))                            # finite: valid >= 1
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(sc - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    pb = gl.convert_layout(p.to(gl.bfloat16), A_OP)
-    return m_new, l_i, mma_v2(pb, vop, acc * alpha[:, None])
+    ones = gl.full([16], 1.0, gl.float32, layout=COLS)
+    return _softmax_step(q, kop, vop, m_i, l_i, acc, ones * qk_scale, ones, valid)
 
 
 @gluon.jit
@@ -325,21 +328,22 @@ def _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, slot, mine, HKV: gl.con
 
 
 @gluon.jit
-def _last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages, b, h, kind, HKV: gl.constexpr):
-    """Whether the request's last page is full and of page ``kind`` (1 all-compressed, 2 all-raw):
-    then the last split of that kind's pipeline takes it and the element-by-element kernel skips it."""
+def _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, kind, HKV: gl.constexpr):
+    """Whether the request's last page is of page ``kind`` (1 all-compressed, 2 all-raw): then the
+    last split of that kind's pipeline takes it (masking a partial page) and the element-by-element
+    kernel skips it."""
     page = gl.load(indices_ptr + p_start + npages - 1).to(gl.int64)
-    return (gl.load(last_ptr + b) == 16) & (gl.load(kind_ptr + page * HKV + h) == kind)
+    return gl.load(kind_ptr + page * HKV + h) == kind
 
 
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, kind_ptr, part_ptr,
                       lse_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-                      RAW: gl.constexpr, ROUTE: gl.constexpr, SLOTS: gl.constexpr):
+                      RAW: gl.constexpr, ROUTE: gl.constexpr, SLOTS: gl.constexpr, N_OUT: gl.constexpr):
     """Grid (batch, kv_heads, splits), one warp: split s of the request's full pages before its
-    last (the last split also takes the last page if it is full and of this kind), all-compressed
-    (or all-raw: RAW) pages through the cp.async ring. With ROUTE, only requests of that class
-    (the others write nothing)."""
+    last (the last split also takes the last page if it is of this kind), all-compressed (or
+    all-raw: RAW) pages through the cp.async ring, into split slot s of N_OUT. With ROUTE, only
+    requests of that class (the others write nothing)."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
@@ -347,13 +351,12 @@ def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_p
     mine = True
     if ROUTE:
         mine = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV) == (1 if RAW else 0)
-    if (s == SPLITS - 1) & _last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages, b, h,
-                                             2 if RAW else 1, HKV):
+    if (s == SPLITS - 1) & _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, 2 if RAW else 1, HKV):
         hi = npages
     if mine & (hi > lo):
-        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, h,
-                                   qk_scale, HKV, RAW, SLOTS)
-    _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, mine, HKV, G, SPLITS + 1)
+        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, npages - 1,
+                                   gl.load(last_ptr + b), h, qk_scale, HKV, RAW, SLOTS)
+    _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, mine, HKV, G, N_OUT)
 
 
 @gluon.jit
@@ -373,10 +376,10 @@ def _any_page_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_pt
         cls = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV)
     take_last = s == SPLITS
     if PIPE == 3:
-        take_last = take_last & ~((cls < 2) & _last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages,
-                                                                   b, h, cls + 1, HKV))
+        take_last = take_last & ~((cls < 2) & _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h,
+                                                                   cls + 1, HKV))
     elif PIPE > 0:
-        take_last = take_last & ~_last_in_pipeline(indices_ptr, last_ptr, kind_ptr, p_start, npages, b, h, PIPE, HKV)
+        take_last = take_last & ~_last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, PIPE, HKV)
     if BODY:
         take_body = (s < SPLITS) & (cls == 2)
     else:
@@ -399,26 +402,28 @@ SLOTS = 3
 def decode_mma(q, cache, indptr, indices, last_page_len, kinds, plan, scale: float, num_splits: int,
                out: torch.Tensor, slots: int = SLOTS) -> torch.Tensor:
     """Launch the kernels of ``plan`` -- a list of ``(path, route)`` with path 0 all-compressed, 1
-    all-raw, 2 any page -- plus the last-page kernel, and merge the ``num_splits + 1`` split slots
-    into ``out``. Inputs are checked by the caller,
+    all-raw, 2 any page -- plus, unless the cache is uniform (one pipelined launch takes every page),
+    the last-page kernel with its extra split slot, and merge the split slots into ``out``. Inputs are checked by the caller,
     :func:`zipkv.kernels.decode_attention.decode_attention`."""
     from zipkv.kernels.decode_attention import _merge_kernel
 
     B, HQ, _ = q.shape
     HKV, G = cache.kv_heads, HQ // cache.kv_heads
-    part = torch.empty(B, HQ, num_splits + 1, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, HQ, num_splits + 1, dtype=torch.float32, device=q.device)
-    qk_scale = scale * math.log2(math.e)
     pipes = [(path, route) for path, route in plan if path < 2]
+    uniform = len(plan) == 1 and pipes and not pipes[0][1]     # every page (last ones too) of one kind
+    n_out = num_splits if uniform else num_splits + 1          # + the element-by-element kernel's slot
+    part = torch.empty(B, HQ, n_out, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, HQ, n_out, dtype=torch.float32, device=q.device)
+    qk_scale = scale * math.log2(math.e)
     for path, route in pipes:
         _pipelined_kernel[(B, HKV, num_splits)](
             q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
-            HKV=HKV, G=G, SPLITS=num_splits, RAW=path == 1, ROUTE=route, SLOTS=slots, num_warps=1)
-    body = [route for path, route in plan if path == 2]
-    pipe = 0 if not pipes else 3 if len(pipes) > 1 else pipes[0][0] + 1
-    _any_page_kernel[(B, HKV, num_splits + 1)](
-        q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
-        HKV=HKV, G=G, SPLITS=num_splits, BODY=bool(body), ROUTE=bool(body) and body[0], PIPE=pipe, num_warps=1)
-    _merge_kernel[(B * HQ,)](part, lse, out, D=D, SPLITS=num_splits + 1,
-                             S_PAD=triton.next_power_of_2(num_splits + 1))
+            HKV=HKV, G=G, SPLITS=num_splits, RAW=path == 1, ROUTE=route, SLOTS=slots, N_OUT=n_out, num_warps=1)
+    if not uniform:
+        body = [route for path, route in plan if path == 2]
+        pipe = 0 if not pipes else 3 if len(pipes) > 1 else pipes[0][0] + 1
+        _any_page_kernel[(B, HKV, num_splits + 1)](
+            q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
+            HKV=HKV, G=G, SPLITS=num_splits, BODY=bool(body), ROUTE=bool(body) and body[0], PIPE=pipe, num_warps=1)
+    _merge_kernel[(B * HQ,)](part, lse, out, D=D, SPLITS=n_out, S_PAD=triton.next_power_of_2(n_out))
     return out
