@@ -14,6 +14,7 @@ import pytest  # noqa: E402
 
 from zipkv.kernels.decode_attention import _plan, build_paged_cache, decode_attention  # noqa: E402
 from zipkv.kernels.reference import decode_attention_reference  # noqa: E402
+from test_decode_attention import check  # noqa: E402  (the same tolerance as the Triton kernel's tests)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -31,16 +32,6 @@ def make_inputs(B, HKV, G, T, seed=0, outliers=True):
         v[..., 33:34, -5] *= 1e-6
     q = torch.randn(B, HKV * G, 128, generator=g)
     return q.to(torch.bfloat16).to(DEV), k.to(torch.bfloat16).to(DEV), v.to(torch.bfloat16).to(DEV)
-
-
-def check(out, ref, tol_rms=1e-2, tol_max=3e-2):
-    out = out.float()
-    err = out - ref
-    rel = (err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt()).item()
-    mx = err.abs().max().item()
-    msg = f"relative RMS error {rel:.3e}, max abs diff {mx:.3e}"
-    assert torch.isfinite(out).all(), msg
-    assert rel < tol_rms and mx < tol_max * max(1.0, ref.abs().max().item()), msg
 
 
 CASES = [
