@@ -1,8 +1,9 @@
-"""Triton kernels (one file per op) and their fp32 torch references (``reference.py``).
+"""Triton kernels (one file per op), the Gluon decode kernel of the mma layouts
+(``decode_mma.py``, CUDA only) and their fp32 torch references (``reference.py``).
 
 Launchers validate inputs and raise ``ValueError``/``TypeError``; kernels never see bad
-input. On CPU the kernels run under ``TRITON_INTERPRET=1``, set here when no GPU is present
-and triton is not imported yet.
+input. On CPU the Triton kernels run under ``TRITON_INTERPRET=1``, set here when no GPU is
+present and triton is not imported yet (Gluon has no interpreter).
 """
 
 import os as _os
