@@ -890,7 +890,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     (CUDA only; all-compressed and all-raw pages pipelined, other pages and each request's last
     page element by element), launch options :data:`MMA_LAUNCH`.
     launch: overrides of the GPU launch options (keys :data:`LAUNCH_KEYS`) for every launched
-    specialisation; default :func:`launch_config` per specialisation.
+    specialisation; default :func:`launch_config` per specialisation. The mma layouts' kernel reads
+    ``programs_per_sm`` and ``stages`` (its ring slots) only, default :data:`MMA_LAUNCH`.
     Returns bf16 ``[batch, q_heads, head_dim]``.
     """
     _check_cache(cache)
