@@ -96,7 +96,7 @@ ATTENTION_SHAPES = {
     "smollm2-135m": (9, 3, 64),
 }
 METHODS = ("zipkv_compressed", "zipkv_uncompressed", "flashinfer_tc", "flashinfer_cuda", "sdpa")
-KERNEL_LAYOUTS = {"gluon": ("gluon", ("k_mma", "v_mma")), "triton": ("triton", ("token", "token"))}
+KERNEL_LAYOUTS = {"gluon": ("k_mma", "v_mma"), "triton": ("token", "token")}
 """zipkv's two decode kernels and the cache layouts each reads: the Gluon kernel
 (:mod:`zipkv.kernels.decode_mma`, head_dim 128) and the Triton kernel (any head_dim, mixed pages)."""
 PAGE = 16
@@ -223,10 +223,9 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     mode = _mix_mask(batch, kv_heads, ctx, head_dim, compress, seed)
                 else:
                     mode = compress
-                layouts = [KERNEL_LAYOUTS["triton"]]
-                if head_dim == kvformat.MMA_HEAD_DIM and kv_data == mixes[0][0]:
-                    layouts.insert(0, KERNEL_LAYOUTS["gluon"])
-                for kernel, layout in layouts:
+                kernels = ["gluon", "triton"] if head_dim == kvformat.MMA_HEAD_DIM and kv_data == mixes[0][0] else ["triton"]
+                for kernel in kernels:
+                    layout = KERNEL_LAYOUTS[kernel]
                     cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed,
                                                                      k_layout=layout[0], v_layout=layout[1])
                     stats = cache.stats()
@@ -342,7 +341,7 @@ def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
     from pathlib import Path
 
     from zipkv.book import provenance
-    from zipkv.kernels.decode_attention import MMA_LAUNCH, TUNING_FILE
+    from zipkv.kernels.decode_attention import MMA_LAUNCH
 
     cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "zipkv/", "-k", "regex:" + "|".join(NCU_KERNELS)]
     for section in NCU_SECTIONS:
@@ -357,8 +356,7 @@ def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
     header = [f"# zipkv kernels under Nsight Compute: {' '.join(cmd[:7])} ..., sections {', '.join(NCU_SECTIONS)}; "
               f"stall reasons and shared-memory counters as metrics",
               f"# device: {record['device']} (driver {driver}); date: {record['date']}; commit: {record['commit']}",
-              f"# launch options: Gluon kernel {json.dumps(MMA_LAUNCH)}; pack and Triton kernels "
-              f"{json.dumps(json.loads(TUNING_FILE.read_text()))}",
+              f"# launch options of the Gluon kernel: {json.dumps(MMA_LAUNCH)}",
               f"# kernels, in order: {'; '.join(NCU_TARGETS)} (zipkv.bench.nsight_targets: Llama-3.1-8B attention shape, "
               f"ctx 8192, batch 64; pack: 1 GiB of head_dim-128 pages)"]
     text = "\n".join(header) + "\n" + done.stdout

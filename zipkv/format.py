@@ -56,7 +56,8 @@ size). Blocks are stored in order ``j = 0, 1, ...`` back to back from the start 
 slot, 768 bytes if compressed, 1024 if not (block ``j`` starts at
 ``1024*j - 256 * #compressed blocks before j``). ``PageMeta.nbytes`` is the used prefix: the
 page's compressed size; the slot's last ``256 * #compressed`` bytes are not part of the page
-(``pack`` leaves zeros there, the Triton pack kernel leaves them as they were). With the token layout a page with no compressed block is byte for
+(``pack`` leaves zeros there, the Triton pack kernel leaves them as they were). With the token
+layout a page with no compressed block is byte for
 byte the plain row-major ``[16, head_dim]`` bf16 page.
 
 Metadata per block (``PageMeta``): the compressed flag and the base ``b`` (even; 0 for
@@ -176,10 +177,10 @@ def from_blocks(blocks: torch.Tensor, layout: str, head_dim: int) -> torch.Tenso
     return blocks.reshape(*lead, nb, PAGE_TOKENS, 32).transpose(-3, -2).reshape(*lead, PAGE_TOKENS, head_dim)
 
 
-def mma_index(layout: str, device=None) -> torch.Tensor:
+def mma_index(layout: str, device="cpu") -> torch.Tensor:
     """int64 ``[4, 512]``: for an mma layout, the flat page index ``token * 128 + channel`` of the
     value at position ``p`` of block ``j`` (module docstring)."""
-    return _mma_index(layout).to(device) if device is not None else _mma_index(layout)
+    return _mma_index(layout).to(device)
 
 
 @functools.lru_cache(maxsize=2)

@@ -769,10 +769,6 @@ def _check_launch(launch):
         raise ValueError(f"launch must be a dict with keys from {LAUNCH_KEYS}, got {launch!r}")
 
 
-def _is_mma(cache) -> bool:
-    return cache.k_layout in fmt.MMA_LAYOUTS
-
-
 def _plan(cache, path: str):
     """Kernel launches for one call: list of (PATH, ROUTE)."""
     if path not in ("auto", "mixed"):
@@ -837,31 +833,18 @@ MMA_LAUNCH = dict(programs_per_sm=4, stages=3)
 per SM and the pipeline depth (shared-memory ring slots); ``launch`` overrides them."""
 
 
-def _decode_mma(q, cache, indptr, indices, last_page_len, plan, softmax_scale, num_splits, out, launch, interp):
-    """The mma layouts' kernel (:mod:`zipkv.kernels.decode_mma`): CUDA only."""
+def _check_mma_call(q, cache, interp, cfg):
+    """What the mma layouts' Gluon kernel (:mod:`zipkv.kernels.decode_mma`) needs: a CUDA GPU, at most 16
+    query heads per KV head, at least 2 ring slots."""
     if q.device.type != "cuda" or interp:
         raise ValueError(f"the k_mma/v_mma layouts are decoded by a Gluon kernel that needs a CUDA GPU "
                          f"(q is on {q.device}{', TRITON_INTERPRET=1' if interp else ''}); "
                          f"use the 'token' layouts on the CPU")
-    B, HQ, D = q.shape
-    HKV = cache.kv_heads
-    if HQ // HKV > 16:
+    if q.shape[1] // cache.kv_heads > 16:
         raise ValueError(f"q: the mma-layout kernel takes at most 16 query heads per KV head, got "
-                         f"{HQ // HKV} ({HQ} q heads, {HKV} kv heads)")
-    cfg = {**MMA_LAUNCH, **(launch or {})}
+                         f"{q.shape[1] // cache.kv_heads} ({q.shape[1]} q heads, {cache.kv_heads} kv heads)")
     if cfg["stages"] < 2:
         raise ValueError(f"launch['stages'] (ring slots of the mma-layout kernel) must be >= 2, got {cfg['stages']}")
-    if num_splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        avg_pages = max(1, indices.numel() // B - 1)
-        num_splits = max(1, min(avg_pages, math.ceil(cfg["programs_per_sm"] * sms / (B * HKV))))
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    from zipkv.kernels.decode_mma import decode_mma
-    path_ids = {PATH_COMP: 0, PATH_RAW: 1, PATH_MIXED: 2}
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
-    return decode_mma(q, cache, indptr, indices, last_page_len, cache.page_kinds(),
-                      [(path_ids[p], r) for p, r in plan], scale, num_splits, out, slots=cfg["stages"])
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
@@ -934,14 +917,17 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     _check_launch(launch)
     interp = _interpreting()
     plan = _plan(cache, path)
-    if _is_mma(cache):
-        return _decode_mma(q, cache, indptr, indices, last_page_len, plan, softmax_scale, num_splits, out,
-                           launch, interp)
-    gpu = torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else None
-    configs = [{**launch_config(PATHS[p], gpu), **(launch or {})} for p, _ in plan]
-    ppt = pages_per_tile or (1 if interp else configs[0]["pages_per_tile"])
-    if ppt < 1 or ppt & (ppt - 1):
-        raise ValueError(f"pages_per_tile must be a power of two >= 1, got {ppt}")
+    mma = cache.k_layout in fmt.MMA_LAYOUTS
+    if mma:                                    # one warp per program, one page per step
+        configs = [{**MMA_LAUNCH, **(launch or {})}]
+        _check_mma_call(q, cache, interp, configs[0])
+        ppt = 1
+    else:
+        gpu = torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else None
+        configs = [{**launch_config(PATHS[p], gpu), **(launch or {})} for p, _ in plan]
+        ppt = pages_per_tile or (1 if interp else configs[0]["pages_per_tile"])
+        if ppt < 1 or ppt & (ppt - 1):
+            raise ValueError(f"pages_per_tile must be a power of two >= 1, got {ppt}")
     if num_splits is None:
         if q.device.type == "cuda" and not interp:
             sms = torch.cuda.get_device_properties(q.device).multi_processor_count
@@ -953,6 +939,10 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     scale = 1.0 / math.sqrt(D) if softmax_scale is None else float(softmax_scale)
+    if mma:
+        from zipkv.kernels.decode_mma import decode_mma
+        return decode_mma(q, cache, indptr, indices, last_page_len, cache.page_kinds(), plan, scale, num_splits,
+                          out, slots=configs[0]["stages"])
     G = HQ // HKV
     fp32 = interp or q.device.type != "cuda"
     qk = q.float() if fp32 else q

@@ -109,7 +109,7 @@ def _value_operand(v0, v1, v2, v3):
 def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid):
     """One page of ``valid`` tokens: scores (log2 domain, scaled per token), online softmax,
     ``acc += P @ V``."""
-    st = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    st = gl.arange(0, 16, layout=COLS)
     sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
     sc = gl.where((st < valid)[None, :], sc, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(sc, axis=1))
@@ -136,10 +136,9 @@ def _descs(desc_ptr, page, h, HKV: gl.constexpr):
 def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, RAW: gl.constexpr):
     """Per token of the page (an S / P column): the key scale (softmax scale included) and the
     value scale, ``2^(b - 128)`` of the token's block (1 for raw pages)."""
-    st = gl.arange(0, 16, layout=gl.SliceLayout(0, MMA))
+    st = gl.arange(0, 16, layout=COLS)
     if RAW:
-        return gl.full([16], qk_scale, gl.float32, layout=gl.SliceLayout(0, MMA)), \
-            gl.full([16], 1.0, gl.float32, layout=gl.SliceLayout(0, MMA))
+        return gl.full([16], qk_scale, gl.float32, layout=COLS), gl.full([16], 1.0, gl.float32, layout=COLS)
     kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + st // 4)
     vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + (st >> 1) % 4)
     return _pow2(kd & 0x7F) * qk_scale, _pow2(vd & 0x7F)
@@ -315,14 +314,15 @@ def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SP
 
 @gluon.jit
 def _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, slot, mine, HKV: gl.constexpr, G: gl.constexpr,
-                 SLOTS: gl.constexpr):
-    """Normalised partial output and log2-sum-exp of one split slot (empty: l = 0, lse = -inf, o = 0)."""
+                 N_OUT: gl.constexpr):
+    """Normalised partial output and log2-sum-exp of split slot ``slot`` of ``N_OUT`` (empty: l = 0,
+    lse = -inf, o = 0)."""
     go = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
     gm = (go < G) & mine
     den = gl.where(l_i > 0, l_i, 1.0)
     lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
-    prow = (b * (HKV * G) + h * G + go) * SLOTS + slot
+    prow = (b * (HKV * G) + h * G + go) * N_OUT + slot
     gl.store(part_ptr + prow[:, None] * 128 + do[None, :], acc / den[:, None], mask=gm[:, None])
     gl.store(lse_ptr + prow, lse, mask=gm)
 
@@ -395,15 +395,12 @@ def _any_page_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_pt
     _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, (s == SPLITS) | take_body, HKV, G, SPLITS + 1)
 
 
-SLOTS = 3
-"""Ring slots of the pipelined kernel (pages in flight + 1)."""
-
-
 def decode_mma(q, cache, indptr, indices, last_page_len, kinds, plan, scale: float, num_splits: int,
-               out: torch.Tensor, slots: int = SLOTS) -> torch.Tensor:
-    """Launch the kernels of ``plan`` -- a list of ``(path, route)`` with path 0 all-compressed, 1
-    all-raw, 2 any page -- plus, unless the cache is uniform (one pipelined launch takes every page),
-    the last-page kernel with its extra split slot, and merge the split slots into ``out``. Inputs are checked by the caller,
+               out: torch.Tensor, slots: int) -> torch.Tensor:
+    """Launch the kernels of ``plan`` -- a list of ``(path, route)`` with the Triton kernel's path ids
+    (0 all-compressed, 1 all-raw, 2 any page) -- plus, unless the cache is uniform (one pipelined
+    launch takes every page), the last-page kernel with its extra split slot, and merge the split
+    slots into ``out``. ``slots``: ring slots of the pipeline. Inputs are checked by the caller,
     :func:`zipkv.kernels.decode_attention.decode_attention`."""
     from zipkv.kernels.decode_attention import _merge_kernel
 
