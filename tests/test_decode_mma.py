@@ -93,6 +93,29 @@ def test_uniform_cache_with_a_short_last_page():
               decode_attention_reference(q, cache, ip, idx, short))
 
 
+@needs_gpu
+def test_fused_merge_leaves_its_counters_at_zero():
+    """A uniform cache's launch merges its splits itself (the last split of each request and head
+    to arrive): repeated calls and a call on another stream give the same bits, and the arrival
+    counters are back at zero after each."""
+    from zipkv.kernels.decode_mma import _COUNTERS
+
+    q, k, v = make_inputs(4, 2, 4, 300, seed=5, outliers=False)
+    cache, ip, idx, last = build_paged_cache(k, v, [300, 17, 256, 129], k_layout="k_mma", v_layout="v_mma")
+    assert cache.kind() == "compressed"
+    first = decode_attention(q, cache, ip, idx, last, num_splits=7)
+    check(first, decode_attention_reference(q, cache, ip, idx, last))
+    for _ in range(3):
+        assert torch.equal(decode_attention(q, cache, ip, idx, last, num_splits=7), first)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = decode_attention(q, cache, ip, idx, last, num_splits=7)
+    side.synchronize()
+    assert torch.equal(other, first)
+    assert len(_COUNTERS) >= 2 and all(int(c.count_nonzero()) == 0 for c in _COUNTERS.values())
+
+
 def test_plan_routes_by_page_kinds():
     q, k, v = make_inputs(2, 1, 2, 48, seed=1, outliers=False)
     for compress, plan in (("eligible", [(0, False)]), ("none", [(1, False)]),

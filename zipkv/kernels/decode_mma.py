@@ -328,6 +328,43 @@ def _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, slot, mine, HKV: gl.con
 
 
 @gluon.jit
+def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl.constexpr, G: gl.constexpr,
+            SPLITS: gl.constexpr):
+    """Output of a uniform cache's launch without a merge kernel: one split writes ``out`` (bf16)
+    directly; with more, each split writes its slot and counts itself in the (request, kv head)'s
+    arrival counter, and the last to arrive merges the slots into ``out`` and resets the counter to 0."""
+    go = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+    rows = b * (HKV * G) + h * G + go
+    gm = (go < G)[:, None]
+    if SPLITS == 1:
+        den = gl.where(l_i > 0, l_i, 1.0)
+        gl.store(out_ptr + rows[:, None] * 128 + do[None, :], (acc / den[:, None]).to(gl.bfloat16), mask=gm)
+    else:
+        _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, True, HKV, G, SPLITS)
+        gl.thread_barrier()                    # every lane's stores before the release below
+        arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            gl.store(cnt_ptr + b * HKV + h, 0)
+            m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+            for j in range(SPLITS):
+                m = gl.maximum(m, gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
+                                          cache_modifier=".cg"))
+            m = gl.where(go < G, m, 0.0)       # some split of a real row holds a token: m is finite
+            num = gl.zeros([16, 128], gl.float32, layout=MMA)
+            wsum = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+            for j in range(SPLITS):            # written by other programs: read past L1 (.cg)
+                w = gl.exp2(gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
+                                    cache_modifier=".cg") - m)
+                o = gl.load(part_ptr + (rows * SPLITS + j)[:, None] * 128 + do[None, :], mask=gm, other=0.0,
+                            cache_modifier=".cg")
+                num += o * w[:, None]
+                wsum += w
+            wsum = gl.where(wsum > 0, wsum, 1.0)
+            gl.store(out_ptr + rows[:, None] * 128 + do[None, :], (num / wsum[:, None]).to(gl.bfloat16), mask=gm)
+
+
+@gluon.jit
 def _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, kind, HKV: gl.constexpr):
     """Whether the request's last page is of page ``kind`` (1 all-compressed, 2 all-raw): then the
     last split of that kind's pipeline takes it (masking a partial page) and the element-by-element
@@ -338,12 +375,14 @@ def _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, kind, HKV: gl.c
 
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, kind_ptr, part_ptr,
-                      lse_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-                      RAW: gl.constexpr, ROUTE: gl.constexpr, SLOTS: gl.constexpr, N_OUT: gl.constexpr):
+                      lse_ptr, out_ptr, cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr,
+                      SPLITS: gl.constexpr, RAW: gl.constexpr, ROUTE: gl.constexpr, SLOTS: gl.constexpr,
+                      N_OUT: gl.constexpr, FUSED: gl.constexpr):
     """Grid (batch, kv_heads, splits), one warp: split s of the request's full pages before its
     last (the last split also takes the last page if it is of this kind), all-compressed (or
     all-raw: RAW) pages through the cp.async ring, into split slot s of N_OUT. With ROUTE, only
-    requests of that class (the others write nothing)."""
+    requests of that class (the others write nothing). FUSED (a uniform cache: this launch holds
+    every page): the splits are merged into ``out`` here (:func:`_finish`)."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
@@ -356,7 +395,10 @@ def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_p
     if mine & (hi > lo):
         m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, npages - 1,
                                    gl.load(last_ptr + b), h, qk_scale, HKV, RAW, SLOTS)
-    _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, mine, HKV, G, N_OUT)
+    if FUSED:
+        _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS)
+    else:
+        _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, mine, HKV, G, N_OUT)
 
 
 @gluon.jit
@@ -395,12 +437,26 @@ def _any_page_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_pt
     _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, (s == SPLITS) | take_body, HKV, G, SPLITS + 1)
 
 
+_COUNTERS: dict = {}
+
+
+def _arrival_counters(device, n: int) -> torch.Tensor:
+    """int32 ``[>= n]`` zeros for :func:`_finish`'s arrival counters, one buffer per (device, stream)
+    (launches on one stream run in order; every launch leaves its counters at 0 again)."""
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+    return buf
+
+
 def decode_mma(q, cache, indptr, indices, last_page_len, kinds, plan, scale: float, num_splits: int,
                out: torch.Tensor, slots: int) -> torch.Tensor:
     """Launch the kernels of ``plan`` -- a list of ``(path, route)`` with the Triton kernel's path ids
-    (0 all-compressed, 1 all-raw, 2 any page) -- plus, unless the cache is uniform (one pipelined
-    launch takes every page), the last-page kernel with its extra split slot, and merge the split
-    slots into ``out``. ``slots``: ring slots of the pipeline. Inputs are checked by the caller,
+    (0 all-compressed, 1 all-raw, 2 any page) -- into ``out``. A uniform cache (one pipelined launch
+    takes every page, last pages too) is one launch that also merges its splits; otherwise the
+    last-page kernel adds a split slot and a merge kernel follows. ``slots``: ring slots of the
+    pipeline. Inputs are checked by the caller,
     :func:`zipkv.kernels.decode_attention.decode_attention`."""
     from zipkv.kernels.decode_attention import _merge_kernel
 
@@ -409,18 +465,21 @@ def decode_mma(q, cache, indptr, indices, last_page_len, kinds, plan, scale: flo
     pipes = [(path, route) for path, route in plan if path < 2]
     uniform = len(plan) == 1 and pipes and not pipes[0][1]     # every page (last ones too) of one kind
     n_out = num_splits if uniform else num_splits + 1          # + the element-by-element kernel's slot
-    part = torch.empty(B, HQ, n_out, D, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B, HQ, n_out, dtype=torch.float32, device=q.device)
+    part = torch.empty(B, HQ, n_out, D, dtype=torch.float32, device=q.device) if n_out > 1 else out
+    lse = torch.empty(B, HQ, n_out, dtype=torch.float32, device=q.device) if n_out > 1 else out
+    counters = _arrival_counters(q.device, B * HKV) if uniform and n_out > 1 else out
     qk_scale = scale * math.log2(math.e)
     for path, route in pipes:
         _pipelined_kernel[(B, HKV, num_splits)](
-            q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
-            HKV=HKV, G=G, SPLITS=num_splits, RAW=path == 1, ROUTE=route, SLOTS=slots, N_OUT=n_out, num_warps=1)
-    if not uniform:
-        body = [route for path, route in plan if path == 2]
-        pipe = 0 if not pipes else 3 if len(pipes) > 1 else pipes[0][0] + 1
-        _any_page_kernel[(B, HKV, num_splits + 1)](
-            q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
-            HKV=HKV, G=G, SPLITS=num_splits, BODY=bool(body), ROUTE=bool(body) and body[0], PIPE=pipe, num_warps=1)
+            q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, out, counters, qk_scale,
+            HKV=HKV, G=G, SPLITS=num_splits, RAW=path == 1, ROUTE=route, SLOTS=slots, N_OUT=n_out,
+            FUSED=uniform, num_warps=1)
+    if uniform:
+        return out
+    body = [route for path, route in plan if path == 2]
+    pipe = 0 if not pipes else 3 if len(pipes) > 1 else pipes[0][0] + 1
+    _any_page_kernel[(B, HKV, num_splits + 1)](
+        q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
+        HKV=HKV, G=G, SPLITS=num_splits, BODY=bool(body), ROUTE=bool(body) and body[0], PIPE=pipe, num_warps=1)
     _merge_kernel[(B * HQ,)](part, lse, out, D=D, SPLITS=n_out, S_PAD=triton.next_power_of_2(n_out))
     return out

@@ -179,7 +179,9 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
         cst.update(BODY=True, ROUTE=True, PIPE=3)
     elif path in ("compressed", "raw"):
         fn, stages = dm._pipelined_kernel, slots or MMA_LAUNCH["stages"]
-        cst.update(RAW=path == "raw", ROUTE=False, SLOTS=stages, N_OUT=splits)
+        sig = {**{k: v for k, v in sig.items() if k != "qk_scale"}, "out_ptr": "*bf16", "cnt_ptr": "*i32",
+               "qk_scale": "fp32"}
+        cst.update(RAW=path == "raw", ROUTE=False, SLOTS=stages, N_OUT=splits, FUSED=True)
     else:
         raise ValueError(f"path must be 'compressed', 'raw' or 'any page', got {path!r}")
     info = compile_info(fn, sig, cst, num_warps=1, num_stages=stages, arch=arch, divisible=tuple(range(9)),
