@@ -100,9 +100,10 @@ def test_fused_merge_leaves_its_counters_at_zero():
     counters are back at zero after each."""
     from zipkv.kernels.decode_mma import _COUNTERS
 
-    q, k, v = make_inputs(4, 2, 4, 300, seed=5, outliers=False)
-    cache, ip, idx, last = build_paged_cache(k, v, [300, 17, 256, 129], k_layout="k_mma", v_layout="v_mma")
+    q, k, v = make_inputs(4, 2, 4, 304, seed=5, outliers=False)
+    cache, ip, idx, _ = build_paged_cache(k, v, [304, 32, 256, 144], k_layout="k_mma", v_layout="v_mma")
     assert cache.kind() == "compressed"
+    last = torch.tensor([16, 1, 7, 16], dtype=torch.int32, device=DEV)
     first = decode_attention(q, cache, ip, idx, last, num_splits=7)
     check(first, decode_attention_reference(q, cache, ip, idx, last))
     for _ in range(3):
