@@ -21,6 +21,20 @@ def test_mix_mask_compresses_the_requested_fraction_of_k_and_v_blocks():
     assert mask[:, 1].float().mean().item() == pytest.approx(0.9, abs=0.02)
 
 
+def test_flashinfer_pages_share_zipkv_page_table():
+    """FlashInfer's NHD pages sit at the physical ids of build_paged_cache's page table."""
+    from zipkv.kernels.decode_attention import build_paged_cache, physical_page_ids
+
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 3, 48, 64, generator=gen).to(torch.bfloat16)
+    _, _, indices, _ = build_paged_cache(k, k, seed=5)
+    physical = physical_page_ids(6, seed=5)
+    assert torch.equal(indices.long(), physical) and not torch.equal(physical, torch.arange(6))
+    pages = bench._nhd_pages(k, physical)                       # [6, 16, 3, 64]
+    for logical, (b, j) in enumerate((b, j) for b in range(2) for j in range(3)):
+        assert torch.equal(pages[physical[logical]], k[b, :, 16 * j:16 * (j + 1)].transpose(0, 1))
+
+
 def test_unknown_shape_or_method_is_a_clear_error():
     with pytest.raises(ValueError, match="shape='gpt5'"):
         bench.attention_benchmark("gpt5")

@@ -150,6 +150,16 @@ def _reference_attention(q, k, v):
     return out
 
 
+def _nhd_pages(x, physical):
+    """K or V ``[batch, kv_heads, T, d]`` (T a multiple of the page size) -> FlashInfer's NHD pages
+    ``[num_pages, PAGE, kv_heads, d]`` with logical page i stored at ``physical[i]``."""
+    batch, kv_heads, T, d = x.shape
+    logical = x.reshape(batch, kv_heads, T // PAGE, PAGE, d).permute(0, 2, 3, 1, 4).reshape(-1, PAGE, kv_heads, d)
+    pages = torch.empty_like(logical)
+    pages[physical] = logical
+    return pages
+
+
 def _error(out, ref) -> tuple[float, float]:
     diff = out.float() - ref
     return float(diff.norm() / ref.norm()), float(diff.abs().max())
@@ -163,7 +173,9 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     For each (context, batch): K/V whose blocks are all compressible ("all compressible"), and, when
     ``real_fraction`` is given, the same data with only that fraction of K and V blocks compressed
     ("measured mix", the fractions measured on the embedded model's PG19 KV). Each method is checked
-    against fp32 attention before it is timed (relative RMS error reported).
+    against fp32 attention before it is timed (relative RMS error reported). Every paged method reads the same
+    page table: :func:`~zipkv.kernels.decode_attention.physical_page_ids`' random physical page order, as a
+    serving engine's page pool hands pages out (FlashInfer's NHD pages are placed at those ids).
 
     zipkv's rows say which kernel ran (``kernel``, ``layout``): on head_dim-128 shapes the all-compressible and
     uncompressed data are timed with both kernels of :data:`KERNEL_LAYOUTS`, the measured mix with the Triton
@@ -176,7 +188,7 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     import pandas as pd
     from tqdm.auto import tqdm
 
-    from zipkv.kernels.decode_attention import build_paged_cache, decode_attention
+    from zipkv.kernels.decode_attention import build_paged_cache, decode_attention, physical_page_ids
 
     if shape not in ATTENTION_SHAPES:
         raise ValueError(f"shape={shape!r}: expected one of {sorted(ATTENTION_SHAPES)}")
@@ -236,12 +248,11 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     rows[-1].update(kernel=kernel, layout="/".join(layout), frac_compressed_k=stats["frac_k"],
                                     frac_compressed_v=stats["frac_v"])
                     del cache
-        pages = k.reshape(batch, kv_heads, ctx // PAGE, PAGE, head_dim).permute(0, 2, 3, 1, 4)
-        k_pages = pages.reshape(-1, PAGE, kv_heads, head_dim).contiguous()
-        v_pages = v.reshape(batch, kv_heads, ctx // PAGE, PAGE, head_dim).permute(0, 2, 3, 1, 4) \
-            .reshape(-1, PAGE, kv_heads, head_dim).contiguous()
+        # FlashInfer's NHD pages at the physical ids of zipkv's caches: the same page table for every paged method
+        indices = physical_page_ids(batch * ctx // PAGE, seed).to("cuda")
+        k_pages, v_pages = (_nhd_pages(x, indices) for x in (k, v))
+        indices = indices.to(torch.int32)
         indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (ctx // PAGE)
-        indices = torch.arange(batch * ctx // PAGE, device="cuda", dtype=torch.int32)
         last = torch.full((batch,), PAGE, device="cuda", dtype=torch.int32)
         for method, tensor_cores in (("flashinfer_tc", True), ("flashinfer_cuda", False)):
             if method in methods:

@@ -619,6 +619,14 @@ def _check_kv(x, name):
     fmt._check_head_dim(x.shape[-1], f"{name} (shape {tuple(x.shape)})")
 
 
+def physical_page_ids(num_pages: int, seed: int = 0, shuffle: bool = True) -> torch.Tensor:
+    """int64 ``[num_pages]``: the physical page id of each logical page (requests' pages in order) in
+    :func:`build_paged_cache`'s caches -- a seeded random permutation, as a serving engine's page pool
+    hands pages out (``shuffle``), or the identity. The benchmark gives FlashInfer the same page table."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    return torch.randperm(num_pages, generator=gen) if shuffle else torch.arange(num_pages)
+
+
 def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
                       k_layout: str = "token", v_layout: str = "token",
                       compress="eligible", shuffle: bool = True, compact: bool = False,
@@ -676,9 +684,7 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     for kv, lay in ((0, k_layout), (1, v_layout)):
         pl, m = fmt.pack(pages[:, kv], lay, enable=enable[:, kv])
         payload[:, kv], packed[:, kv] = pl, m.packed()
-    # logical page i -> physical id perm[i]
-    gen = torch.Generator().manual_seed(seed + 1)
-    perm = (torch.randperm(P, generator=gen) if shuffle else torch.arange(P)).to(dev)
+    perm = physical_page_ids(P, seed, shuffle).to(dev)                 # logical page i -> physical id perm[i]
     phys_payload = torch.empty_like(payload)
     phys_payload[perm] = payload
     phys_packed = torch.empty_like(packed)
@@ -828,9 +834,12 @@ def _check_index(x, name, n=None):
         raise ValueError(f"{name} must be contiguous, got stride {x.stride()}")
 
 
-MMA_LAUNCH = dict(programs_per_sm=4, stages=3)
+MMA_LAUNCH = dict(programs_per_sm=6, stages=2)
 """Launch options of the mma-layout kernel (one warp per program): the split-KV target in programs
-per SM and the pipeline depth (shared-memory ring slots); ``launch`` overrides them."""
+per SM and the pipeline depth (shared-memory ring slots); ``launch`` overrides them. From a sweep on
+the H200 at the benchmark's six Llama-shape points: with 2 slots (12.5 KB of shared memory) 12
+programs fit on an SM, and about 6 per SM as the target (so 6 to 12 resident, one wave) was the
+fastest or within 1 % of it at each point."""
 
 
 def _check_mma_call(q, cache, interp, cfg):

@@ -20,8 +20,9 @@ Specialisations (constexpr ``PATH``), as in the Triton kernel:
   exponent base 128 (``high = sign << 7 | (64 + offset)``: one ``or`` per 4 values, no per-block
   operand) and undoes it exactly with a power of two per token: ``2^(b - 128)`` on the scores for
   keys, on P for values (a block with b = 0 gets 0: exact for an all-zero block; a value below
-  2^-126 would be flushed). Three-slot ring: the data of pages i+1 and i+2, the descriptors of
-  page i+3 and the page id of i+4 are in flight while page i is computed.
+  2^-126 would be flushed). With a ring of S slots (launch option ``stages``, default 2), the data
+  of pages i+1 .. i+S-1, the descriptors of page i+S and the page id of i+S+1 are in flight while
+  page i is computed.
 * 1, all-raw: the same pipeline on raw blocks (bf16 in block position order): the uncompressed
   baseline, the same kernel with compression switched off.
 * 2, any page: per-element addresses from the block descriptors (compressed or raw, exact base),
