@@ -19,8 +19,11 @@ L2_FLUSH_BYTES = 256 << 20
 class ColdTimer:
     """Median GPU latency of a CUDA callable with the L2 cache cleared before each timed call.
 
-    FlashInfer's benchmarks clear L2 the same way: writing a buffer larger than L2 (the H200's is
-    50 MB) evicts the previous call's KV bytes, so every call reads its inputs from HBM. After the
+    The flush reads a buffer larger than L2 (the H200's is 50 MB): the previous call's KV bytes are
+    evicted, so every call reads its inputs from HBM, and lines written before the flush are written
+    back during it. Writing the buffer instead (``triton.testing.do_bench``'s flush) leaves L2 full of
+    dirty lines whose write-back then falls inside the next timed call (on the H200 it added the same
+    few microseconds to FlashInfer's and zipkv's times): traffic no decode step has. After the
     flush a spin kernel (``spin_us``, longer than any method's host-side launch work) keeps the GPU busy
     while the host enqueues the call, so the events time what the GPU does between them, not the
     Python and launch overhead of whichever method is slower to enqueue (FlashInfer's planned
@@ -28,7 +31,7 @@ class ColdTimer:
     """
 
     def __init__(self, flush_bytes: int = L2_FLUSH_BYTES, device: str = "cuda", spin_us: float = 1000.0):
-        self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
+        self.flush = torch.ones(flush_bytes // 8, dtype=torch.int64, device=device)
         self.spin_cycles = int(spin_us * 2e3)  # at most 2 GHz: at least spin_us
 
     def __call__(self, fn, reps: int = 30, warmup: int = 3) -> float:
@@ -37,7 +40,7 @@ class ColdTimer:
             fn()
         times = []
         for _ in range(reps):
-            self.flush.zero_()
+            self.flush.sum()                   # reads only: L2 left holding clean lines
             torch.cuda._sleep(self.spin_cycles)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
