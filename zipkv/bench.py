@@ -316,8 +316,8 @@ NCU_METRICS = tuple(f"smsp__pcsamp_warps_issue_stalled_{r}" for r in NCU_STALLS)
     "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum")
 NCU_TARGETS = ("decode all compressed", "decode uncompressed", "pack")
 NCU_KERNELS = ("_pipelined_kernel", "_pack_kernel")
-"""Kernel names profiled: the Gluon decode kernel's pipelined loop (the last-page and merge kernels around
-it are left out) and the pack kernel."""
+"""Kernel names profiled: the Gluon decode kernel's pipelined launch (the only one a uniform cache needs: it
+merges its own splits) and the pack kernel."""
 
 
 def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64):

@@ -67,7 +67,7 @@ them.
 
 The mma layouts of :mod:`zipkv.format` (``k_mma`` / ``v_mma``, head_dim 128), arranged for the
 tensor cores' operand fragments, are decoded by a Gluon kernel instead
-(:mod:`zipkv.kernels.decode_mma`): same cache, page table, routing and merge; CUDA only.
+(:mod:`zipkv.kernels.decode_mma`): same cache, page table and routing; CUDA only.
 
 Numerics: on the GPU, bf16 ``tl.dot`` (fp32 accumulate), bf16 P for PV. Under
 ``TRITON_INTERPRET=1`` bf16 math is wrong, so the rebuilt bits are turned into fp32 (exact:

@@ -33,7 +33,8 @@ kind, masking the tokens past ``last_page_len``; any other last page goes to the
 kernel, which writes one extra split slot. Routing is
 :func:`zipkv.kernels.decode_attention.decode_attention`'s: one pipelined launch for a uniform cache
 (and no element-by-element kernel), three routed launches (each program classifies its request from
-the page kinds) otherwise.
+the page kinds) otherwise. A uniform cache's launch also merges its splits (the last split of each
+request and KV head to arrive does it, :func:`_finish`); otherwise the Triton kernel's merge kernel follows.
 
 Gluon has no interpreter (``TRITON_INTERPRET=1``): this kernel runs on CUDA GPUs only; its tests
 run on the GPU, the format and the pack kernel are tested on the CPU.

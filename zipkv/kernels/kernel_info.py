@@ -172,15 +172,14 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
     from zipkv.kernels.decode_attention import MMA_LAUNCH
 
     sig = {"q_ptr": "*bf16", "pool_ptr": "*u8", "desc_ptr": "*i64", "indptr_ptr": "*i32", "indices_ptr": "*i32",
-           "last_ptr": "*i32", "kind_ptr": "*u8", "part_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+           "last_ptr": "*i32", "kind_ptr": "*u8", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
+           "cnt_ptr": "*i32", "qk_scale": "fp32"}          # by name: each kernel takes the arguments it declares
     cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits)
     if path == "any page":
         fn, stages = dm._any_page_kernel, 1
         cst.update(BODY=True, ROUTE=True, PIPE=3)
     elif path in ("compressed", "raw"):
         fn, stages = dm._pipelined_kernel, slots or MMA_LAUNCH["stages"]
-        sig = {**{k: v for k, v in sig.items() if k != "qk_scale"}, "out_ptr": "*bf16", "cnt_ptr": "*i32",
-               "qk_scale": "fp32"}
         cst.update(RAW=path == "raw", ROUTE=False, SLOTS=stages, N_OUT=splits, FUSED=True)
     else:
         raise ValueError(f"path must be 'compressed', 'raw' or 'any page', got {path!r}")
