@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from zipkv.kernels.decode_attention import _plan, build_paged_cache, decode_attention  # noqa: E402
+from zipkv.kernels.decode_attention import _launches, build_paged_cache, decode_attention, plan  # noqa: E402
 from zipkv.kernels.reference import decode_attention_reference  # noqa: E402
 from test_decode_attention import check  # noqa: E402  (the same tolerance as the Triton kernel's tests)
 
@@ -96,34 +96,35 @@ def test_uniform_cache_with_a_short_last_page():
 @needs_gpu
 def test_fused_merge_leaves_its_counters_at_zero():
     """A uniform cache's launch merges its splits itself (the last split of each request and head
-    to arrive): repeated calls and a call on another stream give the same bits, and the arrival
-    counters are back at zero after each."""
-    from zipkv.kernels.decode_mma import _COUNTERS
-
+    to arrive): repeated runs of one plan and a run on another stream give the same bits, and the
+    plan's arrival counters are back at zero after each."""
     q, k, v = make_inputs(4, 2, 4, 304, seed=5, outliers=False)
     cache, ip, idx, _ = build_paged_cache(k, v, [304, 32, 256, 144], k_layout="k_mma", v_layout="v_mma")
     assert cache.kind() == "compressed"
     last = torch.tensor([16, 1, 7, 16], dtype=torch.int32, device=DEV)
-    first = decode_attention(q, cache, ip, idx, last, num_splits=7)
+    p = plan(ip, idx, last, cache, q.shape[1], num_splits=7)
+    first = p.run(q)
     check(first, decode_attention_reference(q, cache, ip, idx, last))
     for _ in range(3):
-        assert torch.equal(decode_attention(q, cache, ip, idx, last, num_splits=7), first)
+        assert torch.equal(p.run(q), first)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        other = decode_attention(q, cache, ip, idx, last, num_splits=7)
+        other = p.run(q)
     side.synchronize()
     assert torch.equal(other, first)
-    assert len(_COUNTERS) >= 2 and all(int(c.count_nonzero()) == 0 for c in _COUNTERS.values())
+    assert torch.equal(decode_attention(q, cache, ip, idx, last, num_splits=7), first)
+    assert int(p._ws["counters"].count_nonzero()) == 0
 
 
 def test_plan_routes_by_page_kinds():
     q, k, v = make_inputs(2, 1, 2, 48, seed=1, outliers=False)
-    for compress, plan in (("eligible", [(0, False)]), ("none", [(1, False)]),
-                           (0.5, [(0, True), (1, True), (2, True)])):
+    for compress, launches in (("eligible", [(1, False)]), ("none", [(2, False)]),
+                               (0.5, [(1, True), (2, True), (0, True)])):
         cache, *_ = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma", compress=compress)
-        assert _plan(cache, "auto") == plan
-        assert _plan(cache, "mixed") == [(2, False)]
+        assert _launches(cache, "auto", "auto") == launches
+        assert _launches(cache, "auto", "device") == [(1, True), (2, True), (0, True)]
+        assert _launches(cache, "mixed", "auto") == [(0, False)]
 
 
 def test_errors():

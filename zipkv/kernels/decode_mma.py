@@ -1,6 +1,6 @@
 """Fused decode attention for the mma layouts (ZipFusion §III-C), written in Gluon.
 
-The caches of :mod:`zipkv.kernels.decode_attention` with ``k_layout="k_mma"`` and
+The caches of :mod:`zipkv.paged` with ``k_layout="k_mma"`` and
 ``v_layout="v_mma"`` (head_dim 128, see :mod:`zipkv.format`) store each 512-value block so that
 one thread's tensor-core operand values (``mma.m16n8k16``, bf16 B operand: keys for ``q @ K^T``,
 values for ``P @ V``) are two or four runs of 16 contiguous bytes. Gluon (Triton's explicit-layout
@@ -14,44 +14,58 @@ conversion moves data between threads.
 One warp per program: grid ``(batch, kv_heads, num_splits)``, the program's ``G`` query rows padded
 to 16 (the A operand, kept in registers), online softmax over one page (16 tokens) per step.
 
-Specialisations (constexpr ``PATH``), as in the Triton kernel:
+Specialisations, by the page kinds of :mod:`zipkv.paged` (as in the Triton kernel):
 
-* 0, all-compressed: full pages whose K and V blocks are all compressed. The rebuild uses a fixed
+* COMPRESSED: full pages whose K and V blocks are all compressed. The rebuild uses a fixed
   exponent base 128 (``high = sign << 7 | (64 + offset)``: one ``or`` per 4 values, no per-block
   operand) and undoes it exactly with a power of two per token: ``2^(b - 128)`` on the scores for
   keys, on P for values (a block with b = 0 gets 0: exact for an all-zero block; a value below
   2^-126 would be flushed). With a ring of S slots (launch option ``stages``, default 2), the data
   of pages i+1 .. i+S-1, the descriptors of page i+S and the page id of i+S+1 are in flight while
   page i is computed.
-* 1, all-raw: the same pipeline on raw blocks (bf16 in block position order): the uncompressed
+* RAW: the same pipeline on raw blocks (bf16 in block position order): the uncompressed
   baseline, the same kernel with compression switched off.
-* 2, any page: per-element addresses from the block descriptors (compressed or raw, exact base),
+* MIXED, any page: per-element addresses from the block descriptors (compressed or raw, exact base),
   for mixed pages, in a separate kernel (its register pressure would halve the pipeline's occupancy).
 
 The last split of a pipelined launch also takes the request's last page when it is of the launch's
 kind, masking the tokens past ``last_page_len``; any other last page goes to the element-by-element
 kernel, which writes one extra split slot. Routing is
-:func:`zipkv.kernels.decode_attention.decode_attention`'s: one pipelined launch for a uniform cache
+:func:`zipkv.kernels.decode_attention.plan`'s: one pipelined launch for a uniform cache
 (and no element-by-element kernel), three routed launches (each program classifies its request from
 the page kinds) otherwise. A uniform cache's launch also merges its splits (the last split of each
-request and KV head to arrive does it, :func:`_finish`); otherwise the Triton kernel's merge kernel follows.
+request and KV head to arrive does it, :func:`_finish`); otherwise the merge kernel of
+:mod:`zipkv.kernels.merge` follows.
 
 Gluon has no interpreter (``TRITON_INTERPRET=1``): this kernel runs on CUDA GPUs only; its tests
 run on the GPU, the format and the pack kernel are tested on the CPU.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-__all__ = ["decode_mma"]
+from zipkv import format as fmt
+from zipkv import paged
+from zipkv.kernels.merge import merge_splits
 
-D = 128
+__all__ = ["launch", "workspace", "MMA_LAUNCH"]
+
+MMA_LAUNCH = dict(programs_per_sm=6, stages=2)
+"""Launch options of this kernel (one warp per program): the split-KV target in programs per SM and
+the pipeline depth (shared-memory ring slots); a plan's ``launch`` overrides them. From a sweep on the
+H200 at the benchmark's six Llama-shape points: with 2 slots (12.5 KB of shared memory) 12 programs
+fit on an SM, and about 6 per SM as the target (so 6 to 12 resident, one wave) was the fastest or
+within 1 % of it at each point."""
+MAX_GROUP = 16
+"""Query heads per KV head this kernel takes (the A operand's 16 rows)."""
+
+D = fmt.MMA_HEAD_DIM
+COMPRESSED = gl.constexpr(paged.COMPRESSED)
+RAW = gl.constexpr(paged.RAW)
+MIXED = gl.constexpr(paged.MIXED)
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA.value, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA.value, k_width=2))
@@ -135,11 +149,11 @@ def _descs(desc_ptr, page, h, HKV: gl.constexpr):
 
 
 @gluon.jit
-def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, RAW: gl.constexpr):
+def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, RAW_PAGES: gl.constexpr):
     """Per token of the page (an S / P column): the key scale (softmax scale included) and the
     value scale, ``2^(b - 128)`` of the token's block (1 for raw pages)."""
     st = gl.arange(0, 16, layout=COLS)
-    if RAW:
+    if RAW_PAGES:
         return gl.full([16], qk_scale, gl.float32, layout=COLS), gl.full([16], 1.0, gl.float32, layout=COLS)
     kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + st // 4)
     vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + (st >> 1) % 4)
@@ -147,7 +161,7 @@ def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, RAW: gl.constexpr):
 
 
 @gluon.jit
-def _issue(pool_ptr, kbuf, vbuf, slot, kd, vd, RAW: gl.constexpr):
+def _issue(pool_ptr, kbuf, vbuf, slot, kd, vd, RAW_PAGES: gl.constexpr):
     """cp.async of one page into ring ``slot``: keys as 3 (raw: 2) tiles ``[16, 4, 16]``, values as
     6 (raw: 4) chunks ``[4, 8, 16]``; 16 contiguous bytes per thread and copy."""
     kt = gl.arange(0, 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, K_REGS)))
@@ -157,7 +171,7 @@ def _issue(pool_ptr, kbuf, vbuf, slot, kd, vd, RAW: gl.constexpr):
     vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))
     k_in = (kq * 16)[None, :, None] + kj[None, None, :]
     v_in = (vm * 16)[None, :, None] + vr[None, None, :]
-    if RAW:                                  # bf16 in position order: the same indices in 2-byte units
+    if RAW_PAGES:                                  # bf16 in position order: the same indices in 2-byte units
         pool16 = pool_ptr.to(gl.pointer_type(gl.bfloat16))
         ka = pool16 + gl.multiple_of((kd >> 9) + (kt % 4) * 64, 8)[:, None, None] + k_in
         async_copy.async_copy_global_to_shared(kbuf.index(slot * 2 + 0), ka)
@@ -175,9 +189,9 @@ def _issue(pool_ptr, kbuf, vbuf, slot, kd, vd, RAW: gl.constexpr):
 
 
 @gluon.jit
-def _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, k_scale, v_scale, valid, RAW: gl.constexpr):
+def _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, k_scale, v_scale, valid, RAW_PAGES: gl.constexpr):
     """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state."""
-    if RAW:
+    if RAW_PAGES:
         kop = _key_operand(kbuf.index(slot * 2).load(K_REGS), kbuf.index(slot * 2 + 1).load(K_REGS))
         vop = _value_operand(vbuf.index(slot * 4).load(V_REGS), vbuf.index(slot * 4 + 1).load(V_REGS),
                              vbuf.index(slot * 4 + 2).load(V_REGS), vbuf.index(slot * 4 + 3).load(V_REGS))
@@ -198,14 +212,14 @@ def _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, k_scale, v_scale, valid, RAW: g
 
 @gluon.jit
 def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, last_page, last_len, h,
-               qk_scale, HKV: gl.constexpr, RAW: gl.constexpr, SLOTS: gl.constexpr):
+               qk_scale, HKV: gl.constexpr, RAW_PAGES: gl.constexpr, SLOTS: gl.constexpr):
     """Pages [lo, hi) (hi > lo) of one request (page ``last_page`` holds ``last_len`` tokens, the
     others 16) through a ring of SLOTS shared-memory slots: while
     page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
     the page id of i+SLOTS+1 are in flight. The per-token scales wait in the ring too."""
-    NK: gl.constexpr = 2 if RAW else 3
-    NV: gl.constexpr = 4 if RAW else 6
-    ELEM: gl.constexpr = gl.bfloat16 if RAW else gl.uint8
+    NK: gl.constexpr = 2 if RAW_PAGES else 3
+    NV: gl.constexpr = 4 if RAW_PAGES else 6
+    ELEM: gl.constexpr = gl.bfloat16 if RAW_PAGES else gl.uint8
     kbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NK, 16, 4, 16], RING)
     vbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NV, 4, 8, 16], RING)
     sbuf = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, 16], SCALES)
@@ -213,9 +227,9 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     for j in gl.static_range(SLOTS - 1):
         pg = gl.load(indices_ptr + p_start + gl.minimum(lo + j, last)).to(gl.int64)
         kd, vd = _descs(desc_ptr, pg, h, HKV)
-        _issue(pool_ptr, kbuf, vbuf, j, kd, vd, RAW)
+        _issue(pool_ptr, kbuf, vbuf, j, kd, vd, RAW_PAGES)
         async_copy.commit_group()
-        ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, RAW)
+        ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, RAW_PAGES)
         sbuf.index(2 * j).store(ks)
         sbuf.index(2 * j + 1).store(vs)
     pga = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS - 1, last)).to(gl.int64)
@@ -223,9 +237,9 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     pgn = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS, last)).to(gl.int64)
     for i in range(lo, hi):
         ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of page i + SLOTS - 1
-        _issue(pool_ptr, kbuf, vbuf, ahead, kdn, vdn, RAW)
+        _issue(pool_ptr, kbuf, vbuf, ahead, kdn, vdn, RAW_PAGES)
         async_copy.commit_group()
-        ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, RAW)
+        ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, RAW_PAGES)
         sbuf.index(2 * ahead).store(ks)
         sbuf.index(2 * ahead + 1).store(vs)
         kdn, vdn = _descs(desc_ptr, pgn, h, HKV)                         # page i + SLOTS
@@ -234,7 +248,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
         async_copy.wait_group(SLOTS - 1)                                  # page i has landed
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, slot, sbuf.index(2 * slot).load(COLS),
-                                 sbuf.index(2 * slot + 1).load(COLS), gl.where(i == last_page, last_len, 16), RAW)
+                                 sbuf.index(2 * slot + 1).load(COLS), gl.where(i == last_page, last_len, 16), RAW_PAGES)
     async_copy.wait_group(0)
     return m_i, l_i, acc
 
@@ -279,8 +293,8 @@ def _any_page(q, m_i, l_i, acc, pool_ptr, desc_ptr, page, h, valid, qk_scale, HK
 
 @gluon.jit
 def _route(indices_ptr, kind_ptr, p_start, npages, h, HKV: gl.constexpr):
-    """Class of (request, kv head) from the page kinds: 0 every page but the last all-compressed,
-    1 every page raw, 2 anything else."""
+    """Class of (request, kv head) from the page kinds: COMPRESSED every page but the last
+    all-compressed, RAW every page raw, MIXED anything else."""
     bad_c = 0
     bad_r = 0
     for c0 in range(0, npages, 32):
@@ -288,9 +302,9 @@ def _route(indices_ptr, kind_ptr, p_start, npages, h, HKV: gl.constexpr):
         m = pg < npages
         page = gl.load(indices_ptr + p_start + pg, mask=m, other=0).to(gl.int64)
         kd = gl.load(kind_ptr + page * HKV + h, mask=m, other=0)
-        bad_c += gl.sum((m & (pg < npages - 1) & (kd != 1)).to(gl.int32), axis=0)
-        bad_r += gl.sum((m & (kd != 2)).to(gl.int32), axis=0)
-    return gl.where(bad_c == 0, 0, gl.where(bad_r == 0, 1, 2))
+        bad_c += gl.sum((m & (pg < npages - 1) & (kd != COMPRESSED)).to(gl.int32), axis=0)
+        bad_r += gl.sum((m & (kd != RAW)).to(gl.int32), axis=0)
+    return gl.where(bad_c == 0, COMPRESSED, gl.where(bad_r == 0, RAW, MIXED))
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -368,7 +382,7 @@ def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl
 
 @gluon.jit
 def _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, kind, HKV: gl.constexpr):
-    """Whether the request's last page is of page ``kind`` (1 all-compressed, 2 all-raw): then the
+    """Whether the request's last page is of page ``kind`` (COMPRESSED or RAW): then the
     last split of that kind's pipeline takes it (masking a partial page) and the element-by-element
     kernel skips it."""
     page = gl.load(indices_ptr + p_start + npages - 1).to(gl.int64)
@@ -378,11 +392,11 @@ def _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, kind, HKV: gl.c
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, kind_ptr, part_ptr,
                       lse_ptr, out_ptr, cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr,
-                      SPLITS: gl.constexpr, RAW: gl.constexpr, ROUTE: gl.constexpr, SLOTS: gl.constexpr,
+                      SPLITS: gl.constexpr, RAW_PAGES: gl.constexpr, ROUTE: gl.constexpr, SLOTS: gl.constexpr,
                       N_OUT: gl.constexpr, FUSED: gl.constexpr):
     """Grid (batch, kv_heads, splits), one warp: split s of the request's full pages before its
     last (the last split also takes the last page if it is of this kind), all-compressed (or
-    all-raw: RAW) pages through the cp.async ring, into split slot s of N_OUT. With ROUTE, only
+    all-raw: RAW_PAGES) pages through the cp.async ring, into split slot s of N_OUT. With ROUTE, only
     requests of that class (the others write nothing). FUSED (a uniform cache: this launch holds
     every page): the splits are merged into ``out`` here (:func:`_finish`)."""
     b = gl.program_id(0)
@@ -391,12 +405,13 @@ def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_p
     p_start, npages, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS)
     mine = True
     if ROUTE:
-        mine = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV) == (1 if RAW else 0)
-    if (s == SPLITS - 1) & _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, 2 if RAW else 1, HKV):
+        mine = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV) == (RAW if RAW_PAGES else COMPRESSED)
+    if (s == SPLITS - 1) & _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h,
+                                             RAW if RAW_PAGES else COMPRESSED, HKV):
         hi = npages
     if mine & (hi > lo):
         m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, npages - 1,
-                                   gl.load(last_ptr + b), h, qk_scale, HKV, RAW, SLOTS)
+                                   gl.load(last_ptr + b), h, qk_scale, HKV, RAW_PAGES, SLOTS)
     if FUSED:
         _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS)
     else:
@@ -408,24 +423,24 @@ def _any_page_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_pt
                      qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, BODY: gl.constexpr,
                      ROUTE: gl.constexpr, PIPE: gl.constexpr):
     """Grid (batch, kv_heads, splits + 1), one warp, pages of any kind element by element. Program
-    s = splits: the request's last page, unless a pipeline took it (PIPE: 0 none ran, 1 / 2 the
-    all-compressed / all-raw one for every request, 3 both, routed). Programs s < splits, when BODY:
+    s = splits: the request's last page, unless a pipeline took it (PIPE: 0 none ran, COMPRESSED / RAW
+    that pipeline for every request, 3 both, routed). Programs s < splits, when BODY:
     split s of the full pages before the last (with ROUTE, only requests of the mixed class)."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
     p_start, npages, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS)
-    cls = 2
+    cls = MIXED
     if ROUTE or PIPE == 3:
         cls = _route(indices_ptr, kind_ptr, p_start, npages, h, HKV)
     take_last = s == SPLITS
     if PIPE == 3:
-        take_last = take_last & ~((cls < 2) & _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h,
-                                                                   cls + 1, HKV))
+        take_last = take_last & ~((cls != MIXED) & _last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h,
+                                                                        cls, HKV))
     elif PIPE > 0:
         take_last = take_last & ~_last_in_pipeline(indices_ptr, kind_ptr, p_start, npages, h, PIPE, HKV)
     if BODY:
-        take_body = (s < SPLITS) & (cls == 2)
+        take_body = (s < SPLITS) & (cls == MIXED)
     else:
         take_body = s < 0
     if take_last:
@@ -439,49 +454,49 @@ def _any_page_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_pt
     _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, (s == SPLITS) | take_body, HKV, G, SPLITS + 1)
 
 
-_COUNTERS: dict = {}
+def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, launches, device) -> dict:
+    """Buffers of one batch layout: the split slots (fp32 ``part``, ``lse``; one more slot for the
+    element-by-element kernel unless one pipelined launch takes every page) and, for a fused launch
+    with splits, the zeroed int32 arrival counters of :func:`_finish` (every launch leaves them at 0)."""
+    uniform = _uniform(launches)
+    n_out = num_splits if uniform else num_splits + 1
+    ws = dict(n_out=n_out, uniform=uniform)
+    if n_out > 1:
+        ws["part"] = torch.empty(batch, q_heads, n_out, D, dtype=torch.float32, device=device)
+        ws["lse"] = torch.empty(batch, q_heads, n_out, dtype=torch.float32, device=device)
+    if uniform and n_out > 1:
+        ws["counters"] = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    return ws
 
 
-def _arrival_counters(device, n: int) -> torch.Tensor:
-    """int32 ``[>= n]`` zeros for :func:`_finish`'s arrival counters, one buffer per (device, stream)
-    (launches on one stream run in order; every launch leaves its counters at 0 again)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[key] = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-    return buf
+def _uniform(launches) -> bool:
+    """One unrouted pipelined launch: it takes every page, last pages too."""
+    return len(launches) == 1 and launches[0][0] != paged.MIXED and not launches[0][1]
 
 
-def decode_mma(q, cache, indptr, indices, last_page_len, kinds, plan, scale: float, num_splits: int,
-               out: torch.Tensor, slots: int) -> torch.Tensor:
-    """Launch the kernels of ``plan`` -- a list of ``(path, route)`` with the Triton kernel's path ids
-    (0 all-compressed, 1 all-raw, 2 any page) -- into ``out``. A uniform cache (one pipelined launch
-    takes every page, last pages too) is one launch that also merges its splits; otherwise the
-    last-page kernel adds a split slot and a merge kernel follows. ``slots``: ring slots of the
-    pipeline. Inputs are checked by the caller,
-    :func:`zipkv.kernels.decode_attention.decode_attention`."""
-    from zipkv.kernels.decode_attention import _merge_kernel
-
+def launch(q, cache, indptr, indices, last_page_len, kinds, launches, num_splits: int, qk_scale: float,
+           out: torch.Tensor, ws: dict, slots: int) -> torch.Tensor:
+    """Launch the kernels of ``launches`` -- a list of ``(path, route)``, ``path`` a page kind of
+    :mod:`zipkv.paged` (MIXED: every page element by element) -- into ``out``. A uniform cache is one
+    launch that also merges its splits; otherwise the last-page kernel adds a split slot and the merge
+    kernel follows. ``slots``: ring slots of the pipeline; ``ws``: :func:`workspace`. No host sync;
+    inputs are checked by :func:`zipkv.kernels.decode_attention.plan`."""
     B, HQ, _ = q.shape
     HKV, G = cache.kv_heads, HQ // cache.kv_heads
-    pipes = [(path, route) for path, route in plan if path < 2]
-    uniform = len(plan) == 1 and pipes and not pipes[0][1]     # every page (last ones too) of one kind
-    n_out = num_splits if uniform else num_splits + 1          # + the element-by-element kernel's slot
-    part = torch.empty(B, HQ, n_out, D, dtype=torch.float32, device=q.device) if n_out > 1 else out
-    lse = torch.empty(B, HQ, n_out, dtype=torch.float32, device=q.device) if n_out > 1 else out
-    counters = _arrival_counters(q.device, B * HKV) if uniform and n_out > 1 else out
-    qk_scale = scale * math.log2(math.e)
+    pipes = [(path, route) for path, route in launches if path != paged.MIXED]
+    uniform, n_out = ws["uniform"], ws["n_out"]
+    part, lse = ws.get("part", out), ws.get("lse", out)
+    counters = ws.get("counters", out)
     for path, route in pipes:
         _pipelined_kernel[(B, HKV, num_splits)](
             q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, out, counters, qk_scale,
-            HKV=HKV, G=G, SPLITS=num_splits, RAW=path == 1, ROUTE=route, SLOTS=slots, N_OUT=n_out,
+            HKV=HKV, G=G, SPLITS=num_splits, RAW_PAGES=path == paged.RAW, ROUTE=route, SLOTS=slots, N_OUT=n_out,
             FUSED=uniform, num_warps=1)
     if uniform:
         return out
-    body = [route for path, route in plan if path == 2]
-    pipe = 0 if not pipes else 3 if len(pipes) > 1 else pipes[0][0] + 1
+    body = [route for path, route in launches if path == paged.MIXED]
+    pipe = 0 if not pipes else 3 if len(pipes) > 1 else pipes[0][0]
     _any_page_kernel[(B, HKV, num_splits + 1)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, kinds, part, lse, qk_scale,
         HKV=HKV, G=G, SPLITS=num_splits, BODY=bool(body), ROUTE=bool(body) and body[0], PIPE=pipe, num_warps=1)
-    _merge_kernel[(B * HQ,)](part, lse, out, D=D, SPLITS=n_out, S_PAD=triton.next_power_of_2(n_out))
-    return out
+    return merge_splits(part, lse, out)

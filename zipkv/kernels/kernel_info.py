@@ -121,14 +121,15 @@ def decode_attention_info(path: str = "compressed", *, q_heads: int = 32, kv_hea
     """Resources of one decode-attention specialisation (``path``: ``"compressed"``,
     ``"raw"`` or ``"mixed"``) at a given shape, compiled as :func:`decode_attention` would
     launch it on the GPU (bf16, tensor-core dots). Defaults: Llama-3.1-8B shapes, the
-    launch options of the path on ``gpu_name`` (:func:`zipkv.kernels.decode_attention.launch_config`)."""
+    launch options of the path on ``gpu_name`` (:func:`zipkv.kernels.decode_triton.launch_config`)."""
     import triton
 
     from zipkv import format as fmt
-    from zipkv.kernels import decode_attention as da
+    from zipkv import paged
+    from zipkv.kernels import decode_triton as dt
 
-    p = da.PATHS.index(path)
-    tune = da.launch_config(path, gpu_name)
+    p = paged.PAGE_KINDS.index(path)
+    tune = dt.launch_config(path, gpu_name)
     pages_per_tile = tune["pages_per_tile"] if pages_per_tile is None else pages_per_tile
     G = q_heads // kv_heads
     cst = dict(HKV=kv_heads, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=head_dim,
@@ -136,7 +137,7 @@ def decode_attention_info(path: str = "compressed", *, q_heads: int = 32, kv_hea
                PPT=pages_per_tile, SPLITS=splits, FP32=False, PATH=p, ROUTE=route,
                STAGES=tune["stages"] if num_stages is None else num_stages)
     maxnreg = tune.get("maxnreg") if maxnreg == -1 else maxnreg
-    info = compile_info(da._decode_kernel, _DECODE_SIG, cst,
+    info = compile_info(dt._decode_kernel, _DECODE_SIG, cst,
                         num_warps=tune["num_warps"] if num_warps is None else num_warps,
                         num_stages=cst["STAGES"], arch=arch, divisible=tuple(range(10)),
                         keep_asm=keep_asm, **({"maxnreg": maxnreg} if maxnreg else {}))
@@ -169,7 +170,6 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
     ``"compressed"`` or ``"raw"`` (the pipelined kernel, ``slots`` ring slots, default its launch
     option) or ``"any page"`` (the element-by-element kernel, with the mixed-page body)."""
     from zipkv.kernels import decode_mma as dm
-    from zipkv.kernels.decode_attention import MMA_LAUNCH
 
     sig = {"q_ptr": "*bf16", "pool_ptr": "*u8", "desc_ptr": "*i64", "indptr_ptr": "*i32", "indices_ptr": "*i32",
            "last_ptr": "*i32", "kind_ptr": "*u8", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
@@ -179,8 +179,8 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
         fn, stages = dm._any_page_kernel, 1
         cst.update(BODY=True, ROUTE=True, PIPE=3)
     elif path in ("compressed", "raw"):
-        fn, stages = dm._pipelined_kernel, slots or MMA_LAUNCH["stages"]
-        cst.update(RAW=path == "raw", ROUTE=False, SLOTS=stages, N_OUT=splits, FUSED=True)
+        fn, stages = dm._pipelined_kernel, slots or dm.MMA_LAUNCH["stages"]
+        cst.update(RAW_PAGES=path == "raw", ROUTE=False, SLOTS=stages, N_OUT=splits, FUSED=True)
     else:
         raise ValueError(f"path must be 'compressed', 'raw' or 'any page', got {path!r}")
     info = compile_info(fn, sig, cst, num_warps=1, num_stages=stages, arch=arch, divisible=tuple(range(9)),
