@@ -102,8 +102,10 @@ def _batch_mismatch(q_batch: int, indptr_len: int) -> str:
 
 
 def _launches(cache, path: str, routing: str):
-    """Kernel launches of a plan: list of ``(page kind, routed)``; with ``routed`` each program first
-    classifies its (request, kv head) from the page kinds and works only if the class is its own."""
+    """Kernel launches of a plan: list of ``(page kind, routed)``. A uniform cache: one launch of its
+    kind's specialisation. Otherwise the Gluon kernel's MIXED specialisation takes every page in one
+    launch; the Triton kernel makes three routed launches (each program first classifies its (request,
+    kv head) from the page kinds and works only if the class is its own)."""
     if path not in ("auto", "mixed"):
         raise ValueError(f"path must be 'auto' or 'mixed', got {path!r}")
     if routing not in ROUTINGS:
@@ -116,6 +118,8 @@ def _launches(cache, path: str, routing: str):
         return [(paged.COMPRESSED, False)]
     if kind == "raw":
         return [(paged.RAW, False)]
+    if kernel_for(cache) == "gluon":
+        return [(paged.MIXED, False)]
     return [(paged.COMPRESSED, True), (paged.RAW, True), (paged.MIXED, True)]
 
 
@@ -179,10 +183,11 @@ class DecodePlan:
         if self.batch == 0:
             return out
         qk_scale = self.softmax_scale * math.log2(math.e)
-        args = (q, cache, self.indptr, self.indices, self.last_page_len, self._kinds, self._launches)
         if self.kernel == "gluon":
-            return decode_mma.launch(*args, self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"])
-        return decode_triton.launch(*args, self.configs, self.num_splits, qk_scale, out, self._ws,
+            return decode_mma.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._launches,
+                                     self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"])
+        return decode_triton.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._kinds,
+                                    self._launches, self.configs, self.num_splits, qk_scale, out, self._ws,
                                     self._fp32, self._interp)
 
 
@@ -268,7 +273,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     kinds = cache.page_kinds()
     fp32 = not gpu
     if kernel == "gluon":
-        ws = decode_mma.workspace(B, q_heads, HKV, num_splits, launches, device)
+        ws = decode_mma.workspace(B, q_heads, HKV, num_splits, device)
     else:
         ws = decode_triton.workspace(B, q_heads, D, num_splits, fp32, device)
     uniform = len(launches) == 1 and launches[0][0] != paged.MIXED
