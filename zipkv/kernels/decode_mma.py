@@ -74,6 +74,11 @@ K_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_w
 V_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[4, 8, 1],
                                        warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
 ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
+# The same tiles as 32-bit words (MIXED pages): [16 tokens, 4 lanes q, 4 words] and [4 blocks, 8 lanes m, 4 words].
+K_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
+                                        warps_per_cta=[1, 1, 1], order=[2, 1, 0]))
+V_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[4, 8, 1],
+                                        warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
 RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 SCALES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 COLS = gl.constexpr(gl.SliceLayout(0, MMA.value))
@@ -97,6 +102,48 @@ def _rebuild128(low, code, HIGH: gl.constexpr):
             "{ .reg .b32 n, t; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; and.b32 t, $3, 0x07070707; "
             "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
             "=r,=r,r,r", [low, code], dtype=gl.bfloat16, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _select_words(low, code, raw_a, raw_b, comp, HIGH: gl.constexpr):
+    """MIXED pages, per 32-bit word (4 values): where ``comp``, the bf16 pair words rebuilt (base 128) from a
+    low-byte word and a code word (its low or HIGH nibbles), else the raw pair words ``raw_a``, ``raw_b``
+    (values 0-1, 2-3 of the 4). int32 in, int32 out."""
+    if HIGH:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t, x, y; .reg .pred p; setp.ne.b32 p, $6, 0; and.b32 n, $3, 0x80808080; shr.b32 t, $3, 4; "
+            "and.b32 t, t, 0x07070707; or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 x, $2, n, 0x5140; "
+            "prmt.b32 y, $2, n, 0x7362; selp.b32 $0, x, $4, p; selp.b32 $1, y, $5, p; }",
+            "=r,=r,r,r,r,r,r", [low, code, raw_a, raw_b, comp], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    else:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t, x, y; .reg .pred p; setp.ne.b32 p, $6, 0; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; "
+            "and.b32 t, $3, 0x07070707; or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 x, $2, n, 0x5140; "
+            "prmt.b32 y, $2, n, 0x7362; selp.b32 $0, x, $4, p; selp.b32 $1, y, $5, p; }",
+            "=r,=r,r,r,r,r,r", [low, code, raw_a, raw_b, comp], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _raw_pairs(first, second, WORDS: gl.constexpr):
+    """Two 16-byte chunks of raw bf16 (values 0-7, 8-15; int32 [a, b, 4] words) -> the words of values
+    (4w, 4w+1) and (4w+2, 4w+3), w = 0..3, as :func:`_select_words` pairs them (register regrouping only)."""
+    fe, fo = gl.split(first.reshape([first.shape[0], first.shape[1], 2, 2]))
+    se, so = gl.split(second.reshape([second.shape[0], second.shape[1], 2, 2]))
+    a = gl.join(fe, se).permute([0, 1, 3, 2]).reshape([first.shape[0], first.shape[1], 4])
+    b = gl.join(fo, so).permute([0, 1, 3, 2]).reshape([first.shape[0], first.shape[1], 4])
+    return gl.convert_layout(a, WORDS), gl.convert_layout(b, WORDS)
+
+
+@gluon.jit
+def _words_to_values(a, b, REGS: gl.constexpr):
+    """Pair words of values (4w, 4w+1) and (4w+2, 4w+3) ``[x, y, 4]`` -> bf16 ``[x, y, 16]`` in REGS."""
+    a0, a1 = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [a], dtype=(gl.bfloat16, gl.bfloat16),
+                                       is_pure=True, pack=1)
+    b0, b1 = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [b], dtype=(gl.bfloat16, gl.bfloat16),
+                                       is_pure=True, pack=1)
+    v = gl.join(gl.join(a0, a1), gl.join(b0, b1))                      # [x, y, w, ab, lohi]
+    v = v.permute([0, 1, 2, 4, 3]).reshape([a.shape[0], a.shape[1], 16])
+    return gl.convert_layout(v, REGS)
 
 
 @gluon.jit
@@ -212,20 +259,53 @@ def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd, kmask, vmask):
 
 
 @gluon.jit
-def _issue(pool_ptr, kc_buf, vc_buf, kr_buf, vr_buf, kflags, vflags, slot, kd, vd, KIND: gl.constexpr):
-    """cp.async of one page into ring ``slot`` (MIXED: each block into the ring of its kind, its flags
-    into ``kflags`` / ``vflags``)."""
+def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
+    """cp.async of a page of any blocks into ring ``slot`` of raw size: keys as 4 tiles ``[16, 4, 16]``, values
+    as 8 chunks ``[4, 8, 16]`` of bytes. A compressed key row fills tiles 0-2 (low bytes of channel bit 6 = 0,
+    1; codes), a raw one tiles 0-1 (its bf16 of channel bit 6 = 0) and 2-3 (bit 6 = 1); a compressed value
+    block row fills chunks 0-5 as the compressed ring, a raw one chunk 2c + i with bytes 16i.. of its bf16
+    chunk c. Only stored bytes are read (the unused tiles of a compressed row are zero-filled)."""
+    kt = gl.arange(0, 16, layout=K_ROWS)
+    kq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_REGS)))
+    kj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_REGS)))
+    vm = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_REGS)))
+    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))
+    kc = _compressed(kd)
+    vc = _compressed(vd)
+    kq3 = kq[None, :, None]
+    vm3 = vm[None, :, None]
+    kc3 = kc[:, None, None]
+    vc3 = vc[:, None, None]
+    kbase = ((kd >> 8) + (kt % 4) * 64)[:, None, None]
+    for u in gl.static_range(4):
+        off = gl.where(kc3, kbase + u * 256 + kq3 * 16, kbase * 2 - (kd >> 8)[:, None, None]
+                       + (u // 2) * 512 + kq3 * 32 + (u % 2) * 16)
+        ptr = pool_ptr + gl.multiple_of(off, [16, 16, 16]) + kj[None, None, :]
+        if u == 3:
+            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), ptr, mask=~kc3)
+        else:
+            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), ptr)
+    vbase = (vd >> 8)[:, None, None]
+    for u in gl.static_range(8):
+        off = gl.where(vc3, vbase + u * 128 + vm3 * 16, vbase + (u // 2) * 256 + vm3 * 32 + (u % 2) * 16)
+        ptr = pool_ptr + gl.multiple_of(off, [16, 16, 16]) + vr[None, None, :]
+        if u >= 6:
+            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), ptr, mask=~vc3)
+        else:
+            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), ptr)
+
+
+@gluon.jit
+def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexpr):
+    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``)."""
     if KIND == COMPRESSED:
-        _issue_compressed(pool_ptr, kc_buf, vc_buf, slot, kd, vd, None, None)
+        _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd, None, None)
     elif KIND == RAW:
-        _issue_raw(pool_ptr, kr_buf, vr_buf, slot, kd, vd, None, None)
+        _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd, None, None)
     else:
-        kc = _compressed(kd)
-        vc = _compressed(vd)
-        _issue_compressed(pool_ptr, kc_buf, vc_buf, slot, kd, vd, kc[:, None, None], vc[:, None, None])
-        _issue_raw(pool_ptr, kr_buf, vr_buf, slot, kd, vd, ~kc[:, None, None], ~vc[:, None, None])
-        kflags.index(slot).store(kc.to(gl.int32))
-        vflags.index(slot).store(vc.to(gl.int32))
+        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd)
+        kflags.index(slot).store(_compressed(kd).to(gl.int32))
+        vflags.index(slot).store(_compressed(vd).to(gl.int32))
 
 
 @gluon.jit
@@ -246,27 +326,58 @@ def _rebuilt_values(vbuf, slot):
 
 
 @gluon.jit
-def _compute(q, m_i, l_i, acc, kc_buf, vc_buf, kr_buf, vr_buf, kflags, vflags, slot, k_scale, v_scale, valid,
-             KIND: gl.constexpr):
+def _mixed_operands(kbuf, vbuf, kflags, vflags, slot):
+    """MIXED page in ring ``slot`` -> the bf16 key tiles (channel bit 6 = 0, 1) and value chunks, each row
+    rebuilt or raw as its block is stored: one word-wise rebuild-or-raw select (:func:`_select_words`)."""
+    kw = kbuf._reinterpret(gl.int32, [kbuf.shape[0], 16, 4, 4], RING)
+    vw = vbuf._reinterpret(gl.int32, [vbuf.shape[0], 4, 8, 4], RING)
+    t0 = kw.index(slot * 4).load(K_WORDS)
+    t1 = kw.index(slot * 4 + 1).load(K_WORDS)
+    t2 = kw.index(slot * 4 + 2).load(K_WORDS)
+    t3 = kw.index(slot * 4 + 3).load(K_WORDS)
+    kc = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + t0 * 0
+    ra, rb = _raw_pairs(t0, t1, K_WORDS)
+    a0, b0 = _select_words(t0, t2, ra, rb, kc, False)
+    ra, rb = _raw_pairs(t2, t3, K_WORDS)
+    a1, b1 = _select_words(t1, t2, ra, rb, kc, True)
+    k0 = _words_to_values(a0, b0, K_REGS)
+    k1 = _words_to_values(a1, b1, K_REGS)
+    u0 = vw.index(slot * 8).load(V_WORDS)
+    u1 = vw.index(slot * 8 + 1).load(V_WORDS)
+    u2 = vw.index(slot * 8 + 2).load(V_WORDS)
+    u3 = vw.index(slot * 8 + 3).load(V_WORDS)
+    u4 = vw.index(slot * 8 + 4).load(V_WORDS)
+    u5 = vw.index(slot * 8 + 5).load(V_WORDS)
+    u6 = vw.index(slot * 8 + 6).load(V_WORDS)
+    u7 = vw.index(slot * 8 + 7).load(V_WORDS)
+    vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
+    ra, rb = _raw_pairs(u0, u1, V_WORDS)
+    a, b = _select_words(u0, u4, ra, rb, vc, False)
+    v0 = _words_to_values(a, b, V_REGS)
+    ra, rb = _raw_pairs(u2, u3, V_WORDS)
+    a, b = _select_words(u1, u5, ra, rb, vc, False)
+    v1 = _words_to_values(a, b, V_REGS)
+    ra, rb = _raw_pairs(u4, u5, V_WORDS)
+    a, b = _select_words(u2, u4, ra, rb, vc, True)
+    v2 = _words_to_values(a, b, V_REGS)
+    ra, rb = _raw_pairs(u6, u7, V_WORDS)
+    a, b = _select_words(u3, u5, ra, rb, vc, True)
+    v3 = _words_to_values(a, b, V_REGS)
+    return k0, k1, v0, v1, v2, v3
+
+
+@gluon.jit
+def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid, KIND: gl.constexpr):
     """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state."""
     if KIND == COMPRESSED:
-        k0, k1 = _rebuilt_keys(kc_buf, slot)
-        v0, v1, v2, v3 = _rebuilt_values(vc_buf, slot)
+        k0, k1 = _rebuilt_keys(kbuf, slot)
+        v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
     elif KIND == RAW:
-        k0, k1 = kr_buf.index(slot * 2).load(K_REGS), kr_buf.index(slot * 2 + 1).load(K_REGS)
-        v0, v1 = vr_buf.index(slot * 4).load(V_REGS), vr_buf.index(slot * 4 + 1).load(V_REGS)
-        v2, v3 = vr_buf.index(slot * 4 + 2).load(V_REGS), vr_buf.index(slot * 4 + 3).load(V_REGS)
-    else:                                    # per block row: rebuilt if compressed, else as stored
-        kc = (kflags.index(slot).load(K_ROWS) != 0)[:, None, None]
-        vc = (vflags.index(slot).load(V_ROWS) != 0)[:, None, None]
-        k0, k1 = _rebuilt_keys(kc_buf, slot)
-        k0 = gl.where(kc, k0, kr_buf.index(slot * 2).load(K_REGS))
-        k1 = gl.where(kc, k1, kr_buf.index(slot * 2 + 1).load(K_REGS))
-        v0, v1, v2, v3 = _rebuilt_values(vc_buf, slot)
-        v0 = gl.where(vc, v0, vr_buf.index(slot * 4).load(V_REGS))
-        v1 = gl.where(vc, v1, vr_buf.index(slot * 4 + 1).load(V_REGS))
-        v2 = gl.where(vc, v2, vr_buf.index(slot * 4 + 2).load(V_REGS))
-        v3 = gl.where(vc, v3, vr_buf.index(slot * 4 + 3).load(V_REGS))
+        k0, k1 = kbuf.index(slot * 2).load(K_REGS), kbuf.index(slot * 2 + 1).load(K_REGS)
+        v0, v1 = vbuf.index(slot * 4).load(V_REGS), vbuf.index(slot * 4 + 1).load(V_REGS)
+        v2, v3 = vbuf.index(slot * 4 + 2).load(V_REGS), vbuf.index(slot * 4 + 3).load(V_REGS)
+    else:
+        k0, k1, v0, v1, v2, v3 = _mixed_operands(kbuf, vbuf, kflags, vflags, slot)
     kop = _key_operand(k0, k1)
     vop = _value_operand(v0, v1, v2, v3)
     if KIND != COMPRESSED:                   # raw bytes past a partial page may be any bf16 (inf, nan)
@@ -283,18 +394,11 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
     the page id of i+SLOTS+1 are in flight. The per-token scales (and MIXED: the block flags) wait in
     the ring too."""
-    if KIND != RAW:
-        kc_buf = gl.allocate_shared_memory(gl.uint8, [SLOTS * 3, 16, 4, 16], RING)
-        vc_buf = gl.allocate_shared_memory(gl.uint8, [SLOTS * 6, 4, 8, 16], RING)
-    if KIND != COMPRESSED:
-        kr_buf = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * 2, 16, 4, 16], RING)
-        vr_buf = gl.allocate_shared_memory(gl.bfloat16, [SLOTS * 4, 4, 8, 16], RING)
-    if KIND == COMPRESSED:
-        kr_buf = kc_buf
-        vr_buf = vc_buf
-    if KIND == RAW:
-        kc_buf = kr_buf
-        vc_buf = vr_buf
+    NK: gl.constexpr = 3 if KIND == COMPRESSED else (2 if KIND == RAW else 4)   # key tiles, value chunks per slot
+    NV: gl.constexpr = 6 if KIND == COMPRESSED else (4 if KIND == RAW else 8)
+    ELEM: gl.constexpr = gl.bfloat16 if KIND == RAW else gl.uint8
+    kbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NK, 16, 4, 16], RING)
+    vbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NV, 4, 8, 16], RING)
     sbuf = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, 16], SCALES)
     kflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 16], SCALES)
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
@@ -302,7 +406,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     for j in gl.static_range(SLOTS - 1):
         pg = gl.load(indices_ptr + p_start + gl.minimum(lo + j, last)).to(gl.int64)
         kd, vd = _descs(desc_ptr, pg, h, HKV)
-        _issue(pool_ptr, kc_buf, vc_buf, kr_buf, vr_buf, kflags, vflags, j, kd, vd, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, KIND)
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, KIND)
         sbuf.index(2 * j).store(ks)
@@ -312,7 +416,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     pgn = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS, last)).to(gl.int64)
     for i in range(lo, hi):
         ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of page i + SLOTS - 1
-        _issue(pool_ptr, kc_buf, vc_buf, kr_buf, vr_buf, kflags, vflags, ahead, kdn, vdn, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, KIND)
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, KIND)
         sbuf.index(2 * ahead).store(ks)
@@ -322,7 +426,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
         pgn = gl.load(indices_ptr + p_start + gl.minimum(i + SLOTS + 1, last)).to(gl.int64)
         async_copy.wait_group(SLOTS - 1)                                  # page i has landed
         slot = (i - lo) % SLOTS
-        m_i, l_i, acc = _compute(q, m_i, l_i, acc, kc_buf, vc_buf, kr_buf, vr_buf, kflags, vflags, slot,
+        m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
                                  sbuf.index(2 * slot).load(COLS), sbuf.index(2 * slot + 1).load(COLS),
                                  gl.where(i == last_page, last_len, 16), KIND)
     async_copy.wait_group(0)
