@@ -207,9 +207,10 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     device sync); the structure (types, shapes, devices) is always checked.
     path: ``"auto"`` routes each (request, kv head) to a specialisation -- all-compressed (every page but
     the last all-compressed, K and V), all-raw, or mixed -- from the cache's page kinds: a uniform cache
-    gets one launch of its specialisation, otherwise three routed launches; ``"mixed"`` sends everything
-    through the mixed specialisation. Channel layouts always use the mixed one. routing: ``"auto"`` as
-    above, ``"device"`` always the routed launches (the plan stays valid whatever gets compressed).
+    gets one launch of its specialisation; otherwise the Gluon kernel one launch of its mixed
+    specialisation (any page), the Triton kernel three routed launches. ``"mixed"`` sends everything
+    through the mixed specialisation; channel layouts always use it. routing: ``"auto"`` as above,
+    ``"device"`` never the single uniform launch (the plan stays valid whatever gets compressed).
     launch: overrides of the launch options (keys :data:`LAUNCH_KEYS`); the Gluon kernel reads
     ``programs_per_sm`` and ``stages`` (its ring slots) only, default :data:`MMA_LAUNCH`.
     """
