@@ -15,11 +15,13 @@ bench.attention_benchmark(...)``).
 from zipkv.bench.attention import (ATTENTION_SHAPES, KERNEL_LAYOUTS, METHODS, attention_benchmark,
                                    measured_compressible_fraction)
 from zipkv.bench.baselines import FlashInferDecode, sdpa_decode
-from zipkv.bench.nsight import nsight_report, nsight_targets
+from zipkv.bench.nsight import (NCU_KERNELS, NCU_METRICS, NCU_SECTIONS, NCU_STALLS, NCU_TARGETS, nsight_report,
+                                nsight_targets)
 from zipkv.bench.pack import pack_benchmark
-from zipkv.bench.timing import ColdTimer, copy_bandwidth
-from zipkv.bench.tune import tune_decode_attention, write_tuning
+from zipkv.bench.timing import L2_FLUSH_BYTES, ColdTimer, copy_bandwidth
+from zipkv.bench.tune import TUNE_GRID, TUNE_PROGRAMS_PER_SM, tune_decode_attention, write_tuning
 
 __all__ = ["ATTENTION_SHAPES", "KERNEL_LAYOUTS", "METHODS", "attention_benchmark", "measured_compressible_fraction",
-           "FlashInferDecode", "sdpa_decode", "nsight_report", "nsight_targets", "pack_benchmark", "ColdTimer",
-           "copy_bandwidth", "tune_decode_attention", "write_tuning"]
+           "FlashInferDecode", "sdpa_decode", "NCU_KERNELS", "NCU_METRICS", "NCU_SECTIONS", "NCU_STALLS",
+           "NCU_TARGETS", "nsight_report", "nsight_targets", "pack_benchmark", "L2_FLUSH_BYTES", "ColdTimer",
+           "copy_bandwidth", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "tune_decode_attention", "write_tuning"]
