@@ -130,10 +130,10 @@ class DecodePlan:
     ``kernel`` (of :data:`KERNELS`), ``launches`` (``(page kind name, routed)`` per launch),
     ``num_splits``, ``softmax_scale``, ``configs`` (launch options per launch) and the workspace.
     """
-    cache: PagedKVCache
-    indptr: torch.Tensor
-    indices: torch.Tensor
-    last_page_len: torch.Tensor
+    cache: PagedKVCache = field(repr=False)
+    indptr: torch.Tensor = field(repr=False)
+    indices: torch.Tensor = field(repr=False)
+    last_page_len: torch.Tensor = field(repr=False)
     q_heads: int
     kernel: str
     num_splits: int
