@@ -222,44 +222,47 @@ def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, KIND: gl.constexpr):
 
 
 @gluon.jit
-def _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd, kmask, vmask):
-    """cp.async of a page's compressed blocks into ring ``slot``: keys as 3 tiles ``[16, 4, 16]`` (low
-    bytes of channel bit 6 = 0, 1; codes), values as 6 chunks ``[4, 8, 16]`` (low bytes of channel bits
-    (5, 6) = c; codes of bit 5 = c - 4); 16 contiguous bytes per thread and copy. ``kmask`` / ``vmask``
-    (key rows / value block rows, or None): the rows to copy."""
+def _tile_indices():
+    """Index vectors of the ring tiles: key tile ``[16 tokens t, 4 lanes q, 16 bytes j]``, value chunk
+    ``[4 blocks, 8 lanes m, 16 bytes r]``, each in the layout of its dimension."""
     kt = gl.arange(0, 16, layout=K_ROWS)
     kq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_REGS)))
     kj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_REGS)))
     vm = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_REGS)))
     vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))
+    return kt, kq, kj, vm, vr
+
+
+@gluon.jit
+def _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd):
+    """cp.async of a page's compressed blocks into ring ``slot``: keys as 3 tiles ``[16, 4, 16]`` (low
+    bytes of channel bit 6 = 0, 1; codes), values as 6 chunks ``[4, 8, 16]`` (low bytes of channel bits
+    (5, 6) = c; codes of bit 5 = c - 4); 16 contiguous bytes per thread and copy."""
+    kt, kq, kj, vm, vr = _tile_indices()
     k_in = (kq * 16)[None, :, None] + kj[None, None, :]
     v_in = (vm * 16)[None, :, None] + vr[None, None, :]
     ka = pool_ptr + gl.multiple_of((kd >> 8) + (kt % 4) * 64, 16)[:, None, None] + k_in
     va = pool_ptr + gl.multiple_of(vd >> 8, 256)[:, None, None] + v_in
     for c in gl.static_range(3):
-        async_copy.async_copy_global_to_shared(kbuf.index(slot * 3 + c), ka + c * 256, mask=kmask)
+        async_copy.async_copy_global_to_shared(kbuf.index(slot * 3 + c), ka + c * 256)
     for c in gl.static_range(6):
-        async_copy.async_copy_global_to_shared(vbuf.index(slot * 6 + c), va + c * 128, mask=vmask)
+        async_copy.async_copy_global_to_shared(vbuf.index(slot * 6 + c), va + c * 128)
 
 
 @gluon.jit
-def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd, kmask, vmask):
+def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd):
     """cp.async of a page's raw blocks (bf16 in position order: the compressed copies' indices in 2-byte
     units) into ring ``slot``: keys as 2 tiles ``[16, 4, 16]``, values as 4 chunks ``[4, 8, 16]``."""
-    kt = gl.arange(0, 16, layout=K_ROWS)
-    kq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_REGS)))
-    kj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_REGS)))
-    vm = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_REGS)))
-    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))
+    kt, kq, kj, vm, vr = _tile_indices()
     k_in = (kq * 16)[None, :, None] + kj[None, None, :]
     v_in = (vm * 16)[None, :, None] + vr[None, None, :]
     pool16 = pool_ptr.to(gl.pointer_type(gl.bfloat16))
     ka = pool16 + gl.multiple_of((kd >> 9) + (kt % 4) * 64, 8)[:, None, None] + k_in
     va = pool16 + gl.multiple_of(vd >> 9, 128)[:, None, None] + v_in
     for c in gl.static_range(2):
-        async_copy.async_copy_global_to_shared(kbuf.index(slot * 2 + c), ka + c * 256, mask=kmask)
+        async_copy.async_copy_global_to_shared(kbuf.index(slot * 2 + c), ka + c * 256)
     for c in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(vbuf.index(slot * 4 + c), va + c * 128, mask=vmask)
+        async_copy.async_copy_global_to_shared(vbuf.index(slot * 4 + c), va + c * 128)
 
 
 @gluon.jit
@@ -269,11 +272,7 @@ def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
     1; codes), a raw one tiles 0-1 (its bf16 of channel bit 6 = 0) and 2-3 (bit 6 = 1); a compressed value
     block row fills chunks 0-5 as the compressed ring, a raw one chunk 2c + i with bytes 16i.. of its bf16
     chunk c. Only stored bytes are read (the unused tiles of a compressed row are zero-filled)."""
-    kt = gl.arange(0, 16, layout=K_ROWS)
-    kq = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, K_REGS)))
-    kj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, K_REGS)))
-    vm = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_REGS)))
-    vr = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))
+    kt, kq, kj, vm, vr = _tile_indices()
     kc = _compressed(kd)
     vc = _compressed(vd)
     kq3 = kq[None, :, None]
@@ -303,9 +302,9 @@ def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
 def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexpr):
     """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``)."""
     if KIND == COMPRESSED:
-        _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd, None, None)
+        _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd)
     elif KIND == RAW:
-        _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd, None, None)
+        _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd)
     else:
         _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd)
         kflags.index(slot).store(_compressed(kd).to(gl.int32))
