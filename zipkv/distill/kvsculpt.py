@@ -155,6 +155,8 @@ class CompressedCache:
         loss, initial_loss: ``[L, H]`` the method's objective on the training queries at the
             returned solution and at its starting point (KVSculpt: Select+Fit's loss).
         seconds: ``[L, H]`` solver time per problem.
+        bias: ``bias[layer][head]`` ``[n_lh]`` float logit bias added to the attention scores of the cached
+            pairs (``None``: zero everywhere; Attention Matching's pairs stand for several tokens each).
     """
 
     keys: list[list[torch.Tensor]]
@@ -166,6 +168,7 @@ class CompressedCache:
     loss: torch.Tensor | None = None
     initial_loss: torch.Tensor | None = None
     seconds: torch.Tensor | None = None
+    bias: list[list[torch.Tensor]] | None = None
 
     def __post_init__(self):
         if len(self.keys) != len(self.values):
@@ -178,6 +181,13 @@ class CompressedCache:
                 if k.ndim != 2 or k.shape != v.shape:
                     raise ValueError(f"layer {layer} head {head}: keys {tuple(k.shape)} and values {tuple(v.shape)}, "
                                      "expected equal [n, head_dim]")
+        if self.bias is not None:
+            for layer, (bs, ks) in enumerate(zip(self.bias, self.keys)):
+                if len(bs) != len(ks) or any(b.shape != (k.shape[0],) for b, k in zip(bs, ks)):
+                    raise ValueError(f"layer {layer}: bias shapes {[tuple(b.shape) for b in bs]}, expected "
+                                     f"{[(k.shape[0],) for k in ks]} (one value per cached pair)")
+            if len(self.bias) != len(self.keys):
+                raise ValueError(f"bias has {len(self.bias)} layers, keys {len(self.keys)}")
 
     @classmethod
     def from_capture(cls, capture) -> "CompressedCache":
@@ -229,16 +239,35 @@ class CompressedCache:
             valid[h, : k.shape[0]] = True
         return keys, values, valid
 
+    def padded_bias(self, layer: int, device=None) -> torch.Tensor:
+        """``[H, n_max]`` float32 logit bias of one layer padded like :meth:`padded` (zeros where none or padded)."""
+        ks = self.keys[layer]
+        device = device or ks[0].device
+        out = torch.zeros(len(ks), max(k.shape[0] for k in ks), device=device)
+        if self.bias is not None:
+            for h, b in enumerate(self.bias[layer]):
+                out[h, : b.shape[0]] = b.to(device=device, dtype=torch.float32)
+        return out
+
     def with_layers(self, other: "CompressedCache", layers: Sequence[int]) -> "CompressedCache":
         """A copy of this cache whose ``layers`` come from ``other`` (e.g. one compressed layer in a full cache)."""
         if other.num_layers != self.num_layers or other.n_context != self.n_context:
             raise ValueError(f"other has {other.num_layers} layers and N={other.n_context}, expected "
                              f"{self.num_layers} and N={self.n_context}")
         chosen = set(int(x) for x in layers)
+        def pick(mine, theirs, i):
+            source = theirs if i in chosen else mine
+            if source is not None:
+                return source[i]
+            return [torch.zeros(k.shape[0]) for k in (other.keys if i in chosen else self.keys)[i]]
+
         keys = [other.keys[i] if i in chosen else self.keys[i] for i in range(self.num_layers)]
         values = [other.values[i] if i in chosen else self.values[i] for i in range(self.num_layers)]
+        bias = None
+        if self.bias is not None or other.bias is not None:
+            bias = [pick(self.bias, other.bias, i) for i in range(self.num_layers)]
         return CompressedCache(keys, values, self.n_context, method=f"{self.method}+{other.method}@{sorted(chosen)}",
-                               ratio=self.ratio)
+                               ratio=self.ratio, bias=bias)
 
 
 def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
