@@ -14,9 +14,11 @@
   with final losses ~30× higher;
 * the best iterate is returned, so the final loss is never above Select+Fit's.
 
-Its interface is a batch of independent :class:`~zipkv.distill.baselines.Problem` (layers × heads,
-each with its own ``k``) → one :class:`~zipkv.distill.baselines.Solution` each, so a batched solver
-with the same signature can be passed to :func:`compress` as ``solver=``.
+Its interface is a batch of independent :class:`~zipkv.distill.problem.Problem` (layers × heads,
+each with its own ``k``) → one :class:`~zipkv.distill.problem.Solution` each (a
+:data:`~zipkv.distill.problem.Solver`, settings in :class:`~zipkv.distill.problem.SculptConfig`), so
+the batched solver (:mod:`.batched`) or another with the same signature can be passed to
+:func:`compress` as ``solver=``.
 
 :func:`compress` compresses a whole captured cache at ratio ``r = (k + m)/N`` with a named method and
 a uniform or pilot-MSE budget (§3.5), returning a :class:`CompressedCache` (per layer and KV head,
@@ -27,13 +29,14 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
-from . import baselines, budget as budget_mod
-from .baselines import RIDGE, JointConfig, Prepared, Problem, Solution
+from . import baselines, batched, budget as budget_mod
+from .baselines import JointConfig
+from .problem import Prepared, Problem, SculptConfig, Solution, Solver
 from .queries import check_strategy, training_queries
 
 DETERMINISTIC_STRATEGIES = ("uniform",)
@@ -44,39 +47,6 @@ METHODS = ("kvsculpt", "random", "attention_score", "select_fit", "joint_opt")
 
 BUDGETS = ("uniform", "pilot", "pilot_layer")
 """Named budget policies: equal ``k``; pilot-MSE per layer then per head; pilot-MSE per layer only."""
-
-
-@dataclass
-class SculptConfig:
-    """KVSculpt solver settings; defaults are the paper's (§4 "KVSculpt configuration").
-
-    Attributes:
-        steps: outer L-BFGS steps (paper: 100; the quick profile uses fewer).
-        lr: L-BFGS learning rate.
-        inner_iterations: L-BFGS ``max_iter`` per outer step.
-        value_every: V-step (ridge) every this many outer steps.
-        ridge: λ of the V-step.
-        history_size: L-BFGS memory.
-        reset_history: restart L-BFGS after each V-step (not the paper's; see the module docstring).
-        dtype: solver dtype.
-        device: where to solve (default: the problem tensors' device).
-        progress: a tqdm bar over problems.
-    """
-
-    steps: int = 100
-    lr: float = 0.5
-    inner_iterations: int = 10
-    value_every: int = 5
-    ridge: float = RIDGE
-    history_size: int = 100
-    reset_history: bool = False
-    dtype: torch.dtype = torch.float32
-    device: str | torch.device | None = None
-    progress: bool = True
-
-
-Solver = Callable[[Sequence[Problem], SculptConfig], list[Solution]]
-"""A batch solver: problems (each with its own ``k``) and settings → one solution per problem."""
 
 
 def _lbfgs(param: torch.Tensor, cfg: SculptConfig) -> torch.optim.LBFGS:
@@ -134,9 +104,7 @@ def solver_named(name: str) -> Solver:
     if name == "reference":
         return solve
     if name == "batched":
-        from .batched import solve as batched_solve
-
-        return batched_solve
+        return batched.solve
     raise ValueError(f"solver={name!r}: expected 'reference' or 'batched'")
 
 
@@ -298,6 +266,12 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
         scale: score scale (``1/√d`` when ``None``).
     """
     check_strategy(strategy)
+    for name, value in (("m", m), ("n_synthetic", n_synthetic)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected an integer ≥ 0")
+    if m + n_synthetic == 0:
+        raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
+                         "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
     L = len(capture.layers)
     if L == 0:
         raise ValueError("capture has no layers")
@@ -397,6 +371,11 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     check_strategy(strategy)
+    if m + n_synthetic == 0 and problems is None:
+        raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
+                         "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
+    if config is not None and not isinstance(config, SculptConfig):
+        raise TypeError(f"config={config!r}: expected a zipkv.distill.SculptConfig")
     cfg = config or SculptConfig()
     L = len(capture.layers)
     H, N, _ = capture.layers[0].keys.shape
