@@ -48,6 +48,20 @@ def test_full_cache_generates_what_the_model_generates(model, ids, cap):
     assert torch.equal(greedy(model, ids[N:N + 1], past_key_values=cache), plain), "reset: the same again"
 
 
+def test_beam_search_and_several_samples_follow_the_model(model, ids, cap):
+    full = K.CompressedCache.from_capture(cap)
+    cache = C.DistilledCache.from_compressed(full, model)
+    plain = model.generate(ids[None, :N + 1], max_new_tokens=T, do_sample=False, num_beams=3)[0, -T:]
+    assert torch.equal(model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=T, do_sample=False,
+                                      num_beams=3)[0, -T:], plain)
+    torch.manual_seed(0)
+    plain = model.generate(ids[None, :N + 1], max_new_tokens=T, do_sample=True, num_return_sequences=2)[:, -T:]
+    torch.manual_seed(0)
+    ours = model.generate(ids[None, N:N + 1], past_key_values=C.DistilledCache.from_compressed(full, model),
+                          max_new_tokens=T, do_sample=True, num_return_sequences=2)[:, -T:]
+    assert torch.equal(ours, plain)
+
+
 def test_per_head_lengths_in_generate_equal_the_manual_forward(model, ids, cap):
     budget = torch.tensor([[1, 20], [9, 3]])
     compressed = K.compress(cap, 0.5, "select_fit", m=M, n_synthetic=8, budget=budget,

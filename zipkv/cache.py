@@ -45,7 +45,7 @@ class DistilledLayer(DynamicLayer):
     """One layer of a :class:`DistilledCache`: padded cached pairs, then the appended tokens.
 
     Attributes:
-        keys, values: ``[B, H, P + appended, d]`` (``B = 1`` until a beam search repeats it).
+        keys, values: ``[B, H, P + appended, d]`` (``B = 1`` until several sequences continue the context).
         cached: ``P``, the padded number of cached pairs.
         valid: ``[H, P]`` bool, True on real pairs.
         bias: ``[H, P]`` float32 logit bias of the cached pairs (``0`` where none was given).
@@ -79,6 +79,12 @@ class DistilledLayer(DynamicLayer):
             raise RuntimeError("a DistilledCache ran through a model without zipkv's attention mask: call "
                                "zipkv.cache.attach(model) once before using it (zipkv.compress does)")
         self.armed = False
+        B = key_states.shape[0]
+        if self.keys.shape[0] != B:  # several sequences (beams, samples) continue the one compressed context
+            if self.keys.shape[0] != 1:
+                raise ValueError(f"a batch of {B} sequences after a cache of {self.keys.shape[0]}: expected equal")
+            self.keys = self.keys.expand(B, -1, -1, -1).contiguous()
+            self.values = self.values.expand(B, -1, -1, -1).contiguous()
         return super().update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self) -> int:
@@ -96,6 +102,18 @@ class DistilledLayer(DynamicLayer):
         if tokens_to_remove:
             self.keys = self.keys[..., :-tokens_to_remove, :]
             self.values = self.values[..., :-tokens_to_remove, :]
+
+    # DynamicLayer skips these while get_seq_length() is 0; here the cached pairs are there from the start
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys = self.keys.repeat_interleave(repeats, dim=0)
+        self.values = self.values.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+        self.values = self.values.index_select(0, beam_idx.to(self.values.device))
 
     def additive_mask(self, query_length: int, group: int, dtype: torch.dtype) -> torch.Tensor:
         """``[1, H·group, T, P + appended + T]`` additive attention mask for ``T`` new tokens.
@@ -278,8 +296,9 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
         input_ids: ``[N]`` or ``[1, N]`` context token ids.
         ratio: ``r``, cached pairs over ``N`` per KV head on average (``m/N < r ≤ 1``).
         method: one of :data:`zipkv.distill.kvsculpt.METHODS` (``"kvsculpt"``, ``"select_fit"``, …).
-        settings: passed to :func:`zipkv.distill.kvsculpt.compress` (``m``, ``n_synthetic``, ``budget``,
-            ``config``, …; the paper's defaults). KVSculpt runs on the batched solver unless ``solver`` is given.
+        settings: :func:`zipkv.distill.kvsculpt.compress`'s (``m``, ``n_synthetic``, ``budget``, ``config``,
+            …; the paper's defaults) or :class:`~zipkv.distill.SculptConfig`'s fields (``steps=20``,
+            ``device=…``) instead of a ``config``. KVSculpt runs on the batched solver unless ``solver`` is given.
 
     Returns:
         A :class:`DistilledCache` in the model's dtype and device, for ``model.generate(next_ids,
@@ -287,12 +306,18 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
     """
     from .distill import batched
     from .distill.kvsculpt import compress as compress_capture
+    from .distill.problem import SculptConfig
     from .models import capture
 
     ids = torch.as_tensor(input_ids)
     ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
     if ids.ndim != 1:
         raise ValueError(f"input_ids has shape {tuple(torch.as_tensor(input_ids).shape)}: expected [N] or [1, N]")
+    fields = {name: settings.pop(name) for name in list(settings) if name in SculptConfig.__dataclass_fields__}
+    if fields:
+        if settings.get("config") is not None:
+            raise ValueError(f"{sorted(fields)} and config=: give the solver settings one way")
+        settings["config"] = SculptConfig(**fields)
     settings.setdefault("solver", batched.solve)
     compressed = compress_capture(capture(model, ids), ratio, method, **settings)
     return DistilledCache.from_compressed(compressed, model, context_ids=ids)
