@@ -63,9 +63,10 @@ class DistilledLayer(DynamicLayer):
         if not bool(valid.any(dim=1).all()):
             raise ValueError("valid: every head needs at least one cached pair")
         bias = torch.zeros(H, P) if bias is None else torch.as_tensor(bias)
-        if tuple(bias.shape) != (H, P) or not bias.is_floating_point() or bool(torch.isnan(bias).any()):
+        if (tuple(bias.shape) != (H, P) or not bias.is_floating_point()
+                or bool((torch.isnan(bias) | (bias == float("inf"))).any())):
             raise ValueError(f"bias has shape {tuple(bias.shape)} and dtype {bias.dtype}: expected [{H}, {P}] floats, "
-                             "no NaN")
+                             "finite or −inf (a −inf pair is never attended)")
         self.keys, self.values = keys[None], values[None]
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
