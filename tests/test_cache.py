@@ -142,6 +142,20 @@ def test_bad_uses_are_refused(model, ids, cap):
         C.DistilledLayer(k, v, valid, torch.full(valid.shape, float("nan")))
 
 
+def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):
+    import zipkv
+
+    for kwargs, match in ((dict(method="h2o"), "method='h2o'"), (dict(ratio=0.1, m=6), "ratio=0.1"),
+                          (dict(m=6, steps=2, config=K.SculptConfig()), "one way"),
+                          (dict(m=6, value_every=0), "value_every=0")):
+        with pytest.raises(ValueError, match=match):
+            zipkv.compress(model, ids[:N], **kwargs)
+    with pytest.raises(ValueError, match="input_ids"):
+        zipkv.compress(model, torch.rand(N), m=6)
+    cache = zipkv.compress(model, ids[:N], ratio=0.5, method="select_fit", m=6, n_synthetic=4)
+    assert isinstance(cache, zipkv.DistilledCache) and torch.equal(cache.lengths, torch.full((2, 2), 15))
+
+
 def test_other_caches_are_untouched_by_the_hooks(model, ids):
     C.attach(model)
     C.attach(model)  # idempotent

@@ -306,14 +306,18 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
         past_key_values=cache, ...)`` where ``next_ids`` are the tokens after the context.
     """
     from .distill import batched
-    from .distill.kvsculpt import compress as compress_capture
+    from .distill.kvsculpt import METHODS, budget_for_ratio, compress as compress_capture
     from .distill.problem import SculptConfig
     from .models import capture
 
     ids = torch.as_tensor(input_ids)
     ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
-    if ids.ndim != 1:
-        raise ValueError(f"input_ids has shape {tuple(torch.as_tensor(input_ids).shape)}: expected [N] or [1, N]")
+    if ids.ndim != 1 or ids.numel() < 2 or ids.is_floating_point():
+        raise ValueError(f"input_ids has shape {tuple(torch.as_tensor(input_ids).shape)} and dtype {ids.dtype}: "
+                         "expected integer token ids [N] or [1, N], N ≥ 2")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
+    budget_for_ratio(ratio, ids.numel(), settings.get("m", 256))  # a bad ratio fails before the forward pass
     fields = {name: settings.pop(name) for name in list(settings) if name in SculptConfig.__dataclass_fields__}
     if fields:
         if settings.get("config") is not None:

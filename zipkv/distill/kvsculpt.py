@@ -22,7 +22,8 @@ the batched solver (:mod:`.batched`) or another with the same signature can be p
 
 :func:`compress` compresses a whole captured cache at ratio ``r = (k + m)/N`` with a named method and
 a uniform or pilot-MSE budget (§3.5), returning a :class:`CompressedCache` (per layer and KV head,
-``k_lh + m`` post-RoPE pairs) that :mod:`zipkv.distill.evaluate` puts back into the model.
+``k_lh + m`` post-RoPE pairs); :class:`zipkv.cache.DistilledCache` puts it into a model for ``generate`` and for
+:mod:`zipkv.distill.evaluate`.
 """
 from __future__ import annotations
 
