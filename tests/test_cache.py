@@ -72,6 +72,15 @@ def test_per_head_lengths_in_generate_equal_the_manual_forward(model, ids, cap):
         logits = model(ids[None, N:], past_key_values=cache).logits[0]
     want = manual_logits(model, compressed, ids[N:])
     assert (logits - want).abs().max() < 1e-4 * want.abs().max()
+    # the model's eager attention takes the same mask
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            eager = model(ids[None, N:], past_key_values=cache.fresh()).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+    assert (eager - want).abs().max() < 1e-4 * want.abs().max()
     # one token at a time (generate's decode path) gives the same logits as the one-pass forward
     cache.reset()
     with torch.no_grad():
