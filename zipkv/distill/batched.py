@@ -6,7 +6,7 @@ problems at once, with nothing shared between problems:
 
 * **Initialisation** — the reference's start, Select+Fit (top-``k`` old positions by accumulated
   attention, ridge values), computed for all problems of a shape at once with
-  :class:`~zipkv.distill.baselines.PreparedBatch` (the batched Select+Fit baseline's code), so the
+  :class:`~zipkv.distill.problem.PreparedBatch` (what the batched Select+Fit baseline runs), so the
   starting loss is Select+Fit's (to the rounding of batched matmuls).
 * **K-step** — ``torch.optim.LBFGS`` re-implemented over a batch: per problem its own history, its
   own step count, its own ``func_evals`` budget (``max_eval = 5·max_iter//4`` per outer step) and
@@ -27,7 +27,7 @@ problems at once, with nothing shared between problems:
   ``ℓ̂ = log(Σ_j e^{s_j} + e^{ℓ_r})``, which is the reference's softmax over ``[K_c; K_ret]``
   rewritten, without its ``m`` retain columns.
 * **V-step** — every ``value_every`` steps, ridge regression (λ) for all problems at once in float64
-  (one batched Cholesky solve, :func:`~zipkv.distill.baselines.ridge_solve`); the L-BFGS history is
+  (one batched Cholesky solve, :func:`~zipkv.distill.problem.ridge_solve`); the L-BFGS history is
   kept across it, or restarted with ``reset_history``, as in the reference.
 * **Best iterate** — the lowest-loss iterate over the outer steps is returned, and never one whose
   loss is above Select+Fit's.
