@@ -1,0 +1,151 @@
+"""Triton decode kernels of the restore-before-attention codecs (:mod:`zipkv.codecs`).
+
+Both kernels write restored BF16 bit patterns (int16) into a caller's buffer and take every size
+from host integers: no allocation, no host sync, CUDA-graph capturable. Every load index is
+masked or clamped into its tensor, so a corrupted payload can give wrong values but never an
+out-of-bounds access (:func:`zipkv.codecs.validate_payload` finds the corruption).
+
+* :func:`splitzip_decode` (SplitZip-style, arXiv 2605.01708): one program rebuilds ``BLOCK`` values
+  (whole 1,024-value chunks) from the sign+mantissa bytes and the 4-bit codes (two per byte,
+  even value in the low nibble) through the 16-entry exponent codebook, then -- after a barrier,
+  so its own dense stores are visible -- patches its chunks' escapes (position in chunk, exponent).
+* :func:`huffman_decode` (DFloat11-style, arXiv 2504.11651): one program decodes ``CPP`` chunks of
+  ``LANES`` lane streams each; lane ``j`` of a chunk decodes the chunk's values ``t*LANES + j``
+  (``t`` = 0..S-1) from its own bit stream, so consecutive lanes store consecutive values. A lane's
+  start bit is the chunk's start bit plus the other lanes' bit counts before it (a prefix sum in
+  registers). Codes are read LSB-first from a 64-bit window refilled one 32-bit word at a time; the
+  decode table (``2**max_len`` entries, ``symbol | length << 8``) is held in shared memory
+  (``tl.gather`` on the table loaded once per program) or read through L1 (``SMEM_LUT=False``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["splitzip_decode", "huffman_decode"]
+
+
+@triton.jit
+def _bf16_bits(sm, exp):
+    """int32 sign+mantissa byte ``s mmmmmmm`` and exponent -> the BF16 bit pattern ``s eeeeeeee mmmmmmm``."""
+    return ((sm & 0x80) << 8) | (exp << 7) | (sm & 0x7F)
+
+
+@triton.jit
+def _splitzip_kernel(sm_ptr, code_ptr, book_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr,
+                     n_values, n_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr):
+    G: tl.constexpr = BLOCK // CHUNK
+    pid = tl.program_id(0)
+    base = pid.to(tl.int64) * BLOCK
+    in_chunks = n_chunks.to(tl.int64) * CHUNK
+    half = base // 2 + tl.arange(0, BLOCK // 2)
+    c = tl.load(code_ptr + half, mask=half < in_chunks // 2, other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(c & 15, (c >> 4) & 15), (BLOCK,))     # value 2i: low nibble, 2i+1: high
+    exp = tl.load(book_ptr + codes)
+    idx = base + tl.arange(0, BLOCK)
+    sm = tl.load(sm_ptr + idx, mask=idx < in_chunks, other=0).to(tl.int32)
+    tl.store(out_ptr + idx, _bf16_bits(sm, exp).to(tl.int16), mask=idx < n_values)
+    tl.debug_barrier()                          # the escape stores below land after the dense ones
+    chunk0 = pid * G
+    g = tl.arange(0, G)
+    starts = tl.load(esc_indptr_ptr + tl.minimum(chunk0 + g, n_chunks))    # [G] first escape of each chunk
+    ends = tl.load(esc_indptr_ptr + tl.minimum(chunk0 + g + 1, n_chunks))
+    e0 = tl.min(starts, 0)                      # the program's escapes: e0 .. e1
+    e1 = tl.max(ends, 0)
+    e = e0
+    while e < e1:                               # (a while loop: the interpreter's range() takes no tensor bounds)
+        k = e + tl.arange(0, ESC_BLOCK)
+        ok = k < e1
+        pos = tl.load(esc_pos_ptr + k, mask=ok, other=0).to(tl.int32)
+        ex = tl.load(esc_exp_ptr + k, mask=ok, other=0).to(tl.int32)
+        chunk = chunk0 + tl.sum((k[:, None] >= starts[None, :]).to(tl.int32), axis=1) - 1
+        v = chunk.to(tl.int64) * CHUNK + pos
+        ok = ok & (pos >= 0) & (pos < CHUNK) & (v < n_values)
+        s = tl.load(sm_ptr + v, mask=ok, other=0).to(tl.int32)
+        tl.store(out_ptr + v, _bf16_bits(s, ex).to(tl.int16), mask=ok)
+        e += ESC_BLOCK
+
+
+@triton.jit
+def _huffman_kernel(stream_ptr, chunk_bits_ptr, lane_bits_ptr, lut_ptr, sm_ptr, out_ptr,
+                    n_values, n_chunks, n_words, CPP: tl.constexpr, LANES: tl.constexpr, S: tl.constexpr,
+                    LUT_BITS: tl.constexpr, SMEM_LUT: tl.constexpr):
+    R: tl.constexpr = CPP * LANES
+    pid = tl.program_id(0)
+    r = tl.arange(0, R)
+    chunk = pid * CPP + r // LANES
+    lane = r % LANES
+    ok = chunk < n_chunks
+    lb = tl.load(lane_bits_ptr + chunk * LANES + lane, mask=ok, other=0).to(tl.int32)
+    lb2 = tl.reshape(lb, (CPP, LANES))
+    before = tl.reshape(tl.cumsum(lb2, axis=1) - lb2, (R,))          # bits of the chunk's earlier lanes
+    start = tl.load(chunk_bits_ptr + chunk, mask=ok, other=0) + before.to(tl.int64)
+    word = start >> 5
+    off = (start & 31).to(tl.int32)
+    w0 = tl.load(stream_ptr + tl.minimum(tl.maximum(word, 0), n_words - 1)).to(tl.int64) & 0xFFFFFFFF
+    w1 = tl.load(stream_ptr + tl.minimum(tl.maximum(word + 1, 0), n_words - 1)).to(tl.int64) & 0xFFFFFFFF
+    buf = w0 | (w1 << 32)                                              # bits [32*word, 32*word + 64)
+    if SMEM_LUT:
+        lut = tl.load(lut_ptr + tl.arange(0, 1 << LUT_BITS)).to(tl.int32)
+    v = chunk.to(tl.int64) * (LANES * S) + lane
+    for t in range(S):
+        peek = ((buf >> off) & ((1 << LUT_BITS) - 1)).to(tl.int32)
+        if SMEM_LUT:
+            entry = tl.gather(lut, peek, 0)
+        else:
+            entry = tl.load(lut_ptr + peek).to(tl.int32)
+        sm = tl.load(sm_ptr + v, mask=ok, other=0).to(tl.int32)
+        tl.store(out_ptr + v, _bf16_bits(sm, entry & 0xFF).to(tl.int16), mask=ok & (v < n_values))
+        v += LANES
+        off += (entry >> 8) & 0xFF                                     # off + length < 44: inside the window
+        refill = off >= 32
+        word = tl.where(refill, word + 1, word)
+        nxt = tl.load(stream_ptr + tl.minimum(tl.maximum(word + 1, 0), n_words - 1), mask=refill & ok, other=0)
+        buf = tl.where(refill, ((buf >> 32) & 0xFFFFFFFF) | ((nxt.to(tl.int64) & 0xFFFFFFFF) << 32), buf)
+        off = tl.where(refill, off - 32, off)
+
+
+# ----------------------------------------------------------------------------- launchers
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
+
+
+# GPU launch options (H200 sweep in the restore chapter's run): values per program and warps.
+SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=4)
+HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=True)
+
+
+def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_values: int, n_chunks: int,
+                    chunk: int, *, chunks_per_program: int | None = None, num_warps: int | None = None):
+    """Launch the SplitZip-style decode (arguments already validated by :mod:`zipkv.codecs`).
+
+    sm uint8 ``[n_chunks*chunk]``; codes uint8 ``[n_chunks*chunk/2]``; book int32 ``[16]`` (exponents);
+    esc_indptr int32 ``[n_chunks+1]``; esc_pos int16, esc_exp uint8 ``[n_escapes]``; out16 int16 ``[n_values]``.
+    """
+    interp = _interpreting()
+    g = chunks_per_program or (max(1, min(64, n_chunks)) if interp else SPLITZIP_LAUNCH["chunks_per_program"])
+    g = triton.next_power_of_2(g)
+    grid = (triton.cdiv(n_chunks, g),)
+    _splitzip_kernel[grid](sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks,
+                           BLOCK=g * chunk, CHUNK=chunk, ESC_BLOCK=128,
+                           num_warps=num_warps or SPLITZIP_LAUNCH["num_warps"])
+
+
+def huffman_decode(stream, chunk_bits, lane_bits, lut, sm, out16, n_values: int, n_chunks: int, lanes: int,
+                   per_lane: int, lut_bits: int, *, chunks_per_program: int | None = None,
+                   num_warps: int | None = None, smem_lut: bool | None = None):
+    """Launch the Huffman-exponent decode (arguments already validated by :mod:`zipkv.codecs`).
+
+    stream int32 words ``[n_words]``; chunk_bits int64 ``[n_chunks]``; lane_bits int16 ``[n_chunks, lanes]``;
+    lut int16 ``[2**lut_bits]``; sm uint8 ``[n_chunks*lanes*per_lane]``; out16 int16 ``[n_values]``.
+    """
+    interp = _interpreting()
+    cpp = chunks_per_program or (max(1, min(256, n_chunks)) if interp else HUFFMAN_LAUNCH["chunks_per_program"])
+    cpp = triton.next_power_of_2(cpp)
+    smem = HUFFMAN_LAUNCH["smem_lut"] if smem_lut is None else smem_lut
+    grid = (triton.cdiv(n_chunks, cpp),)
+    _huffman_kernel[grid](stream, chunk_bits, lane_bits, lut, sm, out16, n_values, n_chunks, stream.numel(),
+                          CPP=cpp, LANES=lanes, S=per_lane, LUT_BITS=lut_bits, SMEM_LUT=bool(smem),
+                          num_warps=num_warps or HUFFMAN_LAUNCH["num_warps"])
