@@ -261,8 +261,10 @@ class Huffman:
                 lut[_reverse(codes[s], x)::1 << x] = s | x << 8       # every window whose low x bits are the code
         return lengths, codes, lut.to(torch.int16)
 
-    def encode(self, kv: torch.Tensor) -> Encoded:
-        """Encode bf16 ``kv`` (any shape) on its device (the code table is built on the host)."""
+    def encode(self, kv: torch.Tensor, hist=None) -> Encoded:
+        """Encode bf16 ``kv`` (any shape) on its device. The code is built on the host from ``hist``
+        (exponent counts [256], e.g. calibrated offline; every exponent of ``kv`` must have a count) or,
+        by default, from ``kv``'s own histogram (DFloat11: one code per tensor)."""
         _check_kv(kv)
         dev, n = kv.device, kv.numel()
         n_chunks = -(-n // CHUNK)
@@ -270,7 +272,16 @@ class Huffman:
         pad = n_chunks * CHUNK - n
         exp = torch.nn.functional.pad(exp, (0, pad), value=int(exp[0]))
         sm = torch.nn.functional.pad(sm, (0, pad))
-        lengths, codes, lut = self.table(torch.bincount(exp, minlength=256).cpu())
+        own = torch.bincount(exp, minlength=256).cpu()
+        if hist is None:
+            hist = own
+        elif not isinstance(hist, torch.Tensor) or hist.shape != (256,):
+            raise ValueError(f"hist must be a tensor of 256 exponent counts, got {type(hist).__name__} "
+                             f"{tuple(getattr(hist, 'shape', ()))}")
+        elif bool(((own > 0) & (hist.cpu() <= 0)).any()):
+            missing = torch.nonzero((own > 0) & (hist.cpu() <= 0)).reshape(-1)[:8].tolist()
+            raise ValueError(f"hist has no count for exponents {missing} that kv holds: they would have no code")
+        lengths, codes, lut = self.table(hist.cpu())
         rev = torch.tensor([_reverse(c, x) for c, x in zip(codes, lengths)], dtype=torch.int64, device=dev)
         length = torch.tensor(lengths, dtype=torch.int64, device=dev)
         # stream order: chunk, lane, then the lane's values t*lanes + lane

@@ -32,8 +32,20 @@ def _bf16_bits(sm, exp):
 
 
 @triton.jit
+def _last_at_most(starts, k, G: tl.constexpr, LOG_G: tl.constexpr):
+    """Per element of ``k``: the last ``g`` with ``starts[g] <= k`` (``starts`` [G] sorted, ``starts[0] <= k``),
+    by branchless binary search."""
+    lo = tl.zeros(k.shape, tl.int32)
+    for step in tl.static_range(LOG_G):
+        cand = lo + (G >> (step + 1))
+        lo = tl.where(tl.gather(starts, cand, 0) <= k, cand, lo)
+    return lo
+
+
+@triton.jit
 def _splitzip_kernel(sm_ptr, code_ptr, book_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr,
-                     n_values, n_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr):
+                     n_values, n_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr,
+                     LOG_G: tl.constexpr):
     G: tl.constexpr = BLOCK // CHUNK
     pid = tl.program_id(0)
     base = pid.to(tl.int64) * BLOCK
@@ -58,7 +70,7 @@ def _splitzip_kernel(sm_ptr, code_ptr, book_ptr, esc_indptr_ptr, esc_pos_ptr, es
         ok = k < e1
         pos = tl.load(esc_pos_ptr + k, mask=ok, other=0).to(tl.int32)
         ex = tl.load(esc_exp_ptr + k, mask=ok, other=0).to(tl.int32)
-        chunk = chunk0 + tl.sum((k[:, None] >= starts[None, :]).to(tl.int32), axis=1) - 1
+        chunk = chunk0 + _last_at_most(starts, k, G, LOG_G)
         v = chunk.to(tl.int64) * CHUNK + pos
         ok = ok & (pos >= 0) & (pos < CHUNK) & (v < n_values)
         s = tl.load(sm_ptr + v, mask=ok, other=0).to(tl.int32)
@@ -125,11 +137,12 @@ def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_valu
     esc_indptr int32 ``[n_chunks+1]``; esc_pos int16, esc_exp uint8 ``[n_escapes]``; out16 int16 ``[n_values]``.
     """
     interp = _interpreting()
-    g = chunks_per_program or (max(1, min(64, n_chunks)) if interp else SPLITZIP_LAUNCH["chunks_per_program"])
+    # the interpreter's cost is per operation: few programs of many values, one escape pass each
+    g = chunks_per_program or (min(256, n_chunks) if interp else SPLITZIP_LAUNCH["chunks_per_program"])
     g = triton.next_power_of_2(g)
     grid = (triton.cdiv(n_chunks, g),)
     _splitzip_kernel[grid](sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks,
-                           BLOCK=g * chunk, CHUNK=chunk, ESC_BLOCK=128,
+                           BLOCK=g * chunk, CHUNK=chunk, ESC_BLOCK=g * chunk if interp else 128, LOG_G=g.bit_length() - 1,
                            num_warps=num_warps or SPLITZIP_LAUNCH["num_warps"])
 
 
@@ -142,7 +155,7 @@ def huffman_decode(stream, chunk_bits, lane_bits, lut, sm, out16, n_values: int,
     lut int16 ``[2**lut_bits]``; sm uint8 ``[n_chunks*lanes*per_lane]``; out16 int16 ``[n_values]``.
     """
     interp = _interpreting()
-    cpp = chunks_per_program or (max(1, min(256, n_chunks)) if interp else HUFFMAN_LAUNCH["chunks_per_program"])
+    cpp = chunks_per_program or (min(4096, n_chunks) if interp else HUFFMAN_LAUNCH["chunks_per_program"])
     cpp = triton.next_power_of_2(cpp)
     smem = HUFFMAN_LAUNCH["smem_lut"] if smem_lut is None else smem_lut
     grid = (triton.cdiv(n_chunks, cpp),)
