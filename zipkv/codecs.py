@@ -43,7 +43,8 @@ __all__ = ["CHUNK", "Encoded", "SplitZip", "Huffman", "decode_into", "decode", "
            "validate_payload", "bf16_split", "huffman_lengths", "canonical_codes"]
 
 CHUNK = 1024
-"""Values per SplitZip chunk (escape lists) and per Huffman chunk (``lanes * per_lane``)."""
+"""Default values per chunk: SplitZip's escape lists, a Huffman chunk's ``lanes * per_lane`` values. Both
+codecs take another power of two (the CPU tests use small chunks to put every BF16 pattern at every position)."""
 
 
 def bf16_split(x: torch.Tensor):
@@ -104,18 +105,22 @@ class SplitZip:
     """SplitZip-style codec over a fixed 16-entry exponent codebook (see module docstring).
 
     codebook: up to 16 distinct exponents (0..255); code ``i`` means ``codebook[i]``. Build it with
-    :meth:`calibrate` on KV the evaluation does not use.
+    :meth:`calibrate` on KV the evaluation does not use. chunk: values per escape list (a power of two,
+    16..32768).
     """
     name = "splitzip"
 
-    def __init__(self, codebook):
+    def __init__(self, codebook, chunk: int = CHUNK):
+        if not isinstance(chunk, int) or chunk < 16 or chunk > 1 << 15 or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be a power of two in [16, 32768], got {chunk!r}")
+        self.chunk = chunk
         book = [int(e) for e in (codebook.tolist() if isinstance(codebook, torch.Tensor) else codebook)]
         if not 1 <= len(book) <= 16 or len(set(book)) != len(book) or not all(0 <= e <= 255 for e in book):
             raise ValueError(f"codebook must hold 1..16 distinct exponents in [0, 255], got {book}")
         self.codebook = book
 
     @classmethod
-    def calibrate(cls, samples) -> "SplitZip":
+    def calibrate(cls, samples, chunk: int = CHUNK) -> "SplitZip":
         """The 16 most frequent exponents of ``samples`` (a bf16 tensor or a list of them)."""
         samples = [samples] if isinstance(samples, torch.Tensor) else list(samples)
         hist = torch.zeros(256, dtype=torch.int64)
@@ -123,12 +128,13 @@ class SplitZip:
             _check_kv(x, "samples")
             hist += torch.bincount(bf16_split(x)[0].reshape(-1), minlength=256).cpu()
         order = torch.argsort(hist, descending=True, stable=True)[:16]
-        return cls(order[hist[order] > 0].tolist() or [0])
+        return cls(order[hist[order] > 0].tolist() or [0], chunk)
 
     def encode(self, kv: torch.Tensor) -> Encoded:
         """Encode bf16 ``kv`` (any shape) on its device."""
         _check_kv(kv)
         n = kv.numel()
+        CHUNK = self.chunk
         n_chunks = -(-n // CHUNK)
         exp, sm = bf16_split(kv)
         pad = n_chunks * CHUNK - n
@@ -150,11 +156,11 @@ class SplitZip:
         data = dict(sm=sm, codes=codes, book=book, esc_indptr=esc_indptr,
                     esc_pos=(where % CHUNK).to(torch.int16), esc_exp=exp[where].to(torch.uint8))
         return Encoded("splitzip", tuple(kv.shape), n, n_chunks, data,
-                       dict(n_escapes=int(where.numel()), n_codes=len(self.codebook)))
+                       dict(chunk=CHUNK, n_escapes=int(where.numel()), n_codes=len(self.codebook)))
 
 
 def _splitzip_reference(enc: Encoded) -> torch.Tensor:
-    d = enc.data
+    d, CHUNK = enc.data, enc.info["chunk"]
     c = d["codes"].to(torch.int32)
     code = torch.stack([c & 15, c >> 4], -1).reshape(-1)
     exp = d["book"][code.long()]
@@ -165,7 +171,7 @@ def _splitzip_reference(enc: Encoded) -> torch.Tensor:
 
 
 def _splitzip_validate(enc: Encoded):
-    d, n_codes = enc.data, enc.info["n_codes"]
+    d, n_codes, CHUNK = enc.data, enc.info["n_codes"], enc.info["chunk"]
     ind = d["esc_indptr"].long()
     if int(ind[0]) != 0 or bool((ind[1:] < ind[:-1]).any()) or int(ind[-1]) != enc.info["n_escapes"]:
         raise ValueError(f"esc_indptr must start at 0, not decrease and end at n_escapes={enc.info['n_escapes']}, "
@@ -236,7 +242,7 @@ class Huffman:
     """DFloat11-style codec: canonical Huffman code over the exponent, built per encoded tensor.
 
     max_len: longest code (decode table of ``2**max_len`` entries); lanes, per_lane: a chunk is
-    ``lanes`` bit streams of ``per_lane`` values (``lanes * per_lane`` = :data:`CHUNK`).
+    ``lanes`` bit streams of ``per_lane`` values (default 8 x 128 = :data:`CHUNK`).
     """
     name = "huffman"
 
@@ -244,8 +250,10 @@ class Huffman:
         if not 8 <= max_len <= 14:
             raise ValueError(f"max_len must lie in [8, 14] (256 symbols need 8 bits; the table must fit in "
                              f"shared memory), got {max_len}")
-        if lanes * per_lane != CHUNK or lanes & (lanes - 1) or lanes < 1:
-            raise ValueError(f"lanes (a power of two) * per_lane must equal {CHUNK}, got {lanes} * {per_lane}")
+        chunk = lanes * per_lane
+        if lanes < 1 or lanes & (lanes - 1) or per_lane < 1 or chunk & (chunk - 1) or chunk < 16:
+            raise ValueError(f"lanes and lanes * per_lane must be powers of two (a chunk of >= 16 values), "
+                             f"got lanes={lanes}, per_lane={per_lane}")
         if per_lane * max_len >= 1 << 15:
             raise ValueError(f"per_lane * max_len must fit in int16 lane bit counts, got {per_lane * max_len}")
         self.max_len, self.lanes, self.per_lane = max_len, lanes, per_lane
@@ -267,6 +275,7 @@ class Huffman:
         by default, from ``kv``'s own histogram (DFloat11: one code per tensor)."""
         _check_kv(kv)
         dev, n = kv.device, kv.numel()
+        CHUNK = self.lanes * self.per_lane
         n_chunks = -(-n // CHUNK)
         exp, sm = bf16_split(kv)
         pad = n_chunks * CHUNK - n
@@ -302,7 +311,7 @@ class Huffman:
         data = dict(sm=sm, stream=stream, chunk_bits=chunk_bits, lane_bits=lane_bits.to(torch.int16),
                     lut=lut.to(dev))
         return Encoded("huffman", tuple(kv.shape), n, n_chunks, data,
-                       dict(total_bits=total, lanes=self.lanes, per_lane=self.per_lane, max_len=self.max_len))
+                       dict(chunk=CHUNK, total_bits=total, lanes=self.lanes, per_lane=self.per_lane, max_len=self.max_len))
 
 
 def _huffman_walk(enc: Encoded):
@@ -359,10 +368,11 @@ def _huffman_validate(enc: Encoded):
 # ----------------------------------------------------------------------------- common interface
 
 _SIZES = {
-    "splitzip": lambda e: dict(sm=(torch.uint8, e.n_chunks * CHUNK), codes=(torch.uint8, e.n_chunks * CHUNK // 2),
+    "splitzip": lambda e: dict(sm=(torch.uint8, e.n_chunks * e.info["chunk"]),
+                               codes=(torch.uint8, e.n_chunks * e.info["chunk"] // 2),
                                book=(torch.int32, 16), esc_indptr=(torch.int32, e.n_chunks + 1),
                                esc_pos=(torch.int16, e.info["n_escapes"]), esc_exp=(torch.uint8, e.info["n_escapes"])),
-    "huffman": lambda e: dict(sm=(torch.uint8, e.n_chunks * CHUNK),
+    "huffman": lambda e: dict(sm=(torch.uint8, e.n_chunks * e.info["chunk"]),
                               stream=(torch.int32, -(-e.info["total_bits"] // 32) + 2),
                               chunk_bits=(torch.int64, e.n_chunks), lane_bits=(torch.int16, e.n_chunks * e.info["lanes"]),
                               lut=(torch.int16, 1 << e.info["max_len"])),
@@ -375,9 +385,10 @@ def _check_encoded(enc):
         raise TypeError(f"encoded must be a zipkv.codecs.Encoded, got {type(enc).__name__}")
     if enc.codec not in _SIZES:
         raise ValueError(f"encoded.codec must be one of {sorted(_SIZES)}, got {enc.codec!r}")
-    if enc.n_chunks != -(-enc.n_values // CHUNK):
+    chunk = enc.info.get("chunk", 0)
+    if enc.n_chunks != -(-enc.n_values // max(chunk, 1)):
         raise ValueError(f"encoded.n_chunks={enc.n_chunks} does not match n_values={enc.n_values} "
-                         f"({CHUNK}-value chunks)")
+                         f"({chunk}-value chunks)")
     for name, (dtype, n) in _SIZES[enc.codec](enc).items():
         t = enc.data.get(name)
         if not isinstance(t, torch.Tensor):
@@ -426,7 +437,7 @@ def decode_into(encoded: Encoded, out: torch.Tensor, *, validate: bool = False) 
     d, out16 = encoded.data, out.view(torch.int16).reshape(-1)
     if encoded.codec == "splitzip":
         restore.splitzip_decode(d["sm"], d["codes"], d["book"], d["esc_indptr"], d["esc_pos"], d["esc_exp"], out16,
-                                encoded.n_values, encoded.n_chunks, CHUNK)
+                                encoded.n_values, encoded.n_chunks, encoded.info["chunk"])
     else:
         i = encoded.info
         restore.huffman_decode(d["stream"], d["chunk_bits"], d["lane_bits"], d["lut"], d["sm"], out16,
