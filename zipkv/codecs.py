@@ -156,7 +156,8 @@ class SplitZip:
         data = dict(sm=sm, codes=codes, book=book, esc_indptr=esc_indptr,
                     esc_pos=(where % CHUNK).to(torch.int16), esc_exp=exp[where].to(torch.uint8))
         return Encoded("splitzip", tuple(kv.shape), n, n_chunks, data,
-                       dict(chunk=CHUNK, n_escapes=int(where.numel()), n_codes=len(self.codebook)))
+                       dict(chunk=CHUNK, n_escapes=int(where.numel()), n_codes=len(self.codebook),
+                            book=book.tolist()))
 
 
 def _splitzip_reference(enc: Encoded) -> torch.Tensor:
@@ -436,7 +437,7 @@ def decode_into(encoded: Encoded, out: torch.Tensor, *, validate: bool = False) 
         validate_payload(encoded)
     d, out16 = encoded.data, out.view(torch.int16).reshape(-1)
     if encoded.codec == "splitzip":
-        restore.splitzip_decode(d["sm"], d["codes"], d["book"], d["esc_indptr"], d["esc_pos"], d["esc_exp"], out16,
+        restore.splitzip_decode(d["sm"], d["codes"], encoded.info["book"], d["esc_indptr"], d["esc_pos"], d["esc_exp"], out16,
                                 encoded.n_values, encoded.n_chunks, encoded.info["chunk"])
     else:
         i = encoded.info

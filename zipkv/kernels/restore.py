@@ -43,19 +43,19 @@ def _last_at_most(starts, k, G: tl.constexpr, LOG_G: tl.constexpr):
 
 
 @triton.jit
-def _splitzip_kernel(sm_ptr, code_ptr, book_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr,
-                     n_values, n_chunks, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr,
-                     LOG_G: tl.constexpr):
+def _splitzip_kernel(sm_ptr, code_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr,
+                     n_values, n_chunks, n_padded, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                     ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
     G: tl.constexpr = BLOCK // CHUNK
     pid = tl.program_id(0)
-    base = pid.to(tl.int64) * BLOCK
-    in_chunks = n_chunks.to(tl.int64) * CHUNK
-    half = base // 2 + tl.arange(0, BLOCK // 2)
-    c = tl.load(code_ptr + half, mask=half < in_chunks // 2, other=0).to(tl.int32)
-    codes = tl.reshape(tl.join(c & 15, (c >> 4) & 15), (BLOCK,))     # value 2i: low nibble, 2i+1: high
-    exp = tl.load(book_ptr + codes)
-    idx = base + tl.arange(0, BLOCK)
-    sm = tl.load(sm_ptr + idx, mask=idx < in_chunks, other=0).to(tl.int32)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n_padded
+    c = tl.load(code_ptr + idx // 2, mask=ok, other=0).to(tl.int32)  # value 2i: low nibble, 2i+1: high
+    code = (c >> ((idx & 1) * 4).to(tl.int32)) & 15
+    # the codebook as 16 bytes in two 64-bit words: no table load per value
+    word = tl.where(code < 8, book_lo, book_hi).to(tl.int64)
+    exp = ((word >> ((code & 7) * 8).to(tl.int64)) & 0xFF).to(tl.int32)
+    sm = tl.load(sm_ptr + idx, mask=ok, other=0).to(tl.int32)
     tl.store(out_ptr + idx, _bf16_bits(sm, exp).to(tl.int16), mask=idx < n_values)
     tl.debug_barrier()                          # the escape stores below land after the dense ones
     chunk0 = pid * G
@@ -124,16 +124,26 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
 
 
-# GPU launch options (H200 sweep in the restore chapter's run): values per program and warps.
+# GPU launch options, the fastest of an H200 sweep (results/paper/restore_launch_sweep.csv); the Huffman table is
+# read through L1 by default: the shared-memory gather was 3-4x slower there.
 SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=4)
-HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=True)
+HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=False)
+
+
+def _book_words(book: list[int]):
+    """The 16 codebook exponents as two signed 64-bit integers (entry i in byte i % 8)."""
+    words = []
+    for half in (book[:8], book[8:]):
+        w = sum(int(e) << (8 * i) for i, e in enumerate(half))
+        words.append(w - (1 << 64) if w >= 1 << 63 else w)
+    return words
 
 
 def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_values: int, n_chunks: int,
                     chunk: int, *, chunks_per_program: int | None = None, num_warps: int | None = None):
     """Launch the SplitZip-style decode (arguments already validated by :mod:`zipkv.codecs`).
 
-    sm uint8 ``[n_chunks*chunk]``; codes uint8 ``[n_chunks*chunk/2]``; book int32 ``[16]`` (exponents);
+    sm uint8 ``[n_chunks*chunk]``; codes uint8 ``[n_chunks*chunk/2]``; book: 16 exponents (host ints);
     esc_indptr int32 ``[n_chunks+1]``; esc_pos int16, esc_exp uint8 ``[n_escapes]``; out16 int16 ``[n_values]``.
     """
     interp = _interpreting()
@@ -141,7 +151,8 @@ def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_valu
     g = chunks_per_program or (min(256, n_chunks) if interp else SPLITZIP_LAUNCH["chunks_per_program"])
     g = triton.next_power_of_2(g)
     grid = (triton.cdiv(n_chunks, g),)
-    _splitzip_kernel[grid](sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks,
+    lo, hi = _book_words(book)
+    _splitzip_kernel[grid](sm, codes, lo, hi, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks, n_chunks * chunk,
                            BLOCK=g * chunk, CHUNK=chunk, ESC_BLOCK=g * chunk if interp else 128, LOG_G=g.bit_length() - 1,
                            num_warps=num_warps or SPLITZIP_LAUNCH["num_warps"])
 
