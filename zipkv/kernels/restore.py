@@ -67,14 +67,14 @@ def _splitzip_kernel(sm_ptr, code_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos
     e = e0
     while e < e1:                               # (a while loop: the interpreter's range() takes no tensor bounds)
         k = e + tl.arange(0, ESC_BLOCK)
-        ok = k < e1
-        pos = tl.load(esc_pos_ptr + k, mask=ok, other=0).to(tl.int32)
-        ex = tl.load(esc_exp_ptr + k, mask=ok, other=0).to(tl.int32)
+        live = k < e1
+        pos = tl.load(esc_pos_ptr + k, mask=live, other=0).to(tl.int32)
+        ex = tl.load(esc_exp_ptr + k, mask=live, other=0).to(tl.int32)
         chunk = chunk0 + _last_at_most(starts, k, G, LOG_G)
         v = chunk.to(tl.int64) * CHUNK + pos
-        ok = ok & (pos >= 0) & (pos < CHUNK) & (v < n_values)
-        s = tl.load(sm_ptr + v, mask=ok, other=0).to(tl.int32)
-        tl.store(out_ptr + v, _bf16_bits(s, ex).to(tl.int16), mask=ok)
+        live = live & (pos >= 0) & (pos < CHUNK) & (v < n_values)
+        s = tl.load(sm_ptr + v, mask=live, other=0).to(tl.int32)
+        tl.store(out_ptr + v, _bf16_bits(s, ex).to(tl.int16), mask=live)
         e += ESC_BLOCK
 
 
