@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zipkv.kernels import restore  # (the kernels package picks Triton's interpreter without a GPU, before triton loads)
+
 __all__ = ["CHUNK", "Encoded", "SplitZip", "Huffman", "decode_into", "decode", "decode_reference",
            "validate_payload", "bf16_split", "huffman_lengths", "canonical_codes"]
 
@@ -424,8 +426,6 @@ def decode_into(encoded: Encoded, out: torch.Tensor, *, validate: bool = False) 
     (then :func:`validate_payload` reads the payload first, with a sync); without it the launch allocates
     nothing and never syncs, so it can be captured in a CUDA graph.
     """
-    from zipkv.kernels import restore
-
     _check_encoded(encoded)
     if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.numel() != encoded.n_values
             or not out.is_contiguous()):

@@ -7,15 +7,16 @@ out-of-bounds access (:func:`zipkv.codecs.validate_payload` finds the corruption
 
 * :func:`splitzip_decode` (SplitZip-style, arXiv 2605.01708): one program rebuilds ``BLOCK`` values
   (whole 1,024-value chunks) from the sign+mantissa bytes and the 4-bit codes (two per byte,
-  even value in the low nibble) through the 16-entry exponent codebook, then -- after a barrier,
+  even value in the low nibble) through the 16-entry exponent codebook (two 64-bit arguments), then -- after a barrier,
   so its own dense stores are visible -- patches its chunks' escapes (position in chunk, exponent).
 * :func:`huffman_decode` (DFloat11-style, arXiv 2504.11651): one program decodes ``CPP`` chunks of
   ``LANES`` lane streams each; lane ``j`` of a chunk decodes the chunk's values ``t*LANES + j``
   (``t`` = 0..S-1) from its own bit stream, so consecutive lanes store consecutive values. A lane's
   start bit is the chunk's start bit plus the other lanes' bit counts before it (a prefix sum in
   registers). Codes are read LSB-first from a 64-bit window refilled one 32-bit word at a time; the
-  decode table (``2**max_len`` entries, ``symbol | length << 8``) is held in shared memory
-  (``tl.gather`` on the table loaded once per program) or read through L1 (``SMEM_LUT=False``).
+  decode table (``2**max_len`` entries, ``symbol | length << 8``) is read through L1 (default) or held
+  in shared memory (``SMEM_LUT=True``: ``tl.gather`` on the table loaded once per program, which Triton
+  lowers through shared memory; 3-4x slower on the H200 than the L1 reads).
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
 
 
-# GPU launch options, the fastest of an H200 sweep (results/paper/restore_launch_sweep.csv); the Huffman table is
+# GPU launch options, the fastest of an H200 sweep (results/paper/zipfusion_restore_launch_sweep.csv); the Huffman table is
 # read through L1 by default: the shared-memory gather was 3-4x slower there.
 SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=4)
 HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=False)
