@@ -42,7 +42,7 @@ def roundtrip(enc, x, validate=True):
     assert torch.equal(bits(ref), bits(x)) and torch.equal(bits(out), bits(x))
 
 
-def test_splitzip_all_patterns_every_position():
+def test_splitzip_all_patterns_every_position(splitzip_kernel):
     x = all_patterns_every_position()
     codec = codecs.SplitZip.calibrate(kv_like((64, 1024)), chunk=CHUNK)
     enc = codec.encode(x)
@@ -67,6 +67,24 @@ def test_huffman_own_histogram_and_escapes_on_odd_sizes():
         enc = codecs.SplitZip([126, 125, 124, 123]).encode(x)   # a 4-entry codebook: many escapes
         assert enc.info["n_escapes"] > 0
         roundtrip(enc, x)
+
+
+@pytest.fixture(params=[False, True], ids=["per-value", "words"])
+def splitzip_kernel(request, monkeypatch):
+    """Both SplitZip decode kernels: per value, and on 32-bit words (where n_values % 4 == 0 and out is aligned)."""
+    from zipkv.kernels import restore
+    monkeypatch.setitem(restore.SPLITZIP_LAUNCH, "words", request.param)
+    return request.param
+
+
+def test_splitzip_word_and_value_kernels_agree(splitzip_kernel):
+    x = kv_like((4, 300, 64))
+    enc = codecs.SplitZip([126, 125, 124, 123, 122]).encode(x)
+    buf = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device=DEV)
+    for out in (buf[:-1], buf[1:]):             # 8-byte aligned; offset by 2 bytes (always per value)
+        out.fill_(0)
+        codecs.decode_into(enc, out)
+        assert torch.equal(bits(out), bits(x).reshape(-1))
 
 
 def test_bits_per_value_on_kv_like_data():

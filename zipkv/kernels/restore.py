@@ -20,6 +20,7 @@ out-of-bounds access (:func:`zipkv.codecs.validate_payload` finds the corruption
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -44,21 +45,9 @@ def _last_at_most(starts, k, G: tl.constexpr, LOG_G: tl.constexpr):
 
 
 @triton.jit
-def _splitzip_kernel(sm_ptr, code_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr,
-                     n_values, n_chunks, n_padded, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                     ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
-    G: tl.constexpr = BLOCK // CHUNK
-    pid = tl.program_id(0)
-    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = idx < n_padded
-    c = tl.load(code_ptr + idx // 2, mask=ok, other=0).to(tl.int32)  # value 2i: low nibble, 2i+1: high
-    code = (c >> ((idx & 1) * 4).to(tl.int32)) & 15
-    # the codebook as 16 bytes in two 64-bit words: no table load per value
-    word = tl.where(code < 8, book_lo, book_hi).to(tl.int64)
-    exp = ((word >> ((code & 7) * 8).to(tl.int64)) & 0xFF).to(tl.int32)
-    sm = tl.load(sm_ptr + idx, mask=ok, other=0).to(tl.int32)
-    tl.store(out_ptr + idx, _bf16_bits(sm, exp).to(tl.int16), mask=idx < n_values)
-    tl.debug_barrier()                          # the escape stores below land after the dense ones
+def _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
+                   G: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
+    """Program ``pid``'s escapes (its G chunks'): value chunk*CHUNK + pos gets exponent esc_exp."""
     chunk0 = pid * G
     g = tl.arange(0, G)
     starts = tl.load(esc_indptr_ptr + tl.minimum(chunk0 + g, n_chunks))    # [G] first escape of each chunk
@@ -77,6 +66,51 @@ def _splitzip_kernel(sm_ptr, code_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos
         s = tl.load(sm_ptr + v, mask=live, other=0).to(tl.int32)
         tl.store(out_ptr + v, _bf16_bits(s, ex).to(tl.int16), mask=live)
         e += ESC_BLOCK
+
+
+@triton.jit
+def _splitzip_kernel(sm_ptr, code_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr,
+                     n_values, n_chunks, n_padded, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
+                     ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
+    G: tl.constexpr = BLOCK // CHUNK
+    pid = tl.program_id(0)
+    idx = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = idx < n_padded
+    c = tl.load(code_ptr + idx // 2, mask=ok, other=0).to(tl.int32)  # value 2i: low nibble, 2i+1: high
+    code = (c >> ((idx & 1) * 4).to(tl.int32)) & 15
+    # the codebook as 16 bytes in two 64-bit words: no table load per value
+    word = tl.where(code < 8, book_lo, book_hi).to(tl.int64)
+    exp = ((word >> ((code & 7) * 8).to(tl.int64)) & 0xFF).to(tl.int32)
+    sm = tl.load(sm_ptr + idx, mask=ok, other=0).to(tl.int32)
+    tl.store(out_ptr + idx, _bf16_bits(sm, exp).to(tl.int16), mask=idx < n_values)
+    tl.debug_barrier()                          # the escape stores below land after the dense ones
+    _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
+                   G, CHUNK, ESC_BLOCK, LOG_G)
+
+
+@triton.jit
+def _splitzip_words_kernel(sm32_ptr, code16_ptr, sm_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr,
+                           out64_ptr, out_ptr, n_values, n_chunks, n_words, BLOCK: tl.constexpr,
+                           CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
+    """The same decode on 32-bit words: 4 sign+mantissa bytes and their 4 codes (16 bits) -> 4 BF16 values
+    as one 64-bit store (n_values a multiple of 4, the output 8-byte aligned)."""
+    G: tl.constexpr = BLOCK // CHUNK
+    pid = tl.program_id(0)
+    w = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    ok = w < n_words
+    S = tl.load(sm32_ptr + w, mask=ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    C = tl.load(code16_ptr + w, mask=ok, other=0).to(tl.int64) & 0xFFFF
+    x = (S | (S << 16)) & 0x0000FFFF0000FFFF     # byte j of S -> bits 16j .. 16j+7
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FF
+    out = (x & 0x007F007F007F007F) | ((x & 0x0080008000800080) << 8)
+    for j in tl.static_range(4):                 # value j's code is nibble j of C
+        c = (C >> (4 * j)) & 15
+        book = tl.where(c < 8, book_lo, book_hi).to(tl.int64)
+        out |= ((book >> ((c & 7) * 8)) & 0xFF) << (16 * j + 7)
+    tl.store(out64_ptr + w, out, mask=ok)
+    tl.debug_barrier()
+    _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
+                   G, CHUNK, ESC_BLOCK, LOG_G)
 
 
 @triton.jit
@@ -127,7 +161,9 @@ def _interpreting() -> bool:
 
 # GPU launch options, the fastest of an H200 sweep (results/paper/zipfusion_restore_launch_sweep.csv); the Huffman table is
 # read through L1 by default: the shared-memory gather was 3-4x slower there.
-SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=4)
+SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=4, words=False)
+"""``words``: the 32-bit-word SplitZip kernel (bit-exact on the CPU, not yet timed on a GPU; the sweep of
+:func:`zipkv.restore_baselines.decode_launch_sweep` times both)."""
 HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=False)
 
 
@@ -141,8 +177,10 @@ def _book_words(book: list[int]):
 
 
 def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_values: int, n_chunks: int,
-                    chunk: int, *, chunks_per_program: int | None = None, num_warps: int | None = None):
-    """Launch the SplitZip-style decode (arguments already validated by :mod:`zipkv.codecs`).
+                    chunk: int, *, chunks_per_program: int | None = None, num_warps: int | None = None,
+                    words: bool | None = None):
+    """Launch the SplitZip-style decode (arguments already validated by :mod:`zipkv.codecs`). words: the
+    32-bit-word kernel where it applies (``n_values % 4 == 0``, ``out16`` 8-byte aligned), else per value.
 
     sm uint8 ``[n_chunks*chunk]``; codes uint8 ``[n_chunks*chunk/2]``; book: 16 exponents (host ints);
     esc_indptr int32 ``[n_chunks+1]``; esc_pos int16, esc_exp uint8 ``[n_escapes]``; out16 int16 ``[n_values]``.
@@ -153,9 +191,16 @@ def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_valu
     g = triton.next_power_of_2(g)
     grid = (triton.cdiv(n_chunks, g),)
     lo, hi = _book_words(book)
-    _splitzip_kernel[grid](sm, codes, lo, hi, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks, n_chunks * chunk,
-                           BLOCK=g * chunk, CHUNK=chunk, ESC_BLOCK=g * chunk if interp else 128, LOG_G=g.bit_length() - 1,
-                           num_warps=num_warps or SPLITZIP_LAUNCH["num_warps"])
+    meta = dict(BLOCK=g * chunk, CHUNK=chunk, ESC_BLOCK=g * chunk if interp else 128, LOG_G=g.bit_length() - 1,
+                num_warps=num_warps or SPLITZIP_LAUNCH["num_warps"])
+    if words is None:
+        words = SPLITZIP_LAUNCH["words"]
+    if words and n_values % 4 == 0 and out16.data_ptr() % 8 == 0:
+        _splitzip_words_kernel[grid](sm.view(torch.int32), codes.view(torch.int16), sm, lo, hi, esc_indptr, esc_pos,
+                                     esc_exp, out16.view(torch.int64), out16, n_values, n_chunks, n_values // 4, **meta)
+    else:
+        _splitzip_kernel[grid](sm, codes, lo, hi, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks,
+                               n_chunks * chunk, **meta)
 
 
 def huffman_decode(stream, chunk_bits, lane_bits, lut, sm, out16, n_values: int, n_chunks: int, lanes: int,
