@@ -94,10 +94,12 @@ def _nhd(x):
 
 
 def _events_ms(fn, reps: int) -> float:
-    """Median milliseconds of ``fn()`` over ``reps`` calls (each call moves far more than L2: cold by size)."""
+    """Median milliseconds of ``fn()`` over ``reps`` calls (each call moves far more than L2: cold by size). A spin
+    kernel before each call keeps the GPU busy while the host enqueues it, so the events time the GPU's work."""
     fn()
     times = []
     for _ in range(reps):
+        torch.cuda._sleep(2_000_000)            # about 1 ms at 2 GHz: longer than any launch path here
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
