@@ -345,7 +345,7 @@ def chapter_table(bits: pd.DataFrame, gpu: pd.DataFrame | None) -> pd.DataFrame:
     real = bits.groupby("codec").bits_per_value.mean()
     steps = steps.assign(bits_per_value=steps.codec.map(real).fillna(steps.bits_per_value))
     table = pd.concat([table, steps], ignore_index=True)
-    table[["ctx", "batch"]] = table[["ctx", "batch"]].ffill().bfill()
+    table[["ctx", "batch"]] = table[["ctx", "batch"]].ffill().bfill().astype(int)
     return table.reindex(columns=COLUMNS + [c for c in table.columns if c not in COLUMNS])
 
 
