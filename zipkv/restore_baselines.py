@@ -284,8 +284,10 @@ def decode_launch_sweep(x: torch.Tensor, splitzip: codecs.SplitZip, reps: int = 
 
 def main(argv=None):
     """``python -m zipkv.restore_baselines SAMPLE OUT_DIR``: the GPU run behind the chapter, from a saved sample
-    (``torch.save(dict(layers=[(K, V), ...], codebook=[...]))``, see :func:`capture_kv`): launch sweep, then
-    :func:`restore_step_benchmark`; writes ``restore_launch_sweep.csv`` and ``zipfusion_restore_baselines_gpu.csv``."""
+    (``torch.save(dict(layers=[(K, V), ...], codebook=[...]))``: every 4th layer of one 2048-token PG19 window (seed
+    0) and the SplitZip codebook calibrated on another (seed 1); captured and saved first when SAMPLE does not
+    exist): launch sweep, then :func:`restore_step_benchmark`; writes ``restore_launch_sweep.csv`` and
+    ``zipfusion_restore_baselines_gpu.csv`` into OUT_DIR."""
     import argparse
     import datetime
     from pathlib import Path
@@ -296,6 +298,10 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--commit", default="")
     a = p.parse_args(argv)
+    if not Path(a.sample).is_file():            # build it: needs the embedded model and PG19 books
+        book = calibration_codebook(capture_kv(1, 2048, seed=1, device="cuda"))
+        layers = capture_kv(1, 2048, seed=0, device="cuda")[0]
+        torch.save(dict(layers=[tuple(t.cpu() for t in x) for x in layers[::4]], codebook=book.codebook), a.sample)
     sample = torch.load(a.sample)
     book = codecs.SplitZip(sample["codebook"])
     k, _ = llama_shaped_kv([t.to("cuda") for t in sample["layers"][0]], 32, 2048)
