@@ -418,13 +418,14 @@ def decode_reference(encoded: Encoded) -> torch.Tensor:
     return bits.view(torch.bfloat16).reshape(encoded.shape)
 
 
-def decode_into(encoded: Encoded, out: torch.Tensor, *, validate: bool = False) -> torch.Tensor:
+def decode_into(encoded: Encoded, out: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
     """Restore ``encoded`` into ``out`` with the Triton kernel; returns ``out``.
 
     out: contiguous bf16 with ``encoded.n_values`` values (any shape: e.g. a view of a shared
-    restore buffer), on the payload's device. Only host-side sizes are checked unless ``validate``
-    (then :func:`validate_payload` reads the payload first, with a sync); without it the launch allocates
-    nothing and never syncs, so it can be captured in a CUDA graph.
+    restore buffer), on the payload's device. validate (default): :func:`validate_payload` reads the payload
+    first (a sync; a corrupted payload raises ``ValueError``). Pass ``validate=False`` per layer inside decode
+    steps and CUDA graphs: then only host-side sizes are checked, the launch allocates nothing and never syncs,
+    and a corrupted payload gives wrong values (never an out-of-bounds access).
     """
     _check_encoded(encoded)
     if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.numel() != encoded.n_values
