@@ -29,7 +29,7 @@ Layouts (values flattened in C order, padded with zeros to whole chunks; little-
 
 Common interface: ``codec.encode(kv) -> Encoded`` (any bf16 tensor, e.g. pages
 ``[..., head_dim]``), :func:`decode_into` (Triton kernel of :mod:`zipkv.kernels.restore`, no
-allocation or host sync: usable per layer inside a CUDA graph), :func:`decode_reference` (plain
+allocation or host sync with ``validate=False``: usable per layer inside a CUDA graph), :func:`decode_reference` (plain
 torch), :func:`validate_payload` (reads the payload: finds corruption; syncs), ``Encoded.bits_per_value``.
 """
 from __future__ import annotations
@@ -136,10 +136,10 @@ class SplitZip:
         """Encode bf16 ``kv`` (any shape) on its device."""
         _check_kv(kv)
         n = kv.numel()
-        CHUNK = self.chunk
-        n_chunks = -(-n // CHUNK)
+        size = self.chunk
+        n_chunks = -(-n // size)
         exp, sm = bf16_split(kv)
-        pad = n_chunks * CHUNK - n
+        pad = n_chunks * size - n
         exp = torch.nn.functional.pad(exp, (0, pad), value=self.codebook[0])
         sm = torch.nn.functional.pad(sm, (0, pad))
         inverse = torch.full((256,), -1, dtype=torch.int32, device=kv.device)
@@ -150,41 +150,41 @@ class SplitZip:
         code = torch.where(escaped, 0, code)
         codes = (code[0::2] | (code[1::2] << 4)).to(torch.uint8)
         where = torch.nonzero(escaped).reshape(-1)
-        counts = torch.bincount(where // CHUNK, minlength=n_chunks)
+        counts = torch.bincount(where // size, minlength=n_chunks)
         esc_indptr = torch.zeros(n_chunks + 1, dtype=torch.int32, device=kv.device)
         esc_indptr[1:] = torch.cumsum(counts, 0)
         book = torch.zeros(16, dtype=torch.int32, device=kv.device)
         book[:len(self.codebook)] = torch.tensor(self.codebook, dtype=torch.int32, device=kv.device)
         data = dict(sm=sm, codes=codes, book=book, esc_indptr=esc_indptr,
-                    esc_pos=(where % CHUNK).to(torch.int16), esc_exp=exp[where].to(torch.uint8))
+                    esc_pos=(where % size).to(torch.int16), esc_exp=exp[where].to(torch.uint8))
         return Encoded("splitzip", tuple(kv.shape), n, n_chunks, data,
-                       dict(chunk=CHUNK, n_escapes=int(where.numel()), n_codes=len(self.codebook),
+                       dict(chunk=size, n_escapes=int(where.numel()), n_codes=len(self.codebook),
                             book=book.tolist()))
 
 
 def _splitzip_reference(enc: Encoded) -> torch.Tensor:
-    d, CHUNK = enc.data, enc.info["chunk"]
+    d, size = enc.data, enc.info["chunk"]
     c = d["codes"].to(torch.int32)
     code = torch.stack([c & 15, c >> 4], -1).reshape(-1)
     exp = d["book"][code.long()]
     chunk = torch.repeat_interleave(torch.arange(enc.n_chunks, device=exp.device),
                                     (d["esc_indptr"][1:] - d["esc_indptr"][:-1]).long())
-    exp[chunk * CHUNK + d["esc_pos"].long()] = d["esc_exp"].to(torch.int32)
+    exp[chunk * size + d["esc_pos"].long()] = d["esc_exp"].to(torch.int32)
     return _join(exp, d["sm"])[:enc.n_values]
 
 
 def _splitzip_validate(enc: Encoded):
-    d, n_codes, CHUNK = enc.data, enc.info["n_codes"], enc.info["chunk"]
+    d, n_codes, size = enc.data, enc.info["n_codes"], enc.info["chunk"]
     ind = d["esc_indptr"].long()
     if int(ind[0]) != 0 or bool((ind[1:] < ind[:-1]).any()) or int(ind[-1]) != enc.info["n_escapes"]:
         raise ValueError(f"esc_indptr must start at 0, not decrease and end at n_escapes={enc.info['n_escapes']}, "
                          f"got first {int(ind[0])}, last {int(ind[-1])}")
     pos = d["esc_pos"].long()
-    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= CHUNK):
-        raise ValueError(f"esc_pos must lie in [0, {CHUNK}) (position in its chunk), got range "
+    if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= size):
+        raise ValueError(f"esc_pos must lie in [0, {size}) (position in its chunk), got range "
                          f"[{int(pos.min())}, {int(pos.max())}]")
     chunk = torch.repeat_interleave(torch.arange(enc.n_chunks, device=pos.device), (ind[1:] - ind[:-1]))
-    where = chunk * CHUNK + pos
+    where = chunk * size + pos
     if where.numel() and int(where.max()) >= enc.n_values:
         raise ValueError(f"an escape points at value {int(where.max())}, past n_values={enc.n_values}")
     c = d["codes"].to(torch.int32)
@@ -278,10 +278,10 @@ class Huffman:
         by default, from ``kv``'s own histogram (DFloat11: one code per tensor)."""
         _check_kv(kv)
         dev, n = kv.device, kv.numel()
-        CHUNK = self.lanes * self.per_lane
-        n_chunks = -(-n // CHUNK)
+        size = self.lanes * self.per_lane
+        n_chunks = -(-n // size)
         exp, sm = bf16_split(kv)
-        pad = n_chunks * CHUNK - n
+        pad = n_chunks * size - n
         exp = torch.nn.functional.pad(exp, (0, pad), value=int(exp[0]))
         sm = torch.nn.functional.pad(sm, (0, pad))
         own = torch.bincount(exp, minlength=256).cpu()
@@ -314,7 +314,7 @@ class Huffman:
         data = dict(sm=sm, stream=stream, chunk_bits=chunk_bits, lane_bits=lane_bits.to(torch.int16),
                     lut=lut.to(dev))
         return Encoded("huffman", tuple(kv.shape), n, n_chunks, data,
-                       dict(chunk=CHUNK, total_bits=total, lanes=self.lanes, per_lane=self.per_lane, max_len=self.max_len))
+                       dict(chunk=size, total_bits=total, lanes=self.lanes, per_lane=self.per_lane, max_len=self.max_len))
 
 
 def _huffman_walk(enc: Encoded):
