@@ -137,7 +137,7 @@ def restore_step_benchmark(captures, splitzip: codecs.SplitZip, *, ctx: int = 20
     path, planned once) on it. Timed separately: all restores of a step (``restore_ms_per_step``) and all
     attentions (``attention_ms_per_step``), and the step as it runs (``step_ms``: restore then attention per
     layer, launched from Python; ``step_graph_ms``: the same captured in a CUDA graph and replayed, as a serving
-    engine runs decode steps; NaN where a method cannot be captured). ZipFusion: zipkv's fused decode over ``build_paged_cache(compress=
+    engine runs decode steps; NaN where a method cannot be captured). ZipFusion: zipkv's fused decode (Gluon kernel, mma layouts, planned once, ``run`` timed) over ``build_paged_cache(compress=
     "eligible")`` of the same KV (every layer its own cache). "flashinfer (bf16)" is the uncompressed baseline.
     Encode and decode GB/s are bf16 bytes per second on a layer's K and V separately. Every restore is
     checked bit-exact and every attention against FlashInfer on the original pages.
@@ -145,7 +145,7 @@ def restore_step_benchmark(captures, splitzip: codecs.SplitZip, *, ctx: int = 20
     from tqdm.auto import tqdm
 
     from zipkv.bench import FlashInferDecode, copy_bandwidth
-    from zipkv.kernels.decode_attention import build_paged_cache, decode_attention, physical_page_ids
+    from zipkv.kernels.decode_attention import build_paged_cache, physical_page_ids, plan
 
     H, D, HQ = LLAMA["kv_heads"], LLAMA["head_dim"], LLAMA["q_heads"]
     sources = captures[0]
@@ -164,8 +164,9 @@ def restore_step_benchmark(captures, splitzip: codecs.SplitZip, *, ctx: int = 20
         kp, vp = (torch.empty_like(_nhd(x)) for x in (k, v))
         kp[phys], vp[phys] = _nhd(k), _nhd(v)
         kv_pages.append((kp, vp))
-        cache = build_paged_cache(k, v, compress="eligible")
-        zf_caches.append(cache[0])
+        cache, zf_indptr, zf_indices, zf_last = build_paged_cache(k, v, compress="eligible",
+                                                                  k_layout="k_mma", v_layout="v_mma")
+        zf_caches.append(plan(zf_indptr, zf_indices, zf_last, cache, HQ))
         del k, v
     ref = [fi(q, kp, vp).clone() for kp, vp in kv_pages]
     buf_k, buf_v = torch.empty_like(kv_pages[0][0]), torch.empty_like(kv_pages[0][1])
@@ -223,12 +224,11 @@ def restore_step_benchmark(captures, splitzip: codecs.SplitZip, *, ctx: int = 20
                          attention_ms_per_step=attention_ms, step_ms=step_ms,
                          attention_equals_original=same_attention))
     steps["flashinfer (bf16)"] = lambda: [fi(q, *kv_pages[i]) for i in layer_src]
-    steps["zipfusion"] = lambda: [decode_attention(q, zf_caches[i], indptr, indices, last, validate=False)
-                                  for i in layer_src]
+    zf_out = torch.empty_like(q)
+    steps["zipfusion"] = lambda: [zf_caches[i].run(q, zf_out) for i in layer_src]
     zf_ms = _events_ms(steps["zipfusion"], reps)
-    zf_err = max(float((decode_attention(q, c, indptr, indices, last).float() - r.float()).norm() / r.float().norm())
-                 for c, r in zip(zf_caches, ref))
-    st = [c.stats() for c in zf_caches]
+    zf_err = max(float((p.run(q).float() - r.float()).norm() / r.float().norm()) for p, r in zip(zf_caches, ref))
+    st = [p.cache.stats() for p in zf_caches]
     rows.append(dict(codec="zipfusion", tensor="K+V", restore_ms_per_step=0.0, attention_ms_per_step=zf_ms,
                      step_ms=zf_ms, rel_rms_error_vs_flashinfer=zf_err,
                      bits_per_value=statistics.mean(16 * x["used_bytes"] / x["raw_bytes"] for x in st)))
