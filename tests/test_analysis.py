@@ -1,0 +1,112 @@
+"""Experiment loops of the KVSculpt analysis chapters (zipkv.distill.analysis) on small problems."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zipkv.distill import analysis as A
+from zipkv.distill import baselines as B
+from zipkv.distill import budget
+from zipkv.distill.batched import solve_batched
+from zipkv.distill.kvsculpt import SculptConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CFG = SculptConfig(steps=6, progress=False)
+
+
+def problems(count=3, n=40, m=8, d=8, n_q=24, k=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        out.append(B.Problem(torch.randn(n, d, generator=gen) * 2, torch.randn(n, d, generator=gen),
+                             torch.randn(2, n_q, d, generator=gen) * 2, m=m, k=k, layer=i))
+    return out
+
+
+def test_random_starts_are_used_and_the_oracle_never_reports_above_its_single_run():
+    ps = problems()
+    single, _ = solve_batched(ps, CFG)
+    starts = [torch.arange(p.k) for p in ps]  # the k oldest positions: not the top-attention start
+    from_start, _ = solve_batched(ps, SculptConfig(steps=0, progress=False), starts=starts)
+    for p, s, st, s1 in zip(ps, from_start, starts, single):
+        want = B.problem_loss(p, p.keys[st], B.ridge_values(p, p.keys[st]))
+        assert s.initial_loss == pytest.approx(want, rel=1e-4)
+        assert s.initial_loss != pytest.approx(s1.initial_loss, rel=1e-3)
+    oracle = A.oracle_search(ps, single, CFG, restarts=4, seed=1)
+    assert all(o.loss <= s.loss for o, s in zip(oracle, single))
+    assert [o.loss for o in A.oracle_search(ps, single, CFG, restarts=1)] == [s.loss for s in single]
+    with pytest.raises(ValueError, match="starts\\[0\\]"):
+        solve_batched(ps, CFG, starts=[torch.arange(3)] + [None] * 2)
+
+
+def test_adam_starts_at_select_fit_and_returns_its_best_iterate():
+    ps = problems(seed=2)
+    sols = A.adam_solve(ps, SculptConfig(steps=3, inner_iterations=4, progress=False), lr=0.05)
+    sf = B.select_fit(ps)
+    for s, f, p in zip(sols, sf, ps):
+        assert s.keys.shape == (p.k, p.head_dim)
+        assert s.initial_loss == pytest.approx(f.loss, rel=1e-4) and s.loss <= s.initial_loss * (1 + 1e-6)
+        assert s.loss == pytest.approx(B.problem_loss(p, s.keys, s.values), rel=1e-4)
+
+
+def test_a_pilot_read_from_the_history_equals_a_separate_pilot_run():
+    ps = problems(seed=3)
+    long, _ = solve_batched(ps, SculptConfig(steps=10, progress=False))
+    pilot, _ = solve_batched(ps, SculptConfig(steps=5, progress=False))
+    read = budget.pilot_signal([s.history for s in long], 5)
+    assert read.tolist() == pytest.approx([min(s.history) for s in pilot], rel=1e-6)
+
+
+def test_near_far_cosine_is_one_for_identical_caches_and_below_for_others():
+    gen = torch.Generator().manual_seed(4)
+    keys, values = torch.randn(2, 30, 8, generator=gen), torch.randn(2, 30, 8, generator=gen)
+    queries = torch.randn(6, 5, 8, generator=gen) * 3
+    same = (keys, values, torch.ones(2, 30, dtype=torch.bool))
+    assert torch.allclose(A.attention_cosine((keys, values), same, queries), torch.ones(2, dtype=torch.float64))
+    # padding that is masked out changes nothing
+    pad_k = torch.cat([keys, torch.randn(2, 4, 8, generator=gen) * 10], 1)
+    pad_v = torch.cat([values, torch.randn(2, 4, 8, generator=gen)], 1)
+    valid = torch.cat([torch.ones(2, 30), torch.zeros(2, 4)], 1).bool()
+    assert torch.allclose(A.attention_cosine((keys, values), (pad_k, pad_v, valid), queries), torch.ones(2, dtype=torch.float64))
+    half = (keys[:, :15], values[:, :15], torch.ones(2, 15, dtype=torch.bool))
+    assert float(A.attention_cosine((keys, values), half, queries).max()) < 0.999
+
+
+def test_error_metrics_are_zero_for_the_uncompressed_cache():
+    gen = torch.Generator().manual_seed(5)
+    ref = SimpleNamespace(logits=torch.randn(16, 50, generator=gen), hidden=torch.randn(4, 16, 12, generator=gen))
+    m = A.error_metrics(ref, ref)
+    assert float(m["hidden_mse"].abs().max()) == 0 and float(m["kl_per_token"].max()) == 0
+    assert m["growth_first_to_last"] == 0 and m["topk_kl_share"] == 0 and m["max_over_mean_kl"] == 0
+    hidden = ref.hidden.clone()
+    for layer in range(4):
+        hidden[layer] += 10.0 ** layer * 1e-3
+    logits = ref.logits.clone()
+    logits[3] += torch.randn(50, generator=gen) * 5  # all the KL in one token
+    m = A.error_metrics(ref, SimpleNamespace(logits=logits, hidden=hidden), top=1)
+    assert m["growth_first_to_last"] == pytest.approx(1e6, rel=1e-4)
+    assert m["topk_kl_share"] == pytest.approx(1.0) and m["max_over_mean_kl"] == pytest.approx(16.0)
+
+
+def test_spearman():
+    assert A.spearman([1, 2, 3, 4], [10, 20, 30, 45]) == pytest.approx(1.0)
+    assert A.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(A.spearman([1], [2]))
+
+
+def test_a_cached_sweep_is_reused_only_with_the_same_parameters(tmp_path):
+    import pandas as pd
+
+    table = pd.DataFrame(dict(window=[0], kl=[0.5]))
+    sweep = A.BudgetSweep(runs=table, heads=table, layers=table, tokens=table, params=dict(steps=100, windows="abc"),
+                          seconds=dict(total=1.0))
+    path = tmp_path / "sweep.json"
+    sweep.save(path)
+    again = A.BudgetSweep.load(path, dict(steps=100, windows="abc"))
+    assert again is not None and again.runs.kl.tolist() == [0.5] and again.seconds == dict(total=1.0)
+    assert A.BudgetSweep.load(path, dict(steps=60, windows="abc")) is None
+    assert A.BudgetSweep.load(path, dict(steps=100, windows="abd")) is None
+    assert A.BudgetSweep.load(tmp_path / "missing.json", dict(steps=100)) is None
