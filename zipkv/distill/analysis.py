@@ -34,6 +34,50 @@ from .batched import solve_batched
 from .kvsculpt import CompressedCache, SculptConfig, budget_for_ratio, build_problems, compress
 from .evaluate import kl_divergence, teacher_force
 
+# --- a chapter's setting ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Chapter:
+    """What every analysis chapter starts from: the model, its windows, the solver settings, and a note."""
+
+    model: object
+    tokenizer: object
+    shape: object
+    windows: list
+    config: SculptConfig
+    note: str
+    paper_setting: bool
+
+
+def chapter(*, model_name, books_dir, n_windows, context, continuation, m, n_synthetic, steps, seed, device) -> Chapter:
+    """Load the model and the PG19 windows of a chapter and state its setting against KVSculpt's.
+
+    ``note`` (markdown) names the model substitution and says whether this is the paper's setting
+    (:data:`zipkv.settings.KVSCULPT_PAPER`); a scaled-down run says its numbers are not comparable.
+    """
+    from zipkv import data, models, paper_values, settings
+
+    torch.manual_seed(seed)
+    model, tokenizer = models.load_model(model_name, dtype=torch.float32, device=device)
+    shape = models.model_shape(model)
+    windows = data.windows(tokenizer, data.load_books(books_dir), n_windows, context=context,
+                           continuation=continuation, seed=seed)
+    paper = settings.KVSCULPT_PAPER.matches(context=context, m=m, n_synthetic=n_synthetic, steps=steps)
+    note = (f"**Setting.** {shape.name} ({shape.layers} layers × {shape.kv_heads} KV heads, head_dim {shape.head_dim}) "
+            f"in place of the paper's {paper_values.KVSCULPT_MODEL} (28 × 2, head_dim 128); PG19 windows as in the paper; "
+            f"{len(windows)} windows of N = {context} tokens + {continuation}; m = {m}, {n_synthetic} synthetic queries, "
+            f"{steps} L-BFGS steps (batched solver) on {device}."
+            + ("" if paper else " **A scaled-down run (not the paper's setting): its numbers are not comparable "
+                                "with the paper's.**"))
+    return Chapter(model, tokenizer, shape, windows, SculptConfig(steps=steps, progress=False), note, paper)
+
+
+def sweep_cache(results_csv) -> Path | None:
+    """Where the budget sweep is cached: beside the chapter's results table (``None``: not cached)."""
+    return None if results_csv is None else Path(results_csv).with_name("kvsculpt_budget_sweep.json")
+
+
 # --- one window, captured once --------------------------------------------------------------------------------
 
 
@@ -428,6 +472,34 @@ class BudgetSweep:
 POLICIES = ("uniform", "static", "pilot", "head_pilot_layer", "head_pilot_head")
 """Budget policies of the sweep: uniform; ‖V‖^α per layer (Table 5); 60-step pilot-MSE^α per layer
 (Table 6); 30-step per-head pilot averaged per layer, and per layer + head (Table 8)."""
+
+
+def versus_uniform(runs, policy: str, alpha: float, column: str):
+    """Per window ``window, uniform_kl, <column>, vs_uniform`` for one policy and exponent of a sweep's ``runs``."""
+    import pandas as pd
+
+    uniform = runs[runs.policy == "uniform"].set_index("window").kl
+    chosen = runs[(runs.policy == policy) & (runs.alpha == float(alpha))].set_index("window").kl
+    if chosen.empty:
+        raise ValueError(f"the sweep has no runs of policy={policy!r} with alpha={alpha}")
+    table = pd.DataFrame({"window": uniform.index, "uniform_kl": uniform.values, column: chosen.reindex(uniform.index).values})
+    table["vs_uniform"] = table[column] / table.uniform_kl
+    return table
+
+
+def error_table(sweep: "BudgetSweep", easy_kl: float):
+    """§6 per window from a sweep's uniform run: ``window, label`` (easy: KL < ``easy_kl``),
+    ``growth_first_to_last, top5_kl_share, max_over_mean_kl, layer_mse_kl_correlation`` (Spearman across
+    layers between a layer's compression MSE and the KL with only that layer compressed) and ``kl``."""
+    import numpy as np
+    import pandas as pd
+
+    u = sweep.runs[sweep.runs.policy == "uniform"].set_index("window")
+    rho = sweep.layers.groupby("window").apply(lambda d: spearman(d.loss, d.single_layer_kl))
+    return pd.DataFrame({"window": u.index, "label": np.where(u.kl < easy_kl, "easy", "hard"),
+                         "growth_first_to_last": u.growth_first_to_last.values, "top5_kl_share": u.top_kl_share.values,
+                         "max_over_mean_kl": u.max_over_mean_kl.values,
+                         "layer_mse_kl_correlation": rho.reindex(u.index).values, "kl": u.kl.values})
 
 
 def budget_sweep(model, windows: Sequence, *, ratio: float = 0.3, m: int = 256, n_synthetic: int = 128,
