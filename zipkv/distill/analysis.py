@@ -53,12 +53,15 @@ class Chapter:
 def chapter(*, model_name, books_dir, n_windows, context, continuation, m, n_synthetic, steps, seed, device) -> Chapter:
     """Load the model and the PG19 windows of a chapter and state its setting against KVSculpt's.
 
+    On the CPU it sets one intra-op thread (``torch.set_num_threads(1)``) for the rest of the process.
     ``note`` (markdown) names the model substitution and says whether this is the paper's setting
     (:data:`zipkv.settings.KVSCULPT_PAPER`); a scaled-down run says its numbers are not comparable.
     """
     from zipkv import data, models, paper_values, settings
 
     torch.manual_seed(seed)
+    if torch.device(device).type == "cpu":  # the quick profile's batches are small: one intra-op thread runs
+        torch.set_num_threads(1)            # them several times faster than two on a shared 2-core machine
     model, tokenizer = models.load_model(model_name, dtype=torch.float32, device=device)
     shape = models.model_shape(model)
     windows = data.windows(tokenizer, data.load_books(books_dir), n_windows, context=context,
