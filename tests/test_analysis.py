@@ -110,3 +110,18 @@ def test_a_cached_sweep_is_reused_only_with_the_same_parameters(tmp_path):
     assert A.BudgetSweep.load(path, dict(steps=60, windows="abc")) is None
     assert A.BudgetSweep.load(path, dict(steps=100, windows="abd")) is None
     assert A.BudgetSweep.load(tmp_path / "missing.json", dict(steps=100)) is None
+
+
+def test_content_statistics_of_low_rank_queries():
+    class Identity:  # RoPE that rotates nothing: content vectors are the queries themselves
+        def invert(self, x, positions):
+            return x
+
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(3, 200, 4, generator=gen) @ torch.randn(4, 16, generator=gen)  # rank 4 in 16 dimensions
+    whole = SimpleNamespace(layers=[SimpleNamespace(queries=q)], positions=torch.arange(200), rope=Identity())
+    stats = A.content_statistics(SimpleNamespace(whole=whole, n_context=150), near=20)
+    assert stats.effective_dim.max() <= 4 and stats.decode_captured.min() > 0.8
+    smooth = torch.cumsum(torch.randn(1, 200, 16, generator=gen), dim=1)  # slowly varying: consecutive cosine near 1
+    whole.layers = [SimpleNamespace(queries=smooth)]
+    assert A.content_statistics(SimpleNamespace(whole=whole, n_context=150), near=20).consecutive_cosine[0] > 0.9

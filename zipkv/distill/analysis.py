@@ -334,20 +334,22 @@ def content_statistics(ctx: Context, *, near: int, variance: float = 0.9):
         past = content[:, :N]
         cos = torch.nn.functional.cosine_similarity(past[:, 1:], past[:, :-1], dim=-1).mean(dim=1)
         mean = past.mean(dim=1, keepdim=True)
+        centred = past - mean
+        eigval, eigvec = torch.linalg.eigh(centred.transpose(1, 2) @ centred)  # ascending, [H_q, d], [H_q, d, d]
+        eigval, eigvec = eigval.flip(-1).clamp_min(0), eigvec.flip(-1)
+        share = eigval.cumsum(-1) / eigval.sum(-1, keepdim=True)
+        dims = (share < variance).sum(-1) + 1  # [H_q] components holding `variance` of the context's variance
+
+        def captured(block):  # [H_q] share of the block's variance (about the context mean) inside the basis
+            x = block - mean
+            proj = (x @ eigvec).square().sum(dim=1)  # [H_q, d] variance along each component
+            keep = torch.arange(proj.shape[-1], device=proj.device)[None] < dims[:, None]
+            return (proj * keep).sum(-1) / proj.sum(-1)
+
+        near_c, far_c = captured(content[:, N:N + near]), captured(content[:, T - near:])
         for h in range(content.shape[0]):
-            centred = past[h] - mean[h]
-            _, s, vh = torch.linalg.svd(centred, full_matrices=False)
-            share = (s ** 2).cumsum(0) / (s ** 2).sum()
-            r = int((share < variance).sum()) + 1
-            basis = vh[:r]
-
-            def captured(block):
-                x = block - mean[h]
-                return float((x @ basis.T).square().sum() / x.square().sum())
-
-            rows.append(dict(layer=layer, q_head=h, consecutive_cosine=float(cos[h]), effective_dim=r,
-                             decode_captured=captured(content[h, N:N + near]),
-                             far_captured=captured(content[h, T - near:])))
+            rows.append(dict(layer=layer, q_head=h, consecutive_cosine=float(cos[h]), effective_dim=int(dims[h]),
+                             decode_captured=float(near_c[h]), far_captured=float(far_c[h])))
     return pd.DataFrame(rows)
 
 
