@@ -125,3 +125,55 @@ def test_content_statistics_of_low_rank_queries():
     smooth = torch.cumsum(torch.randn(1, 200, 16, generator=gen), dim=1)  # slowly varying: consecutive cosine near 1
     whole.layers = [SimpleNamespace(queries=smooth)]
     assert A.content_statistics(SimpleNamespace(whole=whole, n_context=150), near=20).consecutive_cosine[0] > 0.9
+
+
+def tiny_windows(count, context, continuation, seed=7):
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, 128, (context + continuation,), generator=gen)
+        out.append(SimpleNamespace(input_ids=ids, context=context, continuation=continuation,
+                                   context_ids=ids[:context], continuation_ids=ids[context:]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from conftest import tiny_llama
+
+    return tiny_llama(sharpen_logits=True)
+
+
+def test_budget_sweep_keeps_the_total_in_every_run_and_is_reused_from_its_cache(tiny, tmp_path):
+    windows = tiny_windows(2, 40, 8)
+    kw = dict(ratio=0.5, m=8, n_synthetic=8, config=SculptConfig(steps=4, progress=False), alphas=(0.5, 1.0),
+              pilot_steps=2, head_pilot_steps=1, cache=tmp_path / "sweep.json", progress=False)
+    sweep = A.budget_sweep(tiny, windows, **kw)
+    k, L, H = 12, 2, 2  # round(0.5 · 40) − 8
+    assert set(sweep.runs.pairs) == {k * L * H}
+    assert len(sweep.runs) == 2 * (1 + 2 * 2 + 2)  # uniform, 2 α × (‖V‖, pilot), per-layer and per-head pilot
+    uni = sweep.runs[sweep.runs.policy == "uniform"]
+    assert (uni.vs_uniform == 1).all() and (uni.k_min == k).all() and (uni.growth_first_to_last > 0).all()
+    assert (sweep.heads.uniform <= sweep.heads.select_fit * (1 + 1e-6)).all()
+    assert (sweep.heads.pilot >= sweep.heads.uniform * (1 - 1e-6)).all()  # a shorter run is never better
+    assert len(sweep.tokens) == 2 * 8 and len(sweep.layers) == 2 * L
+    again = A.budget_sweep(tiny, windows, **kw)
+    assert again.runs.kl.tolist() == sweep.runs.kl.tolist()
+    table = A.versus_uniform(sweep.runs, "pilot", 0.5, "pilot_kl")
+    assert table.columns.tolist() == ["window", "uniform_kl", "pilot_kl", "vs_uniform"]
+    errors = A.error_table(sweep, easy_kl=0.01)
+    assert errors.columns[:6].tolist() == ["window", "label", "growth_first_to_last", "top5_kl_share",
+                                           "max_over_mean_kl", "layer_mse_kl_correlation"]
+
+
+def test_optimizer_and_query_studies_on_a_tiny_model(tiny):
+    cfg = SculptConfig(steps=3, progress=False)
+    table, heads = A.optimizer_study(tiny, tiny_windows(2, 40, 8), layers=[1], ratio=0.5, m=8, n_synthetic=8, config=cfg,
+                                     restarts=3, seed=1)
+    assert set(table.optimizer) == {"adam", "lbfgs", "oracle"} and set(table[table.optimizer == "oracle"].window) == {0}
+    w0 = heads[heads.window == 0].pivot_table(index="head", columns="optimizer", values="mse_train")
+    assert (w0.oracle <= w0.lbfgs).all() and (heads.mse_heldout > 0).all()
+    cos, stats = A.query_study(tiny, tiny_windows(1, 40, 24), strategies=["uniform", "bootstrap"], near=8, ratio=0.5,
+                               m=8, n_synthetic=8, config=cfg)
+    assert len(cos) == 4 and ((cos.cosine > 0) & (cos.cosine <= 1 + 1e-9)).all()
+    assert len(stats) == 2 * 4  # layers × query heads
