@@ -11,7 +11,7 @@ evaluates the results with :mod:`zipkv.distill.evaluate`:
   strategy by attention-output cosine against real queries from further along the same book.
 * :func:`budget_sweep` — Tables 5–8 and Appendix B: uniform, ``‖V‖^α``, pilot-MSE^α per layer and
   per layer + head allocations at one total budget, plus the uniform run's error propagation (§6).
-  Its result is cached (JSON, with the parameters that produced it) so the five chapters that
+  Its result is cached (JSON, with the parameters that produced it) so the six chapters that
   read it solve once.
 
 Shared helpers: :func:`attention_cosine` (near/far horizon metric), :func:`error_metrics` (§6).
@@ -108,19 +108,15 @@ class Context:
 
 
 def prepare(model, windows: Sequence, *, m: int, n_synthetic: int, strategy: str = "uniform",
-            seed: int = 0, horizon: int | None = None) -> list[Context]:
-    """Capture each window once (``whole`` = context + continuation) and build its problems.
-
-    ``horizon``: teacher-force only the first ``horizon`` continuation tokens (the rest only give
-    queries, e.g. Table 4's far horizon); default all.
-    """
+            seed: int = 0) -> list[Context]:
+    """Capture each window once (``whole`` = context + continuation), teacher-force the full cache, build the problems."""
     from zipkv.models import capture as capture_fn
 
     out = []
     for window in windows:
         whole = capture_fn(model, window.input_ids)
         cap = whole.prefix(window.context)
-        cont = window.continuation_ids if horizon is None else window.continuation_ids[:horizon]
+        cont = window.continuation_ids
         reference = teacher_force(model, CompressedCache.from_capture(cap), cont)
         problems = build_problems(cap, 1, m=m, n_synthetic=n_synthetic, strategy=strategy, seed=seed)
         out.append(Context(cap, whole, cont, reference, problems))
@@ -254,14 +250,20 @@ def optimizer_study(model, windows: Sequence, *, layers: Sequence[int], ratio: f
                     restarts: int = 100, oracle_windows: int = 1, seed: int = 0):
     """Table 3: per-layer objective (mean over KV heads) of Adam, L-BFGS (one run) and the oracle.
 
-    Returns a DataFrame with ``window, layer, optimizer, mse_train, mse_heldout`` (held out: the
-    continuation's real queries) and ``k``; the oracle only on the first ``oracle_windows`` windows.
+    Returns ``(table, heads)``: ``table`` has ``window, layer, optimizer, mse_train, mse_heldout`` (held out:
+    the continuation's real queries) and ``k``, means over KV heads; ``heads`` the same per KV head. The
+    oracle runs on the first ``oracle_windows`` windows only.
     """
     import pandas as pd
 
     cfg = config or SculptConfig()
+    if not 0 <= oracle_windows <= len(windows):
+        raise ValueError(f"oracle_windows={oracle_windows}: expected 0 … {len(windows)} (the number of windows)")
     contexts = prepare(model, windows, m=m, n_synthetic=n_synthetic, seed=seed)
     k = budget_for_ratio(ratio, contexts[0].n_context, m)
+    L = len(contexts[0].capture.layers)
+    if not layers or any(not 0 <= int(l) < L for l in layers):
+        raise ValueError(f"layers={list(layers)}: expected layer indices in [0, {L})")
     chosen = [[replace(p, k=k) for p in ctx.problems if p.layer in set(layers)] for ctx in contexts]
     single = solve_jobs(chosen, cfg)
     oracle_problems = [p for job in chosen[:oracle_windows] for p in job]
@@ -528,7 +530,8 @@ def budget_sweep(model, windows: Sequence, *, ratio: float = 0.3, m: int = 256, 
     if pilot_steps > cfg.steps or head_pilot_steps > cfg.steps:
         raise ValueError(f"pilot_steps={pilot_steps}, head_pilot_steps={head_pilot_steps}: expected ≤ steps={cfg.steps} "
                          "(pilots are read from the uniform run's history)")
-    params = dict(windows=windows_digest(windows), model=str(model_name), ratio=ratio, m=m, n_synthetic=n_synthetic,
+    model_id = f"{model_name or getattr(model.config, 'name_or_path', '')} ({model.config.num_hidden_layers} layers)"
+    params = dict(windows=windows_digest(windows), model=model_id, ratio=ratio, m=m, n_synthetic=n_synthetic,
                   config=_config_key(cfg), alphas=[float(a) for a in alphas], alpha=float(alpha),
                   pilot_steps=pilot_steps, head_pilot_steps=head_pilot_steps, top_tokens=top_tokens, seed=seed,
                   solver_device=str(cfg.device or next(model.parameters()).device))
