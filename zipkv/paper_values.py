@@ -148,3 +148,5 @@ KVSCULPT_TOP5_KL_SHARE = 0.82
 KVSCULPT_TOKEN_KL = {"max": 7.17, "mean": 0.117, "max_over_mean": 61.0}
 KVSCULPT_MSE_VS_KL = {"mse_ratio": 2.4, "kl_ratio": 14.0}
 """§6.1: Seq 0 has 2.4× the per-layer MSE of Seq 1, yet Seq 1 has 14× the KL."""
+KVSCULPT_LAYER0_MSE_OVER_MEDIAN = (10.0, 100.0)
+"""§3.5 / §5.4: Layer 0's pilot MSE is 10–100× the median layer's."""
