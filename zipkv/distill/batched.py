@@ -654,8 +654,9 @@ def _sync(device):
 
 @torch.no_grad()
 def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: float | None, bar=None,
-                  cuda_graphs: bool = True):
-    """The batched solver on problems of equal query count and head dim; returns (solutions, frozen_at)."""
+                  cuda_graphs: bool = True, starts: Sequence[torch.Tensor | None] | None = None):
+    """The batched solver on problems of equal query count and head dim; returns (solutions, frozen_at).
+    ``starts[i]``, when given, replaces problem ``i``'s top-attention start positions (``[k]`` old positions)."""
     started = time.perf_counter()
     P, ks = len(problems), [p.k for p in problems]
     dtype = cfg.dtype
@@ -671,7 +672,11 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
     init_loss_t = torch.empty(P, dtype=dtype, device=device)
     for members, pb in groups:
         rows = torch.tensor(members, device=device)
-        keys0 = pb.gather_old(pb.top_attention())
+        index = pb.top_attention()
+        for j, i in enumerate(members):
+            if starts is not None and starts[i] is not None:
+                index[j, : problems[i].k] = torch.as_tensor(starts[i], device=device)
+        keys0 = pb.gather_old(index)
         values0 = pb.ridge(keys0, cfg.ridge)
         init_loss_t[rows] = pb.loss(keys0, values0)
         x0[rows, : pb.kmax], values[rows, : pb.kmax] = keys0, values0
@@ -788,7 +793,8 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
 
 
 def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = None, *, tile: int | None = TILE,
-                  freeze_rtol: float | None = None, cuda_graphs: bool = True) -> tuple[list[Solution], BatchStats]:
+                  freeze_rtol: float | None = None, cuda_graphs: bool = True,
+                  starts: Sequence[torch.Tensor | None] | None = None) -> tuple[list[Solution], BatchStats]:
     """The batched KVSculpt solver (module docstring), with per-problem statistics.
 
     Args:
@@ -800,6 +806,8 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
             a V-step block (not the reference's behaviour; ``None``: off).
         cuda_graphs: on CUDA, replay each inner iteration's fixed part as CUDA graphs (:class:`_LBFGS`);
             ``False``: plain eager launches (the same arithmetic).
+        starts: per problem ``None`` (the reference's start, top-``k`` by attention) or ``[k]`` distinct old
+            positions ``< N − m`` to start from (with ridge values), e.g. random restarts (Table 3's oracle).
 
     Returns:
         ``(solutions, stats)``, solutions in input order. A solution's ``seconds`` is its bucket's wall
@@ -807,6 +815,15 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
     """
     cfg = config or SculptConfig()
     P = len(problems)
+    if starts is not None:
+        if len(starts) != P:
+            raise ValueError(f"starts has {len(starts)} entries: expected one per problem ({P})")
+        for i, start in enumerate(starts):
+            if start is None:
+                continue
+            idx, k, cut = torch.as_tensor(start), problems[i].k, problems[i].n - problems[i].m
+            if tuple(idx.shape) != (k,) or (k > 0 and not 0 <= int(idx.min()) <= int(idx.max()) < cut):
+                raise ValueError(f"starts[{i}] has shape {tuple(idx.shape)}: expected [{k}] old positions in [0, {cut})")
     solutions: list[Solution | None] = [None] * P
     bucket_of, k_padded, frozen_at, bucket_seconds = [-1] * P, [0] * P, [-1] * P, []
     groups: dict[tuple, list[int]] = {}
@@ -823,7 +840,8 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
     bar = tqdm(total=len(plan) * cfg.steps, desc="kvsculpt-batched", disable=not cfg.progress, leave=False)
     for b, members in enumerate(plan):
         started = time.perf_counter()
-        sols, frozen = _solve_bucket([problems[i] for i in members], cfg, freeze_rtol, bar, cuda_graphs)
+        sols, frozen = _solve_bucket([problems[i] for i in members], cfg, freeze_rtol, bar, cuda_graphs,
+                                     None if starts is None else [starts[i] for i in members])
         bucket_seconds.append(time.perf_counter() - started)
         kmax = max(problems[i].k for i in members)
         for i, s, f in zip(members, sols, frozen):
