@@ -169,22 +169,62 @@ def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
     }
 
 
+def _parameters_used(nb) -> dict:
+    """Every parameter of an executed notebook: its parameters cell's defaults, then what papermill injected."""
+    import ast
+
+    used = {}
+    for cell in nb.cells:
+        tags = cell.metadata.get("tags", [])
+        if cell.cell_type == "code" and {"parameters", "injected-parameters"} & set(tags):
+            for node in ast.parse(cell.source).body:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    used[node.targets[0].id] = ast.get_source_segment(cell.source, node.value)
+    return used
+
+
 def _stamp(executed: Path, record: dict) -> None:
-    """Write provenance into the notebook's metadata and as a visible cell under its title; fold code cells."""
+    """Write provenance into the notebook's metadata and as a visible box under its title (with the
+    parameters the run used, and for a chapter rebuilt from its committed table, that table's origin);
+    remove the parameter cells from the page and fold the other code cells."""
+    import ast
+
     import nbformat
 
     nb = nbformat.read(executed, as_version=4)
+    used = _parameters_used(nb)
+    if used.get("from_results") == "True" and RESULTS_PARAMETER in used:
+        from zipkv import committed
+
+        csv = (executed.parent / ast.literal_eval(used[RESULTS_PARAMETER])).resolve()
+        record["results_from"] = committed.origin(csv)
     nb.metadata["zipkv"] = record
-    text = ("```{admonition} Provenance\n"
-            + "\n".join(f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items())
-            + "\n```")
+    shown = {k: v for k, v in record.items() if k != "results_from"}
+    lines = [f"- **{k.replace('_', ' ')}**: {v}" for k, v in shown.items()]
+    if "results_from" in record:
+        src = record["results_from"]
+        lines.append(f"- **rebuilt from**: `{src['table']}` as committed in {src['table_commit']} "
+                     f"({src['table_committed']}), measured on {src.get('run_device', 'an unrecorded device')}"
+                     + (f" on {src['run_date']} at commit {src['run_commit']}" if "run_date" in src else "")
+                     + "; this page's numbers are that run's, only the rendering ran here")
+    lines.append("- **parameters**: " + ", ".join(f"`{k} = {v}`" for k, v in used.items() if k != RESULTS_PARAMETER))
+    src = record.get("results_from", {})
+    title = (f"Provenance: {record['profile']} profile, measured on {src.get('run_device', '?')} "
+             f"({src.get('run_date', src.get('table_committed', '?'))}), rendered on {record['device']} ({record['date']})"
+             if src else f"Provenance: {record['profile']} profile, {record['device']}, {record['date']}")
+    text = f"```{{admonition}} {title}\n:class: dropdown\n" + "\n".join(lines) + "\n```"
     cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": ["zipkv-provenance"]})
     nb.cells = [c for c in nb.cells if "zipkv-provenance" not in c.metadata.get("tags", [])]
     at = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
     nb.cells.insert(at, cell)
-    for c in nb.cells:  # the book shows results first; code stays one click away
+    for c in nb.cells:  # the book shows results first; code stays one click away, parameters are in the box
         tags = c.metadata.setdefault("tags", [])
-        if c.cell_type == "code" and not {"parameters", "injected-parameters", "hide-input"} & set(tags):
+        if c.cell_type != "code":
+            continue
+        if {"parameters", "injected-parameters"} & set(tags):
+            if "remove-cell" not in tags:
+                tags.append("remove-cell")
+        elif "hide-input" not in tags:
             tags.append("hide-input")
     nbformat.write(nb, executed)
 

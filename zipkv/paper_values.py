@@ -56,3 +56,106 @@ ZIPFUSION_SPEEDUP_RANGE = (1.23, 1.25)
 """§IV-B: speedup over FlashInfer across both models, contexts 2048/8192 and batches 32/64/96."""
 ZIPFUSION_COMPRESSED_BYTES_FRACTION = 0.75
 """§III-B: an eligible 512-value block takes 768 of 1024 bytes (excluding metadata)."""
+ZIPFUSION_BITS_PER_VALUE = 12
+"""§III-B: an eligible block stores 12 bits per value (low byte + 4-bit code), metadata excluded."""
+
+# ZipFusion §II-B: codecs that restore one layer before FlashInfer attention (Llama-3.1-8B, 2048 input
+# tokens, batch 32, H100): restoring takes 5.3–30.8 ms per decode step, the rest stays near 10.9 ms.
+ZIPFUSION_RESTORE_MS_PER_STEP = (5.3, 30.8)
+ZIPFUSION_REST_MS_PER_STEP = 10.9
+ZIPFUSION_RESTORE_SHARE_OF_DECODE = (0.327, 0.738)
+"""§I: decompression's share of decode time in that instrumented configuration."""
+
+# ZipFusion §IV-C / Fig. 5: decode throughput, 8192 input + 256 output tokens, same memory budget.
+ZIPFUSION_MAX_BATCH = {"Llama-3.1-8B": {"uncompressed": 46, "zipfusion": 57},
+                       "Qwen3-8B": {"uncompressed": 40, "zipfusion": 50}}
+ZIPFUSION_THROUGHPUT_GAIN_AT_MAX_BATCH = {"Llama-3.1-8B": 0.263, "Qwen3-8B": 0.258}
+"""Tokens/s of ZipFusion at its largest batch over uncompressed SGLang at its largest batch, minus 1."""
+ZIPFUSION_VS_BEST_LOSSLESS_BASELINE = {"Llama-3.1-8B": 2.76, "Qwen3-8B": 2.61}
+"""Abstract / §I: throughput at each method's largest batch over the best lossless-compression baseline."""
+ZIPFUSION_TOKENS_PER_S_BATCH32 = {"Llama-3.1-8B": 2044, "Qwen3-8B": 1882}
+ZIPFUSION_GAIN_BATCH32 = {"Llama-3.1-8B": 0.153, "Qwen3-8B": 0.152}
+"""§IV-C: at batch 32, tokens/s over uncompressed SGLang, minus 1."""
+ZIPFUSION_VS_SPLITZIP_BATCH32 = {"Llama-3.1-8B": 2.51, "Qwen3-8B": 2.57}
+
+# KVSculpt abstract and §1.
+KVSCULPT_ADAPTIVE_GAIN = 1.3
+"""Abstract: adaptive (pilot) allocation reduces KL a further 1.3× over uniform allocation."""
+KVSCULPT_LAYER_PILOT_MSE_SPREAD = 100.0
+"""Abstract: per-layer pilot MSE varies by up to 100× across layers."""
+KVSCULPT_HEAD_PILOT_MSE_MAX_RATIO = 467.0
+"""Abstract / Table 7: the two KV heads of one layer differ in pilot MSE by up to 467×."""
+
+# KVSculpt §3.3: statistics of the de-RoPE'd query content vectors.
+KVSCULPT_CONTENT_COSINE = (0.91, 0.93)
+KVSCULPT_PCA_DECODE_VARIANCE = (0.81, 0.86)
+KVSCULPT_EFFECTIVE_DIMENSION = (60, 128)
+"""Effective dimension ~60 of head_dim 128."""
+
+# KVSculpt Table 3 (tab:optimizer): per-layer MSE at r = 0.3 (Qwen2.5-1.5B layers 2, 14, 26).
+KVSCULPT_TABLE3 = pd.DataFrame({
+    "layer": [2, 14, 26],
+    "adam": [1.78e-3, 7.97e-2, 1.14e-1],
+    "lbfgs": [1.05e-4, 1.28e-3, 1.20e-3],
+    "oracle": [9.67e-5, 1.20e-3, 1.18e-3],
+})
+KVSCULPT_ADAM_GAP = (17.0, 95.0)
+"""Table 3: Adam's per-layer MSE is 17–95× L-BFGS's."""
+KVSCULPT_ORACLE_GAP = (0.02, 0.08)
+"""Table 3: one L-BFGS run is within 2–8 % of the 100-restart oracle."""
+
+# KVSculpt Table 4 (tab:query_ablation): attention-output cosine at near (128) and far (4096) horizons.
+KVSCULPT_TABLE4 = pd.DataFrame({
+    "strategy": ["bootstrap", "uniform", "random", "kmeans", "farthest_point"],
+    "near": [0.950, 0.948, 0.948, 0.947, 0.925],
+    "far": [0.737, 0.759, 0.756, 0.756, 0.758],
+})
+
+# KVSculpt Table 5 (tab:vnorm): static ‖V‖^0.5 per-layer allocation, KL relative to uniform (r = 0.3).
+KVSCULPT_TABLE5 = pd.DataFrame({"window": [0, 1, 2, 3, 4], "vs_uniform": [1.05, 0.75, 1.73, 0.84, 1.23]})
+KVSCULPT_TABLE5_MEAN = 1.27
+# KVSculpt Table 6 (tab:pilot): pilot-MSE^0.5 per-layer allocation (r = 0.3).
+KVSCULPT_TABLE6 = pd.DataFrame({
+    "window": [0, 1, 2, 3, 4],
+    "uniform_kl": [8.14e-3, 1.170e-1, 1.433e-1, 9.67e-3, 9.59e-3],
+    "pilot_kl": [8.93e-3, 7.01e-2, 1.208e-1, 8.64e-3, 7.77e-3],
+    "vs_uniform": [1.10, 0.60, 0.84, 0.89, 0.81],
+})
+KVSCULPT_TABLE6_MEAN = 0.75
+KVSCULPT_TABLE6_WINS = (4, 5)
+# KVSculpt Table 7 (tab:head_asym): per-head pilot MSE ratio within a layer.
+KVSCULPT_TABLE7 = pd.DataFrame({
+    "window": [0, 1, 2, 3, 4],
+    "mean_ratio": [21.5, 5.5, 6.1, 3.7, 6.2],
+    "max_ratio": [467.0, 31.0, 33.0, 17.0, 56.0],
+    "layer_of_max": [0, 15, 15, 15, 15],
+})
+# KVSculpt Table 8 (tab:perhead): per-layer vs per-layer + per-head allocation, KL relative to uniform.
+KVSCULPT_TABLE8 = pd.DataFrame({
+    "window": [0, 1, 2, 3, 4],
+    "per_layer_vs_uniform": [0.82, 1.37, 0.88, 0.87, 1.77],
+    "per_layer_head_vs_uniform": [0.81, 1.15, 0.84, 0.86, 0.75],
+})
+KVSCULPT_TABLE8_MEAN = {"per_layer": 1.05, "per_layer_head": 0.92}
+
+# KVSculpt Appendix B (tab:exponent): ‖V‖^α per-layer allocation on Seq 1 (r = 0.3).
+KVSCULPT_APPENDIX_B = pd.DataFrame({
+    "alpha": [0.0, 0.3, 0.5, 0.7, 1.0],
+    "kl": [1.170e-1, 1.175e-1, 8.83e-2, 1.328e-1, 9.27e-2],
+    "vs_uniform": [1.00, 1.00, 0.75, 1.14, 0.79],
+    "k_min": [358, 277, 231, 191, 140],
+    "k_max": [358, 480, 578, 689, 880],
+})
+KVSCULPT_BEST_ALPHA = 0.5
+KVSCULPT_PILOT_ALPHA = {0.5: 0.75, 1.0: 0.97}
+"""Appendix B: pilot-MSE^α allocation, mean KL vs uniform over 5 sequences."""
+
+# KVSculpt §6: error propagation and per-token KL concentration.
+KVSCULPT_HIDDEN_MSE_GROWTH = {"easy": 220.0, "hard": 5800.0}
+"""Hidden-state MSE, last layer over first, under the compressed cache (hard: "up to")."""
+KVSCULPT_TOP5_KL_SHARE = 0.82
+"""Hardest sequence, r = 0.3: share of the total KL in the top 5 of 128 continuation tokens."""
+KVSCULPT_MAX_OVER_MEAN_KL = 61.0
+"""Hardest sequence: max per-token KL 7.17 over mean 0.117."""
+KVSCULPT_JOINT_OPT_GAIN = 1.04
+"""§7 Discussion: eviction-to-joint-optimization gap (Select+Fit KL over Joint Opt KL)."""
