@@ -522,17 +522,20 @@ BADGES = {"reproduced": "success", "exceeded": "primary", "not reproduced": "dan
 
 
 def markdown_table(table: pd.DataFrame, docs: dict[str, str]) -> str:
-    """The scorecard as a MyST table: verdicts as badges, chapters as links (plain names if not in the book)."""
+    """The scorecard as MyST, one table per paper: verdicts as badges, chapters as links to their pages
+    (by title), or their names where the chapter is not in the book yet."""
     def cell(text) -> str:
         return str(text).replace("|", "\\|")
 
-    lines = ["| paper | item | claim | paper | ours | verdict | chapter |", "|---|---|---|---|---|---|---|"]
-    for row in table.itertuples():
-        link = f"{{doc}}`{row.chapter} </{docs[row.chapter]}>`" if row.chapter in docs else f"{row.chapter} (no chapter yet)"
-        lines.append("| " + " | ".join([cell(row.paper), cell(row.item), cell(row.claim), cell(row.paper_value),
-                                         cell(row.our_value), f"{{bdg-{BADGES[row.verdict]}}}`{row.verdict}`",
-                                         link]) + " |")
-    return "\n".join(lines)
+    parts = []
+    for paper, rows in table.groupby("paper", sort=False):
+        lines = [f"**{paper}**", "", "| item | claim | paper | ours | verdict | chapter |", "|---|---|---|---|---|---|"]
+        for row in rows.itertuples():
+            link = f"{{doc}}`/{docs[row.chapter]}`" if row.chapter in docs else f"`{row.chapter}` (no chapter yet)"
+            lines.append("| " + " | ".join([cell(row.item), cell(row.claim), cell(row.paper_value), cell(row.our_value),
+                                             f"{{bdg-{BADGES[row.verdict]}}}`{row.verdict}`", link]) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def summary(table: pd.DataFrame) -> str:
