@@ -184,9 +184,10 @@ def _parameters_used(nb) -> dict:
 
 
 def _stamp(executed: Path, record: dict) -> None:
-    """Write provenance into the notebook's metadata and as a visible box under its title (with the
-    parameters the run used, and for a chapter rebuilt from its committed table, that table's origin);
-    remove the parameter cells from the page and fold the other code cells."""
+    """Write provenance into the notebook's metadata and as a box under the chapter's verdict and
+    headline (else under its title), with the parameters the run used and, for a chapter rebuilt from
+    its committed table, that table's origin; remove from the page the code cells that show nothing
+    (parameters, cells whose output is removed) and fold the other code cells."""
     import ast
 
     import nbformat
@@ -209,19 +210,22 @@ def _stamp(executed: Path, record: dict) -> None:
                      + "; this page's numbers are that run's, only the rendering ran here")
     lines.append("- **parameters**: " + ", ".join(f"`{k} = {v}`" for k, v in used.items() if k != RESULTS_PARAMETER))
     src = record.get("results_from", {})
-    title = (f"Provenance: {record['profile']} profile, measured on {src.get('run_device', '?')} "
-             f"({src.get('run_date', src.get('table_committed', '?'))}), rendered on {record['device']} ({record['date']})"
-             if src else f"Provenance: {record['profile']} profile, {record['device']}, {record['date']}")
+    title = (f"Provenance: {record['profile']} profile, measured on {src.get('run_device', '?').split(' (')[0]} "
+             f"{src.get('run_date', src.get('table_committed', '?'))[:10]}, rendered on {record['device'].split(':')[0]} "
+             f"{record['date'][:10]}" if src else
+             f"Provenance: {record['profile']} profile, {record['device'].split(' (')[0]}, {record['date'][:10]}")
     text = f"```{{admonition}} {title}\n:class: dropdown\n" + "\n".join(lines) + "\n```"
     cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": ["zipkv-provenance"]})
     nb.cells = [c for c in nb.cells if "zipkv-provenance" not in c.metadata.get("tags", [])]
-    at = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
-    nb.cells.insert(at, cell)
+    verdict = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code" and any(
+        str(o.get("data", {}).get("text/markdown", "")).startswith(":::{admonition}") for o in c.get("outputs", []))), None)
+    at = verdict + 1 if verdict is not None else 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
+    nb.cells.insert(at, cell)  # under the verdict and headline, else under the title
     for c in nb.cells:  # the book shows results first; code stays one click away, parameters are in the box
         tags = c.metadata.setdefault("tags", [])
         if c.cell_type != "code":
             continue
-        if {"parameters", "injected-parameters"} & set(tags):
+        if {"parameters", "injected-parameters", "remove-output"} & set(tags):  # nothing on the page but code
             if "remove-cell" not in tags:
                 tags.append("remove-cell")
         elif "hide-input" not in tags:
