@@ -58,7 +58,7 @@ def stall_figure(report: NsightReport):
     import matplotlib.pyplot as plt
 
     share = report.stalls.loc[report.stalls.max(axis=1) >= 1].sort_values(COMPRESSED)
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(share) + 1.5))
+    fig, ax = plt.subplots(figsize=(10, 0.25 * len(share) + 1.2))
     share.plot.barh(ax=ax, width=0.8)
     ax.set_xlabel("share of sampled warp states (%)")
     ax.set_ylabel("stall reason ('selected': issuing)")

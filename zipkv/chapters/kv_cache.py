@@ -31,7 +31,7 @@ def exponent_figure(hist: dict):
     zero_fraction = both[0].item() / both.sum().item()  # exponent field 0: zeros and subnormals
     used = (both[1:] >= 1e-6 * both.sum()).nonzero().flatten() + 1  # normal exponents seen at least once per million
     lo, hi = int(used.min()), int(used.max())
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
     for ax, name in zip(axes, ("K", "V")):
         frac = hist[name][:, lo:hi + 1].double()
         frac = frac / frac.sum(1, keepdim=True)
@@ -48,7 +48,7 @@ def eligibility_figure(table: pd.DataFrame):
     """Compressible blocks (%) per layer, for K and V in both block layouts."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 3.6))
     for column, style in zip(table.columns, ("-o", "--o", "-s", "--s")):
         ax.plot(table.index, 100 * table[column], style, label=column.replace("_", ", ") + "-major", ms=4)
     ax.set(xlabel="layer", ylabel="compressible 512-value blocks (%)", ylim=(-2, 102))

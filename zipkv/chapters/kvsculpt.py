@@ -61,7 +61,7 @@ def kl_figure(kl: pd.DataFrame, paper: dict):
     import matplotlib.pyplot as plt
 
     q = kl.groupby(["method", "ratio"]).kl.quantile([0.25, 0.5, 0.75]).unstack()
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+    fig, ax = plt.subplots(figsize=(10, 4))
     for i, method in enumerate(m for m in LABELS if m in q.index.get_level_values(0)):
         s = q.loc[method]
         ax.errorbar(s.index, s[0.5], yerr=[s[0.5] - s[0.25], s[0.75] - s[0.5]], fmt="-o", capsize=3, color=f"C{i}",
@@ -97,7 +97,7 @@ def layer_ratio_figure(layers: pd.DataFrame):
     import matplotlib.pyplot as plt
 
     per_layer = layers[layers.method == "kvsculpt"].groupby(["ratio", "layer"]).loss_ratio.median().unstack(0)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(10, 3.8))
     for r in per_layer.columns:
         ax.plot(per_layer.index, per_layer[r], "-o", ms=3, label=f"r = {r}")
     ax.axhline(1.0, color="grey", lw=0.8)
@@ -154,7 +154,7 @@ def per_window_figure(table: pd.DataFrame):
     import matplotlib.pyplot as plt
 
     paper = pv.KVSCULPT_TABLE2
-    fig, ax = plt.subplots(figsize=(9, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 3.8))
     x = np.arange(len(table))
     ax.bar(x - 0.2, table.select_fit, 0.4, label="Select+Fit (ours)", color="C2")
     ax.bar(x + 0.2, table.kvsculpt, 0.4, label="KVSculpt (ours)", color="C4")
@@ -177,7 +177,7 @@ def kl_sources_figure(sources: pd.DataFrame):
     from zipkv.distill.kl_sources import per_layer
 
     layers = per_layer(sources)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for method, style in (("select_fit", "-o"), ("kvsculpt", "-s")):
         axes[0].plot(layers.index, layers[f"kl_{method}"], style, ms=3, label=LABELS[method])
     axes[0].set(yscale="log", xlabel="layer compressed alone", ylabel=KL_AXIS)

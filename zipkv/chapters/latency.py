@@ -50,7 +50,7 @@ def speedup_figure(table: pd.DataFrame):
     import matplotlib.pyplot as plt
 
     grid = speedups(table)
-    fig, ax = plt.subplots(figsize=(11, 4.2))
+    fig, ax = plt.subplots(figsize=(11, 3.8))
     x = np.arange(len(grid))
     width = 0.8 / len(grid.columns)
     for i, column in enumerate(grid.columns):

@@ -52,7 +52,7 @@ def sizes(captures, k_layout: str, v_layout: str) -> pd.DataFrame:
 def sizes_figure(table: pd.DataFrame):
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(10, 4.2))
+    fig, ax = plt.subplots(figsize=(10, 3.6))
     for tensor, style in (("K", "-o"), ("V", "-s")):
         part = table[table.tensor == tensor]
         ax.plot(part.layer, part.bits_per_value_with_meta, style, ms=4, label=f"{tensor} ({part.layout.iloc[0]}-major)")

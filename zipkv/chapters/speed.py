@@ -41,7 +41,7 @@ def speed_figure(timings: pd.DataFrame, embedded_name: str, ratio_sweep_context:
 
     fast = timings[timings.solver == "batched"]
     emb = fast[fast.problem_shape.str.startswith(embedded_name)]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     line = emb[emb.ratio == 0.3].sort_values("ctx")
     axes[0].plot(line.ctx, line.seconds, "-o", label="batched, embedded shape, r = 0.3")
     qwen = fast[fast.problem_shape.str.startswith("Qwen")]
@@ -103,7 +103,7 @@ def agreement_figure(problems: pd.DataFrame):
     """Left: per problem, batched against reference final loss. Right: the distributions of final loss."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     lo, hi = min(problems.reference.min(), problems.batched.min()), problems.select_fit.max()
     axes[0].loglog(problems.reference, problems.batched, "o", ms=3)
     axes[0].plot([lo, hi], [lo, hi], color="grey", lw=0.8)
