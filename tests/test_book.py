@@ -189,7 +189,7 @@ def test_published_book_every_chapter_in_chromium(tmp_path):
                 const text = outputs.map(o => o.innerText).join('\\n');
                 const images = Array.from(document.images).filter(i => i.closest('.cell_output'));
                 const verdict = document.querySelector('.cell_output .admonition');
-                const figure = document.querySelector('.cell_output figure, .cell_output img, .cell_output table');
+                const figure = document.querySelector('.cell_output img') || document.querySelector('.cell_output table');
                 return {text: text, images: images.map(i => [i.src, i.naturalWidth]),
                         verdict_top: verdict ? verdict.getBoundingClientRect().top : null,
                         figure_top: figure ? figure.getBoundingClientRect().top : null,
