@@ -521,19 +521,34 @@ BADGES = {"reproduced": "success", "exceeded": "primary", "not reproduced": "dan
           BEYOND: "info"}
 
 
-def markdown_table(table: pd.DataFrame, docs: dict[str, str]) -> str:
-    """The scorecard as MyST, one table per paper: verdicts as badges, chapters as links to their pages
-    (by title), or their names where the chapter is not in the book yet."""
+def chapter_titles(notebooks: Path) -> dict[str, str]:
+    """Notebook name → its title without the parenthesised paper reference (the link text)."""
+    import nbformat
+
+    titles = {}
+    for path in sorted(Path(notebooks).rglob("*.ipynb")):
+        first = next((c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"), "")
+        title = first.splitlines()[0].lstrip("# ").strip() if first else path.stem
+        titles[path.stem] = re.sub(r"\s*\(.*\)$", "", title)
+    return titles
+
+
+def markdown_table(table: pd.DataFrame, docs: dict[str, str], titles: dict[str, str] | None = None) -> str:
+    """The scorecard as MyST, one table per paper: verdicts as badges, chapters as links to their pages,
+    or their names where the chapter is not in the book yet."""
     def cell(text) -> str:
         return str(text).replace("|", "\\|")
 
+    titles = titles or {}
     parts = []
     for paper, rows in table.groupby("paper", sort=False):
-        lines = [f"**{paper}**", "", "| item | claim | paper | ours | verdict | chapter |", "|---|---|---|---|---|---|"]
+        lines = [f"**{paper}**", "", "| claim | paper | ours | verdict | chapter |", "|---|---|---|---|---|"]
         for row in rows.itertuples():
-            link = f"{{doc}}`/{docs[row.chapter]}`" if row.chapter in docs else f"`{row.chapter}` (no chapter yet)"
-            lines.append("| " + " | ".join([cell(row.item), cell(row.claim), cell(row.paper_value), cell(row.our_value),
-                                             f"{{bdg-{BADGES[row.verdict]}}}`{row.verdict}`", link]) + " |")
+            link = (f"{{doc}}`{cell(titles.get(row.chapter, row.chapter))} </{docs[row.chapter]}>`"
+                    if row.chapter in docs else f"`{row.chapter}` (no chapter yet)")
+            lines.append("| " + " | ".join([f"**{cell(row.item)}**: {cell(row.claim)}", cell(row.paper_value),
+                                             cell(row.our_value), f"{{bdg-{BADGES[row.verdict]}}}`{row.verdict}`",
+                                             link]) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 
