@@ -7,6 +7,7 @@ import pandas as pd
 import torch
 
 from zipkv import format as kvformat
+from zipkv.kernels.pack import pack_pages  # first: on a CPU it sets TRITON_INTERPRET before Triton loads
 
 
 def block_bits(keys: torch.Tensor, layout: str, positions: int = 4) -> tuple[pd.DataFrame, str]:
@@ -75,8 +76,6 @@ def round_trip(captures, k_layout: str, v_layout: str, kernel_layers: int) -> tu
     """Pack and unpack every page of every layer with the torch reference, and the first ``kernel_layers``
     layers also with the Triton pack kernel (whose bytes must equal the reference's in each page's used
     prefix). Equality is ``torch.equal`` on int16 views. Returns ``(pages checked per path, mismatches)``."""
-    from zipkv.kernels.pack import pack_pages
-
     checked, mismatches = {"reference": 0, "triton": 0}, []
     for c in captures:
         for i, layer in enumerate(c.layers):
