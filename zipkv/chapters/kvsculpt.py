@@ -37,7 +37,7 @@ def prepare(model_name, books_dir, n_windows, context, continuation, m, n_synthe
 
 def setting_line(model: str, n_windows: int, context: int, continuation: int, m: int, n_synthetic: int, steps: int,
                  solver: str) -> str:
-    return (f"{model}: {n_windows} windows of N = {context} + {continuation} tokens; m = {m}, {n_synthetic} synthetic "
+    return (f"{model}: {n_windows} window{'s' if n_windows != 1 else ''} of N = {context} + {continuation} tokens; m = {m}, {n_synthetic} synthetic "
             f"queries, {steps} KVSculpt steps, {solver} solver."
             + scaled_down_note(context=context, m=m, n_synthetic=n_synthetic, steps=steps))
 
