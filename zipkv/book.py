@@ -200,16 +200,14 @@ def _stamp(executed: Path, record: dict) -> None:
         csv = (executed.parent / ast.literal_eval(used[RESULTS_PARAMETER])).resolve()
         record["results_from"] = committed.origin(csv)
     nb.metadata["zipkv"] = record
-    shown = {k: v for k, v in record.items() if k != "results_from"}
-    lines = [f"- **{k.replace('_', ' ')}**: {v}" for k, v in shown.items()]
-    if "results_from" in record:
-        src = record["results_from"]
+    src = record.get("results_from")
+    lines = [f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items() if k != "results_from"]
+    if src:
         lines.append(f"- **rebuilt from**: `{src['table']}` as committed in {src['table_commit']} "
                      f"({src['table_committed']}), measured on {src.get('run_device', 'an unrecorded device')}"
                      + (f" on {src['run_date']} at commit {src['run_commit']}" if "run_date" in src else "")
                      + "; this page's numbers are that run's, only the rendering ran here")
     lines.append("- **parameters**: " + ", ".join(f"`{k} = {v}`" for k, v in used.items() if k != RESULTS_PARAMETER))
-    src = record.get("results_from", {})
     title = (f"Provenance: {record['profile']} profile, measured on {src.get('run_device', '?').split(' (')[0]} "
              f"{src.get('run_date', src.get('table_committed', '?'))[:10]}, rendered on {record['device'].split(':')[0]} "
              f"{record['date'][:10]}" if src else
