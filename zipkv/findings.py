@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -50,12 +50,10 @@ class Claim:
     better: str | None = "higher"
     slack: float = 1.05
     fmt: str = "{:.2f}×"
-    needs: tuple[str, ...] = field(default=())
-    """Further results stems ours reads besides ``chapter``'s."""
 
 
 class Results:
-    """The results tables of one profile, read once each; ``missing`` names the stems not found."""
+    """The results tables of one profile (``<directory>/<stem>.csv``), each read once."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -471,9 +469,8 @@ CLAIMS: list[Claim] = [
 
 
 def _row(claim: Claim, res: Results) -> dict:
-    stems = (claim.chapter, *claim.needs)
     value = text = None
-    if claim.ours is not None and all(res.has(s) for s in stems):
+    if claim.ours is not None and res.has(claim.chapter):
         try:
             got = claim.ours(res)
         except (KeyError, IndexError, ValueError, AttributeError) as err:  # a table without the rows this claim reads
