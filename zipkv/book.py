@@ -194,11 +194,12 @@ def _stamp(executed: Path, record: dict) -> None:
 
     nb = nbformat.read(executed, as_version=4)
     used = _parameters_used(nb)
-    if used.get("from_results") == "True" and RESULTS_PARAMETER in used:
+    if used.get("from_results") == "True" and "committed_csv" in used:
         from zipkv import committed
 
-        csv = (executed.parent / ast.literal_eval(used[RESULTS_PARAMETER])).resolve()
-        record["results_from"] = committed.origin(csv)
+        # relative to the notebook's working directory: its source's folder (papermill records the source)
+        source_dir = Path(nb.metadata.get("papermill", {}).get("input_path") or executed).parent
+        record["results_from"] = committed.origin(source_dir / ast.literal_eval(used["committed_csv"]))
     nb.metadata["zipkv"] = record
     src = record.get("results_from")
     lines = [f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items() if k != "results_from"]
