@@ -84,7 +84,7 @@ def test_quick_book_builds_and_renders_in_chromium(tmp_path):
     """Run the whole quick profile in a copy of the project, build the HTML, open it in Chromium."""
     root = tmp_path / "project"
     root.mkdir()
-    for item in ("_config.yml", "_toc.yml", "book", "notebooks", "params"):
+    for item in ("_config.yml", "_toc.yml", "book", "notebooks", "params", "results/paper"):  # findings reads results/paper
         src = REPO / item
         (shutil.copytree(src, root / item, ignore=shutil.ignore_patterns("_build")) if src.is_dir()
          else shutil.copy(src, root / item))
@@ -137,3 +137,83 @@ def test_unparseable_parameter_line_is_a_clear_error(tmp_path):
     nbformat.write(nb, path)
     with pytest.raises(ValueError, match="cannot parse the parameter line 'x = 1"):
         book.plan("quick", root=root)
+
+
+def _chromium(tmp_path, width=1280, height=1000):
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--hide-scrollbars", f"--window-size={width},{height}",
+                 f"--user-data-dir={tmp_path / 'chrome'}"):
+        options.add_argument(flag)
+    return webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=options)
+
+
+def _chapters() -> list[str]:
+    from zipkv import findings
+
+    return list(findings.chapter_docs(REPO / "_toc.yml").values())
+
+
+@pytest.mark.slow
+def test_published_book_every_chapter_in_chromium(tmp_path):
+    """Build the HTML of the published (committed, executed) book in a copy and open every chapter at
+    1280 px: figures loaded, no traceback, warning or error in an output cell, a verdict before the first
+    figure, the findings page linking every chapter; a first-screen screenshot of each into test-artifacts/."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    root = tmp_path / "project"
+    root.mkdir()
+    for item in ("_config.yml", "_toc.yml", "book"):
+        src = REPO / item
+        (shutil.copytree(src, root / item, ignore=shutil.ignore_patterns("_build")) if src.is_dir()
+         else shutil.copy(src, root / item))
+    html = book.build_html(root).parent
+    driver = _chromium(tmp_path)
+    ARTIFACTS.mkdir(exist_ok=True)
+    problems = []
+    try:
+        for doc in _chapters():
+            name = Path(doc).name
+            driver.get((html / f"{doc}.html").as_uri())
+            WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+            WebDriverWait(driver, 30).until(lambda d: d.execute_script(
+                "return Array.from(document.images).every(i => i.complete)"))
+            driver.save_screenshot(str(ARTIFACTS / f"chapter_{name}.png"))
+            state = driver.execute_script("""
+                const outputs = Array.from(document.querySelectorAll('.cell_output'));
+                const text = outputs.map(o => o.innerText).join('\\n');
+                const images = Array.from(document.images).filter(i => i.closest('.cell_output'));
+                const verdict = document.querySelector('.cell_output .admonition');
+                const figure = document.querySelector('.cell_output img') || document.querySelector('.cell_output table');
+                return {text: text, images: images.map(i => [i.src, i.naturalWidth]),
+                        verdict_top: verdict ? verdict.getBoundingClientRect().top : null,
+                        figure_top: figure ? figure.getBoundingClientRect().top : null,
+                        headline_bottom: figure ? figure.getBoundingClientRect().bottom : null,
+                        links: Array.from(document.querySelectorAll('a')).map(a => a.href)};""")
+            for word in ("Traceback", "Warning", "Error"):
+                if word in state["text"]:
+                    problems.append(f"{name}: '{word}' in an output cell")
+            if any(width == 0 for _, width in state["images"]):
+                problems.append(f"{name}: an image did not load: {state['images']}")
+            if name != "findings" and not state["images"]:
+                problems.append(f"{name}: no figure")
+            if state["verdict_top"] is None or state["figure_top"] is None or state["verdict_top"] > state["figure_top"]:
+                problems.append(f"{name}: no verdict before the headline figure or table")
+            else:
+                screen = driver.execute_script("return window.innerHeight")
+                end = state["figure_top"] + 150 if name == "findings" else state["headline_bottom"]  # a long table: its head
+                if end > screen:
+                    problems.append(f"{name}: the headline ends at {end:.0f} px, below the first screen ({screen} px)")
+            if name == "findings":
+                missing = [d for d in _chapters() if d != doc and not any(l.split("#")[0].endswith(d + ".html")
+                                                                           for l in state["links"])]
+                if missing:
+                    problems.append(f"findings: no link to {missing}")
+    finally:
+        driver.quit()
+    assert not problems, "\n".join(problems)

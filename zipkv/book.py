@@ -169,22 +169,65 @@ def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
     }
 
 
+def _parameters_used(nb) -> dict:
+    """Every parameter of an executed notebook: its parameters cell's defaults, then what papermill injected."""
+    import ast
+
+    used = {}
+    for cell in nb.cells:
+        tags = cell.metadata.get("tags", [])
+        if cell.cell_type == "code" and {"parameters", "injected-parameters"} & set(tags):
+            for node in ast.parse(cell.source).body:
+                if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+                    used[node.targets[0].id] = ast.get_source_segment(cell.source, node.value)
+    return used
+
+
 def _stamp(executed: Path, record: dict) -> None:
-    """Write provenance into the notebook's metadata and as a visible cell under its title; fold code cells."""
+    """Write provenance into the notebook's metadata and as a box under the chapter's verdict and
+    headline (else under its title), with the parameters the run used and, for a chapter rebuilt from
+    its committed table, that table's origin; remove from the page the code cells that show nothing
+    (parameters, cells whose output is removed) and fold the other code cells."""
+    import ast
+
     import nbformat
 
     nb = nbformat.read(executed, as_version=4)
+    used = _parameters_used(nb)
+    if used.get("from_results") == "True" and "committed_csv" in used:
+        from zipkv import committed
+
+        # relative to the notebook's working directory: its source's folder (papermill records the source)
+        source_dir = Path(nb.metadata.get("papermill", {}).get("input_path") or executed).parent
+        record["results_from"] = committed.origin(source_dir / ast.literal_eval(used["committed_csv"]))
     nb.metadata["zipkv"] = record
-    text = ("```{admonition} Provenance\n"
-            + "\n".join(f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items())
-            + "\n```")
+    src = record.get("results_from")
+    lines = [f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items() if k != "results_from"]
+    if src:
+        lines.append(f"- **rebuilt from**: `{src['table']}` as committed in {src['table_commit']} "
+                     f"({src['table_committed']}), measured on {src.get('run_device', 'an unrecorded device')}"
+                     + (f" on {src['run_date']} at commit {src['run_commit']}" if "run_date" in src else "")
+                     + "; this page's numbers are that run's, only the rendering ran here")
+    lines.append("- **parameters**: " + ", ".join(f"`{k} = {v}`" for k, v in used.items() if k != RESULTS_PARAMETER))
+    title = (f"Provenance: {record['profile']} profile, measured on {src.get('run_device', '?').split(' (')[0]} "
+             f"{src.get('run_date', src.get('table_committed', '?'))[:10]}, rendered on {record['device'].split(':')[0]} "
+             f"{record['date'][:10]}" if src else
+             f"Provenance: {record['profile']} profile, {record['device'].split(' (')[0]}, {record['date'][:10]}")
+    text = f"```{{admonition}} {title}\n:class: dropdown\n" + "\n".join(lines) + "\n```"
     cell = nbformat.v4.new_markdown_cell(text, metadata={"tags": ["zipkv-provenance"]})
     nb.cells = [c for c in nb.cells if "zipkv-provenance" not in c.metadata.get("tags", [])]
-    at = 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
-    nb.cells.insert(at, cell)
-    for c in nb.cells:  # the book shows results first; code stays one click away
+    verdict = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code" and any(
+        str(o.get("data", {}).get("text/markdown", "")).startswith(":::{admonition}") for o in c.get("outputs", []))), None)
+    at = verdict + 1 if verdict is not None else 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
+    nb.cells.insert(at, cell)  # under the verdict and headline, else under the title
+    for c in nb.cells:  # the book shows results first; code stays one click away, parameters are in the box
         tags = c.metadata.setdefault("tags", [])
-        if c.cell_type == "code" and not {"parameters", "injected-parameters", "hide-input"} & set(tags):
+        if c.cell_type != "code":
+            continue
+        if {"parameters", "injected-parameters", "remove-output"} & set(tags):  # nothing on the page but code
+            if "remove-cell" not in tags:
+                tags.append("remove-cell")
+        elif "hide-input" not in tags:
             tags.append("hide-input")
     nbformat.write(nb, executed)
 

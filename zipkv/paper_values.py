@@ -71,12 +71,39 @@ SPLITZIP_BITS_PER_VALUE = 12.0
 """Its dense format: a 4-bit code + the sign/mantissa byte (escapes extra)."""
 DFLOAT11_BITS_PER_VALUE = 11.0
 """DFloat11 (arXiv 2504.11651): about 11 bits per value on BF16 weights; it prints no single decode GB/s."""
-# --- KVSculpt analyses (issue 16): Tables 3-8, Appendix B, §3.3, §6 ---------------------------------------
+ZIPFUSION_BITS_PER_VALUE = 12
+"""§III-B: an eligible block stores 12 bits per value (low byte + 4-bit code), metadata excluded."""
+
+# ZipFusion §IV-C / Fig. 5: decode throughput, 8192 input + 256 output tokens, same memory budget.
+ZIPFUSION_MAX_BATCH = {"Llama-3.1-8B": {"uncompressed": 46, "zipfusion": 57},
+                       "Qwen3-8B": {"uncompressed": 40, "zipfusion": 50}}
+ZIPFUSION_THROUGHPUT_GAIN_AT_MAX_BATCH = {"Llama-3.1-8B": 0.263, "Qwen3-8B": 0.258}
+"""Tokens/s of ZipFusion at its largest batch over uncompressed SGLang at its largest batch, minus 1."""
+ZIPFUSION_VS_BEST_LOSSLESS_BASELINE = {"Llama-3.1-8B": 2.76, "Qwen3-8B": 2.61}
+"""Abstract / §I: throughput at each method's largest batch over the best lossless-compression baseline."""
+ZIPFUSION_TOKENS_PER_S_BATCH32 = {"Llama-3.1-8B": 2044, "Qwen3-8B": 1882}
+ZIPFUSION_GAIN_BATCH32 = {"Llama-3.1-8B": 0.153, "Qwen3-8B": 0.152}
+"""§IV-C: at batch 32, tokens/s over uncompressed SGLang, minus 1."""
+ZIPFUSION_VS_SPLITZIP_BATCH32 = {"Llama-3.1-8B": 2.51, "Qwen3-8B": 2.57}
+
+# --- KVSculpt analyses: abstract, §3.3, Tables 3-8, Appendix B, §6 ------------------------------------------
 
 KVSCULPT_LAYERS = 28
 """Qwen2.5-1.5B-Instruct's decoder layers (Table 3 names layers of this model)."""
+KVSCULPT_LAYER_PILOT_MSE_SPREAD = 100.0
+"""Abstract: per-layer pilot MSE varies by up to 100× across layers."""
 
-# KVSculpt Table 3 (tab:optimizer): per-layer MSE at r = 0.3; oracle = best of 100 random restarts.
+# KVSculpt §3.3: statistics of de-RoPE'd query content vectors.
+KVSCULPT_QUERY_STATS = {
+    "consecutive_cosine": (0.91, 0.93),
+    "decode_variance_captured": (0.81, 0.86),
+    "captured_decay_per_2048": 0.02,
+    "effective_dim": 60,
+    "head_dim": 128,
+}
+
+# KVSculpt Table 3 (tab:optimizer): per-layer MSE at r = 0.3 (Qwen2.5-1.5B layers 2, 14, 26);
+# oracle = best of 100 random restarts.
 KVSCULPT_TABLE3 = pd.DataFrame({
     "layer": [2, 14, 26],
     "adam": [1.78e-3, 7.97e-2, 1.14e-1],
@@ -89,15 +116,6 @@ KVSCULPT_TABLE3_ADAM_RANGE = (17, 95)
 """§5.2: Adam's per-layer MSE is 17–95× L-BFGS's."""
 KVSCULPT_TABLE3_GAP_RANGE = (0.02, 0.08)
 """§5.2: one L-BFGS run is within 2–8 % of the 100-restart oracle."""
-
-# KVSculpt §3.3: statistics of de-RoPE'd query content vectors.
-KVSCULPT_QUERY_STATS = {
-    "consecutive_cosine": (0.91, 0.93),
-    "decode_variance_captured": (0.81, 0.86),
-    "captured_decay_per_2048": 0.02,
-    "effective_dim": 60,
-    "head_dim": 128,
-}
 
 # KVSculpt Table 4 (tab:query_ablation): attention cosine at near (128) and far (4096 tokens) horizons.
 KVSCULPT_TABLE4 = pd.DataFrame({
@@ -124,6 +142,8 @@ KVSCULPT_TABLE6 = pd.DataFrame({
     "vs_uniform": [1.10, 0.60, 0.84, 0.89, 0.81],
 })
 KVSCULPT_TABLE6_MEAN = 0.75
+KVSCULPT_TABLE6_WINS = (4, 5)
+"""Table 6: pilot allocation beats uniform on 4 of 5 sequences."""
 KVSCULPT_ADAPTIVE_GAIN = 1.3
 """Abstract and §8: adaptive allocation gives "an additional 1.3× KL reduction" (1 / 0.75)."""
 
@@ -131,9 +151,11 @@ KVSCULPT_ADAPTIVE_GAIN = 1.3
 KVSCULPT_TABLE7 = pd.DataFrame({
     "window": [0, 1, 2, 3, 4],
     "mean_ratio": [21.5, 5.5, 6.1, 3.7, 6.2],
-    "max_ratio": [467, 31, 33, 17, 56],
+    "max_ratio": [467.0, 31.0, 33.0, 17.0, 56.0],
     "layer_of_max": [0, 15, 15, 15, 15],
 })
+KVSCULPT_HEAD_PILOT_MSE_MAX_RATIO = float(KVSCULPT_TABLE7.max_ratio.max())
+"""Abstract / Table 7: the two KV heads of one layer differ in pilot MSE by up to 467×."""
 
 # KVSculpt Table 8 (tab:perhead): 30-step per-head pilot; per layer vs per layer + head, relative to uniform.
 KVSCULPT_TABLE8 = pd.DataFrame({
@@ -151,6 +173,7 @@ KVSCULPT_APPENDIX_B = pd.DataFrame({
     "k_min": [358, 277, 231, 191, 140],
     "k_max": [358, 480, 578, 689, 880],
 })
+KVSCULPT_BEST_ALPHA = 0.5
 KVSCULPT_APPENDIX_B_PILOT = {0.5: 0.75, 1.0: 0.97}
 """Appendix B / §5.4: pilot-MSE^α allocation, mean KL vs uniform over 5 sequences."""
 
@@ -160,7 +183,10 @@ KVSCULPT_ERROR_GROWTH = {"easy": 220.0, "hard": 5800.0}
 KVSCULPT_TOP5_KL_SHARE = 0.82
 """§6.2: on the hardest sequence at r = 0.3, 82 % of the KL is in 5 of 128 tokens."""
 KVSCULPT_TOKEN_KL = {"max": 7.17, "mean": 0.117, "max_over_mean": 61.0}
+"""§6.2: the hardest sequence's max and mean per-token KL (a 61× ratio)."""
 KVSCULPT_MSE_VS_KL = {"mse_ratio": 2.4, "kl_ratio": 14.0}
 """§6.1: Seq 0 has 2.4× the per-layer MSE of Seq 1, yet Seq 1 has 14× the KL."""
 KVSCULPT_LAYER0_MSE_OVER_MEDIAN = (10.0, 100.0)
 """§3.5 / §5.4: Layer 0's pilot MSE is 10–100× the median layer's."""
+KVSCULPT_JOINT_OPT_GAIN = 1.04
+"""§7 Discussion: eviction-to-joint-optimization gap (Select+Fit KL over Joint Opt KL)."""

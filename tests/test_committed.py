@@ -1,0 +1,26 @@
+"""Chapters re-rendered from their committed tables: the table as git holds it, and its origin."""
+import pandas as pd
+import pytest
+
+from zipkv import book, committed
+
+MAIN = book.REPO_ROOT / "results" / "paper" / "kvsculpt_main.csv"
+
+
+def test_committed_table_is_the_file_bit_for_bit():
+    table = committed.read_committed_csv(MAIN)
+    assert table.equals(pd.read_csv(MAIN, float_precision="round_trip"))
+    assert table.to_csv(index=False) == MAIN.read_text()  # written back unchanged by a from_results run
+
+
+def test_origin_names_the_run_that_measured_the_table():
+    origin = committed.origin(MAIN)
+    assert origin["table"] == "results/paper/kvsculpt_main.csv"
+    assert len(origin["table_commit"]) == 12 and origin["table_committed"]
+    assert "H200" in origin["run_device"] and origin["run_date"]  # the GPU run, not a later re-rendering
+
+
+def test_uncommitted_table_is_a_clear_error(tmp_path):
+    stray = book.REPO_ROOT / "results" / "paper" / "not_a_committed_table.csv"
+    with pytest.raises(ValueError, match="not committed at HEAD"):
+        committed.read_committed_csv(stray)

@@ -1,0 +1,145 @@
+"""The findings scorecard: verdicts, every claim computed from the results tables, chapters that have
+not landed yet lighting up when their CSVs appear, and the page following a changed CSV value."""
+import shutil
+
+import nbformat
+import pandas as pd
+import pytest
+
+from zipkv import book, findings
+
+PAPER_RESULTS = book.REPO_ROOT / "results" / "paper"
+
+# Tables the chapters being written now will commit, with exactly their columns (synthetic values).
+SYNTHETIC = {
+    "zipfusion_restore_baselines": pd.DataFrame({
+        "codec": ["huffman", "splitzip"], "tensor": ["K", "K"], "bits_per_value": [12.5, 13.0],
+        "encode_gbps": [50.0, 80.0], "decode_gbps": [60.0, 90.0], "restore_ms_per_step": [20.0, 6.0],
+        "attention_ms_per_step": [10.0, 11.0], "ctx": [2048, 2048], "batch": [32, 32]}),
+    "zipfusion_throughput": pd.DataFrame({
+        "model": ["llama3.1-8b"] * 7,
+        "method": ["uncompressed", "uncompressed", "zipfusion", "zipfusion", "splitzip", "splitzip", "huffman"],
+        "batch": [32, 46, 32, 57, 32, 40, 40], "max_batch": [46, 46, 57, 57, 40, 40, 40],
+        "tokens_per_s": [1770.0, 2000.0, 2040.0, 2530.0, 800.0, 900.0, 700.0], "kv_budget_bytes": [1e10] * 7,
+        "frac_compressed_k": [0, 0] + [0.78] * 5, "frac_compressed_v": [0, 0] + [0.92] * 5}),
+    "kvsculpt_optimizer": pd.DataFrame({
+        "window": [0] * 6, "layer": [2, 2, 2, 14, 14, 14], "optimizer": ["adam", "lbfgs", "oracle"] * 2,
+        "mse_train": [2e-3, 1e-4, 9.5e-5, 5e-2, 1e-3, 9.6e-4], "mse_heldout": [3e-3, 2e-4, 2e-4, 6e-2, 2e-3, 2e-3]}),
+    "kvsculpt_queries": pd.DataFrame({
+        "strategy": ["bootstrap", "uniform", "bootstrap", "uniform"], "horizon": ["near", "near", "far", "far"],
+        "cosine": [0.95, 0.94, 0.70, 0.76]}),
+    "kvsculpt_static_budget": pd.DataFrame({"window": [0, 1], "uniform_kl": [0.1, 0.2], "static_kl": [0.12, 0.26],
+                                            "vs_uniform": [1.2, 1.3]}),
+    "kvsculpt_pilot_budget": pd.DataFrame({"window": [0, 1], "uniform_kl": [0.1, 0.2], "pilot_kl": [0.05, 0.1],
+                                           "vs_uniform": [0.5, 0.5]}),
+    "kvsculpt_head_asymmetry": pd.DataFrame({"window": [0, 1], "mean_ratio": [5.0, 8.0], "max_ratio": [300.0, 400.0],
+                                             "layer_of_max": [0, 15]}),
+    "kvsculpt_head_budget": pd.DataFrame({"window": [0, 1], "per_layer_vs_uniform": [1.0, 1.1],
+                                          "per_layer_head_vs_uniform": [0.9, 0.95]}),
+    "kvsculpt_dampening": pd.DataFrame({
+        "signal": ["vnorm"] * 3 + ["pilot"] * 2, "alpha": [0.0, 0.5, 1.0, 0.5, 1.0],
+        "kl": [0.117, 0.088, 0.093, 0.09, 0.11], "vs_uniform": [1.0, 0.75, 0.79, 0.76, 0.97],
+        "k_min": [358, 231, 140, 200, 100], "k_max": [358, 578, 880, 600, 900]}),
+    "kvsculpt_error_propagation": pd.DataFrame({
+        "window": [0, 1], "label": ["easy", "hard"], "growth_first_to_last": [200.0, 5000.0],
+        "top5_kl_share": [0.3, 0.8], "max_over_mean_kl": [10.0, 60.0], "layer_mse_kl_correlation": [0.1, 0.2]}),
+    "kvsculpt_beyond": pd.DataFrame({"model": ["smollm2"] * 4, "window": [0, 0, 1, 1], "ratio": [0.3] * 4,
+                                     "method": ["kvsculpt", "ours", "kvsculpt", "ours"], "kl": [0.06, 0.03, 0.05, 0.02],
+                                     "seconds": [5.0, 7.0, 5.0, 7.0]}),
+}
+
+
+def _results_copy(tmp_path, extra=()):
+    root = tmp_path / "results" / "paper"
+    shutil.copytree(PAPER_RESULTS, root)
+    for stem in extra:
+        SYNTHETIC[stem].to_csv(root / f"{stem}.csv", index=False)
+    return root
+
+
+def test_judge():
+    assert findings.judge((1.23, 1.25), (1.26, 1.31), "higher", 1.02) == "reproduced"  # 1.26 within 1.25 × 1.02
+    assert findings.judge((1.23, 1.25), (1.30, 1.31), "higher", 1.02) == "exceeded"
+    assert findings.judge((1.23, 1.25), (0.42, 1.31), "higher", 1.02) == "not reproduced"  # judged by its worse end
+    assert findings.judge(0.75, 0.70, "lower", 1.05) == "exceeded"
+    assert findings.judge(0.75, 0.77, "lower", 1.05) == "reproduced"
+    assert findings.judge(0.75, 0.80, "lower", 1.05) == "not reproduced"
+    assert findings.judge(220.0, 700.0, None, 3.0) == "not reproduced"
+    assert findings.judge(220.0, 600.0, None, 3.0) == "reproduced"
+    assert findings.judge("uniform", "bootstrap", None, 1.0) == "not reproduced"
+    assert findings.judge(4.1, None, "higher", 1.05) == "not yet run"
+    assert findings.judge(None, 3.0, "higher", 1.05) == findings.BEYOND
+
+
+def test_columns_and_one_row_per_claim():
+    table = findings.findings(PAPER_RESULTS)
+    assert list(table.columns) == findings.COLUMNS == ["paper", "item", "claim", "paper_value", "our_value",
+                                                       "verdict", "chapter"]
+    assert len(table) == len(findings.CLAIMS)
+    assert set(table.verdict) <= set(findings.VERDICTS)
+    assert not table.our_value.str.contains("table incomplete").any(), table[table.our_value.str.contains("incomplete")]
+
+
+def test_committed_findings_csv_is_current():
+    committed = pd.read_csv(PAPER_RESULTS / "findings.csv", keep_default_na=False)
+    fresh = findings.findings(PAPER_RESULTS)
+    assert committed.astype(str).equals(fresh.astype(str)), (
+        "results/paper/findings.csv is stale: re-execute the findings page "
+        "(python -m zipkv book --profile paper --only findings)")
+
+
+def test_chapters_yet_to_land_light_up(tmp_path):
+    before = findings.findings(_results_copy(tmp_path / "a"))
+    after = findings.findings(_results_copy(tmp_path / "b", extra=SYNTHETIC))
+    for stem in SYNTHETIC:
+        claims = [c for c in findings.CLAIMS if c.chapter == stem]
+        assert claims, f"no findings row for the chapter {stem}"
+        rows_before, rows_after = before[before.chapter == stem], after[after.chapter == stem]
+        assert (rows_before.verdict == "not yet run").all(), stem
+        computable = [c.ours is not None for c in claims]
+        lit = (rows_after.verdict != "not yet run").tolist()
+        assert lit == computable, (stem, rows_after[["claim", "our_value", "verdict"]])
+        assert not rows_after.our_value.str.contains("table incomplete").any(), rows_after
+    row = after.set_index("claim").loc["adaptive (pilot) allocation: further KL reduction over uniform"]
+    assert (row.our_value, row.verdict) == ("2.00×", "exceeded")  # 1 / mean(0.5, 0.5)
+    row = after.set_index("claim").loc["largest supported batch, ZipFusion over uncompressed (same memory budget)"]
+    assert row.our_value.startswith("llama3.1-8b: 46 → 57") and row.verdict == "reproduced"
+
+
+def test_a_table_missing_a_column_reads_incomplete_not_wrong(tmp_path):
+    root = _results_copy(tmp_path)
+    SYNTHETIC["kvsculpt_pilot_budget"].drop(columns="vs_uniform").to_csv(root / "kvsculpt_pilot_budget.csv", index=False)
+    row = findings.findings(root).set_index("claim").loc["pilot-MSE^0.5 allocation: mean KL vs uniform"]
+    assert row.verdict == "not yet run" and "table incomplete" in row.our_value
+
+
+def _findings_page(root) -> str:
+    book.build("paper", only=["findings"], root=root, html=False)
+    nb = nbformat.read(root / "book" / "findings" / "findings.ipynb", as_version=4)
+    return "\n".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+
+
+def test_the_page_follows_a_changed_csv_value(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(book.REPO_ROOT / "notebooks" / "findings", root / "notebooks" / "findings")
+    shutil.copy(book.REPO_ROOT / "_toc.yml", root / "_toc.yml")
+    (root / "params").mkdir()
+    (root / "params" / "paper.yaml").write_text("findings: {}\n")
+    shutil.copytree(PAPER_RESULTS, root / "results" / "paper")
+    page = _findings_page(root)
+    main = pd.read_csv(root / "results" / "paper" / "kvsculpt_main.csv")
+    main.loc[(main.method == "kvsculpt") & (main.ratio == 0.3), "kl"] /= 10  # KVSculpt 10× better at r = 0.3
+    main.to_csv(root / "results" / "paper" / "kvsculpt_main.csv", index=False)
+    changed = _findings_page(root)
+    assert page != changed
+    table = pd.read_csv(root / "results" / "paper" / "findings.csv")
+    row = table.set_index("claim").loc["KL reduction over Select+Fit at r = 0.3"]
+    assert float(row.our_value.rstrip("×")) > 5 and row.verdict == "exceeded"
+    assert row.our_value in changed and row.our_value not in page
+
+
+@pytest.mark.parametrize("bad", ["nope", None])
+def test_bad_results_dir_is_a_clear_error(tmp_path, bad):
+    with pytest.raises((ValueError, TypeError)):
+        findings.findings(tmp_path / "missing" if bad else bad)

@@ -1,0 +1,99 @@
+"""Chapter "Inside the kernels": compiled resources, the committed tuning sweep and Nsight Compute
+report, and how the way L2 is cleared enters the latency chapter's timings."""
+from __future__ import annotations
+
+import pandas as pd
+
+from zipkv.nsight_report import NsightReport
+from zipkv.settings import PROJECT_TARGETS, ZIPFUSION_PAPER
+
+COMPRESSED, UNCOMPRESSED = "decode all compressed", "decode uncompressed"
+
+
+def _span(values, unit: str = "") -> str:
+    lo, hi = int(min(values)), int(max(values))
+    return f"{lo}{unit}" if lo == hi else f"{lo}–{hi}{unit}"
+
+
+def resources_text(table: pd.DataFrame, warp_slots: int) -> str:
+    """What the compiler's resource numbers mean for occupancy."""
+    decode = table[table.kernel == "_decode_kernel"]
+    clean, spilling = decode[decode.spill_stores == 0], decode[decode.spill_stores > 0]
+    text = (f"Without spills, the Triton decode specialisations use {_span(clean.registers)} registers per thread and "
+            f"{_span(clean.shared_bytes // 1024, ' KB')} of shared memory, so an SM runs {_span(clean.programs_per_sm)} "
+            f"programs ({_span(clean.programs_per_sm * clean.num_warps)} of its {warp_slots} warp slots), with "
+            f"{_span(clean.cp_async_ptx)} asynchronous copies in their PTX.")
+    if len(spilling):
+        text += (f" With {_span(spilling.pages_per_tile)} pages per tile they spill "
+                 f"{_span(spilling.spill_stores, ' bytes')} of registers.")
+    gluon = table[table.kernel == "_pipelined_kernel"].set_index("path")
+    return text + (f" The Gluon kernel's pipelined loop runs one warp per program: all-compressed "
+                   f"{int(gluon.registers['compressed'])} registers, {gluon.shared_bytes['compressed'] / 1024:.1f} KB "
+                   f"(a ring of {int(gluon.num_stages['compressed'])} pages), {int(gluon.programs_per_sm['compressed'])} "
+                   f"programs per SM; all-raw {int(gluon.registers['raw'])} registers, "
+                   f"{gluon.shared_bytes['raw'] / 1024:.1f} KB, {int(gluon.programs_per_sm['raw'])} programs per SM.")
+
+
+def tuning_summary(sweep: pd.DataFrame) -> pd.DataFrame:
+    ok = sweep.dropna(subset=["latency_us"])
+    summary = ok.groupby("path").latency_us.agg(["min", "median", "max"]).rename(columns=lambda c: f"{c} µs")
+    summary["configurations"] = ok.groupby("path").size()
+    summary["failed or disagreed"] = sweep.groupby("path").size() - summary["configurations"]
+    return summary.style.format("{:.1f}", subset=[c for c in summary if c.endswith("µs")])
+
+
+def verdict(report: NsightReport) -> str:
+    v = report.value
+    comp, unc = COMPRESSED, UNCOMPRESSED
+    return (f"Under Nsight Compute the all-compressed Gluon kernel keeps DRAM {v('DRAM Throughput', comp):.0f} % busy "
+            f"and takes {v('Duration', comp):.0f} µs against {v('Duration', unc):.0f} µs uncompressed "
+            f"({v('Duration', unc) / v('Duration', comp):.2f}×), executing "
+            f"{v('instructions', comp) / v('instructions', unc):.2f}× the instructions; its warps wait most often on "
+            + ", ".join(f"{r} ({s:.0f} %)" for r, s in report.stalls[comp].sort_values(ascending=False).head(2).items())
+            + ".")
+
+
+def stall_figure(report: NsightReport):
+    """Horizontal bars: share of sampled warp states by stall reason, per profiled kernel."""
+    import matplotlib.pyplot as plt
+
+    share = report.stalls.loc[report.stalls.max(axis=1) >= 1].sort_values(COMPRESSED)
+    fig, ax = plt.subplots(figsize=(10, 0.25 * len(share) + 1.2))
+    share.plot.barh(ax=ax, width=0.8)
+    ax.set_xlabel("share of sampled warp states (%)")
+    ax.set_ylabel("stall reason ('selected': issuing)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(title="kernel (Nsight Compute, H200)")
+    return fig
+
+
+def metrics_table(report: NsightReport):
+    """The report's metrics per kernel, with bank conflicts per shared load added (a Styler)."""
+    table = report.metrics.copy()
+    table.loc["bank conflicts per shared load"] = table.loc["shared load bank conflicts"] / table.loc["shared loads"]
+    return table.style.format("{:,.2f}").set_caption(report.device)
+
+
+def flush_table(latest: pd.DataFrame, older: pd.DataFrame) -> pd.DataFrame:
+    """The anchor point of two latency runs, one per way of clearing L2 (writing, then reading a buffer)."""
+    runs = []
+    for flush, t in (("write (older run)", older), ("read (latency chapter)", latest)):
+        t = t[(t["shape"] == "llama3.1-8b") & (t.ctx == ZIPFUSION_PAPER.anchor_context)
+              & (t.batch == ZIPFUSION_PAPER.anchor_batch)]
+        t = t[t.kernel.fillna("gluon").eq("gluon") & t.kv_data.isin(["all compressible", "any"])]
+        lat = t.set_index("method").latency_us
+        runs.append({"L2 flush": flush, "FlashInfer TC (µs)": lat["flashinfer_tc"],
+                     "zipkv compressed (µs)": lat["zipkv_compressed"], "zipkv uncompressed (µs)": lat["zipkv_uncompressed"],
+                     "speedup vs FlashInfer TC": lat["flashinfer_tc"] / lat["zipkv_compressed"]})
+    return pd.DataFrame(runs).set_index("L2 flush")
+
+
+def flush_text(flushes: pd.DataFrame) -> str:
+    w, r = flushes.iloc[0], flushes.iloc[1]
+    target = PROJECT_TARGETS.speedup_vs_flashinfer_tc
+    side = lambda x: "above" if x >= target else "below"  # noqa: E731
+    return (f"Reading instead of writing took {w['FlashInfer TC (µs)'] - r['FlashInfer TC (µs)']:.1f} µs off FlashInfer's "
+            f"time and {w['zipkv compressed (µs)'] - r['zipkv compressed (µs)']:.1f} µs off ours (two runs, two leases of "
+            f"the H200): speedup {w['speedup vs FlashInfer TC']:.3f}× with the writing flush ({side(w['speedup vs FlashInfer TC'])} "
+            f"this project's {target:.2f}× target), {r['speedup vs FlashInfer TC']:.3f}× with the reading one "
+            f"({side(r['speedup vs FlashInfer TC'])} it).")

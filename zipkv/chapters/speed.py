@@ -1,0 +1,118 @@
+"""Chapters "Distillation in seconds" and "Do the two solvers agree?": the batched solver's seconds
+per context against the one-at-a-time reference and the paper's 170 s, and its quality against the
+reference's, as tables, figures (log axes) and verdicts."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from zipkv import paper_values as pv
+from zipkv.settings import KVSCULPT_PAPER, PROJECT_TARGETS
+
+
+def _qwen(timings: pd.DataFrame, solver: str, ctx: int) -> pd.DataFrame:
+    return timings[timings.problem_shape.str.startswith("Qwen") & (timings.solver == solver) & (timings.ctx == ctx)
+                   & (timings.ratio == 0.3)]
+
+
+def speed_verdict(timings: pd.DataFrame, qwen_context: int, at_paper_setting: bool) -> tuple[str, str]:
+    point = _qwen(timings, "batched", qwen_context)
+    if not len(point):
+        return "The Qwen2.5-1.5B-shaped context was not timed in this run.", "note"
+    s = float(point.seconds.iloc[0])
+    paper = pv.KVSCULPT_SECONDS_PER_CONTEXT
+    if not at_paper_setting:
+        return (f"The Qwen2.5-1.5B-shaped context takes {s:.2f} s at N = {qwen_context}: not the paper's setting, so not "
+                f"comparable with its {paper:.0f} s (run the paper profile).", "note")
+    ref = _qwen(timings, "reference", qwen_context)
+    ref_text = (f"; the one-problem-at-a-time reference, like the paper's solver, takes {float(ref.seconds.iloc[0]):.0f} s "
+                f"on the same device" if len(ref) else "")
+    goal = PROJECT_TARGETS.distill_seconds_per_context
+    return (f"The batched solver compresses a Qwen2.5-1.5B-shaped 2048-token context (r = 0.3, 100 steps) in "
+            f"**{s:.1f} s**, {paper / s:.0f}× less than the paper's {paper:.0f} s on an A100{ref_text}. "
+            f"This project's own target, ≤ {goal:g} s, is {'met' if s <= goal else 'missed'}.",
+            "tip" if s < paper else "warning")
+
+
+def speed_figure(timings: pd.DataFrame, embedded_name: str, ratio_sweep_context: int):
+    """Left: seconds per context against context length (batched, both problem shapes; reference points).
+    Right: batched seconds against the compression ratio at one context."""
+    import matplotlib.pyplot as plt
+
+    fast = timings[timings.solver == "batched"]
+    emb = fast[fast.problem_shape.str.startswith(embedded_name)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    line = emb[emb.ratio == 0.3].sort_values("ctx")
+    axes[0].plot(line.ctx, line.seconds, "-o", label="batched, embedded shape, r = 0.3")
+    qwen = fast[fast.problem_shape.str.startswith("Qwen")]
+    axes[0].scatter(qwen.ctx, qwen.seconds, marker="s", s=50, label="batched, Qwen2.5-1.5B shape")
+    for shape_name, part in timings[timings.solver == "reference"].groupby("problem_shape"):
+        axes[0].scatter(part.ctx, part.seconds, marker="x", s=60, label=f"reference, {shape_name}")
+    axes[0].axhline(pv.KVSCULPT_SECONDS_PER_CONTEXT, color="grey", ls="--", lw=0.8,
+                    label=f"paper: {pv.KVSCULPT_SECONDS_PER_CONTEXT:.0f} s (A100, N = {KVSCULPT_PAPER.context})")
+    axes[0].set(xscale="log", yscale="log", xlabel="context length N (tokens)", ylabel="seconds per context")
+    axes[0].set_xscale("log", base=2)
+    axes[0].legend(fontsize=8)
+    sweep = emb[emb.ctx == ratio_sweep_context].sort_values("ratio")
+    axes[1].plot(sweep.ratio, sweep.seconds, "-o")
+    axes[1].set(xlabel=f"compression ratio r (N = {ratio_sweep_context}, embedded shape)",
+                ylabel="seconds per context (batched)")
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+    return fig
+
+
+def speed_table(timings: pd.DataFrame):
+    table = timings[["problem_shape", "ctx", "ratio", "solver", "seconds", "speedup", "problems", "reference_problems"]]
+    return table.style.format({"seconds": "{:.2f}", "speedup": "{:.1f}×", "ratio": "{:.1f}"}, na_rep="–").hide(axis="index")
+
+
+def quality_summary(losses: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """Batched against reference final loss on the problems the reference ran (a table and a sentence)."""
+    ran = losses.dropna(subset=["reference"])
+    summary = ran.groupby(["problem_shape", "ctx", "ratio"]).apply(
+        lambda g: pd.Series({"problems": len(g), "median batched/reference loss": (g.batched / g.reference).median(),
+                             "median reference/Select+Fit loss": (g.reference / g.select_fit).median()}),
+        include_groups=False)
+    median = float((ran.batched / ran.reference).median())
+    goal = PROJECT_TARGETS.solver_loss_within
+    return summary, (f"Median final-loss ratio batched / reference over the {len(ran)} problems the reference ran: "
+                     f"{median:.3f} (this project's target: within {100 * goal:g} %, "
+                     f"{'met' if abs(median - 1) <= goal else 'missed'}).")
+
+
+def agreement_verdict(problems: pd.DataFrame, summary: pd.DataFrame | None) -> tuple[str, str]:
+    ratio = problems.batched / problems.reference
+    median = float(ratio.median())
+    goal = PROJECT_TARGETS
+    ok = abs(median - 1) <= goal.solver_loss_within
+    text = (f"Over {len(problems)} problems the batched solver's final loss is a median **{median:.3f}×** the "
+            f"reference's (quartiles {ratio.quantile(0.25):.2f}–{ratio.quantile(0.75):.2f}; lower on "
+            f"{int((ratio < 1).sum())}); this project's target, within {100 * goal.solver_loss_within:g} %, is "
+            f"{'met' if ok else 'missed'}.")
+    if summary is not None:
+        row = summary.set_index("solver")
+        kl = float(row.loc["batched", "kl_ratio"])
+        ok = ok and abs(kl - 1) <= goal.solver_kl_within
+        text += (f" End-to-end KL: reference {row.loc['reference', 'kl']:.4g}, batched {row.loc['batched', 'kl']:.4g} "
+                 f"({kl:.3f}×; target within {100 * goal.solver_kl_within:g} %: {'met' if abs(kl - 1) <= goal.solver_kl_within else 'missed'}).")
+    return text, "tip" if ok else "warning"
+
+
+def agreement_figure(problems: pd.DataFrame):
+    """Left: per problem, batched against reference final loss. Right: the distributions of final loss."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    lo, hi = min(problems.reference.min(), problems.batched.min()), problems.select_fit.max()
+    axes[0].loglog(problems.reference, problems.batched, "o", ms=3)
+    axes[0].plot([lo, hi], [lo, hi], color="grey", lw=0.8)
+    axes[0].set(xlabel="reference solver: final loss", ylabel="batched solver: final loss")
+    for name in ("select_fit", "reference", "batched"):
+        values = np.sort(problems[name].to_numpy())
+        axes[1].plot(values, np.arange(1, len(values) + 1) / len(values), label=name)
+    axes[1].set(xscale="log", xlabel="final loss (objective on the training queries)", ylabel="fraction of problems")
+    axes[1].legend()
+    for ax in axes:
+        ax.grid(alpha=0.3, which="both")
+    return fig

@@ -1,0 +1,55 @@
+"""Committed results: a chapter rebuilt from the table its GPU run committed, and where that table came from.
+
+A chapter whose paper-profile run needs a GPU can be re-rendered on any machine from its committed
+main table (parameter ``from_results = True``): :func:`read_committed_csv` reads the table as git
+holds it at ``HEAD`` (the pipeline clears the working copy before a run), and :func:`origin` names
+the commit that last changed it and the provenance of the executed notebook committed with it.
+"""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+
+
+def _git(args: list[str], cwd: Path) -> str:
+    done = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ValueError(f"git {' '.join(args)} failed in {cwd}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def _in_repo(path: str | Path) -> tuple[Path, str]:
+    """(repository root, path relative to it) for a path given relative to the working directory."""
+    path = Path(path).resolve()
+    top = Path(_git(["rev-parse", "--show-toplevel"], path.parent).strip())
+    return top, path.relative_to(top).as_posix()
+
+
+def read_committed_csv(path: str | Path) -> pd.DataFrame:
+    """The CSV at ``path`` as committed at ``HEAD`` (exact floats), whatever the working copy holds."""
+    top, rel = _in_repo(path)
+    try:
+        text = _git(["show", f"HEAD:{rel}"], top)
+    except ValueError:
+        raise ValueError(f"from_results: {rel} is not committed at HEAD; run the chapter instead") from None
+    return pd.read_csv(io.StringIO(text), float_precision="round_trip")
+
+
+def origin(path: str | Path) -> dict:
+    """Where the committed table at ``path`` came from: the commit that last changed it, and the
+    provenance (``metadata.zipkv``) of the executed chapter notebook as of that commit, if any."""
+    top, rel = _in_repo(path)
+    commit, date = _git(["log", "-1", "--format=%H %cs", "--", rel], top).split()
+    record = {"table": rel, "table_commit": commit[:12], "table_committed": date}
+    stem = Path(rel).stem
+    for nb_path in _git(["ls-tree", "-r", "--name-only", commit, "book"], top).split():
+        if nb_path.endswith(f"/{stem}.ipynb"):
+            run = json.loads(_git(["show", f"{commit}:{nb_path}"], top)).get("metadata", {}).get("zipkv", {})
+            if "results_from" in run:  # that copy was itself rebuilt from the table: its origin is the run's
+                return run["results_from"]
+            record.update({f"run_{k}": run[k] for k in ("device", "date", "commit") if k in run})
+    return record

@@ -1,0 +1,564 @@
+"""The findings scorecard: one row per claim of each paper (every table and figure, the abstracts'
+headline claims), the paper's number, ours, a verdict and the chapter that shows it.
+
+Every ``our_value`` is computed here from the committed results tables (``results/<profile>/<stem>.csv``,
+one per chapter, stem = the chapter notebook's name); the papers' numbers come from
+:mod:`zipkv.paper_values`. A claim whose table is not committed reads "not yet run".
+
+Verdicts: a claim states a number (or a range lo–hi) and which way is better for the paper's method.
+Ours *reproduces* it when it lies in the paper's range widened by the claim's ``slack`` factor
+(``lo / slack ≤ ours ≤ hi × slack``), *exceeds* it when it lies beyond that on the better side,
+and does *not reproduce* it otherwise; a range of ours is judged by its worse end. Rows of this
+project's own measurements that the papers do not make read "beyond the paper".
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import pandas as pd
+
+from zipkv import paper_values as pv
+from zipkv.settings import PROJECT_TARGETS, ZIPFUSION_PAPER
+
+COLUMNS = ["paper", "item", "claim", "paper_value", "our_value", "verdict", "chapter"]
+VERDICTS = ("reproduced", "exceeded", "not reproduced", "not yet run", "beyond the paper")
+BEYOND = "beyond the paper"
+
+
+class Measured(NamedTuple):
+    """Ours: ``value`` (a number, a (lo, hi) range or a label) judged, ``text`` shown."""
+
+    value: object
+    text: str
+
+
+@dataclass(frozen=True)
+class Claim:
+    paper: str
+    item: str
+    claim: str
+    chapter: str
+    """Results stem of the chapter that measures it (= its notebook's name)."""
+    paper_value: object
+    """A number, a (lo, hi) range, a label, or None for a row beyond the paper."""
+    ours: Callable[["Results"], object] | None
+    """Computes ours from the results tables; None when no chapter table holds this quantity."""
+    better: str | None = "higher"
+    slack: float = 1.05
+    fmt: str = "{:.2f}×"
+
+
+class Results:
+    """The results tables of one profile (``<directory>/<stem>.csv``), each read once."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+        self._tables: dict[str, pd.DataFrame] = {}
+
+    def has(self, stem: str) -> bool:
+        return (self.directory / f"{stem}.csv").is_file()
+
+    def __getitem__(self, stem: str) -> pd.DataFrame:
+        if stem not in self._tables:
+            self._tables[stem] = pd.read_csv(self.directory / f"{stem}.csv")
+        return self._tables[stem]
+
+
+def _span(values) -> tuple[float, float]:
+    values = [float(v) for v in values]
+    return (min(values), max(values))
+
+
+def _fmt(value, fmt: str) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, str):
+        return value
+    if isinstance(value, tuple):
+        lo, hi = (fmt.format(v) for v in value)
+        if lo == hi:
+            return lo
+        unit = re.search(r"[^\d.]*$", lo).group(0)  # one unit for both ends: "5.3–30.8 ms"
+        return f"{lo[:len(lo) - len(unit)] if hi.endswith(unit) else lo}–{hi}"
+    return fmt.format(value)
+
+
+def judge(paper, ours, better: str | None, slack: float) -> str:
+    """The verdict of ``ours`` against ``paper`` (see the module docstring)."""
+    if paper is None:
+        return BEYOND
+    if ours is None:
+        return "not yet run"
+    if isinstance(paper, str) or isinstance(ours, str):
+        return "reproduced" if str(ours) == str(paper) else "not reproduced"
+    lo, hi = paper if isinstance(paper, tuple) else (paper, paper)
+    o_lo, o_hi = ours if isinstance(ours, tuple) else (ours, ours)
+    if any(math.isnan(v) for v in (o_lo, o_hi)):
+        return "not reproduced"
+    if better == "higher":
+        return "exceeded" if o_lo > hi * slack else "reproduced" if o_lo >= lo / slack else "not reproduced"
+    if better == "lower":
+        return "exceeded" if o_hi < lo / slack else "reproduced" if o_hi <= hi * slack else "not reproduced"
+    return "reproduced" if lo / slack <= o_lo and o_hi <= hi * slack else "not reproduced"
+
+
+# ---------------------------------------------------------------- ours, per chapter table
+
+def _latency_speedups(kv_data: str):
+    def ours(res: Results):
+        t = res["zipfusion_attention_latency"]
+        t = t[(t["shape"] == "llama3.1-8b") & (t.kv_data == kv_data) & (t.method == "zipkv_compressed")]
+        t = t[t.ctx.isin(ZIPFUSION_PAPER.contexts) & t.batch.isin(ZIPFUSION_PAPER.batches)]
+        best = t.groupby(["ctx", "batch"]).speedup_vs_flashinfer_tc.max()  # the faster of our kernels per point
+        lo, hi = _span(best)
+        return Measured((lo, hi), f"{lo:.3f}–{hi:.3f}× ({len(best)} points, H200)")
+    return ours
+
+
+def _improvement(r: float):
+    def ours(res: Results):
+        kl = res["kvsculpt_main"].groupby(["method", "ratio"]).kl.mean()
+        return kl["select_fit", r] / kl["kvsculpt", r]
+    return ours
+
+
+def _improvement_span(res: Results):
+    return _span(_improvement(r)(res) for r in pv.KVSCULPT_TABLE1_IMPROVEMENT)
+
+
+def _joint_gain(res: Results):
+    kl = res["kvsculpt_main"].groupby(["method", "ratio"]).kl.mean()
+    return float((kl["select_fit"] / kl["joint_opt"]).mean())
+
+
+def _appendix_joint_gain(res: Results):
+    kl = res["kvsculpt_appendix"].groupby(["method", "ratio"]).kl.mean()
+    return float((kl["select_fit"] / kl["joint_opt"]).mean())
+
+
+PAPER_APPENDIX_JOINT_GAIN = sum(pv.KVSCULPT_APPENDIX["select_fit"][r][0] / pv.KVSCULPT_APPENDIX["joint_opt"][r][0]
+                                for r in pv.KVSCULPT_APPENDIX["select_fit"]) / len(pv.KVSCULPT_APPENDIX["select_fit"])
+
+
+def _best_baseline(table: pd.DataFrame) -> str:
+    best = table.groupby(["ratio", "method"]).kl.mean().unstack().idxmin(axis=1)
+    return best.mode().iloc[0] if best.nunique() > 1 else best.iloc[0]
+
+
+def _paper_best_baseline() -> str:
+    rows = [{"ratio": r, "method": m, "kl": v[0]} for m, by_r in pv.KVSCULPT_APPENDIX.items() for r, v in by_r.items()]
+    return _best_baseline(pd.DataFrame(rows))
+
+
+def _per_window(res: Results, column: str):
+    t = res["kvsculpt_per_window"]
+    return t[column]
+
+
+def _easy_share(res: Results):
+    t = res["kvsculpt_per_window"]
+    easy = int((t.label == "easy").sum())
+    return Measured(easy / len(t), f"{easy} of {len(t)} ({easy / len(t):.0%})")
+
+
+def _lossless_bits(res: Results):
+    t = res["zipfusion_lossless_format"]
+    c = t.compressible_blocks
+    implied = ((t.bits_per_value - 16 * (1 - c)) / c)[c > 0]  # bits of a compressed block, metadata excluded
+    return _span(implied)
+
+
+def _lossless_exact(res: Results):
+    text = _executed_text(res, "zipfusion_lossless_format")
+    hit = re.search(r"Bit-exact: (\d+) pages.*?and (\d+) pages through the Triton pack kernel", text or "", re.S)
+    if not hit:
+        return None
+    return Measured("bit-exact", f"bit-exact: {int(hit.group(1)):,} pages (torch reference), "
+                                 f"{int(hit.group(2)):,} (Triton kernel)")
+
+
+def _executed_text(res: Results, stem: str) -> str | None:
+    import nbformat
+
+    for path in (res.directory.parent.parent / "book").glob(f"*/{stem}.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        return "\n".join(str(o.get("data", {}).get("text/markdown", o.get("text", "")))
+                         for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    return None
+
+
+def _cache_fraction(res: Results):
+    t = res["zipfusion_lossless_format"]
+    size = t.groupby("tensor").size_fraction.mean()
+    return Measured(None, f"cache at {100 * t.size_fraction.mean():.1f} % of BF16 (K {100 * size['K']:.1f} %, "
+                          f"V {100 * size['V']:.1f} %)")
+
+
+def _compressible(res: Results):
+    t = res["model_data_kv_cache"]
+    return Measured(None, f"compressible blocks: K {100 * t.K_token.mean():.1f} %, V {100 * t.V_token.mean():.1f} % "
+                          f"token-major (the measured mix), K {100 * t.K_channel.mean():.1f} %, "
+                          f"V {100 * t.V_channel.mean():.1f} % channel-major (SmolLM2, PG19)")
+
+
+def _pack(res: Results):
+    t = res["zipfusion_pack_throughput"]
+    return Measured(None, f"{t.input_tbps.min():.2f} TB/s of input, slowest head_dim "
+                          f"(project target ≥ {PROJECT_TARGETS.pack_input_tbps:g} TB/s)")
+
+
+def _resources(res: Results):
+    t = res["zipfusion_kernel_resources"]
+    return Measured(None, f"{int((t.spill_stores == 0).sum())} of {len(t)} compiled kernels without register spills")
+
+
+def _restore_ms(column: str):
+    def ours(res: Results):
+        t = res["zipfusion_restore_baselines"].groupby("codec")[column].mean()
+        lo, hi = _span(t)
+        return Measured((lo, hi), f"{lo:.1f}–{hi:.1f} ms ({len(t)} codecs)")
+    return ours
+
+
+def _at_max_batch(t: pd.DataFrame) -> pd.DataFrame:
+    return t[t.batch == t.max_batch]
+
+
+def _max_batch_ratio(res: Results):
+    t = res["zipfusion_throughput"]
+    rows = []
+    for model, g in t.groupby("model"):
+        mb = g.groupby("method").max_batch.max()
+        rows.append((mb["zipfusion"] / mb["uncompressed"], f"{model}: {mb['uncompressed']} → {mb['zipfusion']}"))
+    lo, hi = _span(r for r, _ in rows)
+    return Measured((lo, hi), "; ".join(text for _, text in rows) + f" ({lo:.2f}–{hi:.2f}×)" if lo != hi
+                    else "; ".join(text for _, text in rows) + f" ({lo:.2f}×)")
+
+
+def _throughput_ratio(baselines: tuple[str, ...], minus_one: bool, batch: int | None = None):
+    def ours(res: Results):
+        t = res["zipfusion_throughput"]
+        values = []
+        for _, g in t.groupby("model"):
+            g = g[g.batch == batch] if batch else _at_max_batch(g)
+            tps = g.groupby("method").tokens_per_s.max()
+            ref = max(tps[b] for b in baselines if b in tps)
+            values.append(tps["zipfusion"] / ref - (1 if minus_one else 0))
+        return _span(values)
+    return ours
+
+
+def _optimizer_gap(kind: str):
+    def ours(res: Results):
+        mse = res["kvsculpt_optimizer"].groupby(["layer", "optimizer"]).mse_train.mean().unstack()
+        gap = mse.adam / mse.lbfgs if kind == "adam" else mse.lbfgs / mse.oracle - 1
+        return _span(gap)
+    return ours
+
+
+def _best_far_strategy(res: Results):
+    far = res["kvsculpt_queries"].query("horizon == 'far'").groupby("strategy").cosine.mean()
+    return Measured(far.idxmax(), f"{far.idxmax()} ({far.max():.3f})")
+
+
+def _mean(stem: str, column: str, query: str | None = None):
+    def ours(res: Results):
+        t = res[stem]
+        return float((t.query(query) if query else t)[column].mean())
+    return ours
+
+
+def _wins(res: Results):
+    t = res["kvsculpt_pilot_budget"]
+    wins = int((t.pilot_kl < t.uniform_kl).sum())
+    return Measured(wins / len(t), f"{wins} of {len(t)} ({wins / len(t):.0%})")
+
+
+def _head_wins(res: Results):
+    t = res["kvsculpt_head_budget"]
+    wins = int((t.per_layer_head_vs_uniform < t.per_layer_vs_uniform).sum())
+    return Measured(wins / len(t), f"{wins} of {len(t)} ({wins / len(t):.0%})")
+
+
+def _best_alpha(res: Results):
+    t = res["kvsculpt_dampening"].query("signal == 'vnorm'").groupby("alpha").kl.mean()
+    return Measured(float(t.idxmin()), f"α = {t.idxmin():g}")
+
+
+def _growth(label: str, how: str):
+    def ours(res: Results):
+        t = res["kvsculpt_error_propagation"].query(f"label == '{label}'").growth_first_to_last
+        return float(t.max() if how == "max" else t.mean())
+    return ours
+
+
+def _concentration(column: str):
+    def ours(res: Results):
+        t = res["kvsculpt_error_propagation"]
+        hard = t[t.label == "hard"] if (t.label == "hard").any() else t
+        return float(hard[column].max())
+    return ours
+
+
+def _weak_correlation(rho: float) -> Measured:
+    return Measured("weak" if abs(rho) < 0.5 else "not weak", f"ρ = {rho:.2f} ({'weak' if abs(rho) < 0.5 else 'not weak'}: |ρ| < 0.5 is weak)")
+
+
+def _kl_sources_correlation(res: Results):
+    t = res["kvsculpt_kl_sources"]
+    per_layer = t[t.layer >= 0].pivot_table(index="layer", columns="method", values=["kl", "objective"])
+    objective = per_layer["objective"].kvsculpt / per_layer["objective"].select_fit
+    kl = per_layer["kl"].kvsculpt / per_layer["kl"].select_fit
+    return _weak_correlation(float(objective.rank().corr(kl.rank())))
+
+
+def _error_correlation(res: Results):
+    return _weak_correlation(float(res["kvsculpt_error_propagation"].layer_mse_kl_correlation.mean()))
+
+
+def _distill_seconds(solver: str):
+    def ours(res: Results):
+        t = res["distill_speed"]
+        row = t[t.problem_shape.str.startswith("Qwen") & (t.ctx == 2048) & (t.ratio == 0.3) & (t.solver == solver)]
+        return float(row.seconds.iloc[0])
+    return ours
+
+
+def _solver_agreement(res: Results):
+    t = res["solver_agreement"]
+    median = float((t.batched / t.reference).median())
+    return Measured(None, f"median batched / reference final loss {median:.3f} over {len(t)} problems "
+                          f"(project target within {100 * PROJECT_TARGETS.solver_loss_within:g} %)")
+
+
+def _beyond(res: Results):
+    t = res["kvsculpt_beyond"]
+    kl = t.groupby(["ratio", "method"]).kl.mean().unstack()
+    r = kl.index.min()
+    best = kl.loc[r].idxmin()
+    text = f"r = {r:g}: best {best} (mean KL {kl.loc[r, best]:.3g})"
+    if "kvsculpt" in kl.columns and best != "kvsculpt":
+        text += f", {kl.loc[r, 'kvsculpt'] / kl.loc[r, best]:.2f}× lower than KVSculpt"
+    return Measured(None, text)
+
+
+# ---------------------------------------------------------------- the claims
+
+Z, K = "ZipFusion", "KVSculpt"
+_speedup = pv.ZIPFUSION_SPEEDUP_RANGE
+_mb = pv.ZIPFUSION_MAX_BATCH
+
+CLAIMS: list[Claim] = [
+    # ZipFusion
+    Claim(Z, "Abstract, Fig. 4", "decode attention over FlashInfer (TC), real-KV mix of compressible blocks",
+          "zipfusion_attention_latency", _speedup, _latency_speedups("measured mix"), fmt="{:.2f}×", slack=1.02),
+    Claim(Z, "Fig. 4", "decode attention over FlashInfer (TC), every block compressible",
+          "zipfusion_attention_latency", _speedup, _latency_speedups("all compressible"), fmt="{:.2f}×", slack=1.02),
+    Claim(Z, "Fig. 2, §III-B", "lossless: unpacking restores every bit", "zipfusion_lossless_format",
+          "bit-exact", _lossless_exact),
+    Claim(Z, "Fig. 2, §III-B", "an eligible block stores 12 bits per value (metadata excluded)",
+          "zipfusion_lossless_format", float(pv.ZIPFUSION_BITS_PER_VALUE), _lossless_bits, better=None, slack=1.0001,
+          fmt="{:.2f} bits"),
+    Claim(Z, "§II-B", "restoring codecs before attention: ms per decode step", "zipfusion_restore_baselines",
+          pv.ZIPFUSION_RESTORE_MS_RANGE, _restore_ms("restore_ms_per_step"), better=None, slack=1.5, fmt="{:.1f} ms"),
+    Claim(Z, "§II-B", "the rest of the decode step beside the restore: ms per step", "zipfusion_restore_baselines",
+          pv.ZIPFUSION_RESTORE_OTHER_MS, _restore_ms("attention_ms_per_step"), better=None, slack=1.5, fmt="{:.1f} ms"),
+    Claim(Z, "Fig. 5, §IV-C", "largest supported batch, ZipFusion over uncompressed (same memory budget)",
+          "zipfusion_throughput", _span(m["zipfusion"] / m["uncompressed"] for m in _mb.values()), _max_batch_ratio),
+    Claim(Z, "Abstract, Fig. 5", "tokens/s at each method's largest batch over uncompressed (gain)",
+          "zipfusion_throughput", _span(pv.ZIPFUSION_THROUGHPUT_GAIN_AT_MAX_BATCH.values()),
+          _throughput_ratio(("uncompressed",), True), fmt="{:.1%}", slack=1.1),
+    Claim(Z, "Abstract, §IV-C", "tokens/s at the largest batch over the best lossless restore baseline",
+          "zipfusion_throughput", _span(pv.ZIPFUSION_VS_BEST_LOSSLESS_BASELINE.values()),
+          _throughput_ratio(("splitzip", "huffman"), False), slack=1.1),
+    Claim(Z, "§IV-C", "tokens/s at batch 32 over uncompressed (gain)", "zipfusion_throughput",
+          _span(pv.ZIPFUSION_GAIN_BATCH32.values()), _throughput_ratio(("uncompressed",), True, batch=32),
+          fmt="{:.1%}", slack=1.1),
+    Claim(Z, "§IV-C", "tokens/s at batch 32 over SplitZip (the fastest compressed baseline there)",
+          "zipfusion_throughput", _span(pv.ZIPFUSION_VS_SPLITZIP_BATCH32.values()),
+          _throughput_ratio(("splitzip",), False, batch=32), slack=1.1),
+    Claim(Z, "beyond", "real KV cache: share of compressible blocks", "model_data_kv_cache", None, _compressible),
+    Claim(Z, "beyond", "packed size of the real KV cache", "zipfusion_lossless_format", None, _cache_fraction),
+    Claim(Z, "beyond", "pack kernel throughput (compress full pages on the GPU)", "zipfusion_pack_throughput", None,
+          _pack),
+    Claim(Z, "beyond", "compiled decode kernels: registers and spills", "zipfusion_kernel_resources", None,
+          _resources),
+    # KVSculpt
+    Claim(K, "Abstract, Table 1", "KL reduction over Select+Fit, r ∈ {0.3, 0.5, 0.7}", "kvsculpt_main",
+          _span(pv.KVSCULPT_TABLE1_IMPROVEMENT.values()), _improvement_span),
+    *[Claim(K, "Table 1", f"KL reduction over Select+Fit at r = {r}", "kvsculpt_main", x, _improvement(r))
+      for r, x in pv.KVSCULPT_TABLE1_IMPROVEMENT.items()],
+    Claim(K, "§7", "eviction to Joint Optimization: Select+Fit KL over Joint Opt KL", "kvsculpt_main",
+          pv.KVSCULPT_JOINT_OPT_GAIN, _joint_gain, better=None),
+    Claim(K, "Table 2", "per-sequence: KVSculpt never worse than Select+Fit (smallest factor)", "kvsculpt_per_window",
+          float(pv.KVSCULPT_TABLE2.improvement.min()), lambda res: float(_per_window(res, "improvement").min()),
+          slack=1.1),
+    Claim(K, "Table 2", f"easy sequences (KVSculpt KL < {pv.KVSCULPT_EASY_KL:g})", "kvsculpt_per_window",
+          float((pv.KVSCULPT_TABLE2.label == "easy").mean()), _easy_share, fmt="{:.0%}", slack=1.0001),
+    Claim(K, "Appendix A", "Joint Opt marginally better than Select+Fit (KL ratio, mean over ratios)",
+          "kvsculpt_appendix", PAPER_APPENDIX_JOINT_GAIN, _appendix_joint_gain, better=None),
+    Claim(K, "Appendix A", "best eviction baseline at most ratios", "kvsculpt_appendix", _paper_best_baseline(),
+          lambda res: _best_baseline(res["kvsculpt_appendix"])),
+    Claim(K, "Abstract, Table 6", "adaptive (pilot) allocation: further KL reduction over uniform",
+          "kvsculpt_pilot_budget", pv.KVSCULPT_ADAPTIVE_GAIN,
+          lambda res: 1 / _mean("kvsculpt_pilot_budget", "vs_uniform")(res)),
+    Claim(K, "Abstract", "per-layer pilot MSE varies across layers (max over min)", "kvsculpt_pilot_budget",
+          pv.KVSCULPT_LAYER_PILOT_MSE_SPREAD, None, better=None, fmt="{:.0f}×"),
+    Claim(K, "Abstract, Table 7", "two KV heads of one layer differ in pilot MSE by up to", "kvsculpt_head_asymmetry",
+          pv.KVSCULPT_HEAD_PILOT_MSE_MAX_RATIO, _mean("kvsculpt_head_asymmetry", "max_ratio"), better=None, slack=3.0,
+          fmt="{:.0f}×"),
+    Claim(K, "§3.3", "consecutive query content vectors: cosine", "kvsculpt_queries", pv.KVSCULPT_QUERY_STATS["consecutive_cosine"],
+          None, better=None, fmt="{:.2f}"),
+    Claim(K, "§3.3", "PCA basis of the context captures decode variance", "kvsculpt_queries",
+          pv.KVSCULPT_QUERY_STATS["decode_variance_captured"], None, better=None, fmt="{:.0%}"),
+    Claim(K, "Table 3", "Adam's per-layer MSE over L-BFGS's", "kvsculpt_optimizer", pv.KVSCULPT_TABLE3_ADAM_RANGE,
+          _optimizer_gap("adam"), fmt="{:.0f}×", slack=1.1),
+    Claim(K, "Table 3", "one L-BFGS run above the 100-restart oracle (gap)", "kvsculpt_optimizer",
+          pv.KVSCULPT_TABLE3_GAP_RANGE, _optimizer_gap("oracle"), better="lower", fmt="{:.0%}", slack=1.25),
+    Claim(K, "Table 4", "best query strategy at the far horizon (4096 tokens)", "kvsculpt_queries",
+          pv.KVSCULPT_TABLE4.set_index("strategy").far.idxmax(), _best_far_strategy),
+    Claim(K, "Table 4", "uniform spread: attention cosine at the far horizon", "kvsculpt_queries",
+          float(pv.KVSCULPT_TABLE4.set_index("strategy").far["uniform"]),
+          _mean("kvsculpt_queries", "cosine", "strategy == 'uniform' and horizon == 'far'"), fmt="{:.3f}", slack=1.02),
+    Claim(K, "Table 5", "static ‖V‖^0.5 allocation: mean KL vs uniform (worse)", "kvsculpt_static_budget",
+          pv.KVSCULPT_TABLE5_MEAN, _mean("kvsculpt_static_budget", "vs_uniform"), better=None, slack=1.1),
+    Claim(K, "Table 6", "pilot-MSE^0.5 allocation: mean KL vs uniform", "kvsculpt_pilot_budget",
+          pv.KVSCULPT_TABLE6_MEAN, _mean("kvsculpt_pilot_budget", "vs_uniform"), better="lower"),
+    Claim(K, "Table 6", "pilot-MSE^0.5 allocation: sequences where it beats uniform", "kvsculpt_pilot_budget",
+          pv.KVSCULPT_TABLE6_WINS[0] / pv.KVSCULPT_TABLE6_WINS[1], _wins, fmt="{:.0%}", slack=1.0001),
+    Claim(K, "Table 7", "per-head pilot MSE ratio within a layer, mean over layers", "kvsculpt_head_asymmetry",
+          _span(pv.KVSCULPT_TABLE7.mean_ratio), lambda res: _span(res["kvsculpt_head_asymmetry"].mean_ratio),
+          better=None, slack=3.0, fmt="{:.1f}×"),
+    Claim(K, "Table 8", "per-layer allocation: mean KL vs uniform", "kvsculpt_head_budget",
+          pv.KVSCULPT_TABLE8_MEAN["per_layer_vs_uniform"], _mean("kvsculpt_head_budget", "per_layer_vs_uniform"), better=None,
+          slack=1.1),
+    Claim(K, "Table 8", "per-layer + per-head allocation: mean KL vs uniform", "kvsculpt_head_budget",
+          pv.KVSCULPT_TABLE8_MEAN["per_layer_head_vs_uniform"], _mean("kvsculpt_head_budget", "per_layer_head_vs_uniform"),
+          better="lower"),
+    Claim(K, "Table 8", "per-head allocation improves over per-layer alone (sequences)", "kvsculpt_head_budget",
+          float((pv.KVSCULPT_TABLE8.per_layer_head_vs_uniform < pv.KVSCULPT_TABLE8.per_layer_vs_uniform).mean()),
+          _head_wins, fmt="{:.0%}", slack=1.0001),
+    Claim(K, "Appendix B", "best dampening exponent α for ‖V‖^α allocation", "kvsculpt_dampening",
+          pv.KVSCULPT_BEST_ALPHA, _best_alpha, better=None, slack=1.0001, fmt="α = {:g}"),
+    Claim(K, "Appendix B", "pilot-MSE^0.5 allocation: KL vs uniform", "kvsculpt_dampening",
+          pv.KVSCULPT_APPENDIX_B_PILOT[0.5], _mean("kvsculpt_dampening", "vs_uniform", "signal == 'pilot' and alpha == 0.5"),
+          better="lower"),
+    Claim(K, "§6", "hidden-state MSE growth, first to last layer, easy sequences", "kvsculpt_error_propagation",
+          pv.KVSCULPT_ERROR_GROWTH["easy"], _growth("easy", "mean"), better=None, slack=3.0, fmt="{:.0f}×"),
+    Claim(K, "§6", "hidden-state MSE growth, first to last layer, hard sequences (up to)",
+          "kvsculpt_error_propagation", pv.KVSCULPT_ERROR_GROWTH["hard"], _growth("hard", "max"), better=None,
+          slack=3.0, fmt="{:.0f}×"),
+    Claim(K, "§6", "per-layer compression MSE and end-to-end KL: correlation", "kvsculpt_error_propagation",
+          "weak", _error_correlation),
+    Claim(K, "§6", "per-layer objective gain and single-layer KL gain: rank correlation", "kvsculpt_kl_sources",
+          "weak", _kl_sources_correlation),
+    Claim(K, "§6", "share of the KL in the top 5 of 128 tokens (hard sequence)", "kvsculpt_error_propagation",
+          pv.KVSCULPT_TOP5_KL_SHARE, _concentration("top5_kl_share"), better=None, slack=1.2, fmt="{:.0%}"),
+    Claim(K, "§6", "per-token KL, max over mean (hard sequence)", "kvsculpt_error_propagation",
+          pv.KVSCULPT_TOKEN_KL["max_over_mean"], _concentration("max_over_mean_kl"), better=None, slack=2.0, fmt="{:.0f}×"),
+    Claim(K, "§7", "seconds to compress a 2048-token context (Qwen2.5-1.5B shape), batched solver", "distill_speed",
+          pv.KVSCULPT_SECONDS_PER_CONTEXT, _distill_seconds("batched"), better="lower", fmt="{:.1f} s"),
+    Claim(K, "§7", "the same, one problem at a time (the paper's solver)", "distill_speed",
+          pv.KVSCULPT_SECONDS_PER_CONTEXT, _distill_seconds("reference"), better="lower", fmt="{:.0f} s"),
+    Claim(K, "beyond", "batched solver against the one-at-a-time reference", "solver_agreement", None,
+          _solver_agreement),
+    Claim(K, "beyond", "this project's own method and Attention Matching against KVSculpt", "kvsculpt_beyond", None,
+          _beyond),
+]
+
+
+def _row(claim: Claim, res: Results) -> dict:
+    value = text = None
+    if claim.ours is not None and res.has(claim.chapter):
+        try:
+            got = claim.ours(res)
+        except (KeyError, IndexError, ValueError, AttributeError) as err:  # a table without the rows this claim reads
+            got = Measured(None, f"table incomplete ({type(err).__name__}: {err})")
+        value, text = got if isinstance(got, Measured) else (got, _fmt(got, claim.fmt))
+    if claim.paper_value is None:
+        verdict = BEYOND if text is not None else "not yet run"
+    else:
+        verdict = judge(claim.paper_value, value, claim.better, claim.slack)
+    return {"paper": claim.paper, "item": claim.item, "claim": claim.claim,
+            "paper_value": _fmt(claim.paper_value, claim.fmt) if claim.paper_value is not None else "–",
+            "our_value": text if text is not None else "–", "verdict": verdict, "chapter": claim.chapter}
+
+
+def findings(results_dir: Path, claims: list[Claim] | None = None) -> pd.DataFrame:
+    """The scorecard (columns :data:`COLUMNS`), computed from ``results_dir``'s CSVs."""
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise ValueError(f"results_dir={str(results_dir)!r}: expected a folder of results CSVs")
+    res = Results(results_dir)
+    return pd.DataFrame([_row(c, res) for c in (claims or CLAIMS)], columns=COLUMNS)
+
+
+def chapter_docs(toc: Path) -> dict[str, str]:
+    """Results stem → the book's document path (``book/part/name``) for every chapter in ``_toc.yml``."""
+    import yaml
+
+    docs = {}
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "file" in node:
+                docs[Path(node["file"]).name] = node["file"]
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(yaml.safe_load(Path(toc).read_text()))
+    return docs
+
+
+BADGES = {"reproduced": "success", "exceeded": "primary", "not reproduced": "danger", "not yet run": "secondary",
+          BEYOND: "info"}
+
+
+def chapter_titles(notebooks: Path) -> dict[str, str]:
+    """Notebook name → its title without the parenthesised paper reference (the link text)."""
+    import nbformat
+
+    titles = {}
+    for path in sorted(Path(notebooks).rglob("*.ipynb")):
+        first = next((c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown"), "")
+        title = first.splitlines()[0].lstrip("# ").strip() if first else path.stem
+        titles[path.stem] = re.sub(r"\s*\(.*\)$", "", title)
+    return titles
+
+
+def markdown_table(table: pd.DataFrame, docs: dict[str, str], titles: dict[str, str] | None = None) -> str:
+    """The scorecard as MyST, one table per paper: verdicts as badges, chapters as links to their pages,
+    or their names where the chapter is not in the book yet."""
+    def cell(text) -> str:
+        return str(text).replace("|", "\\|")
+
+    titles = titles or {}
+    parts = []
+    for paper, rows in table.groupby("paper", sort=False):
+        lines = [f"**{paper}**", "", "| claim | paper | ours | verdict | chapter |", "|---|---|---|---|---|"]
+        for row in rows.itertuples():
+            link = (f"{{doc}}`{cell(titles.get(row.chapter, row.chapter))} </{docs[row.chapter]}>`"
+                    if row.chapter in docs else f"`{row.chapter}` (no chapter yet)")
+            lines.append("| " + " | ".join([f"**{cell(row.item)}**: {cell(row.claim)}", cell(row.paper_value),
+                                             cell(row.our_value), f"{{bdg-{BADGES[row.verdict]}}}`{row.verdict}`",
+                                             link]) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def summary(table: pd.DataFrame) -> str:
+    """One sentence per paper: how many of its claims each verdict holds."""
+    parts = []
+    for paper, g in table.groupby("paper", sort=False):
+        claims = g[g.verdict != BEYOND]
+        counts = claims.verdict.value_counts()
+        parts.append(f"**{paper}**: of {len(claims)} claims, " + ", ".join(
+            f"{counts[v]} {v}" for v in VERDICTS if v in counts) + ".")
+    return " ".join(parts)
