@@ -5,6 +5,7 @@
 ``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 ``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).
+``python -m zipkv bench format [--out CSV]`` — the plain-torch format reference (eligible, pack, unpack) vs a plain scan.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
-    bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets"])
+    bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
     bench.add_argument("--contexts", type=int, nargs="+", default=None,
                        help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
@@ -61,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                                                    reps=args.reps)
             if args.write:
                 print("stored:", benchmarks.write_tuning(table))
+        elif args.what == "format":
+            import torch
+
+            from zipkv.format_bench import format_benchmark
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            table = pd.concat([format_benchmark(head_dim=d, device=device) for d in (64, 128)], ignore_index=True)
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:
