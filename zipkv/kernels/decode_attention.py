@@ -87,6 +87,7 @@ import triton
 import triton.language as tl
 
 from zipkv import format as fmt
+from zipkv.kernels import check_launchable
 
 __all__ = ["PagedKVCache", "build_paged_cache", "compress_cache_", "decode_attention"]
 
@@ -932,6 +933,7 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
         _check_mma_call(q, cache, interp, configs[0])
         ppt = 1
     else:
+        check_launchable(_decode_kernel, q.device, "q")
         gpu = torch.cuda.get_device_name(q.device) if q.device.type == "cuda" else None
         configs = [{**launch_config(PATHS[p], gpu), **(launch or {})} for p, _ in plan]
         ppt = pages_per_tile or (1 if interp else configs[0]["pages_per_tile"])

@@ -1,0 +1,37 @@
+"""zipkv.kernels leaves the environment alone: Triton's interpreter is the caller's choice on a CPU."""
+import os
+import subprocess
+import sys
+
+import torch
+
+from zipkv import kernels
+
+PROBE = """
+import os, torch
+import zipkv, zipkv.kernels, zipkv.kernels.pack as pack, zipkv.kernels.decode_attention
+print("TRITON_INTERPRET" in os.environ)
+try:
+    pack.pack_pages(torch.zeros(2, 16, 64, dtype=torch.bfloat16))
+except ValueError as err:
+    print(err)
+"""
+
+
+def test_importing_the_kernels_sets_nothing_and_a_cpu_launch_says_how():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    changed, message = done.stdout.splitlines()
+    assert changed == "False"
+    assert message.startswith("dst is on cpu: zipkv's Triton kernels run on a CUDA GPU, or on the CPU in Triton's "
+                              "interpreter") and "TRITON_INTERPRET=1" in message
+
+
+def test_the_cpu_suite_runs_the_kernels_in_the_interpreter():
+    """conftest.py chose the interpreter before anything imported triton (no GPU here)."""
+    from zipkv.kernels import pack
+
+    if not torch.cuda.is_available():
+        assert kernels.interpreted(pack._pack_kernel)
