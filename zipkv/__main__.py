@@ -93,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "book":
+        try:
+            import nbformat, papermill  # noqa: F401,E401 (the book extra)
+        except ImportError as err:
+            print(f"zipkv book: needs the book extra ({err.name} is missing): pip install 'zipkv[book]'", file=sys.stderr)
+            return 1
         from zipkv import book as pipeline
 
         root = args.root or pipeline.REPO_ROOT

@@ -1,4 +1,5 @@
-"""zipkv.kernels leaves the environment alone: Triton's interpreter is the caller's choice on a CPU."""
+"""Library hygiene: importing zipkv changes no environment variable (Triton's interpreter is the
+caller's choice on a CPU), and the library imports without the book's dependencies (the `book` extra)."""
 import os
 import subprocess
 import sys
@@ -35,3 +36,28 @@ def test_the_cpu_suite_runs_the_kernels_in_the_interpreter():
 
     if not torch.cuda.is_available():
         assert kernels.interpreted(pack._pack_kernel)
+
+
+BLOCK_BOOK_EXTRA = """
+import importlib, pkgutil, sys
+BOOK = {"papermill", "ipykernel", "matplotlib", "jupyter_book", "jupyterlab", "nbformat", "IPython", "selenium"}
+
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BOOK:
+            raise ImportError(f"blocked: {name} (the book extra)", name=name)
+
+sys.meta_path.insert(0, Blocker())
+import zipkv
+names = [m.name for m in pkgutil.walk_packages(zipkv.__path__, "zipkv.") if m.name != "zipkv.__main__"]
+for name in names:
+    importlib.import_module(name)
+print(len(names))
+"""
+
+
+def test_the_library_imports_without_the_book_extra():
+    done = subprocess.run([sys.executable, "-c", BLOCK_BOOK_EXTRA], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) >= 10, "every zipkv module was imported"
