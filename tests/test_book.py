@@ -142,6 +142,15 @@ def test_unparseable_parameter_line_is_a_clear_error(tmp_path):
 
 # --- no data lost: runs go to a temporary place; book/ and results/ change only on success ---------
 
+@pytest.fixture(autouse=True)
+def _scratch_in_tmp_path(tmp_path, monkeypatch):
+    """Notebooks run in a temporary folder (a failed one stays there for reading): keep the tests' in tmp_path."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+
+
 def _executed_by_hand(root, profile, text="published"):
     """Stand in for a committed run: an executed tiny notebook made by ``profile`` and its table."""
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(f"# {text}")],
@@ -183,6 +192,8 @@ def test_refuses_to_replace_another_profiles_notebook_unless_forced(tmp_path):
     assert executed.metadata["zipkv"]["profile"] == "quick"
     injected = next(c.source for c in executed.cells if "injected-parameters" in c.metadata.get("tags", []))
     assert '"../../results/quick/tiny.csv"' in injected, injected  # the final place, not the temporary one
+    assert executed.metadata["papermill"]["parameters"]["results_csv"] == "../../results/quick/tiny.csv"
+    assert executed.metadata["papermill"]["output_path"] == str(root / "book" / "part" / "tiny.ipynb")
     assert (root / "results" / "quick" / "tiny.csv").read_text().splitlines() == ["x", "2"]
     assert (root / "results" / "paper" / "tiny.csv").read_bytes() == before[Path("results/paper/tiny.csv")]
     assert not list(root.rglob("*.partial"))

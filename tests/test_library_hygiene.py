@@ -61,3 +61,12 @@ def test_the_library_imports_without_the_book_extra():
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(done.stdout) >= 10, "every zipkv module was imported"
+
+
+def test_gpu_benchmarks_without_a_gpu_are_one_line():
+    from zipkv.__main__ import GPU_BENCHMARKS
+
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    for what in GPU_BENCHMARKS[:2]:
+        done = subprocess.run([sys.executable, "-m", "zipkv", "bench", what], capture_output=True, text=True, env=env)
+        assert done.returncode == 1 and done.stderr == f"zipkv bench {what}: needs a CUDA GPU, and this machine has none\n"

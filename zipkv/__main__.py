@@ -14,6 +14,10 @@ import sys
 from pathlib import Path
 
 
+GPU_BENCHMARKS = ("attention", "pack", "tune", "ncu", "ncu-targets")
+"""Benchmarks that time GPU kernels (``distill`` and ``format`` also run on the CPU)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zipkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.what in GPU_BENCHMARKS:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"zipkv bench {args.what}: needs a CUDA GPU, and this machine has none", file=sys.stderr)
+            return 1
 
     if args.command == "bench":
         import pandas as pd

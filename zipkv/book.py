@@ -247,17 +247,23 @@ def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
     }
 
 
-def _stamp(executed: Path, record: dict, replace_in_parameters: dict[str, str] | None = None) -> None:
+def _stamp(executed: Path, record: dict, job: NotebookJob | None = None) -> None:
     """Write provenance into the notebook's metadata and as a visible cell under its title; fold code
-    cells; in the injected parameters, replace each key of ``replace_in_parameters`` by its value
-    (the temporary results path by the one the table is moved to)."""
+    cells. With ``job``, the notebook ran in a temporary folder: its injected ``results_csv`` and
+    papermill's record name the places ``job`` moves the table and the notebook to."""
     import nbformat
 
     nb = nbformat.read(executed, as_version=4)
-    for c in nb.cells:
-        if "injected-parameters" in c.metadata.get("tags", []):
-            for old, new in (replace_in_parameters or {}).items():
-                c.source = c.source.replace(repr(old), repr(new)).replace(f'"{old}"', f'"{new}"')
+    if job is not None:
+        final = job.parameters[RESULTS_PARAMETER]
+        ran = nb.metadata.get("papermill", {})
+        scratch = ran.get("parameters", {}).get(RESULTS_PARAMETER)
+        for c in nb.cells:
+            if scratch and "injected-parameters" in c.metadata.get("tags", []):
+                c.source = c.source.replace(f'"{scratch}"', f'"{final}"').replace(repr(scratch), repr(final))
+        if scratch:
+            ran["parameters"][RESULTS_PARAMETER] = final
+            ran["output_path"] = str(job.executed)
     nb.metadata["zipkv"] = record
     text = ("```{admonition} Provenance\n"
             + "\n".join(f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items())
@@ -296,7 +302,7 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
         raise NotebookFailed(f"notebook {job.name!r} ran but wrote no main table to its {RESULTS_PARAMETER} "
                              f"(executed copy: {executed}; book/ and results/ unchanged)")
     record["wall_time_s"] = round(time.perf_counter() - started, 1)
-    _stamp(executed, record, {str(results_csv): job.parameters[RESULTS_PARAMETER]})
+    _stamp(executed, record, job)
     _install(results_csv, job.results_csv)
     _install(executed, job.executed)
     shutil.rmtree(scratch, ignore_errors=True)
