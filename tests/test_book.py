@@ -177,8 +177,14 @@ def test_failing_run_leaves_book_and_results_as_they_were(tmp_path):
 
 
 def test_refuses_to_replace_another_profiles_notebook_unless_forced(tmp_path):
-    root = _tiny_root(tmp_path, ["import pandas as pd\npd.DataFrame({'x': [x]}).to_csv(results_csv, index=False)"])
+    """... and, forced, runs beside the profile's other tables (reads one, writes another) like in place."""
+    root = _tiny_root(tmp_path, ["import pandas as pd\nfrom pathlib import Path\n"
+                                 "y = pd.read_csv(Path(results_csv).with_name('other.csv')).y[0]\n"
+                                 "pd.DataFrame({'x': [x + y]}).to_csv(results_csv, index=False)\n"
+                                 "pd.DataFrame({'z': [1]}).to_csv(Path(results_csv).with_name('extra.csv'), index=False)"])
     _executed_by_hand(root, "paper")
+    (root / "results" / "quick").mkdir()
+    (root / "results" / "quick" / "other.csv").write_text("y\n5\n")
     before = _snapshot(root)
     with pytest.raises(ValueError, match=r"refusing to replace notebooks executed with another profile: "
                                          r"book/part/tiny.ipynb \(paper\); pass --force"):
@@ -194,7 +200,9 @@ def test_refuses_to_replace_another_profiles_notebook_unless_forced(tmp_path):
     assert '"../../results/quick/tiny.csv"' in injected, injected  # the final place, not the temporary one
     assert executed.metadata["papermill"]["parameters"]["results_csv"] == "../../results/quick/tiny.csv"
     assert executed.metadata["papermill"]["output_path"] == str(root / "book" / "part" / "tiny.ipynb")
-    assert (root / "results" / "quick" / "tiny.csv").read_text().splitlines() == ["x", "2"]
+    assert (root / "results" / "quick" / "tiny.csv").read_text().splitlines() == ["x", "7"]
+    assert (root / "results" / "quick" / "extra.csv").read_text().splitlines() == ["z", "1"]
+    assert (root / "results" / "quick" / "other.csv").read_text() == "y\n5\n"
     assert (root / "results" / "paper" / "tiny.csv").read_bytes() == before[Path("results/paper/tiny.csv")]
     assert not list(root.rglob("*.partial"))
 

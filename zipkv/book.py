@@ -171,8 +171,9 @@ def _check_devices(jobs: list[NotebookJob], profile: str) -> None:
     gpu_only = [j.name for j in jobs if str(j.device or "").startswith("cuda")]
     if gpu_only and not cuda_available():
         which = f"notebook {gpu_only[0]}" if len(gpu_only) == 1 else f"notebooks {', '.join(gpu_only)}"
+        instead = "use --profile quick" if profile != "quick" else f"set device: cpu in params/{profile}.yaml"
         raise ValueError(f"{which} (--profile {profile}, device: cuda) {'needs' if len(gpu_only) == 1 else 'need'} "
-                         "a CUDA GPU, and this machine has none: run it on a GPU machine, or use --profile quick")
+                         f"a CUDA GPU, and this machine has none: run it on a GPU machine, or {instead}")
 
 
 def executed_profile(executed: Path) -> str | None:
@@ -183,14 +184,14 @@ def executed_profile(executed: Path) -> str | None:
         return None
     try:
         return nbformat.read(executed, as_version=4).metadata.get("zipkv", {}).get("profile")
-    except Exception:  # an unreadable notebook records no profile; replacing it loses no run
+    except (OSError, ValueError):  # not a readable notebook: it records no run to keep
         return None
 
 
 def _check_overwrites(jobs: list[NotebookJob], profile: str, root: Path) -> None:
     others = [(j, p) for j in jobs if (p := executed_profile(j.executed)) not in (None, profile)]
     if others:
-        listed = ", ".join(f"{j.executed.relative_to(root)} ({p})" for j, p in others)
+        listed = ", ".join(f"{os.path.relpath(j.executed, root)} ({p})" for j, p in others)
         raise ValueError(f"refusing to replace notebooks executed with another profile: {listed}; pass --force "
                          f"to replace them with --profile {profile} runs (git checkout book results brings "
                          "committed ones back)")
@@ -281,14 +282,22 @@ def _stamp(executed: Path, record: dict, job: NotebookJob | None = None) -> None
 
 def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
     """Run one notebook with papermill in a temporary folder; only when it succeeded, move the
-    executed notebook into ``book/`` and its table into ``results/<profile>/``. A failure raises
-    :class:`NotebookFailed` naming the failing cell and leaves ``book/`` and ``results/`` as they were."""
+    executed notebook into ``book/`` and the tables it wrote into ``results/<profile>/``. A failure
+    raises :class:`NotebookFailed` naming the failing cell and leaves ``book/`` and ``results/`` as
+    they were (the failed copy stays in the temporary folder, named in the message)."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     record = provenance(profile, root)  # before the run and its own outputs: the commit that runs
     scratch = Path(tempfile.mkdtemp(prefix=f"zipkv-book-{job.name}-"))
-    executed, results_csv = scratch / job.executed.name, scratch / job.results_csv.name
+    executed, results = scratch / job.executed.name, scratch / "results"
+    # The profile's other tables sit beside results_csv, as in results/<profile>/: notebooks read them
+    # (a chapter built on another's table) and may write more tables there.
+    if job.results_csv.parent.is_dir():
+        shutil.copytree(job.results_csv.parent, results)
+    results.mkdir(exist_ok=True)
+    results_csv = results / job.results_csv.name
+    results_csv.unlink(missing_ok=True)
     parameters = {**job.parameters, RESULTS_PARAMETER: str(results_csv)}
     started = time.perf_counter()
     try:
@@ -303,7 +312,10 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
                              f"(executed copy: {executed}; book/ and results/ unchanged)")
     record["wall_time_s"] = round(time.perf_counter() - started, 1)
     _stamp(executed, record, job)
-    _install(results_csv, job.results_csv)
+    for table in sorted(p for p in results.rglob("*") if p.is_file()):   # what the run wrote or changed
+        target = job.results_csv.parent / table.relative_to(results)
+        if not target.is_file() or target.read_bytes() != table.read_bytes():
+            _install(table, target)
     _install(executed, job.executed)
     shutil.rmtree(scratch, ignore_errors=True)
     return record
