@@ -1,7 +1,7 @@
 """Command line.
 
 ``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force]`` — execute the notebooks, build the book.
-``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput).
+``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput; zipkv.bench).
 ``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 ``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).

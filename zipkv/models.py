@@ -67,6 +67,8 @@ PAPER_MODELS = {
     "Llama-3.1-8B-Instruct": ModelShape("Llama-3.1-8B-Instruct", 32, 32, 8, 128, 500_000.0),
     "Qwen3-8B": ModelShape("Qwen3-8B", 36, 32, 8, 128, 1_000_000.0),
 }
+EMBEDDED_SHAPE = ModelShape(EMBEDDED_NAME, 30, 9, 3, 64, 100_000.0)
+"""The embedded model's attention shape (its config.json), for benchmarks that need no weights."""
 
 
 def embedded_gguf_path() -> Path:
