@@ -248,23 +248,30 @@ def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
     }
 
 
-def _stamp(executed: Path, record: dict, job: NotebookJob | None = None) -> None:
-    """Write provenance into the notebook's metadata and as a visible cell under its title; fold code
-    cells. With ``job``, the notebook ran in a temporary folder: its injected ``results_csv`` and
-    papermill's record name the places ``job`` moves the table and the notebook to."""
+def _relocate(executed: Path, job: NotebookJob) -> None:
+    """The notebook ran in a temporary folder: make its injected ``results_csv`` and papermill's record
+    name the places ``job`` moves the table and the notebook to."""
     import nbformat
 
     nb = nbformat.read(executed, as_version=4)
-    if job is not None:
-        final = job.parameters[RESULTS_PARAMETER]
-        ran = nb.metadata.get("papermill", {})
-        scratch = ran.get("parameters", {}).get(RESULTS_PARAMETER)
-        for c in nb.cells:
-            if scratch and "injected-parameters" in c.metadata.get("tags", []):
-                c.source = c.source.replace(f'"{scratch}"', f'"{final}"').replace(repr(scratch), repr(final))
-        if scratch:
-            ran["parameters"][RESULTS_PARAMETER] = final
-            ran["output_path"] = str(job.executed)
+    final = job.parameters[RESULTS_PARAMETER]
+    ran = nb.metadata.get("papermill", {})
+    scratch = ran.get("parameters", {}).get(RESULTS_PARAMETER)
+    if not scratch:
+        return
+    for c in nb.cells:
+        if "injected-parameters" in c.metadata.get("tags", []):
+            c.source = c.source.replace(f'"{scratch}"', f'"{final}"').replace(repr(scratch), repr(final))
+    ran["parameters"][RESULTS_PARAMETER] = final
+    ran["output_path"] = str(job.executed)
+    nbformat.write(nb, executed)
+
+
+def _stamp(executed: Path, record: dict) -> None:
+    """Write provenance into the notebook's metadata and as a visible cell under its title; fold code cells."""
+    import nbformat
+
+    nb = nbformat.read(executed, as_version=4)
     nb.metadata["zipkv"] = record
     text = ("```{admonition} Provenance\n"
             + "\n".join(f"- **{k.replace('_', ' ')}**: {v}" for k, v in record.items())
@@ -311,22 +318,28 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
         raise NotebookFailed(f"notebook {job.name!r} ran but wrote no main table to its {RESULTS_PARAMETER} "
                              f"(executed copy: {executed}; book/ and results/ unchanged)")
     record["wall_time_s"] = round(time.perf_counter() - started, 1)
-    _stamp(executed, record, job)
+    _relocate(executed, job)
     for table in sorted(p for p in results.rglob("*") if p.is_file()):   # what the run wrote or changed
         target = job.results_csv.parent / table.relative_to(results)
         if not target.is_file() or target.read_bytes() != table.read_bytes():
             _install(table, target)
-    _install(executed, job.executed)
+    _install(executed, job.executed, lambda partial: _stamp(partial, record))  # stamped beside its final place
     shutil.rmtree(scratch, ignore_errors=True)
     return record
 
 
-def _install(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst`` (another file system, maybe) so that ``dst`` is never half-written."""
+def _install(src: Path, dst: Path, finish=None) -> None:
+    """Copy ``src`` to ``dst`` (another file system, maybe) so that ``dst`` is never half-written:
+    through ``dst.partial``, which ``finish(partial)`` may still edit in place."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     partial = dst.with_name(dst.name + ".partial")
-    shutil.copyfile(src, partial)
-    os.replace(partial, dst)
+    try:
+        shutil.copyfile(src, partial)
+        if finish is not None:
+            finish(partial)
+        os.replace(partial, dst)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
