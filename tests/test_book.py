@@ -80,66 +80,6 @@ def test_notebook_gets_parameters_results_and_provenance(tmp_path):
     assert (root / "results" / "quick" / "tiny.csv").read_text().splitlines() == ["x", "2"]
 
 
-@pytest.mark.slow
-def test_quick_book_builds_and_renders_in_chromium(tmp_path):
-    """Run the whole quick profile in a copy of the project, build the HTML, open it in Chromium."""
-    root = tmp_path / "project"
-    root.mkdir()
-    for item in ("_config.yml", "_toc.yml", "book", "notebooks", "params"):
-        src = REPO / item
-        (shutil.copytree(src, root / item, ignore=shutil.ignore_patterns("_build")) if src.is_dir()
-         else shutil.copy(src, root / item))
-    index = book.build("quick", root=root, force=True)  # the copy holds the published paper-profile runs
-    for job in book.plan("quick", root=root):
-        record = nbformat.read(job.executed, as_version=4).metadata["zipkv"]
-        assert record["profile"] == "quick", job.name
-        assert job.results_csv.is_file(), job.name
-
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage", "--window-size=1400,2400", f"--user-data-dir={tmp_path / 'chrome'}"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=options)
-    ARTIFACTS.mkdir(exist_ok=True)
-    try:
-        html = index.parent
-        # The top-level index.html redirects to the root page: wait for the page each visit ends on.
-        pages = {"index": (html / "index.html", "book/index.html"),
-                 "model_data_kv_cache": (html / "book" / "intro" / "model_data_kv_cache.html", "model_data_kv_cache.html")}
-        for name, (page, lands_on) in pages.items():
-            driver.get(page.as_uri())
-            WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith(lands_on)
-                                            and d.execute_script("return document.readyState") == "complete")
-            body = WebDriverWait(driver, 30).until(lambda d: d.find_element("tag name", "body")).text
-            assert "Traceback" not in body and "Error" not in driver.title, f"{name} shows an error"
-            driver.save_screenshot(str(ARTIFACTS / f"book_{name}.png"))
-        images = driver.execute_script(
-            "return Array.from(document.images).filter(i => i.closest('.cell_output'))"
-            ".map(i => [i.src, i.complete, i.naturalWidth]);")
-        assert len(images) >= 2, f"the first chapter shows its figures: {images}"
-        assert all(complete and width > 0 for _, complete, width in images), images
-        body = driver.find_element("tag name", "body").text
-        assert "Provenance" in body and "The model, the data and the KV cache" in body
-    finally:
-        driver.quit()
-
-
-def test_unparseable_parameter_line_is_a_clear_error(tmp_path):
-    root = _tiny_root(tmp_path, [])
-    path = root / "notebooks" / "part" / "tiny.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    nb.cells[1].source = "x = 1  # a comment with r = 0.3 inside\nresults_csv = None"
-    nbformat.write(nb, path)
-    with pytest.raises(ValueError, match="cannot parse the parameter line 'x = 1"):
-        book.plan("quick", root=root)
-
-
 # --- no data lost: runs go to a temporary place; book/ and results/ change only on success ---------
 
 @pytest.fixture(autouse=True)
@@ -245,4 +185,64 @@ def test_paper_profile_on_a_cpu_machine_is_one_line_and_leaves_git_clean():
 def test_malformed_params_yaml_names_the_file(tmp_path, text, says):
     root = _tiny_root(tmp_path, [], params_yaml=text)
     with pytest.raises(ValueError, match=rf"{root / 'params' / 'quick.yaml'}.*{says}"):
+        book.plan("quick", root=root)
+
+
+@pytest.mark.slow
+def test_quick_book_builds_and_renders_in_chromium(tmp_path):
+    """Run the whole quick profile in a copy of the project, build the HTML, open it in Chromium."""
+    root = tmp_path / "project"
+    root.mkdir()
+    for item in ("_config.yml", "_toc.yml", "book", "notebooks", "params"):
+        src = REPO / item
+        (shutil.copytree(src, root / item, ignore=shutil.ignore_patterns("_build")) if src.is_dir()
+         else shutil.copy(src, root / item))
+    index = book.build("quick", root=root, force=True)  # the copy holds the published paper-profile runs
+    for job in book.plan("quick", root=root):
+        record = nbformat.read(job.executed, as_version=4).metadata["zipkv"]
+        assert record["profile"] == "quick", job.name
+        assert job.results_csv.is_file(), job.name
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--disable-dev-shm-usage", "--window-size=1400,2400", f"--user-data-dir={tmp_path / 'chrome'}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"), options=options)
+    ARTIFACTS.mkdir(exist_ok=True)
+    try:
+        html = index.parent
+        # The top-level index.html redirects to the root page: wait for the page each visit ends on.
+        pages = {"index": (html / "index.html", "book/index.html"),
+                 "model_data_kv_cache": (html / "book" / "intro" / "model_data_kv_cache.html", "model_data_kv_cache.html")}
+        for name, (page, lands_on) in pages.items():
+            driver.get(page.as_uri())
+            WebDriverWait(driver, 30).until(lambda d: d.current_url.endswith(lands_on)
+                                            and d.execute_script("return document.readyState") == "complete")
+            body = WebDriverWait(driver, 30).until(lambda d: d.find_element("tag name", "body")).text
+            assert "Traceback" not in body and "Error" not in driver.title, f"{name} shows an error"
+            driver.save_screenshot(str(ARTIFACTS / f"book_{name}.png"))
+        images = driver.execute_script(
+            "return Array.from(document.images).filter(i => i.closest('.cell_output'))"
+            ".map(i => [i.src, i.complete, i.naturalWidth]);")
+        assert len(images) >= 2, f"the first chapter shows its figures: {images}"
+        assert all(complete and width > 0 for _, complete, width in images), images
+        body = driver.find_element("tag name", "body").text
+        assert "Provenance" in body and "The model, the data and the KV cache" in body
+    finally:
+        driver.quit()
+
+
+def test_unparseable_parameter_line_is_a_clear_error(tmp_path):
+    root = _tiny_root(tmp_path, [])
+    path = root / "notebooks" / "part" / "tiny.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[1].source = "x = 1  # a comment with r = 0.3 inside\nresults_csv = None"
+    nbformat.write(nb, path)
+    with pytest.raises(ValueError, match="cannot parse the parameter line 'x = 1"):
         book.plan("quick", root=root)

@@ -248,25 +248,6 @@ def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
     }
 
 
-def _relocate(executed: Path, job: NotebookJob) -> None:
-    """The notebook ran in a temporary folder: make its injected ``results_csv`` and papermill's record
-    name the places ``job`` moves the table and the notebook to."""
-    import nbformat
-
-    nb = nbformat.read(executed, as_version=4)
-    final = job.parameters[RESULTS_PARAMETER]
-    ran = nb.metadata.get("papermill", {})
-    scratch = ran.get("parameters", {}).get(RESULTS_PARAMETER)
-    if not scratch:
-        return
-    for c in nb.cells:
-        if "injected-parameters" in c.metadata.get("tags", []):
-            c.source = c.source.replace(f'"{scratch}"', f'"{final}"').replace(repr(scratch), repr(final))
-    ran["parameters"][RESULTS_PARAMETER] = final
-    ran["output_path"] = str(job.executed)
-    nbformat.write(nb, executed)
-
-
 def _stamp(executed: Path, record: dict) -> None:
     """Write provenance into the notebook's metadata and as a visible cell under its title; fold code cells."""
     import nbformat
@@ -340,6 +321,25 @@ def _install(src: Path, dst: Path, finish=None) -> None:
         os.replace(partial, dst)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _relocate(executed: Path, job: NotebookJob) -> None:
+    """The notebook ran in a temporary folder: make its injected ``results_csv`` and papermill's record
+    name the places ``job`` moves the table and the notebook to."""
+    import nbformat
+
+    nb = nbformat.read(executed, as_version=4)
+    final = job.parameters[RESULTS_PARAMETER]
+    ran = nb.metadata.get("papermill", {})
+    scratch = ran.get("parameters", {}).get(RESULTS_PARAMETER)
+    if not scratch:
+        return
+    for c in nb.cells:
+        if "injected-parameters" in c.metadata.get("tags", []):
+            c.source = c.source.replace(f'"{scratch}"', f'"{final}"').replace(repr(scratch), repr(final))
+    ran["parameters"][RESULTS_PARAMETER] = final
+    ran["output_path"] = str(job.executed)
+    nbformat.write(nb, executed)
 
 
 @contextlib.contextmanager
