@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run only in Triton's interpreter, chosen before triton is
+    # imported (zipkv itself never sets it: see zipkv/kernels/__init__.py).
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

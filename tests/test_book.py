@@ -1,6 +1,7 @@
 """The book pipeline: profile and parameter checks, failures that name the notebook, and the
 published book opened in a real (headless Chromium) browser."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -79,6 +80,114 @@ def test_notebook_gets_parameters_results_and_provenance(tmp_path):
     assert (root / "results" / "quick" / "tiny.csv").read_text().splitlines() == ["x", "2"]
 
 
+# --- no data lost: runs go to a temporary place; book/ and results/ change only on success ---------
+
+@pytest.fixture(autouse=True)
+def _scratch_in_tmp_path(tmp_path, monkeypatch):
+    """Notebooks run in a temporary folder (a failed one stays there for reading): keep the tests' in tmp_path."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+
+
+def _executed_by_hand(root, profile, text="published"):
+    """Stand in for a committed run: an executed tiny notebook made by ``profile`` and its table."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(f"# {text}")],
+                                  metadata={"zipkv": {"profile": profile}})
+    (root / "book" / "part").mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, root / "book" / "part" / "tiny.ipynb")
+    (root / "results" / profile).mkdir(parents=True, exist_ok=True)
+    (root / "results" / profile / "tiny.csv").write_text(f"x\n{text}\n")
+
+
+def _snapshot(root):
+    return {p.relative_to(root): p.read_bytes() for d in ("book", "results") for p in sorted((root / d).rglob("*"))
+            if p.is_file()}
+
+
+def test_failing_run_leaves_book_and_results_as_they_were(tmp_path):
+    root = _tiny_root(tmp_path, ["import pandas as pd\npd.DataFrame({'x': [x]}).to_csv(results_csv, index=False)",
+                                 "raise RuntimeError('fails after writing its table')"])
+    _executed_by_hand(root, "quick")
+    before = _snapshot(root)
+    with pytest.raises(book.NotebookFailed, match=r"failed in cell \d+: RuntimeError: .*book/ and results/ unchanged"):
+        book.build("quick", root=root, html=False)
+    assert _snapshot(root) == before
+
+
+def test_refuses_to_replace_another_profiles_notebook_unless_forced(tmp_path):
+    """... and, forced, runs beside the profile's other tables (reads one, writes another) like in place."""
+    root = _tiny_root(tmp_path, ["import pandas as pd\nfrom pathlib import Path\n"
+                                 "y = pd.read_csv(Path(results_csv).with_name('other.csv')).y[0]\n"
+                                 "pd.DataFrame({'x': [x + y]}).to_csv(results_csv, index=False)\n"
+                                 "pd.DataFrame({'z': [1]}).to_csv(Path(results_csv).with_name('extra.csv'), index=False)"])
+    _executed_by_hand(root, "paper")
+    (root / "results" / "quick").mkdir()
+    (root / "results" / "quick" / "other.csv").write_text("y\n5\n")
+    before = _snapshot(root)
+    with pytest.raises(ValueError, match=r"refusing to replace notebooks executed with another profile: "
+                                         r"book/part/tiny.ipynb \(paper\); pass --force"):
+        book.preflight(book.plan("quick", root=root), "quick", root)
+    done = subprocess.run([sys.executable, "-m", "zipkv", "book", "--profile", "quick", "--no-html", "--root", str(root)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and done.stderr.count("\n") == 1 and "pass --force" in done.stderr, done.stderr
+    assert _snapshot(root) == before
+    book.build("quick", root=root, html=False, force=True)
+    executed = nbformat.read(root / "book" / "part" / "tiny.ipynb", as_version=4)
+    assert executed.metadata["zipkv"]["profile"] == "quick"
+    injected = next(c.source for c in executed.cells if "injected-parameters" in c.metadata.get("tags", []))
+    assert '"../../results/quick/tiny.csv"' in injected, injected  # the final place, not the temporary one
+    assert executed.metadata["papermill"]["parameters"]["results_csv"] == "../../results/quick/tiny.csv"
+    assert executed.metadata["papermill"]["output_path"] == str(root / "book" / "part" / "tiny.ipynb")
+    assert (root / "results" / "quick" / "tiny.csv").read_text().splitlines() == ["x", "7"]
+    assert (root / "results" / "quick" / "extra.csv").read_text().splitlines() == ["z", "1"]
+    assert (root / "results" / "quick" / "other.csv").read_text() == "y\n5\n"
+    assert (root / "results" / "paper" / "tiny.csv").read_bytes() == before[Path("results/paper/tiny.csv")]
+    assert not list(root.rglob("*.partial"))
+
+
+def test_gpu_only_profile_without_a_gpu_is_one_line_before_anything_runs(tmp_path, monkeypatch):
+    root = _tiny_root(tmp_path, ["raise RuntimeError('must not run')"], params_yaml="tiny:\n  x: 3\n  device: cuda\n")
+    path = root / "notebooks" / "part" / "tiny.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    nb.cells[1].source = "x = 1\ndevice = 'cpu'\nresults_csv = None"
+    nbformat.write(nb, path)
+    monkeypatch.setattr(book, "cuda_available", lambda: False)
+    with pytest.raises(ValueError, match=r"notebook tiny \(--profile quick, device: cuda\) needs a CUDA GPU"):
+        book.build("quick", root=root, html=False)
+    assert not (root / "book").exists() and not (root / "results").exists()
+    monkeypatch.setattr(book, "cuda_available", lambda: True)
+    assert book.plan("quick", root=root)[0].device == "cuda"
+    (root / "params" / "quick.yaml").write_text("tiny:\n  x: 3\n")
+    assert book.plan("quick", root=root)[0].device == "cpu"          # the notebook's default
+
+
+def test_paper_profile_on_a_cpu_machine_is_one_line_and_leaves_git_clean():
+    """The issue's bar: `python -m zipkv book --profile paper --only model_data_kv_cache` without a GPU."""
+    def status():
+        done = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else None
+
+    before = status()
+    done = subprocess.run([sys.executable, "-m", "zipkv", "book", "--profile", "paper", "--only", "model_data_kv_cache"],
+                          capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.count("\n") == 1 and "needs a CUDA GPU" in done.stderr and not done.stdout, done.stderr
+    assert status() == before
+
+
+@pytest.mark.parametrize("text, says", [
+    ("tiny:\n  x: [1, 2\n", r"is not valid YAML at line \d+"),
+    ("- tiny\n", "holds a YAML list"),
+    ("tiny: 3\n", r"section 'tiny' is 3"),
+])
+def test_malformed_params_yaml_names_the_file(tmp_path, text, says):
+    root = _tiny_root(tmp_path, [], params_yaml=text)
+    with pytest.raises(ValueError, match=rf"{root / 'params' / 'quick.yaml'}.*{says}"):
+        book.plan("quick", root=root)
+
+
 @pytest.mark.slow
 def test_quick_book_builds_and_renders_in_chromium(tmp_path):
     """Run the whole quick profile in a copy of the project, build the HTML, open it in Chromium."""
@@ -88,7 +197,7 @@ def test_quick_book_builds_and_renders_in_chromium(tmp_path):
         src = REPO / item
         (shutil.copytree(src, root / item, ignore=shutil.ignore_patterns("_build")) if src.is_dir()
          else shutil.copy(src, root / item))
-    index = book.build("quick", root=root)
+    index = book.build("quick", root=root, force=True)  # the copy holds the published paper-profile runs
     for job in book.plan("quick", root=root):
         record = nbformat.read(job.executed, as_version=4).metadata["zipkv"]
         assert record["profile"] == "quick", job.name

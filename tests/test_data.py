@@ -87,3 +87,25 @@ def test_books_from_the_datasets_library(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", fake)
     books = data.load_books(limit=1)
     assert [(b.pg_id, b.title) for b in books] == [(10146, "A")]
+
+
+@pytest.mark.parametrize("manifest, says", [
+    ('[{"pg_id": 1, "title": "a"},', "is not valid JSON"),
+    ('{"pg_id": 1}', "holds a JSON dict"),
+    ('[{"title": "no id"}]', r"entry 0 is \{'title': 'no id'\}"),
+    ('[{"pg_id": 1}, {"pg_id": "x1"}]', "entry 1 is"),
+    ('[{"pg_id": 1, "title": 7}]', "entry 0 is"),
+    ('[3]', "entry 0 is 3"),
+])
+def test_malformed_manifest_names_the_file(tmp_path, manifest, says):
+    folder = _write_books(tmp_path / "b", ["some text"])
+    (folder / "manifest.json").write_text(manifest)
+    with pytest.raises(ValueError, match=rf"{folder / 'manifest.json'}.*{says}"):
+        data.load_books(folder)
+
+
+def test_manifest_pg_ids_may_be_digit_strings(tmp_path):
+    folder = _write_books(tmp_path / "b", ["some text"])
+    (folder / "manifest.json").write_text('[{"pg_id": "0"}]')
+    (book,) = data.load_books(folder)
+    assert (book.pg_id, book.title, book.text) == (0, "", "some text")

@@ -198,16 +198,6 @@ def test_cache_stats_and_to_pages():
         assert st.as_dict()["ratio"] == pytest.approx(st.ratio)
 
 
-def test_eligible_is_fast_on_a_large_cache():
-    import time
-    x = torch.randn(30, 3, 128, 16, 64).to(torch.bfloat16)            # ~12M values
-    t = time.perf_counter()
-    for layout in F.layouts_for(64):
-        F.eligible(x, layout)
-    F.eligible(x.reshape(30, 3, 64, 16, 128), "v_mma")
-    assert time.perf_counter() - t < 5.0
-
-
 def test_errors():
     good = random_pages((2,), 64)
     with pytest.raises(TypeError, match="pages.*bfloat16.*float32"):
@@ -238,3 +228,65 @@ def test_errors():
             F.pack(good, layout)
     with pytest.raises(ValueError, match="head_dim 128 only, got head_dim 256"):
         F.PageMeta.from_packed(torch.zeros(8, dtype=torch.uint8), "v_mma", 256)
+
+
+@pytest.mark.parametrize("base", [101, 255])
+def test_unpack_rejects_an_odd_base(base):
+    """A compressed block's base is its lowest exponent rounded down to even: an odd one is impossible."""
+    page = F.from_blocks(_block_with_exponents(100, 115).reshape(1, 512).expand(4, 512), "token", 128)
+    payload, meta = F.pack(page)
+    bad_base = meta.base.clone()
+    bad_base[2] = base
+    with pytest.raises(ValueError, match=rf"meta.base: compressed block \(2,\) has base {base}; .*is even"):
+        F.unpack(payload, F.PageMeta("token", 128, meta.compressed, bad_base))
+    # The same base on a raw block is ignored (raw blocks carry no base).
+    raw = meta.compressed.clone()
+    raw[2] = False
+    payload = F.pack(page, enable=raw)[0]
+    assert torch.equal(bits(F.unpack(payload, F.PageMeta("token", 128, raw, bad_base))), bits(page))
+
+
+@pytest.mark.parametrize("base", [242, 250, 254])
+def test_unpack_rejects_a_base_whose_codes_pass_exponent_255(base):
+    """Above 240 a base is legal only with codes that keep every exponent <= 255 (what pack writes);
+    the codes of a block packed with base 100 reach e >> 1 = b/2 + 7 > 127 and would flip sign bits."""
+    for layout in ("token", "channel", "k_mma", "v_mma"):
+        page = F.from_blocks(_block_with_exponents(100, 115).reshape(1, 512).expand(4, 512), layout, 128)
+        payload, meta = F.pack(page, layout)
+        bad_base = meta.base.clone()
+        bad_base[1] = base
+        with pytest.raises(ValueError, match=rf"compressed block \(1,\) has base {base}, but its codes name exponents above 255"):
+            F.unpack(payload, F.PageMeta(layout, 128, meta.compressed, bad_base))
+
+
+def test_bases_above_240_round_trip():
+    """pack writes bases 242..254 for blocks whose exponents all lie in [242, 255]; they stay legal."""
+    for emin in (242, 247, 254):
+        page = F.from_blocks(_block_with_exponents(emin, 255).reshape(1, 512).expand(4, 512), "token", 128)
+        payload, meta = F.pack(page)
+        assert meta.base.tolist() == [emin & ~1] * 4
+        assert torch.equal(bits(F.unpack(payload, meta)), bits(page))
+
+
+def test_unpack_rejects_the_metadata_byte_0xff_on_a_low_block():
+    """0xFF = compressed, base 254: from_packed reads it; with codes of a block packed at base ~100 it is refused."""
+    payload, meta = F.pack(random_pages((1,), 128, spread=0.0))
+    assert bool(meta.compressed[0, 0])
+    packed = meta.packed().clone()
+    packed[0, 0] = 0xFF
+    with pytest.raises(ValueError, match="has base 254, but its codes"):
+        F.unpack(payload, F.PageMeta.from_packed(packed, "token", 128))
+    with pytest.raises(TypeError, match="meta.base must be a uint8"):
+        F.unpack(payload, F.PageMeta("token", 128, meta.compressed, meta.base.to(torch.int32)))
+
+
+def test_format_benchmark_times_every_layout_beside_its_anchor():
+    """The speed of eligible/pack/unpack is a benchmark (python -m zipkv bench format), not a wall-clock test."""
+    from zipkv.format_bench import format_benchmark
+
+    table = format_benchmark(head_dim=128, n_values=16 * 128 * 8, reps=1)
+    assert table.op.tolist() == ["amax over the same bytes (anchor)", *[f"eligible ({l})" for l in F.LAYOUTS],
+                                 "pack (token)", "unpack (token)"]
+    assert (table.seconds > 0).all() and table.time_vs_anchor.iloc[0] == 1.0
+    with pytest.raises(ValueError, match="n_values=10"):
+        format_benchmark(n_values=10)

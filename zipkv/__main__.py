@@ -1,16 +1,21 @@
 """Command line.
 
-``python -m zipkv book [--profile quick|paper] [--only NAME ...]`` — execute the notebooks, build the book.
+``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force]`` — execute the notebooks, build the book.
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput; zipkv.bench).
 ``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 ``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).
+``python -m zipkv bench format [--out CSV]`` — the plain-torch format reference (eligible, pack, unpack) vs a plain scan.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+
+
+GPU_BENCHMARKS = ("attention", "pack", "tune", "ncu", "ncu-targets")
+"""Benchmarks that time GPU kernels (``distill`` and ``format`` also run on the CPU)."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,8 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--no-html", action="store_true", help="execute notebooks only; skip jupyter-book")
     book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
+    book.add_argument("--force", action="store_true",
+                      help="replace executed notebooks in book/ that another profile made")
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
-    bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets"])
+    bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
     bench.add_argument("--contexts", type=int, nargs="+", default=None,
                        help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
@@ -38,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.what in GPU_BENCHMARKS:
+        import torch
+
+        if not torch.cuda.is_available():
+            print(f"zipkv bench {args.what}: needs a CUDA GPU, and this machine has none", file=sys.stderr)
+            return 1
 
     if args.command == "bench":
         import pandas as pd
@@ -61,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
                                                    reps=args.reps)
             if args.write:
                 print("stored:", benchmarks.write_tuning(table))
+        elif args.what == "format":
+            import torch
+
+            from zipkv.format_bench import format_benchmark
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            table = pd.concat([format_benchmark(head_dim=d, device=device) for d in (64, 128)], ignore_index=True)
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:
@@ -83,6 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.command == "book":
+        try:
+            import nbformat, papermill  # noqa: F401,E401 (the book extra)
+        except ImportError as err:
+            print(f"zipkv book: needs the book extra ({err.name} is missing): pip install 'zipkv[book]'", file=sys.stderr)
+            return 1
         from zipkv import book as pipeline
 
         root = args.root or pipeline.REPO_ROOT
@@ -90,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.html_only:
                 index = pipeline.build_html(Path(root).resolve())
             else:
-                index = pipeline.build(args.profile, args.only, root, html=not args.no_html)
+                index = pipeline.build(args.profile, args.only, root, html=not args.no_html, force=args.force)
         except (ValueError, pipeline.NotebookFailed, RuntimeError) as err:
             print(f"zipkv book: {err}", file=sys.stderr)
             return 1

@@ -11,12 +11,15 @@ Layout (relative to ``root``, the repository by default)::
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +38,8 @@ class NotebookJob:
     executed: Path
     results_csv: Path
     parameters: dict
+    device: str | None = None
+    """The notebook's ``device`` parameter (the profile's value, else its default), if it has one."""
 
 
 class NotebookFailed(RuntimeError):
@@ -46,10 +51,25 @@ def profiles(root: Path = REPO_ROOT) -> list[str]:
 
 
 def load_profile(profile: str, root: Path = REPO_ROOT) -> dict:
+    """``params/<profile>.yaml`` as {notebook name: {parameter: value}}; a malformed file is a
+    ``ValueError`` naming it."""
     path = root / "params" / f"{profile}.yaml"
     if not path.is_file():
         raise ValueError(f"unknown profile {profile!r}: expected one of {profiles(root)} (files in {root / 'params'})")
-    return yaml.safe_load(path.read_text()) or {}
+    expected = "expected a mapping of notebook names to mappings of parameters"
+    try:
+        settings = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        where = getattr(err, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise ValueError(f"{path} is not valid YAML{line} ({problem}): {expected}") from None
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path} holds a YAML {type(settings).__name__}: {expected}")
+    for name, section in settings.items():
+        if section is not None and not isinstance(section, dict):
+            raise ValueError(f"{path}: section {name!r} is {section!r}: {expected} (e.g. '{name}:\\n  context: 1024')")
+    return settings
 
 
 def notebook_sources(root: Path = REPO_ROOT) -> dict[str, Path]:
@@ -114,8 +134,67 @@ def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT) ->
         results_csv = root / "results" / profile / f"{name}.csv"
         # Relative to the notebook's working directory (its own folder), so the executed copy reads well.
         given[RESULTS_PARAMETER] = os.path.relpath(results_csv, source.parent)
-        jobs.append(NotebookJob(name, source, root / "book" / part / source.name, results_csv, given))
+        jobs.append(NotebookJob(name, source, root / "book" / part / source.name, results_csv, given,
+                                {**declared_defaults(source, declared), **given}.get("device")))
     return jobs
+
+
+def preflight(jobs: list[NotebookJob], profile: str, root: Path = REPO_ROOT, *, force: bool = False) -> None:
+    """Refuse, in one line and before anything runs, a notebook whose parameters say ``device: cuda``
+    on a machine without a CUDA GPU, and replacing an executed notebook in ``book/`` that another
+    profile made (unless ``force``)."""
+    _check_devices(jobs, profile)
+    if not force:
+        _check_overwrites(jobs, profile, Path(root))
+
+
+def declared_defaults(source: Path, declared: dict) -> dict:
+    """The default values of a notebook's parameters, where papermill can read them as literals."""
+    import ast
+
+    values = {}
+    for name, info in declared.items():
+        try:
+            values[name] = ast.literal_eval(info["default"])
+        except (ValueError, SyntaxError, KeyError, TypeError):
+            pass
+    return values
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_devices(jobs: list[NotebookJob], profile: str) -> None:
+    gpu_only = [j.name for j in jobs if str(j.device or "").startswith("cuda")]
+    if gpu_only and not cuda_available():
+        which = f"notebook {gpu_only[0]}" if len(gpu_only) == 1 else f"notebooks {', '.join(gpu_only)}"
+        instead = "use --profile quick" if profile != "quick" else f"set device: cpu in params/{profile}.yaml"
+        raise ValueError(f"{which} (--profile {profile}, device: cuda) {'needs' if len(gpu_only) == 1 else 'need'} "
+                         f"a CUDA GPU, and this machine has none: run it on a GPU machine, or {instead}")
+
+
+def executed_profile(executed: Path) -> str | None:
+    """The profile recorded in an executed notebook's metadata (``None`` if there is none)."""
+    import nbformat
+
+    if not executed.is_file():
+        return None
+    try:
+        return nbformat.read(executed, as_version=4).metadata.get("zipkv", {}).get("profile")
+    except (OSError, ValueError):  # not a readable notebook: it records no run to keep
+        return None
+
+
+def _check_overwrites(jobs: list[NotebookJob], profile: str, root: Path) -> None:
+    others = [(j, p) for j in jobs if (p := executed_profile(j.executed)) not in (None, profile)]
+    if others:
+        listed = ", ".join(f"{os.path.relpath(j.executed, root)} ({p})" for j, p in others)
+        raise ValueError(f"refusing to replace notebooks executed with another profile: {listed}; pass --force "
+                         f"to replace them with --profile {profile} runs (git checkout book results brings "
+                         "committed ones back)")
 
 
 def _git_commit(root: Path) -> str:
@@ -233,27 +312,92 @@ def _stamp(executed: Path, record: dict) -> None:
 
 
 def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
-    """Run one notebook with papermill; raise :class:`NotebookFailed` naming the failing cell."""
+    """Run one notebook with papermill in a temporary folder; only when it succeeded, move the
+    executed notebook into ``book/`` and the tables it wrote into ``results/<profile>/``. A failure
+    raises :class:`NotebookFailed` naming the failing cell and leaves ``book/`` and ``results/`` as
+    they were (the failed copy stays in the temporary folder, named in the message)."""
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
     record = provenance(profile, root)  # before the run and its own outputs: the commit that runs
-    job.executed.parent.mkdir(parents=True, exist_ok=True)
-    job.results_csv.parent.mkdir(parents=True, exist_ok=True)
-    if job.results_csv.exists():
-        job.results_csv.unlink()
+    scratch = Path(tempfile.mkdtemp(prefix=f"zipkv-book-{job.name}-"))
+    executed, results = scratch / job.executed.name, scratch / "results"
+    # The profile's other tables sit beside results_csv, as in results/<profile>/: notebooks read them
+    # (a chapter built on another's table) and may write more tables there.
+    if job.results_csv.parent.is_dir():
+        shutil.copytree(job.results_csv.parent, results)
+    results.mkdir(exist_ok=True)
+    results_csv = results / job.results_csv.name
+    results_csv.unlink(missing_ok=True)
+    parameters = {**job.parameters, RESULTS_PARAMETER: str(results_csv)}
     started = time.perf_counter()
     try:
-        papermill.execute_notebook(str(job.source), str(job.executed), parameters=job.parameters,
-                                   kernel_name="python3", progress_bar=False, cwd=str(job.source.parent))
+        with _triton_interpreter_without_gpu():
+            papermill.execute_notebook(str(job.source), str(executed), parameters=parameters,
+                                       kernel_name="python3", progress_bar=False, cwd=str(job.source.parent))
     except PapermillExecutionError as err:
         raise NotebookFailed(f"notebook {job.name!r} failed in cell {err.exec_count}: {err.ename}: {err.evalue} "
-                             f"(executed copy with the traceback: {job.executed})") from None
-    if not job.results_csv.is_file():
-        raise NotebookFailed(f"notebook {job.name!r} ran but wrote no main table to {job.results_csv}")
+                             f"(executed copy with the traceback: {executed}; book/ and results/ unchanged)") from None
+    if not results_csv.is_file():
+        raise NotebookFailed(f"notebook {job.name!r} ran but wrote no main table to its {RESULTS_PARAMETER} "
+                             f"(executed copy: {executed}; book/ and results/ unchanged)")
     record["wall_time_s"] = round(time.perf_counter() - started, 1)
-    _stamp(job.executed, record)
+    _relocate(executed, job)
+    for table in sorted(p for p in results.rglob("*") if p.is_file()):   # what the run wrote or changed
+        target = job.results_csv.parent / table.relative_to(results)
+        if not target.is_file() or target.read_bytes() != table.read_bytes():
+            _install(table, target)
+    _install(executed, job.executed, lambda partial: _stamp(partial, record))  # stamped beside its final place
+    shutil.rmtree(scratch, ignore_errors=True)
     return record
+
+
+def _install(src: Path, dst: Path, finish=None) -> None:
+    """Copy ``src`` to ``dst`` (another file system, maybe) so that ``dst`` is never half-written:
+    through ``dst.partial``, which ``finish(partial)`` may still edit in place."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    partial = dst.with_name(dst.name + ".partial")
+    try:
+        shutil.copyfile(src, partial)
+        if finish is not None:
+            finish(partial)
+        os.replace(partial, dst)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def _relocate(executed: Path, job: NotebookJob) -> None:
+    """The notebook ran in a temporary folder: make its injected ``results_csv`` and papermill's record
+    name the places ``job`` moves the table and the notebook to."""
+    import nbformat
+
+    nb = nbformat.read(executed, as_version=4)
+    final = job.parameters[RESULTS_PARAMETER]
+    ran = nb.metadata.get("papermill", {})
+    scratch = ran.get("parameters", {}).get(RESULTS_PARAMETER)
+    if not scratch:
+        return
+    for c in nb.cells:
+        if "injected-parameters" in c.metadata.get("tags", []):
+            c.source = c.source.replace(f'"{scratch}"', f'"{final}"').replace(repr(scratch), repr(final))
+    ran["parameters"][RESULTS_PARAMETER] = final
+    ran["output_path"] = str(job.executed)
+    nbformat.write(nb, executed)
+
+
+@contextlib.contextmanager
+def _triton_interpreter_without_gpu():
+    """Without a CUDA GPU, Triton kernels run only in Triton's interpreter, chosen by
+    ``TRITON_INTERPRET=1`` before triton is imported: set it for the notebook kernels started here
+    (unless the caller chose), and give this process its environment back afterwards."""
+    if "TRITON_INTERPRET" in os.environ or cuda_available():
+        yield
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TRITON_INTERPRET", None)
 
 
 def build_html(root: Path = REPO_ROOT) -> Path:
@@ -270,15 +414,20 @@ def build_html(root: Path = REPO_ROOT) -> Path:
 
 
 def build(profile: str = "quick", only: list[str] | None = None, root: Path = REPO_ROOT,
-          html: bool = True) -> Path | None:
-    """Execute the notebooks of ``profile`` (all, or those named in ``only``), then build the HTML."""
+          html: bool = True, *, force: bool = False) -> Path | None:
+    """Execute the notebooks of ``profile`` (all, or those named in ``only``), then build the HTML.
+
+    ``force`` replaces executed notebooks that another profile made (each replacement is printed)."""
     from tqdm.auto import tqdm
 
     root = Path(root).resolve()
     jobs = plan(profile, only, root)
+    preflight(jobs, profile, root, force=force)
+    replaced = {j.name: p for j in jobs if (p := executed_profile(j.executed)) not in (None, profile)}
     with tqdm(jobs, desc=f"notebooks ({profile})", unit="notebook") as bar:
         for job in bar:
             bar.set_postfix_str(job.name)
             record = execute(job, profile, root)
-            bar.write(f"{job.name}: {record['wall_time_s']} s on {record['device']}")
+            was = f" (replaced the {replaced[job.name]}-profile run)" if job.name in replaced else ""
+            bar.write(f"{job.name}: {record['wall_time_s']} s on {record['device']}{was}")
     return build_html(root) if html else None

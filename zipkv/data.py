@@ -81,14 +81,35 @@ def load_books(folder: str | os.PathLike | None = None, *, limit: int | None = N
             "<pg_id>.txt files plus manifest.json (a list of {pg_id, title, ...}). Point at one with "
             "load_books(folder=...) or the ZIPKV_PG19 environment variable."
         )
-    entries = json.loads(manifest.read_text())
     books = []
-    for entry in entries[:limit]:
-        path = folder / f"{entry['pg_id']}.txt"
+    for pg_id, title in _read_manifest(manifest)[:limit]:
+        path = folder / f"{pg_id}.txt"
         if not path.is_file():
-            raise FileNotFoundError(f"manifest.json in {folder} lists pg_id={entry['pg_id']}, but {path} is missing")
-        books.append(Book(int(entry["pg_id"]), entry.get("title", ""), path.read_text(encoding="utf-8")))
+            raise FileNotFoundError(f"manifest.json in {folder} lists pg_id={pg_id}, but {path} is missing")
+        books.append(Book(pg_id, title, path.read_text(encoding="utf-8")))
     return books
+
+
+def _read_manifest(path: Path) -> list[tuple[int, str]]:
+    """``(pg_id, title)`` per entry of a ``manifest.json`` (a JSON list of objects with an integer
+    ``pg_id`` and an optional string ``title``); a malformed file is a ``ValueError`` naming it."""
+    expected = 'expected a JSON list of objects like {"pg_id": 10146, "title": "..."}'
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): {expected}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path} holds a JSON {type(entries).__name__}: {expected}")
+    result = []
+    for i, entry in enumerate(entries):
+        pg_id = entry.get("pg_id") if isinstance(entry, dict) else None
+        title = entry.get("title", "") if isinstance(entry, dict) else ""
+        if isinstance(pg_id, str) and pg_id.isdigit():
+            pg_id = int(pg_id)
+        if isinstance(pg_id, bool) or not isinstance(pg_id, int) or not isinstance(title, str):
+            raise ValueError(f"{path}: entry {i} is {entry!r}: {expected} (an integer pg_id, a string title)")
+        result.append((pg_id, title))
+    return result
 
 
 def _load_books_from_datasets(limit: int | None) -> list[Book]:

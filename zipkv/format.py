@@ -10,9 +10,11 @@ blocks of 512 values. A BF16 value has bits ``s eeeeeeee fffffff``:
 A block is *compressed* iff all its exponents lie in ``[b, b + 15]`` with ``b`` = the
 block's minimum exponent rounded down to even. Then every value's ``e >> 1`` lies in
 ``[b/2, b/2 + 7]`` and its code is ``c = s << 3 | (e >> 1) - b/2`` (0..15). The high byte
-comes back as ``(c >> 3) << 7 | (b/2 + (c & 7))``: since ``b/2 + 7 <= 127`` the add never
-carries into the sign bit, so four high bytes are restored by one 32-bit add of
-``(b/2) * 0x01010101`` to a word holding ``(c >> 3) << 7 | (c & 7)`` in each byte.
+comes back as ``(c >> 3) << 7 | (b/2 + (c & 7))``: since ``b/2 + (c & 7) = e >> 1 <= 127`` the add
+never carries into the sign bit (for ``b <= 240`` whatever the code; for ``b`` in 242..254, blocks
+whose exponents all lie in ``[242, 255]``, with every code ``pack`` writes), so four high bytes are
+restored by one 32-bit add of ``(b/2) * 0x01010101`` to a word holding ``(c >> 3) << 7 | (c & 7)``
+in each byte. A compressed block's base is never odd.
 
 Block arrangement (``layout``) — which page values form block ``j``, and in which order
 (``p`` = position in the block, 0..511):
@@ -71,7 +73,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "PAGE_TOKENS", "BLOCK_VALUES", "LAYOUTS", "MMA_LAYOUTS", "HEAD_DIMS", "PageMeta", "CacheStats",
+    "PAGE_TOKENS", "BLOCK_VALUES", "NO_CARRY_BASE", "LAYOUTS", "MMA_LAYOUTS", "HEAD_DIMS", "PageMeta", "CacheStats",
     "n_blocks", "page_bytes", "layouts_for", "mma_index", "to_pages", "to_blocks", "from_blocks", "eligible",
     "pack", "unpack", "cache_stats",
 ]
@@ -338,9 +340,44 @@ def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Ten
     return payload[..., : 4 * nb, :].reshape(*lead, nb * RAW_BLOCK_BYTES), meta
 
 
+NO_CARRY_BASE = 240
+"""Up to this base every code decodes without a carry (``b/2 + 7 <= 127``); above it (blocks whose
+exponents all lie in ``[242, 255]``) only the codes :func:`pack` writes do, which :func:`unpack` checks."""
+
+
+def _check_bases(meta: PageMeta) -> None:
+    """A compressed block's base is its lowest exponent rounded down to even: never odd."""
+    if meta.compressed.dtype != torch.bool:
+        raise TypeError(f"meta.compressed must be a bool tensor, got {meta.compressed.dtype}")
+    if meta.base.dtype != torch.uint8:
+        raise TypeError(f"meta.base must be a uint8 tensor, got {meta.base.dtype}")
+    odd = meta.compressed & (meta.base % 2 == 1)
+    if bool(odd.any()):
+        where = tuple(int(i) for i in odd.nonzero()[0])
+        raise ValueError(f"meta.base: compressed block {where} has base {int(meta.base[where])}; a compressed "
+                         "block's base is even (its lowest exponent rounded down to even)")
+
+
+def _check_no_carry(meta: PageMeta, code: torch.Tensor) -> None:
+    """Above :data:`NO_CARRY_BASE` a code can name an exponent past 255 (``b/2 + (c & 7) > 127``),
+    which would carry into the sign bit: metadata and payload that :func:`pack` cannot produce."""
+    high_base = meta.compressed & (meta.base > NO_CARRY_BASE)
+    if not bool(high_base.any()):
+        return
+    over = high_base[..., None] & ((meta.base >> 1)[..., None] + (code & 7) > 127)
+    if bool(over.any()):
+        where = tuple(int(i) for i in over.any(-1).nonzero()[0])
+        raise ValueError(f"meta.base: compressed block {where} has base {int(meta.base[where])}, but its codes "
+                         f"name exponents above 255 (b/2 + (code & 7) > 127); with that payload a compressed "
+                         f"block's base is at most {NO_CARRY_BASE}")
+
+
 def unpack(payload: torch.Tensor, meta: PageMeta) -> torch.Tensor:
     """Inverse of :func:`pack`, bit-exact: payload uint8 ``[..., L]`` (L >= each page's
-    ``meta.nbytes``, e.g. the full slot) -> pages ``[..., 16, head_dim]`` bf16."""
+    ``meta.nbytes``, e.g. the full slot) -> pages ``[..., 16, head_dim]`` bf16.
+
+    Raises ``ValueError`` on metadata :func:`pack` cannot produce (a compressed block whose base
+    is odd, or whose base and codes name an exponent above 255) instead of decoding wrong values."""
     if not isinstance(meta, PageMeta):
         raise TypeError(f"meta must be a PageMeta, got {type(meta).__name__}")
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
@@ -351,6 +388,7 @@ def unpack(payload: torch.Tensor, meta: PageMeta) -> torch.Tensor:
     if meta.compressed.shape[-1:] != (nb,) or meta.base.shape != meta.compressed.shape:
         raise ValueError(f"meta.compressed/meta.base must have shape [..., {nb}], got "
                          f"{tuple(meta.compressed.shape)} / {tuple(meta.base.shape)}")
+    _check_bases(meta)
     if payload.shape[:-1] != lead:
         raise ValueError(f"payload must have shape [{', '.join(map(str, lead))}, L] to match meta, "
                          f"got {tuple(payload.shape)}")
@@ -372,6 +410,7 @@ def unpack(payload: torch.Tensor, meta: PageMeta) -> torch.Tensor:
     else:
         cb = cb.reshape(*lead, nb, 64, 4)
         code = torch.stack([cb & 15, cb >> 4], -2).reshape(*lead, nb, BLOCK_VALUES)
+    _check_no_carry(meta, code)
     high = ((code >> 3) << 7) | ((meta.base >> 1)[..., None] + (code & 7))
     rebuilt = torch.stack([low, high], -1).reshape(*lead, nb, RAW_BLOCK_BYTES)
     x = torch.where(meta.compressed[..., None], rebuilt, buf).contiguous()

@@ -134,13 +134,67 @@ def _converted_embedded_model() -> Path:
     return target
 
 
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face Hub can be reached now (offline mode off, its host answers within
+    ``timeout`` s). A proxy in the environment is trusted: the download itself goes through it."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    import socket
+    from urllib.parse import urlparse
+
+    host = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((host.hostname, host.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _resolve_model_name(name: str | os.PathLike) -> tuple[str, bool]:
+    """``(source, local_files_only)`` for ``load_model(name)``: a local folder, a Hub id already in the
+    local Hugging Face cache, or a Hub id to download. Fails at once, not after the Hub client's
+    retries, when the name is none of these."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"name={str(name)!r} is a local path without config.json: expected a Hugging Face "
+                             "model folder (config.json, tokenizer and weights, as save_pretrained writes it)")
+        return str(path), True
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    name = str(name)
+    try:
+        cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    except ValueError:                                 # not even a valid Hub id, e.g. "a/b/c"
+        cached = None
+    reachable = _hub_reachable()
+    if cached:
+        return name, not reachable
+    if cached is None or not reachable:
+        why = ("neither a local path nor a valid Hugging Face model id" if cached is None else
+               f"neither a local path nor in the local Hugging Face cache ({constants.HF_HUB_CACHE}), and the "
+               "Hub cannot be reached (offline)")
+        raise ValueError(
+            f"name={name!r} is {why}. Point at a model with load_model('/path/to/model-folder') (a folder with "
+            "config.json, tokenizer and weights, e.g. from `huggingface-cli download <id> --local-dir <folder>` on "
+            "a machine with a network), set HF_HOME to a Hugging Face cache that holds it, or call load_model() "
+            "for the embedded SmolLM2-135M-Instruct")
+    return name, False
+
+
 def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu"):
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
-        name: ``None`` for the embedded SmolLM2-135M-Instruct; else a Hugging Face model id or
-            local folder (any Llama-family model with RoPE and GQA: Qwen2.5, Llama 3.1, Qwen3 …).
+        name: ``None`` for the embedded SmolLM2-135M-Instruct; else a local model folder or a
+            Hugging Face model id (any Llama-family model with RoPE and GQA: Qwen2.5, Llama 3.1,
+            Qwen3 …), read from the local Hugging Face cache when there, else downloaded. A name that
+            is neither a local path nor cached, without a reachable Hub, is a ``ValueError`` at once.
         dtype: weight and activation dtype (``torch.bfloat16`` reproduces a BF16 KV cache).
         device: where the model runs.
 
@@ -152,12 +206,12 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    source = _converted_embedded_model() if name is None else name
-    tokenizer = AutoTokenizer.from_pretrained(str(source))
+    source, local_only = (_converted_embedded_model(), True) if name is None else _resolve_model_name(name)
+    tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=local_only)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar on every load is noise
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype, local_files_only=local_only)
     finally:
         if bars:
             hf_logging.enable_progress_bar()
@@ -256,6 +310,27 @@ def _capture_attention(module, query, key, value, attention_mask, *, zipkv_captu
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
+def _check_input_ids(model, input_ids) -> torch.Tensor:
+    """``input_ids`` as [T] token ids of ``model``'s vocabulary, checked before any forward pass."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor of token ids [T], got {type(input_ids).__name__}")
+    if input_ids.ndim == 2:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [T] or [1, T]")
+        input_ids = input_ids[0]
+    if input_ids.ndim != 1 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}: "
+                         "expected integer token ids [T]")
+    if input_ids.numel() == 0:
+        raise ValueError("input_ids is empty: expected at least one token id [T], T >= 1")
+    vocab = model.get_input_embeddings().num_embeddings
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids holds ids in [{lo}, {hi}]: expected token ids in [0, {vocab - 1}] "
+                         f"(the model's vocabulary of {vocab})")
+    return input_ids
+
+
 @torch.no_grad()
 def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> Capture:
     """Run ``input_ids`` [T] (or [1, T]) once and keep every layer's post-RoPE Q, K and V.
@@ -265,13 +340,7 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
     """
     from transformers import AttentionInterface
 
-    if input_ids.ndim == 2:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: expected [T] or [1, T]")
-        input_ids = input_ids[0]
-    if input_ids.ndim != 1 or input_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}: "
-                         "expected integer token ids [T]")
+    input_ids = _check_input_ids(model, input_ids)
     device = next(model.parameters()).device
     if positions is None:
         positions = torch.arange(input_ids.shape[0], device=device)

@@ -34,7 +34,7 @@ import torch
 
 from zipkv import format as fmt
 from zipkv import paged
-from zipkv.kernels import decode_mma, decode_triton
+from zipkv.kernels import check_launchable, decode_mma, decode_triton
 from zipkv.kernels.decode_mma import MMA_LAUNCH
 from zipkv.kernels.decode_triton import DEFAULT_LAUNCH, LAUNCH_KEYS, TUNING_FILE, launch_config
 from zipkv.paged import PagedKVCache, build_paged_cache, compress_cache_, physical_page_ids
@@ -254,6 +254,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
                              f"got {configs[0]['stages']}")
         ppt = 1
     else:
+        check_launchable(decode_triton._decode_kernel, device, "the cache")
         gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         configs = []
         for kind, _ in launches:

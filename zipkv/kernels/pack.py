@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from zipkv import format as fmt
+from zipkv.kernels import check_launchable
 
 __all__ = ["pack_pages", "pack_into"]
 
@@ -204,6 +205,7 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
     for name, buf in (("src", src8), ("dst", dst)):
         if buf.data_ptr() % 16:
             raise ValueError(f"{name} must start at a 16-byte aligned address, got {buf.data_ptr():#x}")
+    check_launchable(_pack_kernel, dst.device, "dst")
     gpu = dst.device.type == "cuda" and not _interpreting()
     cst, warps = _launch_config(head_dim, pages_per_program, gpu)
     grid = (triton.cdiv(n, cst["PAGES"]),)
