@@ -269,3 +269,17 @@ def test_alloc_without_room_changes_nothing(ratio, seed):
             assert before == (m.capacity_pages(), m.outstanding, m.used_bytes(), r.cache_len, len(r.pages))
             return
     pytest.fail("the partial reservations never ran out")
+
+
+def test_compression_keeps_room_for_reserved_pages():
+    """Compression must not take the chunk a running request was promised: with the budget exactly
+    covering a request's reservation, its full pages are compressed in place, and every reserved append
+    still gets its page."""
+    m = KVMemory(1, H, D, 3 * 4 * m_page(), pages_per_chunk=4)            # 3 chunks of 4 pages
+    gen = torch.Generator().manual_seed(1)
+    m.admit("a", 56, 137)                                                  # 4 pages now (3 full), 12 in the end
+    m.write(0, "a", 0, _tokens(gen, 56, False), _tokens(gen, 56, False))
+    assert m.capacity_pages() == m.outstanding == 8
+    assert m.compress() == dict(moved=0, in_place=3)
+    for _ in range(136):
+        assert m.alloc("a", 1) is not None
