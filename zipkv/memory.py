@@ -532,6 +532,22 @@ class KVMemory:
             self.version[l] += 1
         return dict(moved=moved, in_place=in_place)
 
+    def keep_raw(self) -> None:
+        """Leave the pages queued so far raw (drop them from the compression queue): new KV stays
+        uncompressed, as in ZipFusion's throughput setup (§IV-A)."""
+        self._full = []
+
+    def compressed_fraction(self, rids=None):
+        """Fractions of K and V blocks stored compressed over the pages of ``rids`` (default all running
+        requests), all layers: ``(frac_k, frac_v)``."""
+        pages = [p for r in (self.requests if rids is None else rids) for p in self._request(r).pages]
+        if not pages:
+            return float("nan"), float("nan")
+        idx = torch.tensor(pages, device=self.device)
+        comp = torch.stack([((d[idx] >> 7) & 1).to(torch.float32).mean((0, 2, 3)) for d in self.desc])
+        k, v = comp.mean(0).tolist()
+        return k, v
+
     def _move(self, layer, ids, head_units, src, dst):
         """Copy compressed pages (their page-heads' used prefixes) from their raw slots to extents
         starting at units ``dst`` and point their descriptors there."""

@@ -1,0 +1,143 @@
+"""zipkv.engine: batch greedy decoding over zipkv.memory equals model.generate.
+
+The engine's decode attention is fp32 over the bf16 cache (the torch reference on the CPU, the fused
+kernel's fp32 accumulation on the GPU); Hugging Face's default bf16 attention rounds differently, which
+flips near-tied greedy choices after a few tokens. So ``model.generate`` runs here with an attention
+function of the same arithmetic as ``zipkv.kernels.reference`` (registered below): any remaining
+difference is the engine's -- its pages, compression, admission, positions and retraction.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+
+from conftest import tiny_llama  # noqa: E402
+from zipkv.engine import Engine, Prefix  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """fp32 attention over bf16 K/V, output rounded to bf16 once: ``decode_attention_reference``'s
+    arithmetic (einsum per KV head group) for one query token, causal fp32 attention for prefill."""
+    B, HQ, T, D = query.shape
+    H = key.shape[1]
+    q = query.float().reshape(B, H, HQ // H, T, D)
+    s = torch.einsum("bhgqd,bhtd->bhgqt", q, key.float()) * scaling
+    if T > 1:
+        S = key.shape[2]
+        s = s + torch.full((T, S), float("-inf")).triu(S - T + 1)
+    o = torch.einsum("bhgqt,bhtd->bhgqd", s.softmax(-1), value.float()).reshape(B, HQ, T, D)
+    return o.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("zipkv_reference", reference_attention)
+
+
+def _generate(model, prompts, n):
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+        out.append(ids)
+    return out
+
+
+def _page_bytes(model):
+    cfg = model.config
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 32 * cfg.head_dim
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from zipkv import data, models
+    model, tok = models.load_model(dtype=torch.bfloat16)
+    model.config._attn_implementation = "zipkv_reference"
+    ws = data.windows(tok, data.load_books(limit=4), n=4, context=64, continuation=0)
+    prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 40, 23, 17))]
+    return model, prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compress", ["all", "none"])
+def test_greedy_tokens_equal_generate(smollm, compress):
+    """Four requests of 5-40 prompt tokens under a budget of 6 pages per layer: two run at first, the
+    others are admitted at later steps as pages free up; pages compress as they fill (or never)."""
+    model, prompts = smollm
+    n = 12
+    ref = _generate(model, prompts, n)
+    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2)
+    res = eng.generate(prompts, n)
+    assert res.outputs == ref
+    batches = [s["batch"] for s in res.stats["steps"]]
+    assert max(batches) < len(prompts) and len(set(batches)) > 1        # admitted at different steps
+    mem = res.stats["memory"]
+    assert mem["running"] == 0 and mem["outstanding"] == 0
+    if compress == "all":
+        assert res.stats["steps"] and eng.memory.reassigned >= 0
+        assert res.stats["frac_compressed_k"] > 0.3                     # the prompts' full pages compressed
+    else:
+        assert res.stats["frac_compressed_k"] == 0.0
+
+
+@pytest.mark.slow
+def test_retraction_and_distilled_prefix_positions(smollm):
+    """Half reservations make decode steps run out of pages: requests are retracted and requeued, and
+    finish with generate's tokens. A prefix given as KV (cache length apart from position) continues
+    like the full prompt."""
+    model, prompts = smollm
+    n = 12
+    ref = _generate(model, prompts[:3], n)
+    eng = Engine(model, kv_budget_bytes=5 * _page_bytes(model), compress="none", pages_per_chunk=1, reserve_ratio=0.2)
+    res = eng.generate(prompts[:3], n)
+    assert res.stats["retracted"] > 0
+    assert res.outputs == ref
+    # a prefix of 30 cached pairs that stands for tokens 0..29: the same as prefilling them
+    p = prompts[1]
+    out = model(torch.tensor([p[:30]]), use_cache=True)
+    kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+    eng = Engine(model, kv_budget_bytes=8 * _page_bytes(model), compress="all", pages_per_chunk=2)
+    res = eng.generate([p[30:]], n, prefixes=[Prefix(kv, 30, n_tokens=30)])
+    assert res.outputs == [ref[1]]
+
+
+def test_fused_kernel_engine_equals_reference_engine():
+    """The engine through the fused Triton decode kernel and pack kernel (under TRITON_INTERPRET=1 on the
+    CPU) gives the reference engine's tokens, compressed pages included."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=3).to(torch.bfloat16)
+    prompts = [[1, 5, 9, 33, 2] * 4, [7] * 3, list(range(40, 75))]
+    budget = 10 * 2 * 2 * 2 * 32 * 32
+    ref = Engine(model, budget, attention="reference", pages_per_chunk=2, eos_token_id=None).generate(prompts, 6)
+    got = Engine(model, budget, attention="kernel", pages_per_chunk=2, eos_token_id=None).generate(prompts, 6)
+    assert got.outputs == ref.outputs
+    assert got.stats["frac_compressed_k"] > 0
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda e: e.generate([[1, 2, 3]], 0), "max_new_tokens"),
+    (lambda e: e.generate([[1, 2, 3]], -1), "max_new_tokens"),
+    (lambda e: e.generate([[1, 2, 3], []], 4), "prompts\\[1\\] is empty"),
+    (lambda e: e.generate([[1, 2], list(range(100)) * 20], 4), "holds at most"),
+    (lambda e: e.generate([[1, 2, 300]], 4), "token ids"),
+])
+def test_bad_input_is_refused_before_anything_runs(call, match):
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)
+    eng = Engine(model, 10 * 2 * 2 * 2 * 32 * 32, attention="reference")
+    with pytest.raises(ValueError, match=match):
+        call(eng)
+    assert not eng.memory.requests and eng.memory.used_bytes() == 0
+
+
+def test_budget_and_model_errors():
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32)
+    with pytest.raises(TypeError, match="bfloat16"):
+        Engine(model, 10**6)
+    model = model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="smaller than one page per layer"):
+        Engine(model, 2 * 2 * 2 * 32 * 32 - 1)
+    with pytest.raises(ValueError, match="compress"):
+        Engine(model, 10**6, compress="sometimes")
