@@ -73,12 +73,11 @@ def test_greedy_tokens_equal_generate(smollm, compress):
     eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2)
     res = eng.generate(prompts, n)
     assert res.outputs == ref
-    batches = [s["batch"] for s in res.stats["steps"]]
-    assert max(batches) < len(prompts) and len(set(batches)) > 1        # admitted at different steps
+    assert max(s["batch"] for s in res.stats["steps"]) < len(prompts)
+    assert len(set(res.stats["admitted_at"])) > 1                       # admitted at different steps
     mem = res.stats["memory"]
     assert mem["running"] == 0 and mem["outstanding"] == 0
     if compress == "all":
-        assert res.stats["steps"] and eng.memory.reassigned >= 0
         assert res.stats["frac_compressed_k"] > 0.3                     # the prompts' full pages compressed
     else:
         assert res.stats["frac_compressed_k"] == 0.0
@@ -90,19 +89,20 @@ def test_retraction_and_distilled_prefix_positions(smollm):
     finish with generate's tokens. A prefix given as KV (cache length apart from position) continues
     like the full prompt."""
     model, prompts = smollm
-    n = 12
-    ref = _generate(model, prompts[:3], n)
-    eng = Engine(model, kv_budget_bytes=5 * _page_bytes(model), compress="none", pages_per_chunk=1, reserve_ratio=0.2)
-    res = eng.generate(prompts[:3], n)
+    n = 40
+    ref = _generate(model, prompts[:2], n)
+    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress="none", pages_per_chunk=1, reserve_ratio=0.2)
+    res = eng.generate(prompts[:2], n)
     assert res.stats["retracted"] > 0
     assert res.outputs == ref
     # a prefix of 30 cached pairs that stands for tokens 0..29: the same as prefilling them
+    n = 12
     p = prompts[1]
     out = model(torch.tensor([p[:30]]), use_cache=True)
     kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
     eng = Engine(model, kv_budget_bytes=8 * _page_bytes(model), compress="all", pages_per_chunk=2)
     res = eng.generate([p[30:]], n, prefixes=[Prefix(kv, 30, n_tokens=30)])
-    assert res.outputs == [ref[1]]
+    assert res.outputs == [ref[1][:n]]
 
 
 def test_fused_kernel_engine_equals_reference_engine():

@@ -271,12 +271,13 @@ class Engine:
         ``decode_tokens_per_s`` (tokens produced by decode steps / their wall time; the first token of
         each request comes from its prefill and is not counted), ``decode_seconds``, ``prefill_seconds``,
         ``steps`` (per decode step: ``batch``, ``seconds``, ``used_bytes`` per layer, ``chunks_free``,
-        ``reassigned``), ``max_batch``, ``retracted``, ``frac_compressed_k`` / ``_v`` (blocks stored
+        ``reassigned``), ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
+        request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored
         compressed over the running requests' pages at the first decode step), ``kv_budget_bytes``, ``memory`` (final
         :meth:`KVMemory.stats`).
         """
         waiting = self._validate(prompts, max_new_tokens, prefixes)
-        running, done, steps = [], {}, []
+        running, done, steps, admitted_at = [], {}, [], {}
         retracted = prefill_s = decode_s = 0.0
         bar = None
         if progress or (progress is None and len(waiting) * max_new_tokens > 64 * 64):
@@ -293,6 +294,7 @@ class Engine:
             t0 = time.perf_counter()
             while waiting and (self.max_batch is None or len(running) < self.max_batch) and self._admit(waiting[0]):
                 running.append(waiting.pop(0))
+                admitted_at.setdefault(running[-1].rid, len(steps))
                 if bar:
                     bar.update(1)
             prefill_s += time.perf_counter() - t0
@@ -353,6 +355,7 @@ class Engine:
         stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], decode_tokens_per_s=n_decoded / decode_s if decode_s else float("nan"),
                      decode_seconds=decode_s, prefill_seconds=prefill_s, steps=steps,
                      max_batch=max((s["batch"] for s in steps), default=0), retracted=int(retracted),
+                     admitted_at=[admitted_at.get(i) for i in range(len(prompts))],
                      kv_budget_bytes=self.memory.total_bytes, memory=self.memory.stats())
         return GenerateResult([done[i] for i in range(len(prompts))], stats)
 
