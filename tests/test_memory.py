@@ -163,7 +163,12 @@ class MemoryMachine(RuleBasedStateMachine):
             assert m._raw_free[l] == sum(len(ch.free_slots) for ch in m._chunks
                                          if ch.state == OWNED and ch.layer == l and ch.kind == RAW)
         states = [c.state for c in m._chunks]
-        assert states.count(FREE) == len(m._free_chunks) and states.count(PENDING) == sum(map(len, m._pending))
+        assert states.count(FREE) == m._n_free == sum(map(len, m._free_chunks.values()))
+        assert states.count(PENDING) == sum(map(len, m._pending))
+        for l in range(L):
+            assert set(m._comp[l]) == {c for c, ch in enumerate(m._chunks) if ch.state == OWNED and ch.layer == l and ch.kind == COMP}
+            assert set(m._comp_open[l]) == {c for c in m._comp[l]
+                                            if max((n for _, n in m._chunks[c].extents), default=0) >= m._min_page_units}
         assert m.free_bytes() + m.used_bytes() == m.total_bytes
 
     @invariant()
@@ -194,7 +199,7 @@ class MemoryMachine(RuleBasedStateMachine):
             self.m.free(rid)
         self.m.reads_done()
         assert self.m.used_bytes() == 0
-        assert len(self.m._free_chunks) == self.m.num_chunks, "a freed chunk did not come back to the pool"
+        assert self.m._n_free == self.m.num_chunks, "a freed chunk did not come back to the pool"
         assert self.m.capacity_pages() == self.initial_capacity == self.m.max_request_pages
         assert self.m.available_size() == 16 * self.initial_capacity
 

@@ -338,10 +338,10 @@ class Engine:
                 self.memory.compress()                      # the pages this step filled: its reads are done
             self.memory.keep_raw()
             batch = len(running)
-            st = self.memory.stats()                        # during the step, before finished requests leave
-            retire()
-            dt = time.perf_counter() - t0
+            dt = time.perf_counter() - t0                   # the step ends with its tokens on the host
             decode_s += dt
+            st = self.memory.snapshot()                     # during the step, before finished requests leave
+            retire()
             steps.append(dict(batch=batch, seconds=dt, used_bytes=st["used_bytes"],
                               chunks_free=st["chunks_free"], reassigned=st["reassigned"]))
             if bar:

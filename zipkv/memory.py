@@ -91,6 +91,7 @@ class _Request:
     pages: list
     cache_len: int
     reserved: int                     # pages promised and not yet allocated
+    ids: torch.Tensor | None = None   # ``pages`` as a device tensor (page_table), rebuilt when pages change
 
 
 def _pages_for(tokens: int) -> int:
@@ -155,9 +156,12 @@ class KVMemory:
         self.version = [0] * num_layers                                   # bumped when desc[layer] changes
         self._pack = pack_slots or pack_slots_reference
         self._chunks = [_Chunk() for _ in range(self.num_chunks)]
-        self._free_chunks = list(range(self.num_chunks - 1, -1, -1))
+        self._free_chunks = {-1: list(range(self.num_chunks - 1, -1, -1))}  # free chunks by last owner
+        self._n_free = self.num_chunks
         self._raw_open = [dict() for _ in range(num_layers)]               # raw chunks with a free slot
-        self._comp = [[] for _ in range(num_layers)]
+        self._comp = [dict() for _ in range(num_layers)]                   # compressed chunks
+        self._comp_open = [dict() for _ in range(num_layers)]              # ... with room for a page
+        self._min_page_units = 2 * kv_heads * fmt.n_blocks(head_dim) * fmt.PACKED_BLOCK_BYTES // UNIT
         self._pending = [[] for _ in range(num_layers)]
         self._raw_free = [0] * num_layers                                 # free slots in owned raw chunks
         self._used = [0] * num_layers
@@ -195,7 +199,7 @@ class KVMemory:
     def capacity_pages(self) -> int:
         """New logical pages that fit raw now: a raw slot in every layer (own free slots, own pending
         chunks, then chunks of the shared pool)."""
-        return self._capacity([self._layer_free_slots(l) for l in range(self.num_layers)], len(self._free_chunks))
+        return self._capacity([self._layer_free_slots(l) for l in range(self.num_layers)], self._n_free)
 
     @property
     def outstanding(self) -> int:
@@ -213,11 +217,11 @@ class KVMemory:
         first). None if there is none."""
         if self._pending[layer]:
             c = self._pending[layer].pop()
-        elif self._free_chunks:
-            mine = [c for c in self._free_chunks if self._chunks[c].layer == layer]
-            c = mine[-1] if mine else self._free_chunks[-1]
-            self._free_chunks.remove(c)
-            if self._chunks[c].layer not in (-1, layer):
+        elif self._n_free:
+            owner = next(o for o in (layer, -1, *self._free_chunks) if self._free_chunks.get(o))
+            c = self._free_chunks[owner].pop()
+            self._n_free -= 1
+            if owner not in (-1, layer):
                 self.reassigned += 1
         else:
             return None
@@ -230,7 +234,8 @@ class KVMemory:
             self._raw_free[layer] += self.pages_per_chunk
         else:
             ch.free_slots, ch.extents = [], [[0, self.units_per_chunk]]
-            self._comp[layer].append(c)
+            self._comp[layer][c] = None
+            self._comp_open[layer][c] = None
         return c
 
     def _release_chunk(self, c):
@@ -240,7 +245,8 @@ class KVMemory:
             del self._raw_open[l][c]
             self._raw_free[l] -= self.pages_per_chunk
         else:
-            self._comp[l].remove(c)
+            del self._comp[l][c]
+            self._comp_open[l].pop(c, None)
         ch.state, ch.kind, ch.free_slots, ch.extents = PENDING, "", [], []
         self._pending[l].append(c)
 
@@ -268,7 +274,7 @@ class KVMemory:
             self._release_chunk(c)
 
     def _comp_alloc(self, layer, units):
-        for c in self._comp[layer]:
+        for c in self._comp_open[layer]:
             for e in self._chunks[c].extents:
                 if e[1] >= units:
                     return self._carve(c, e, units)
@@ -276,9 +282,9 @@ class KVMemory:
         free = [self._layer_free_slots(l) for l in range(self.num_layers)]
         if self._pending[layer]:
             free[layer] -= self.pages_per_chunk
-            n_free = len(self._free_chunks)
-        elif self._free_chunks:
-            n_free = len(self._free_chunks) - 1
+            n_free = self._n_free
+        elif self._n_free:
+            n_free = self._n_free - 1
         else:
             return None
         if units > self.units_per_chunk or self._capacity(free, n_free) < self.outstanding:
@@ -293,6 +299,8 @@ class KVMemory:
         ch = self._chunks[c]
         if extent[1] == 0:
             ch.extents.remove(extent)
+        if max((n for _, n in ch.extents), default=0) < self._min_page_units:
+            self._comp_open[ch.layer].pop(c, None)
         ch.live += 1
         return c, start
 
@@ -308,6 +316,8 @@ class KVMemory:
             else:
                 merged.append([s, n])
         ch.extents = merged
+        if max(n for _, n in merged) >= self._min_page_units:
+            self._comp_open[layer][c] = None
         if ch.live == 0:
             self._release_chunk(c)
 
@@ -317,7 +327,8 @@ class KVMemory:
         for l in range(self.num_layers):
             for c in self._pending[l]:
                 self._chunks[c].state = FREE
-                self._free_chunks.append(c)
+                self._free_chunks.setdefault(l, []).append(c)
+            self._n_free += len(self._pending[l])
             self._pending[l] = []
 
     # ------------------------------------------------------------------ pages
@@ -327,14 +338,14 @@ class KVMemory:
 
     def _new_pages(self, n):
         ids = [self._free_ids.pop() for _ in range(n)]
-        addr = torch.empty(self.num_layers, n, dtype=torch.int64)
+        addr = []
         for l in range(self.num_layers):
-            for i, p in enumerate(ids):
+            for p in ids:
                 c, s = self._raw_alloc(l)
                 self._loc[l][p] = (RAW, c, s)
-                addr[l, i] = self._slot_address(c, s)
+                addr.append(self._slot_address(c, s))
         if n:
-            addr = addr.to(self.device)
+            addr = torch.tensor(addr, dtype=torch.int64).reshape(self.num_layers, n).to(self.device)
             idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
             for l in range(self.num_layers):
                 self.desc[l][idx] = (addr[l][:, None, None, None] + self._raw_offsets) << 8
@@ -473,10 +484,13 @@ class KVMemory:
         indptr = [0]
         for r in reqs:
             indptr.append(indptr[-1] + _pages_for(r.cache_len))
-        indices = [p for r in reqs for p in r.pages[: _pages_for(r.cache_len)]]
+            if r.ids is None or r.ids.numel() != len(r.pages):
+                r.ids = torch.tensor(r.pages, dtype=torch.int32, device=self.device)
+        used = [r.ids[: _pages_for(r.cache_len)] for r in reqs]
+        indices = torch.cat(used) if used else torch.zeros(0, dtype=torch.int32, device=self.device)
         last = [r.cache_len - fmt.PAGE_TOKENS * (_pages_for(r.cache_len) - 1) for r in reqs]
         t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)      # noqa: E731
-        return t(indptr), t(indices), t(last)
+        return t(indptr), indices, t(last)
 
     # ------------------------------------------------------------------ compression
 
@@ -577,16 +591,20 @@ class KVMemory:
         """Bytes not held by any page: free and pending chunks, free slots and free extents."""
         return self.total_bytes - self.used_bytes()
 
+    def snapshot(self) -> dict:
+        """Cheap per-step counters: bytes in use per layer, free and pending chunks, chunks reassigned so far."""
+        return dict(used_bytes=list(self._used), chunks_free=self._n_free,
+                    chunks_pending=sum(map(len, self._pending)), reassigned=self.reassigned, running=len(self.requests))
+
     def stats(self) -> dict:
-        """A snapshot for plots: bytes per layer, chunks per state, pages per kind, reassignments."""
+        """A full snapshot (walks every page and chunk): :meth:`snapshot` plus chunks per layer and kind,
+        pages per kind, capacity and outstanding reservations."""
         kinds = {RAW: 0, "inplace": 0, COMP: 0}
         for locs in self._loc:
             for loc in locs.values():
                 kinds[loc[0]] += 1
-        return dict(used_bytes=list(self._used), chunks_free=len(self._free_chunks),
-                    chunks_pending=sum(map(len, self._pending)),
+        return dict(self.snapshot(),
                     chunks_raw=[sum(1 for c in self._chunks if c.state == OWNED and c.layer == l and c.kind == RAW)
                                 for l in range(self.num_layers)],
                     chunks_comp=[len(x) for x in self._comp], pages_raw=kinds[RAW], pages_in_place=kinds["inplace"],
-                    pages_compressed=kinds[COMP], reassigned=self.reassigned, capacity_pages=self.capacity_pages(),
-                    outstanding=self.outstanding, running=len(self.requests))
+                    pages_compressed=kinds[COMP], capacity_pages=self.capacity_pages(), outstanding=self.outstanding)
