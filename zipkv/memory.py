@@ -273,11 +273,13 @@ class KVMemory:
         if ch.live == 0:
             self._release_chunk(c)
 
-    def _comp_alloc(self, layer, units):
+    def _comp_alloc(self, layer, units, new_chunk=True):
         for c in self._comp_open[layer]:
             for e in self._chunks[c].extents:
                 if e[1] >= units:
                     return self._carve(c, e, units)
+        if not new_chunk:
+            return None
         # a new compressed chunk only if the capacity left still covers every reservation
         free = [self._layer_free_slots(l) for l in range(self.num_layers)]
         if self._pending[layer]:
@@ -518,13 +520,15 @@ class KVMemory:
             head_units = (fmt.n_blocks(self.head_dim) * 4 - comp).cpu()
             page_units = head_units.reshape(len(todo), -1).sum(-1).tolist()
             src, dst, rows, released = [], [], [], []
+            new_chunk = True                 # refused once, refused for the rest of this layer's pass
             for i, p in enumerate(todo):
                 loc = self._loc[l][p]
                 if page_units[i] * UNIT == self.page_bytes:        # nothing compressible: stays where it is
                     self._loc[l][p] = ("inplace",) + loc[1:]
                     continue
-                dest = self._comp_alloc(l, page_units[i])
+                dest = self._comp_alloc(l, page_units[i], new_chunk)
                 if dest is None:
+                    new_chunk = False
                     if loc[0] == RAW:
                         self._loc[l][p] = ("inplace",) + loc[1:]
                         self._inplace[l].add(p)
