@@ -291,6 +291,8 @@ class Engine:
             self.memory.reads_done()                       # one stream: every read issued so far is ordered
 
         while waiting or running:
+            if max_decode_steps is not None and len(steps) >= max_decode_steps:
+                break
             t0 = time.perf_counter()
             while waiting and (self.max_batch is None or len(running) < self.max_batch) and self._admit(waiting[0]):
                 running.append(waiting.pop(0))
@@ -303,8 +305,6 @@ class Engine:
                 if waiting and not self.memory.requests and not self._admit_possible(waiting[0]):
                     raise RuntimeError("generate: a request does not fit an empty memory (internal error)")
                 continue
-            if max_decode_steps is not None and len(steps) >= max_decode_steps:
-                break
             t0 = time.perf_counter()
             for r in list(running):
                 if r not in running:
