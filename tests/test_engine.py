@@ -141,3 +141,31 @@ def test_budget_and_model_errors():
         Engine(model, 2 * 2 * 2 * 32 * 32 - 1)
     with pytest.raises(ValueError, match="compress"):
         Engine(model, 10**6, compress="sometimes")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's bf16 path needs a CUDA GPU")
+@pytest.mark.parametrize("compress", ["all", "none"])
+def test_fused_kernel_greedy_tokens_on_gpu(compress):
+    """On the GPU the engine runs the fused kernel (bf16 tensor-core dots, bf16 P for P @ V) and
+    ``model.generate`` Hugging Face's bf16 attention: neither is the other's arithmetic, so tokens must be
+    equal up to the first step where generate's own top-2 logits are within bf16 rounding of a tie
+    (then both choices are right); every request must agree for at least its first 8 tokens."""
+    from zipkv import data, models
+    model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
+    ws = data.windows(tok, data.load_books(limit=4), n=4, context=256, continuation=0)
+    prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 200, 97, 31))]
+    n = 32
+    eng = Engine(model, kv_budget_bytes=30 * _page_bytes(model), compress=compress, pages_per_chunk=2)
+    res = eng.generate(prompts, n)
+    assert len(set(res.stats["admitted_at"])) > 1
+    for p, got in zip(prompts, res.outputs):
+        g = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True)
+        want = g.sequences[0, len(p):].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            assert got == want
+            continue
+        top2 = g.scores[first][0].float().topk(2).values
+        assert first >= 8 and float(top2[0] - top2[1]) <= 0.125, (first, top2.tolist())
