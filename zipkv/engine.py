@@ -366,7 +366,8 @@ class Engine:
 
 def kv_budget_for(model_config, requests: int, tokens_per_request: int, *, pages_per_chunk: int = 16) -> int:
     """The smallest KV budget (bytes) whose uncompressed capacity holds ``requests`` requests of
-    ``tokens_per_request`` cached tokens each, in whole chunks per layer."""
+    ``tokens_per_request`` cached tokens each, in whole chunks per layer (rounding up to a chunk can make
+    room for more requests when a request is smaller than a chunk; the engine measures its largest batch)."""
     H = model_config.num_key_value_heads
     D = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     layers = model_config.num_hidden_layers
