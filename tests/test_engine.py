@@ -170,3 +170,23 @@ def test_fused_kernel_greedy_tokens_on_gpu(compress):
             continue
         top2 = g.scores[first][0].float().topk(2).values
         assert first >= 8 and float(top2[0] - top2[1]) <= 0.125, (first, top2.tolist())
+
+
+def test_decode_throughput_fixed_and_largest_batch():
+    """The chapter's measurement on a 2-layer model of Llama-8B's head shape with real-looking prefixes: the budget
+    holds exactly 8 uncompressed requests, ZipFusion's compressed prefixes fit more, a fixed batch stays fixed,
+    and the timed window is the decode steps after the first token."""
+    from zipkv import throughput as tp
+    torch.manual_seed(0)
+    model = tp.random_llama("cpu", num_hidden_layers=2, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, vocab_size=300)
+    x = (torch.randn(4000, 512) * 0.3).bfloat16()                       # narrow exponents: blocks compress
+    budget = tp.largest_batch_budget(model.config, 8, 256 + 6 - 1, pages_per_chunk=16)
+    rows = {m: tp.decode_throughput(model, m, kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6,
+                                    pages_per_chunk=16) for m in tp.METHODS}
+    assert rows["uncompressed"]["batch"] == 8 and rows["uncompressed"]["frac_compressed_k"] == 0
+    assert rows["zipfusion"]["batch"] > 8 and rows["zipfusion"]["frac_compressed_k"] > 0.8
+    assert rows["zipfusion"]["timed_steps"] == 5 and rows["zipfusion"]["tokens_per_s"] > 0
+    fixed = tp.decode_throughput(model, "zipfusion", kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6,
+                                 batch=2, pages_per_chunk=16)
+    assert {s["batch"] for s in fixed["stats"]["steps"]} == {2}
