@@ -428,7 +428,7 @@ class KVMemory:
             self._free_page(p)
 
     def retract(self, candidates=None):
-        """Retract one running request (SGLang ``retract_decode`` order: fewest decoded tokens, then the
+        """Retract one running request (SGLang ``retract_decode`` order: fewest tokens decoded since admission, then the
         longest prompt), free it and return its id; the caller requeues it. candidates: ids to choose
         from (default all running)."""
         rids = list(self.requests) if candidates is None else list(candidates)
