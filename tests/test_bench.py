@@ -3,7 +3,8 @@ import pandas as pd
 import pytest
 import torch
 
-from zipkv import bench
+from zipkv import bench, models
+from zipkv.bench import attention, baselines
 
 
 def test_measured_fraction_reads_the_first_chapter_table(tmp_path):
@@ -15,7 +16,7 @@ def test_measured_fraction_reads_the_first_chapter_table(tmp_path):
 
 
 def test_mix_mask_compresses_the_requested_fraction_of_k_and_v_blocks():
-    mask = bench._mix_mask(batch=4, kv_heads=8, ctx=1024, head_dim=128, fraction={"K": 0.2, "V": 0.9}, seed=0)
+    mask = attention.mix_mask(batch=4, kv_heads=8, ctx=1024, head_dim=128, fraction={"K": 0.2, "V": 0.9}, seed=0)
     assert mask.shape == (4 * 1024 // 16, 2, 8, 4) and mask.dtype == torch.bool
     assert mask[:, 0].float().mean().item() == pytest.approx(0.2, abs=0.02)
     assert mask[:, 1].float().mean().item() == pytest.approx(0.9, abs=0.02)
@@ -23,14 +24,14 @@ def test_mix_mask_compresses_the_requested_fraction_of_k_and_v_blocks():
 
 def test_flashinfer_pages_share_zipkv_page_table():
     """FlashInfer's NHD pages sit at the physical ids of build_paged_cache's page table."""
-    from zipkv.kernels.decode_attention import build_paged_cache, physical_page_ids
+    from zipkv.paged import build_paged_cache, physical_page_ids
 
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(2, 3, 48, 64, generator=gen).to(torch.bfloat16)
     _, _, indices, _ = build_paged_cache(k, k, seed=5)
     physical = physical_page_ids(6, seed=5)
     assert torch.equal(indices.long(), physical) and not torch.equal(physical, torch.arange(6))
-    pages = bench._nhd_pages(k, physical)                       # [6, 16, 3, 64]
+    pages = baselines.nhd_pages(k, physical)                       # [6, 16, 3, 64]
     for logical, (b, j) in enumerate((b, j) for b in range(2) for j in range(3)):
         assert torch.equal(pages[physical[logical]], k[b, :, 16 * j:16 * (j + 1)].transpose(0, 1))
 
@@ -43,7 +44,7 @@ def test_unknown_shape_or_method_is_a_clear_error():
 
 
 def test_tuned_launch_options_are_stored_per_gpu_and_read_back(tmp_path, monkeypatch):
-    from zipkv.kernels import decode_attention as da
+    from zipkv.kernels import decode_triton as da
 
     file = tmp_path / "tuning.json"
     monkeypatch.setattr(da, "TUNING_FILE", file)
@@ -60,3 +61,19 @@ def test_tuned_launch_options_are_stored_per_gpu_and_read_back(tmp_path, monkeyp
     assert da.launch_config("compressed", "GPU Y") == da.DEFAULT_LAUNCH  # another GPU model
     with pytest.raises(ValueError, match="path must be one of"):
         da.launch_config("fast")
+
+
+def test_attention_shapes_are_the_models_shapes():
+    """The benchmark's shapes are the model table's (no private copy), and the kernels timed at a head_dim are
+    the ones whose layouts exist there."""
+    assert bench.ATTENTION_SHAPES["llama3.1-8b"] is models.PAPER_MODELS["Llama-3.1-8B-Instruct"]
+    assert bench.ATTENTION_SHAPES["smollm2-135m"] is models.EMBEDDED_SHAPE
+    assert models.EMBEDDED_SHAPE.group_size == 3 and models.EMBEDDED_SHAPE.head_dim == 64
+    assert attention.kernels_for(128) == ["gluon", "triton"]
+
+
+def test_the_module_layout_keeps_the_old_names():
+    """``python -m zipkv bench`` and the chapters call these through ``zipkv.bench``."""
+    for name in ("attention_benchmark", "pack_benchmark", "measured_compressible_fraction", "tune_decode_attention",
+                 "write_tuning", "nsight_report", "nsight_targets", "ColdTimer", "copy_bandwidth"):
+        assert callable(getattr(bench, name)), name

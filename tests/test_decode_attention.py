@@ -12,8 +12,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from zipkv import format as fmt  # noqa: E402
 from zipkv.kernels.decode_attention import (PagedKVCache, build_paged_cache,  # noqa: E402
-                                            decode_attention)
+                                            decode_attention, plan)
 from zipkv.kernels.reference import decode_attention_reference  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,8 +128,12 @@ def test_errors(small):
         call(q, {"pool": cache.pool}, ip, idx, last)
     with pytest.raises(TypeError, match="indptr must have dtype torch.int32, got torch.int64"):
         call(q, cache, ip.long(), idx, last)
-    with pytest.raises(ValueError, match=r"indptr must have shape \[3\], got \(2,\)"):
+    with pytest.raises(ValueError, match=r"q: batch 2 does not match the page table: indptr has 2 entries"):
         call(q, cache, ip[:2].contiguous(), idx, last)
+    with pytest.raises(ValueError, match=r"last_page_len \(batch = len\(indptr\) - 1\) must have shape \[1\]"):
+        plan(ip[:2].contiguous(), idx, last, cache, 4)
+    with pytest.raises(ValueError, match=r"q: batch 1 does not match the page table: indptr has 3 entries"):
+        plan(ip, idx, last, cache, 4).run(q[:1].contiguous())
     with pytest.raises(ValueError, match="indptr must start at 0"):
         call(q, cache, torch.tensor([0, 2, 1], dtype=torch.int32, device=DEV), idx, last)
     with pytest.raises(ValueError, match="end at <= len"):
@@ -149,6 +154,26 @@ def test_errors(small):
         call(q, cache, ip, idx, last, pages_per_tile=3)
     with pytest.raises(ValueError, match="launch must be a dict with keys from"):
         call(q, cache, ip, idx, last, launch={"warps": 4})
+    for bad in (float("nan"), float("inf"), 0.0, -0.125):
+        with pytest.raises(ValueError, match=f"softmax_scale must be a finite positive number, got {bad!r}"):
+            call(q, cache, ip, idx, last, softmax_scale=bad)
+    with pytest.raises(TypeError, match="softmax_scale must be a real number or None, got str"):
+        call(q, cache, ip, idx, last, softmax_scale="0.1")
+    with pytest.raises(ValueError, match="q_heads must be a positive multiple of kv_heads=2, got 3"):
+        plan(ip, idx, last, cache, 3)
+
+
+def test_descriptor_past_the_pool_is_a_clear_error(small):
+    """A block address past the pool (a kernel would read out of bounds) names the page, head and block."""
+    q, cache, ip, idx, last = small
+    page = int(idx[1])
+    for addr, flag in ((cache.pool.numel(), 1 << 7), (cache.pool.numel() - 512, 0), (-256, 0), (100, 0)):
+        desc = cache.desc.clone()
+        desc[page, 1, 1, 1] = (addr << 8) | flag
+        bad = PagedKVCache(cache.pool, desc, cache.head_dim)
+        with pytest.raises(ValueError, match=f"cache.desc: page {page}, kv head 1, values block 1: .* does not lie "
+                                             f"inside the pool of {cache.pool.numel()} bytes"):
+            decode_attention(q, bad, ip, idx, last)
 
 
 def test_build_errors():
@@ -251,3 +276,106 @@ def test_occupancy_from_compiled_resources():
     assert programs_per_sm(255, 4, 0) < programs_per_sm(168, 4, 0)      # registers bind
     assert programs_per_sm(64, 4, H200_SM["shared_bytes"] // 2) == 2    # shared memory binds
     assert programs_per_sm(32, 32, 0) == H200_SM["threads"] // (32 * 32)  # threads bind
+
+
+def _write_page(cache, page, k_page, v_page):
+    """Overwrite the raw physical page ``page`` with K/V ``[kv_heads, 16, head_dim]`` (new tokens written
+    into a request's last page, as a serving engine appends them)."""
+    for kv, (x, layout) in enumerate(((k_page, cache.k_layout), (v_page, cache.v_layout))):
+        payload, _ = fmt.pack(x, layout, enable=False)
+        for h in range(cache.kv_heads):
+            addr = int(cache.desc[page, kv, h, 0]) >> 8
+            cache.pool[addr: addr + payload.shape[-1]] = payload[h]
+
+
+def _attention(q, k, v, lens):
+    """fp32 attention of q over the first lens[b] tokens of contiguous K/V."""
+    G = q.shape[1] // k.shape[1]
+    out = []
+    for b, n in enumerate(lens):
+        kb = k[b, :, :n].float().repeat_interleave(G, 0)
+        vb = v[b, :, :n].float().repeat_interleave(G, 0)
+        s = torch.einsum("hd,htd->ht", q[b].float(), kb) / k.shape[-1] ** 0.5
+        out.append(torch.einsum("ht,htd->hd", s.softmax(-1), vb))
+    return torch.stack(out)
+
+
+def test_plan_run_equals_decode_attention_and_sees_new_tokens():
+    """plan/run gives decode_attention's bits; a run after tokens are written into a last page (and
+    last_page_len raised in place) sees them."""
+    q, k, v = make_inputs(2, 2, 3, 48, 64, seed=21)
+    lens = [40, 21]
+    cache, ip, idx, last = build_paged_cache(k, v, lens)
+    p = plan(ip, idx, last, cache, q.shape[1], num_splits=2)
+    assert p.kernel == "triton" and p.launches == [("compressed", True), ("raw", True), ("mixed", True)]
+    out = p.run(q)
+    assert torch.equal(out, decode_attention(q, cache, ip, idx, last, num_splits=2))
+    check(out, _attention(q, k, v, lens))
+    assert torch.equal(p.run(q, out=torch.empty_like(q)), out)
+    _write_page(cache, int(idx[int(ip[1]) - 1]), k[0, :, 32:48], v[0, :, 32:48])
+    last[0] = 13                                        # request 0: 45 tokens now
+    check(p.run(q), _attention(q, k, v, [45, 21]))
+
+
+def test_plan_after_compression_in_place():
+    """A plan of a uniform (all-raw) cache refuses to run once pages are compressed; a plan that routes on
+    the device (routing='device') reads the new page kinds."""
+    from zipkv.kernels.decode_attention import compress_cache_
+
+    q, k, v = make_inputs(2, 1, 2, 32, 64, seed=22, outliers=False)
+    cache, ip, idx, last = build_paged_cache(k, v, compress="none")
+    fixed = plan(ip, idx, last, cache, q.shape[1])
+    routed = plan(ip, idx, last, cache, q.shape[1], routing="device")
+    assert fixed.launches == [("raw", False)] and len(routed.launches) == 3
+    check(routed.run(q), _attention(q, k, v, [32, 32]))
+    compress_cache_(cache, idx[::2].contiguous())
+    assert cache.kind() == "mixed"
+    with pytest.raises(ValueError, match="page kinds changed since this plan"):
+        fixed.run(q)
+    check(routed.run(q), _attention(q, k, v, [32, 32]))
+    with pytest.raises(ValueError, match="routing must be one of"):
+        plan(ip, idx, last, cache, q.shape[1], routing="host")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("layouts", [("token", "token"), ("k_mma", "v_mma")])
+def test_run_in_a_cuda_graph(layouts):
+    """plan.run captured in a CUDA graph equals eager; a replay after new tokens are written into the
+    last page (last_page_len raised in place) sees them. Both kernels, uniform and routed caches."""
+    for compress, lens in (("eligible", [48, 48, 48]), (0.5, [40, 21, 48])):
+        q, k, v = make_inputs(3, 2, 4, 48, 128, seed=23, outliers=False)
+        if compress == "eligible":                          # |x| in [0.25, 4.25): every block eligible
+            k, v = [(x.float().sign() * (0.25 + x.float().abs() % 4)).to(torch.bfloat16) for x in (k, v)]
+        cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout=layouts[0], v_layout=layouts[1],
+                                                 compress=compress)
+        if compress == "eligible":                          # uniform: make room in the last pages
+            last.fill_(5)
+            lens = [37, 37, 37]
+            for b in range(3):
+                page = int(idx[int(ip[b + 1]) - 1])
+                assert cache.page_kinds()[page].tolist() == [1, 1]
+        p = plan(ip, idx, last, cache, q.shape[1], num_splits=2)
+        out = torch.empty_like(q)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            p.run(q, out)                                  # compile and warm up outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            p.run(q, out)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, p.run(q))
+        check(out, _attention(q, k, v, lens))
+        if compress != "eligible":                          # a raw partial last page takes new tokens
+            _write_page(cache, int(idx[int(ip[2]) - 1]), k[1, :, 16:32], v[1, :, 16:32])
+            last[1] = 12
+            lens = [40, 28, 48]
+        else:                                              # the compressed last pages hold 16 tokens already
+            last.fill_(16)
+            lens = [48, 48, 48]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, p.run(q))
+        check(out, _attention(q, k, v, lens))

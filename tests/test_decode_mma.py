@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from zipkv.kernels.decode_attention import _plan, build_paged_cache, decode_attention  # noqa: E402
+from zipkv.kernels.decode_attention import _launches, build_paged_cache, decode_attention, plan  # noqa: E402
 from zipkv.kernels.reference import decode_attention_reference  # noqa: E402
 from test_decode_attention import check  # noqa: E402  (the same tolerance as the Triton kernel's tests)
 
@@ -63,7 +63,7 @@ def test_matches_reference(B, HKV, G, T, lens, splits, compress, outliers):
         vb = v[b, :, : Ls[b]].float().repeat_interleave(G, 0)
         s = torch.einsum("hd,htd->ht", q[b].float(), kb) / 128 ** 0.5
         check(out[b], torch.einsum("ht,htd->hd", s.softmax(-1), vb))
-    # every page element by element gives the same attention
+    # the mixed specialisation (any page, per-block select) gives the same attention
     check(decode_attention(q, cache, ip, idx, last, num_splits=splits, path="mixed"),
           decode_attention_reference(q, cache, ip, idx, last))
 
@@ -96,34 +96,34 @@ def test_uniform_cache_with_a_short_last_page():
 @needs_gpu
 def test_fused_merge_leaves_its_counters_at_zero():
     """A uniform cache's launch merges its splits itself (the last split of each request and head
-    to arrive): repeated calls and a call on another stream give the same bits, and the arrival
-    counters are back at zero after each."""
-    from zipkv.kernels.decode_mma import _COUNTERS
-
+    to arrive): repeated runs of one plan and a run on another stream give the same bits, and the
+    plan's arrival counters are back at zero after each."""
     q, k, v = make_inputs(4, 2, 4, 304, seed=5, outliers=False)
     cache, ip, idx, _ = build_paged_cache(k, v, [304, 32, 256, 144], k_layout="k_mma", v_layout="v_mma")
     assert cache.kind() == "compressed"
     last = torch.tensor([16, 1, 7, 16], dtype=torch.int32, device=DEV)
-    first = decode_attention(q, cache, ip, idx, last, num_splits=7)
+    p = plan(ip, idx, last, cache, q.shape[1], num_splits=7)
+    first = p.run(q)
     check(first, decode_attention_reference(q, cache, ip, idx, last))
     for _ in range(3):
-        assert torch.equal(decode_attention(q, cache, ip, idx, last, num_splits=7), first)
+        assert torch.equal(p.run(q), first)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        other = decode_attention(q, cache, ip, idx, last, num_splits=7)
+        other = p.run(q)
     side.synchronize()
     assert torch.equal(other, first)
-    assert len(_COUNTERS) >= 2 and all(int(c.count_nonzero()) == 0 for c in _COUNTERS.values())
+    assert torch.equal(decode_attention(q, cache, ip, idx, last, num_splits=7), first)
+    assert int(p._ws["counters"].count_nonzero()) == 0
 
 
 def test_plan_routes_by_page_kinds():
     q, k, v = make_inputs(2, 1, 2, 48, seed=1, outliers=False)
-    for compress, plan in (("eligible", [(0, False)]), ("none", [(1, False)]),
-                           (0.5, [(0, True), (1, True), (2, True)])):
+    for compress, launches in (("eligible", [(1, False)]), ("none", [(2, False)]), (0.5, [(0, False)])):
         cache, *_ = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma", compress=compress)
-        assert _plan(cache, "auto") == plan
-        assert _plan(cache, "mixed") == [(2, False)]
+        assert _launches(cache, "auto", "auto") == launches
+        assert _launches(cache, "auto", "device") == [(0, False)]
+        assert _launches(cache, "mixed", "auto") == [(0, False)]
 
 
 def test_errors():
@@ -141,3 +141,38 @@ def test_errors():
         c17, ip17, idx17, last17 = build_paged_cache(k17, v17, k_layout="k_mma", v_layout="v_mma")
         with pytest.raises(ValueError, match="at most 16 query heads per KV head, got 17"):
             decode_attention(q17, c17, ip17, idx17, last17)
+
+
+def _block_combinations(lens, kv_heads, n_blocks=4):
+    """compress mask [pages, 2, kv_heads, n_blocks] (logical order) whose page i has the K/V block kinds
+    of the bits of i (every one of the 2^(2 n_blocks) combinations, one raw block in a compressed page
+    and the reverse included), head h > 0 the complement of head h - 1."""
+    pages = sum((n + 15) // 16 for n in lens)
+    bits = torch.arange(pages)[:, None] >> torch.arange(2 * n_blocks)[None, :] & 1
+    head = bits.bool().reshape(pages, 2, 1, n_blocks)
+    return torch.cat([head if h % 2 == 0 else ~head for h in range(kv_heads)], dim=2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("G", [1, 3, 4, 8, 16])
+def test_mixed_pages_every_block_combination(G):
+    """The MIXED specialisation on pages with every combination of compressed and raw K/V blocks, partial
+    last pages (raw) and full ones, splits and no splits, against the fp32 reference."""
+    lens = [16 * 70 + 5, 16 * 60, 16 * 80 + 11, 16 * 46 + 1]          # 259 pages: every combination of 8 bits
+    q, k, v = make_inputs(4, 2, G, max(lens), seed=G, outliers=False)
+    cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma",
+                                             compress=_block_combinations(lens, 2), compact=True)
+    assert cache.kind() == "mixed"
+    p = plan(ip, idx, last, cache, q.shape[1])
+    assert p.launches == [("mixed", False)]
+    ref = decode_attention_reference(q, cache, ip, idx, last)
+    for splits in (1, 3, None):
+        check(decode_attention(q, cache, ip, idx, last, num_splits=splits), ref)
+    check(p.run(q), ref)
+    # the same pages all compressed / all raw through the mixed specialisation agree with the uniform ones
+    for compress in ("eligible", "none"):
+        uni, ip2, idx2, last2 = build_paged_cache(k, v, [16 * 70, 16 * 60, 16 * 80, 16 * 46], k_layout="k_mma",
+                                                  v_layout="v_mma", compress=compress)
+        ref2 = decode_attention_reference(q, uni, ip2, idx2, last2)
+        check(decode_attention(q, uni, ip2, idx2, last2, num_splits=2, path="mixed"), ref2)
+        check(decode_attention(q, uni, ip2, idx2, last2, num_splits=2), ref2)

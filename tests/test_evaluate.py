@@ -44,7 +44,8 @@ def reference(model, full, window):
 
 @torch.no_grad()
 def manual_logits(model, cache: K.CompressedCache, ids: torch.Tensor) -> torch.Tensor:
-    """An independent Llama forward over ``cache`` with each head's own length (no padding, no masks)."""
+    """An independent Llama forward over ``cache`` with each head's own length (no padding, no masks),
+    adding ``cache.bias`` (when set) to the cached pairs' logits."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     x = model.model.embed_tokens(ids[None])
@@ -67,6 +68,8 @@ def manual_logits(model, cache: K.CompressedCache, ids: torch.Tensor) -> torch.T
             values = torch.cat([cache.values[l][kv], v[0, kv]])
             n = cache.keys[l][kv].shape[0]
             s = q[0, qh] @ keys.T * d ** -0.5
+            if cache.bias is not None:
+                s[:, :n] = s[:, :n] + cache.bias[l][kv]
             s[:, n:] = s[:, n:].masked_fill(~causal, float("-inf"))
             heads.append(torch.softmax(s, dim=-1) @ values)
         x = x + attn.o_proj(torch.stack(heads, 1).reshape(1, ids.shape[0], -1))
@@ -83,8 +86,8 @@ def test_uncompressed_cache_gives_exactly_zero(model, full, window, reference):
     with torch.no_grad():
         plain = model(torch.cat(window)[None]).logits[0, N:]
     assert (plain - reference.logits).abs().max() < 1e-4
-    # the model's attention implementation is restored
-    assert model.config._attn_implementation != E.ATTENTION_NAME
+    # the model keeps its own attention implementation
+    assert model.config._attn_implementation in ("sdpa", "eager")
 
 
 def test_padding_with_masked_keys_gives_zero(model, full, window, reference):
@@ -155,8 +158,12 @@ def test_compare_methods_one_call_per_table(model, window):
     # both windows are the same tokens, so identical results
     a, b = table[table.window == 0].kl.to_numpy(), table[table.window == 1].kl.to_numpy()
     assert abs(a - b).max() < 1e-9
-    ks = out.layers[out.layers.method == "kvsculpt"]
-    assert len(ks) == 2 * 2 and (ks.loss_ratio <= 1 + 1e-9).all()
+    ks = out.layers[out.layers.method == "kvsculpt"].reset_index()
+    sf = out.layers[out.layers.method == "select_fit"].reset_index()
+    assert len(ks) == 2 * 2
+    # KVSculpt starts where Select+Fit ends, on the same (shared) training queries, layer by layer
+    assert (abs(ks.initial_loss - sf.loss) <= 1e-5 * sf.loss).all()
+    assert (abs(ks.loss_ratio - ks.loss / ks.initial_loss) < 1e-12).all()
     assert len(out.tokens) == 4 * C
 
 
@@ -205,7 +212,7 @@ def test_solver_agreement_reports_both_solvers_on_every_problem(model, window):
                                            progress=False)
     assert list(summary.solver) == ["select_fit", "reference", "batched"]
     assert len(problems) == 2 * 2 and {"select_fit", "reference", "batched"} <= set(problems.columns)
-    assert (problems.reference <= problems.select_fit + 1e-12).all()
+    assert (problems.reference < 0.99 * problems.select_fit).any(), "the solver moved somewhere"
     row = summary.set_index("solver")
     assert row.loc["reference", "median_loss_ratio"] == 1 and row.loc["reference", "kl_ratio"] == 1
     assert abs(row.loc["batched", "median_loss_ratio"] - 1) < 1e-6, "float64: the same trajectories"

@@ -137,6 +137,9 @@ def test_errors():
         pack_pages(torch.zeros(2, 64, 16, dtype=torch.bfloat16, device=DEV).transpose(1, 2))
     with pytest.raises(ValueError, match="layout must be one of"):
         pack_pages(pages, "rows")
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=f"pages_per_program must be a positive int or None, got {bad!r}"):
+            pack_pages(pages, pages_per_program=bad)
     with pytest.raises(TypeError, match="out must have dtype torch.uint8"):
         pack_pages(pages, out=torch.empty(2, 2048, dtype=torch.int16, device=DEV))
     with pytest.raises(ValueError, match=r"out must have shape \[2, 2048\]"):

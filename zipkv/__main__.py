@@ -1,7 +1,7 @@
 """Command line.
 
 ``python -m zipkv book [--profile quick|paper] [--only NAME ...]`` — execute the notebooks, build the book.
-``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput).
+``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput; zipkv.bench).
 ``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 ``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).
@@ -67,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             from zipkv import data, models
-            from zipkv.distill import batched, kvsculpt
+            from zipkv.bench.distill import speed_sweep
+            from zipkv.distill import SculptConfig
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             model, tokenizer = models.load_model(dtype=torch.float32, device=device)
-            table, _ = batched.speed_sweep(model, tokenizer, data.load_books(),
-                                           contexts=args.contexts or [1024, 2048, 4096, 8192],
-                                           config=kvsculpt.SculptConfig(steps=args.steps, progress=False),
-                                           reference_limit=args.reference_limit)
+            table, _ = speed_sweep(model, tokenizer, data.load_books(), contexts=args.contexts or [1024, 2048, 4096, 8192],
+                                   config=SculptConfig(steps=args.steps, progress=False),
+                                   reference_limit=args.reference_limit)
         with pd.option_context("display.width", 200, "display.max_columns", 30):
             print(table.to_string(index=False))
         if args.out:

@@ -26,12 +26,13 @@ A request's **cache length** (pairs stored) is kept apart from its **position** 
 a :class:`Prefix` distilled by KVSculpt holds ``k + m`` pairs for ``N`` tokens; its prompt and outputs
 continue at position ``N``.
 
-:class:`_Attention` is the only place that calls into ``zipkv.kernels`` (today's
-``decode_attention`` / ``decode_attention_reference``, and the Triton pack kernel): the switch to the
-kernels' plan/run API happens there. On the GPU the fused kernel runs; on the CPU the torch reference
-(``attention="reference"``). CUDA graphs: not captured yet -- today's ``decode_attention`` routes on
-the cache's page kinds, which it caches on the host and rebuilds when pages change; the plan/run API
-is what makes a step capturable.
+:class:`_Attention` is the only place that calls into ``zipkv.kernels``: the plan/run API of
+``zipkv.kernels.decode_attention`` (a plan per layer, kept while the batch's pages stay the same),
+``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
+the torch reference (``attention="reference"``). CUDA graphs: not captured yet. What a capture needs is
+in place for attention (``DecodePlan.run`` neither syncs nor allocates with ``out`` given, and stays valid
+as pages fill and compress); the step around it is not yet static -- token slots, positions and the page
+table are rebuilt on the host per step, and the batch changes as requests come and go.
 """
 from __future__ import annotations
 
@@ -86,16 +87,21 @@ class _Running:
 
 
 class _Attention:
-    """The engine's one adapter onto ``zipkv.kernels``: per-layer caches over the memory's pool, the
-    page table of a step (``plan``), one decode-attention call per layer (``run``), the pack kernel."""
+    """The engine's one adapter onto ``zipkv.kernels``: per-layer caches over the memory's pool, the kernels'
+    plan/run split -- one :func:`zipkv.kernels.decode_attention.plan` per layer, made again only when the
+    batch's page table changes (a new token in a request's last page only raises ``last_page_len``, in
+    place) -- and the pack kernel. Pages compressed between steps keep the plans valid: their descriptors
+    and page kinds change in place and the plans route on the device (``routing="device"``); a cache that
+    is never compressed (``static_kinds``) keeps the kernels' single specialised launch."""
 
-    def __init__(self, memory: KVMemory, backend: str):
-        from zipkv.kernels.decode_attention import PagedKVCache
-        self.memory, self.backend = memory, backend
+    def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool):
+        from zipkv.paged import PagedKVCache
+        self.memory, self.backend, self.q_heads, self.scale = memory, backend, q_heads, scale
         pool = memory.pool[: memory.total_bytes]
         self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts) for d in memory.desc]
+        self.static_kinds = static_kinds
         self.versions = [-1] * memory.num_layers
-        self.table = None
+        self.key = self.table = self.plans = None
 
     @staticmethod
     def pack_slots(backend):
@@ -110,19 +116,30 @@ class _Attention:
         return pack
 
     def plan(self, rids):
-        self.table = self.memory.page_table(rids)
         for l, c in enumerate(self.caches):
             if self.versions[l] != self.memory.version[l]:
-                c.refresh()
+                if not self.static_kinds:
+                    c.refresh()                                     # page kinds recomputed in place
                 self.versions[l] = self.memory.version[l]
+        lens = [self.memory.cache_len(r) for r in rids]
+        key = (tuple(rids), tuple((n + fmt.PAGE_TOKENS - 1) // fmt.PAGE_TOKENS for n in lens))
+        if key == self.key:                                         # same pages: only last_page_len moves
+            last = [n - fmt.PAGE_TOKENS * (p - 1) for n, p in zip(lens, key[1])]
+            self.table[2].copy_(torch.tensor(last, dtype=torch.int32))
+            return
+        self.key, self.table = key, self.memory.page_table(rids)
+        if self.backend == "kernel":
+            from zipkv.kernels.decode_attention import plan
+            routing = "auto" if self.static_kinds else "device"
+            self.plans = [plan(*self.table, c, self.q_heads, softmax_scale=self.scale, validate=False, routing=routing)
+                          for c in self.caches]
 
-    def run(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q bf16 ``[batch, q_heads, head_dim]`` -> bf16 attention output, same shape."""
         if self.backend == "reference":
             from zipkv.kernels.reference import decode_attention_reference
-            return decode_attention_reference(q, self.caches[layer], *self.table, softmax_scale=scale).to(q.dtype)
-        from zipkv.kernels.decode_attention import decode_attention
-        return decode_attention(q.contiguous(), self.caches[layer], *self.table, softmax_scale=scale, validate=False)
+            return decode_attention_reference(q, self.caches[layer], *self.table, softmax_scale=self.scale).to(q.dtype)
+        return self.plans[layer].run(q.contiguous())
 
 
 def _eos_ids(model, eos_token_id):
@@ -171,7 +188,8 @@ class Engine:
         self.memory = KVMemory(cfg.num_hidden_layers, self.kv_heads, self.head_dim, kv_budget_bytes,
                                pages_per_chunk=pages_per_chunk, k_layout=k_layout, v_layout=v_layout,
                                device=self.device, pack_slots=_Attention.pack_slots(attention))
-        self.attention = _Attention(self.memory, attention)
+        self.attention = _Attention(self.memory, attention, self.q_heads, model.model.layers[0].self_attn.scaling,
+                                    static_kinds=compress == "none")
         self.compress, self.reserve_ratio, self.max_batch = compress, reserve_ratio, max_batch
         self.eos = _eos_ids(model, eos_token_id)
 
@@ -212,7 +230,7 @@ class Engine:
                 q, k = attn.q_norm(q), attn.k_norm(k)
             q, k = apply_rotary_pos_emb(q, k, cos, sin)
             self.memory.write_tokens(l, pages, offsets, k[:, :, 0], v[:, :, 0])
-            o = self.attention.run(l, q[:, :, 0].contiguous(), attn.scaling)   # [B, Hq, D]
+            o = self.attention.run(l, q[:, :, 0].contiguous())                 # [B, Hq, D]
             h = h + attn.o_proj(o.reshape(B, 1, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.model.lm_head(self.inner.norm(h[:, -1])).argmax(-1)

@@ -67,6 +67,8 @@ PAPER_MODELS = {
     "Llama-3.1-8B-Instruct": ModelShape("Llama-3.1-8B-Instruct", 32, 32, 8, 128, 500_000.0),
     "Qwen3-8B": ModelShape("Qwen3-8B", 36, 32, 8, 128, 1_000_000.0),
 }
+EMBEDDED_SHAPE = ModelShape(EMBEDDED_NAME, 30, 9, 3, 64, 100_000.0)
+"""The embedded model's attention shape (its config.json), for benchmarks that need no weights."""
 
 
 def embedded_gguf_path() -> Path:
@@ -241,15 +243,16 @@ class Capture:
 
 
 _CAPTURE_ATTENTION = "zipkv_capture"
-_captured: list | None = None
 
 
-def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+def _capture_attention(module, query, key, value, attention_mask, *, zipkv_capture: list | None = None, **kwargs):
+    """The model's SDPA attention that also appends this layer's post-RoPE Q, K, V to ``zipkv_capture``
+    (the forward's keyword argument, passed down to every attention call by transformers)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if _captured is not None:
-        _captured.append(LayerCapture(keys=key[0].detach().clone(), values=value[0].detach().clone(),
-                                      queries=query[0].detach().clone()))
+    if zipkv_capture is not None:
+        zipkv_capture.append(LayerCapture(keys=key[0].detach().clone(), values=value[0].detach().clone(),
+                                          queries=query[0].detach().clone()))
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
@@ -260,7 +263,6 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
     Only the last position's logits are computed (``logits_to_keep=1``): no [T, vocab] tensor.
     Tensors keep the model's dtype; keys/values equal the model's own KV cache entries.
     """
-    global _captured
     from transformers import AttentionInterface
 
     if input_ids.ndim == 2:
@@ -276,12 +278,10 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
     AttentionInterface.register(_CAPTURE_ATTENTION, _capture_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(_CAPTURE_ATTENTION)
-    _captured = []
+    layers: list[LayerCapture] = []
     try:
         model(input_ids[None].to(device), position_ids=positions[None].to(device), use_cache=False,
-              logits_to_keep=1)
-        layers = _captured
+              logits_to_keep=1, zipkv_capture=layers)
     finally:
-        _captured = None
         model.set_attn_implementation(previous)
     return Capture(layers=layers, positions=positions.cpu(), rope=Rope.of(model), shape=model_shape(model))

@@ -17,7 +17,7 @@ import torch
 from zipkv import format as fmt
 from zipkv.engine import Engine, Prefix, kv_budget_for
 
-__all__ = ["LLAMA_8B", "METHODS", "random_llama", "real_kv_blocks", "real_prefix", "decode_throughput",
+__all__ = ["LLAMA_8B", "METHODS", "GPU_LAYOUTS", "random_llama", "real_kv_blocks", "real_prefix", "decode_throughput",
            "largest_batch_budget", "plot_throughput", "plot_memory_timeline"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -28,6 +28,11 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 METHODS = {"uncompressed": "none", "zipfusion": "prompt"}
 """Engine compression mode per method: uncompressed stores everything raw; ZipFusion compresses the
 prefix pages, new KV stays raw (§IV-A)."""
+
+GPU_LAYOUTS = {"uncompressed": ("token", "token"), "zipfusion": ("k_mma", "v_mma")}
+"""Cache layouts per method on a GPU at head_dim 128: ZipFusion's pages in the mma layouts (the Gluon kernel,
+which reads mixed pages on its pipelined path); uncompressed pages in the token layout (the Triton kernel's
+raw path, the faster of zipkv's two uncompressed paths in "Decode attention latency")."""
 
 
 def random_llama(device="cuda", **overrides):
@@ -108,6 +113,9 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
         per_req = math.ceil((context + new_tokens - 1) / fmt.PAGE_TOKENS) * cfg.num_hidden_layers * 2 \
             * cfg.num_key_value_heads * fmt.page_bytes(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         submit = batch if batch is not None else math.ceil(1.5 * kv_budget_bytes / per_req) + 1
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if next(model.parameters()).device.type == "cuda" and head_dim == fmt.MMA_HEAD_DIM:
+        engine_kw = dict(zip(("k_layout", "v_layout"), GPU_LAYOUTS[method]), **engine_kw)
     engine = Engine(model, kv_budget_bytes, compress=METHODS[method], max_batch=batch, eos_token_id=None, **engine_kw)
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(cfg.vocab_size, (submit, 1), generator=gen).tolist()

@@ -3,17 +3,21 @@
 Paper: "KVSculpt" (``shared/papers/003_*``), §3–§5.1 and Appendix A.
 
 * :mod:`.queries` — training queries per KV head (retain + synthetic future queries, §3.3).
-* :mod:`.baselines` — the per-head problem and objective; Random, Attention Score, Select+Fit,
-  Joint Optimization (§4).
-* :mod:`.kvsculpt` — the L-BFGS + ridge solver (§3.4) and :func:`compress` for a whole cache.
+* :mod:`.problem` — the per-head problem, the §3.2 objective, the V-step, the solver types.
+* :mod:`.baselines` — Random, Attention Score, Select+Fit, Joint Optimization (§4), batched;
+  :mod:`.reference` — their one-problem-at-a-time references.
+* :mod:`.kvsculpt` — the L-BFGS + ridge solver (§3.4) and :func:`compress` for a whole cache;
+  :mod:`.batched` — the same solver on all problems at once.
 * :mod:`.budget` — pilot-MSE budget allocation across layers and heads (§3.5).
-* :mod:`.evaluate` — KL(full ‖ compressed) and hidden-state error with the compressed cache in the model.
+* :mod:`.evaluate` — KL(full ‖ compressed) and hidden-state error with the compressed cache in the model
+  (through :class:`zipkv.cache.DistilledCache`, the cache ``model.generate`` takes).
 """
-from .baselines import JointConfig, Problem, Solution
-from .kvsculpt import METHODS, CompressedCache, SculptConfig, build_problems, compress, solve
+from .baselines import JointConfig
+from .kvsculpt import METHODS, CompressedCache, build_problems, compress, solve
+from .problem import Problem, SculptConfig, Solution, Solver
 from .queries import STRATEGIES, training_queries
 
 __all__ = [
-    "METHODS", "STRATEGIES", "CompressedCache", "JointConfig", "Problem", "SculptConfig", "Solution",
+    "METHODS", "STRATEGIES", "CompressedCache", "JointConfig", "Problem", "SculptConfig", "Solution", "Solver",
     "build_problems", "compress", "solve", "training_queries",
 ]

@@ -1,12 +1,12 @@
 """Batched KVSculpt solver: every (layer, KV head) problem of a context solved together (issue #5).
 
-:func:`solve` has the reference's signature (:data:`zipkv.distill.kvsculpt.Solver`) and runs the
+:func:`solve` has the reference's signature (:data:`zipkv.distill.problem.Solver`) and runs the
 reference's algorithm (:func:`zipkv.distill.kvsculpt.solve_one`, paper §3.4) on a batch of ``P``
 problems at once, with nothing shared between problems:
 
 * **Initialisation** — the reference's start, Select+Fit (top-``k`` old positions by accumulated
   attention, ridge values), computed for all problems of a shape at once with
-  :class:`~zipkv.distill.baselines.PreparedBatch` (the batched Select+Fit baseline's code), so the
+  :class:`~zipkv.distill.problem.PreparedBatch` (what the batched Select+Fit baseline runs), so the
   starting loss is Select+Fit's (to the rounding of batched matmuls).
 * **K-step** — ``torch.optim.LBFGS`` re-implemented over a batch: per problem its own history, its
   own step count, its own ``func_evals`` budget (``max_eval = 5·max_iter//4`` per outer step) and
@@ -27,7 +27,7 @@ problems at once, with nothing shared between problems:
   ``ℓ̂ = log(Σ_j e^{s_j} + e^{ℓ_r})``, which is the reference's softmax over ``[K_c; K_ret]``
   rewritten, without its ``m`` retain columns.
 * **V-step** — every ``value_every`` steps, ridge regression (λ) for all problems at once in float64
-  (one batched Cholesky solve, :func:`~zipkv.distill.baselines.ridge_solve`); the L-BFGS history is
+  (one batched Cholesky solve, :func:`~zipkv.distill.problem.ridge_solve`); the L-BFGS history is
   kept across it, or restarted with ``reset_history``, as in the reference.
 * **Best iterate** — the lowest-loss iterate over the outer steps is returned, and never one whose
   loss is above Select+Fit's.
@@ -63,24 +63,21 @@ Agreement with the reference is to rounding only: both follow the same decisions
 trajectories are chaotic (float64 histories agree to ~1e-9 over a few steps, float32 ones drift
 apart within tens of steps), so compare the two solvers by distributions over problems.
 
-:func:`bench_distill` times the reference and this solver on the same problems in one run;
-:func:`qwen_shaped_problems` builds problems of Qwen2.5-1.5B's attention shape from the embedded
-model's captured cache.
+:func:`zipkv.bench.distill.bench_distill` times the reference and this solver on the same problems in
+one run (re-exported here, as are its Qwen-shaped problem builders and ``speed_sweep``).
 """
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
-from .baselines import Prepared, PreparedBatch, Problem, Solution, chunk_for, problem_groups, ridge_solve
-from .kvsculpt import SculptConfig, Solver, budget_for_ratio, build_problems
-from .kvsculpt import solve as reference_solve
-from .queries import training_queries
+from .problem import (Prepared, PreparedBatch, Problem, SculptConfig, Solution, Solver, chunk_for, objective,
+                      objective_grad, problem_groups, ridge_solve)
 
 TILE = 64
 """Default bucket width: no problem is padded by ``TILE`` keys or more."""
@@ -150,14 +147,12 @@ class _Batch:
         p = p.div_(z[..., None])
         beta = er / z
         y_hat = torch.baddbmm(beta[..., None] * self.y_r, p, values)
-        diff = y_hat - self.y
-        dl = lse_hat - self.lse
-        n_q, d = self.q.shape[1], self.q.shape[2]
-        loss = diff.square().mean(dim=(1, 2)) + dl.square().mean(dim=1)
+        out, lse = objective(y_hat, lse_hat, self.y, self.lse)
+        loss = out + lse
         if not grad:
             return loss
-        g_out = diff.mul_(2.0 / (n_q * d))
-        row = dl.mul_(2.0 / n_q) - (g_out * y_hat).sum(dim=-1)  # g_ℓ − G·ŷ, [P, n_q]
+        g_out, g_lse = objective_grad(y_hat, lse_hat, self.y, self.lse)
+        row = g_lse - (g_out * y_hat).sum(dim=-1)  # g_ℓ − G·ŷ, [P, n_q]
         ds = torch.baddbmm(row[..., None], g_out, values.transpose(1, 2)).mul_(p)
         return loss, torch.bmm(ds.transpose(1, 2), self.q)
 
@@ -659,8 +654,9 @@ def _sync(device):
 
 @torch.no_grad()
 def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: float | None, bar=None,
-                  cuda_graphs: bool = True):
-    """The batched solver on problems of equal query count and head dim; returns (solutions, frozen_at)."""
+                  cuda_graphs: bool = True, starts: Sequence[torch.Tensor | None] | None = None):
+    """The batched solver on problems of equal query count and head dim; returns (solutions, frozen_at).
+    ``starts[i]``, when given, replaces problem ``i``'s top-attention start positions (``[k]`` old positions)."""
     started = time.perf_counter()
     P, ks = len(problems), [p.k for p in problems]
     dtype = cfg.dtype
@@ -676,7 +672,11 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
     init_loss_t = torch.empty(P, dtype=dtype, device=device)
     for members, pb in groups:
         rows = torch.tensor(members, device=device)
-        keys0 = pb.gather_old(pb.top_attention())
+        index = pb.top_attention()
+        for j, i in enumerate(members):
+            if starts is not None and starts[i] is not None:
+                index[j, : problems[i].k] = torch.as_tensor(starts[i], device=device)
+        keys0 = pb.gather_old(index)
         values0 = pb.ridge(keys0, cfg.ridge)
         init_loss_t[rows] = pb.loss(keys0, values0)
         x0[rows, : pb.kmax], values[rows, : pb.kmax] = keys0, values0
@@ -793,7 +793,8 @@ def _solve_bucket(problems: Sequence[Problem], cfg: SculptConfig, freeze_rtol: f
 
 
 def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = None, *, tile: int | None = TILE,
-                  freeze_rtol: float | None = None, cuda_graphs: bool = True) -> tuple[list[Solution], BatchStats]:
+                  freeze_rtol: float | None = None, cuda_graphs: bool = True,
+                  starts: Sequence[torch.Tensor | None] | None = None) -> tuple[list[Solution], BatchStats]:
     """The batched KVSculpt solver (module docstring), with per-problem statistics.
 
     Args:
@@ -805,6 +806,8 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
             a V-step block (not the reference's behaviour; ``None``: off).
         cuda_graphs: on CUDA, replay each inner iteration's fixed part as CUDA graphs (:class:`_LBFGS`);
             ``False``: plain eager launches (the same arithmetic).
+        starts: per problem ``None`` (the reference's start, top-``k`` by attention) or ``[k]`` distinct old
+            positions ``< N − m`` to start from (with ridge values), e.g. random restarts (Table 3's oracle).
 
     Returns:
         ``(solutions, stats)``, solutions in input order. A solution's ``seconds`` is its bucket's wall
@@ -812,6 +815,15 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
     """
     cfg = config or SculptConfig()
     P = len(problems)
+    if starts is not None:
+        if len(starts) != P:
+            raise ValueError(f"starts has {len(starts)} entries: expected one per problem ({P})")
+        for i, start in enumerate(starts):
+            if start is None:
+                continue
+            idx, k, cut = torch.as_tensor(start), problems[i].k, problems[i].n - problems[i].m
+            if tuple(idx.shape) != (k,) or (k > 0 and not 0 <= int(idx.min()) <= int(idx.max()) < cut):
+                raise ValueError(f"starts[{i}] has shape {tuple(idx.shape)}: expected [{k}] old positions in [0, {cut})")
     solutions: list[Solution | None] = [None] * P
     bucket_of, k_padded, frozen_at, bucket_seconds = [-1] * P, [0] * P, [-1] * P, []
     groups: dict[tuple, list[int]] = {}
@@ -828,7 +840,8 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
     bar = tqdm(total=len(plan) * cfg.steps, desc="kvsculpt-batched", disable=not cfg.progress, leave=False)
     for b, members in enumerate(plan):
         started = time.perf_counter()
-        sols, frozen = _solve_bucket([problems[i] for i in members], cfg, freeze_rtol, bar, cuda_graphs)
+        sols, frozen = _solve_bucket([problems[i] for i in members], cfg, freeze_rtol, bar, cuda_graphs,
+                                     None if starts is None else [starts[i] for i in members])
         bucket_seconds.append(time.perf_counter() - started)
         kmax = max(problems[i].k for i in members)
         for i, s, f in zip(members, sols, frozen):
@@ -838,189 +851,24 @@ def solve_batched(problems: Sequence[Problem], config: SculptConfig | None = Non
 
 
 def solve(problems: Sequence[Problem], config: SculptConfig | None = None) -> list[Solution]:
-    """Drop-in for :func:`zipkv.distill.kvsculpt.solve` (a :data:`~zipkv.distill.kvsculpt.Solver`)."""
+    """Drop-in for :func:`zipkv.distill.kvsculpt.solve` (a :data:`~zipkv.distill.problem.Solver`)."""
     return solve_batched(problems, config)[0]
 
 
 def make_solver(*, tile: int | None = TILE, freeze_rtol: float | None = None, cuda_graphs: bool = True) -> Solver:
-    """A :data:`~zipkv.distill.kvsculpt.Solver` with non-default bucketing, freezing or CUDA graphs."""
+    """A :data:`~zipkv.distill.problem.Solver` with non-default bucketing, freezing or CUDA graphs."""
     def solver(problems: Sequence[Problem], config: SculptConfig | None = None) -> list[Solution]:
         return solve_batched(problems, config, tile=tile, freeze_rtol=freeze_rtol, cuda_graphs=cuda_graphs)[0]
     return solver
 
 
-# --- problems of Qwen2.5-1.5B's shape from the embedded model ---------------------------------------------
-
-QWEN_SHAPE = dict(layers=28, kv_heads=2, group=6, head_dim=128)
-"""Qwen2.5-1.5B's attention shape: 28 layers × 2 KV heads × head_dim 128, 6 query heads per KV head."""
+_MOVED_TO_BENCH = ("bench_distill", "context_problems", "qwen_shaped_problems", "speed_sweep")
 
 
-def qwen_shaped_problems(capture, ratio: float = 0.3, *, m: int = 256, n_synthetic: int = 128,
-                         layers: int = 28, kv_heads: int = 2, group: int = 6, strategy: str = "uniform",
-                         seed: int = 0, k: int | None = None) -> list[Problem]:
-    """Problems of Qwen2.5-1.5B's attention shape built from a real captured cache.
+def __getattr__(name):
+    # the speed benchmark and its problem builders live in zipkv.bench.distill (which imports this module)
+    if name in _MOVED_TO_BENCH:
+        from zipkv.bench import distill
 
-    The embedded SmolLM2-135M has 30 layers × 3 KV heads × head_dim 64 with 3 query heads per KV
-    head. A 128-d head is two 64-d heads of the same layer side by side:
-
-    * layer ``l`` of the result is the capture's layer ``l`` (layers 0 … 27; the last two are unused);
-    * its KV head ``j`` concatenates the capture's KV heads ``a = 2j mod H`` and ``b = 2j+1 mod H``
-      along head_dim: keys ``[K_a | K_b]``, values ``[V_a | V_b]`` (``N × 128``); with ``H = 3`` the two
-      heads are ``[h0 | h1]`` and ``[h2 | h0]``;
-    * its ``group`` query heads are ``[q_{a,i} | q_{b,(i+s) mod g}]`` for ``s = 0, 1, …`` and
-      ``i = 0 … g−1`` (first ``group`` of them; with ``g = 3``: (0,0), (1,1), (2,2), (0,1), (1,2), (2,0)),
-      each half a real post-RoPE query of its own head at the same position; training queries
-      (retain + synthetic, §3.3) are built per 64-d half with the model's RoPE and the same
-      strategy and seed, so both halves sample the same positions, then concatenated.
-
-    So every logit is ``q_a·k_a + q_b·k_b``, the sum of two real heads' logits, scaled by ``1/√128``
-    (Qwen's), i.e. ``(s_a + s_b)/√2`` in the 64-d heads' ``1/√64`` units: the shape (and the cost)
-    is Qwen's, the attention statistics are a real model's.
-
-    Args:
-        capture: a :class:`zipkv.models.Capture` with ≥ ``layers`` layers and ≥ 2 KV heads.
-        ratio: ``r = (k + m)/N``; ``k`` overrides it with a fixed budget.
-        m, n_synthetic, strategy, seed: training queries, as :func:`~zipkv.distill.kvsculpt.build_problems`.
-        layers, kv_heads, group: the target shape (default Qwen2.5-1.5B's).
-    """
-    if len(capture.layers) < layers:
-        raise ValueError(f"capture has {len(capture.layers)} layers: expected at least layers={layers}")
-    H, N, d = capture.layers[0].keys.shape
-    if H < 2:
-        raise ValueError(f"capture has {H} KV heads: expected at least 2 to concatenate")
-    budget = budget_for_ratio(ratio, N, m) if k is None else int(k)
-    problems = []
-    for layer in range(layers):
-        lc = capture.layers[layer]
-        g = lc.queries.shape[0] // H
-        pairs = [(i, (i + s) % g) for s in range(-(-group // g)) for i in range(g)][:group]
-        for j in range(kv_heads):
-            a, b = (2 * j) % H, (2 * j + 1) % H
-            halves = [training_queries(lc.queries[h * g:(h + 1) * g], capture.positions, capture.rope, m,
-                                       n_synthetic, strategy=strategy, seed=seed + 7919 * layer + j)
-                      for h in (a, b)]  # [g, m + n_s, d] each, same sampled positions
-            queries = torch.stack([torch.cat([halves[0][i], halves[1][i2]], dim=-1) for i, i2 in pairs])
-            keys = torch.cat([lc.keys[a], lc.keys[b]], dim=-1)
-            values = torch.cat([lc.values[a], lc.values[b]], dim=-1)
-            problems.append(Problem(keys=keys, values=values, queries=queries, m=m, k=budget, layer=layer, head=j))
-    return problems
-
-
-def context_problems(capture, ratio: float, shape: str = "embedded", *, m: int = 256, n_synthetic: int = 128,
-                     seed: int = 0) -> list[Problem]:
-    """All problems of one captured context: ``"embedded"`` (the model's own heads) or ``"qwen"``."""
-    if shape == "embedded":
-        N = capture.layers[0].keys.shape[1]
-        return build_problems(capture, budget_for_ratio(ratio, N, m), m=m, n_synthetic=n_synthetic, seed=seed)
-    if shape == "qwen":
-        return qwen_shaped_problems(capture, ratio, m=m, n_synthetic=n_synthetic, seed=seed)
-    raise ValueError(f"shape={shape!r}: expected 'embedded' or 'qwen'")
-
-
-# --- benchmark --------------------------------------------------------------------------------------------
-
-def _timed(fn, device):
-    _sync(device)
-    started = time.perf_counter()
-    out = fn()
-    _sync(device)
-    return out, time.perf_counter() - started
-
-
-def bench_distill(problems: Sequence[Problem], *, problem_shape: str, ratio: float | None = None,
-                  config: SculptConfig | None = None, solver: Solver | None = None,
-                  reference: bool = True, reference_limit: int | None = None, warmup: bool = True):
-    """Time the reference solver and the batched solver on the same problems, in the same run.
-
-    Args:
-        problems: one context's problems (all layers × KV heads).
-        problem_shape: label, e.g. ``"SmolLM2-135M 30×3×64"`` or ``"Qwen2.5-1.5B 28×2×128"``.
-        ratio: label (default: ``(mean k + m)/N`` of the problems).
-        config: solver settings (``device`` where both run; default the paper's 100 steps).
-        solver: the fast solver (default :func:`solve`).
-        reference: also time the reference solver.
-        reference_limit: time the reference on this many problems only (evenly spread), and scale
-            its seconds to the whole context (the ``reference_problems`` column says how many ran).
-        warmup: a one-step batched run first (CUDA context, cuBLAS handles, allocator).
-
-    Returns:
-        ``(timings, losses)``. ``timings``: one row per solver with ``problem_shape, ctx, ratio, solver,
-        seconds`` (per context), ``speedup`` (reference seconds / this solver's seconds),
-        ``problems, reference_problems``. ``losses``: one row per problem with ``layer, head, k,
-        select_fit`` (the common starting loss), ``batched``, ``reference`` (NaN where not run) and
-        ``rel_diff = (batched − reference)/reference``.
-    """
-    import pandas as pd
-
-    cfg = replace(config or SculptConfig(), progress=False)
-    fast = solver or solve
-    device = cfg.device or problems[0].keys.device
-    ctx = problems[0].n
-    if ratio is None:
-        ratio = (sum(p.k for p in problems) / len(problems) + problems[0].m) / ctx
-    if warmup:
-        fast(problems, replace(cfg, steps=1))
-    batched, t_fast = _timed(lambda: fast(problems, cfg), device)
-    rows = [dict(problem_shape=problem_shape, ctx=ctx, ratio=ratio, solver="batched", seconds=t_fast,
-                 problems=len(problems), reference_problems=0)]
-    ref_index: list[int] = []
-    ref_solutions: list[Solution] = []
-    if reference:
-        count = len(problems) if reference_limit is None else max(1, min(reference_limit, len(problems)))
-        ref_index = sorted({round(i * (len(problems) - 1) / max(count - 1, 1)) for i in range(count)})
-        ref_solutions, t_ref = _timed(lambda: reference_solve([problems[i] for i in ref_index], cfg), device)
-        seconds = t_ref * len(problems) / len(ref_index)
-        rows.insert(0, dict(problem_shape=problem_shape, ctx=ctx, ratio=ratio, solver="reference", seconds=seconds,
-                            problems=len(problems), reference_problems=len(ref_index)))
-        for row in rows:
-            row["speedup"] = seconds / row["seconds"]
-    timings = pd.DataFrame(rows)
-    ref_loss = {i: s.loss for i, s in zip(ref_index, ref_solutions)}
-    losses = pd.DataFrame([dict(problem_shape=problem_shape, ctx=ctx, ratio=ratio, layer=p.layer, head=p.head,
-                                k=p.k, select_fit=s.initial_loss, batched=s.loss, reference=ref_loss.get(i, math.nan))
-                           for i, (p, s) in enumerate(zip(problems, batched))])
-    losses["rel_diff"] = (losses["batched"] - losses["reference"]) / losses["reference"]
-    return timings, losses
-
-
-def speed_sweep(model, tokenizer, books, *, contexts=(1024, 2048, 4096, 8192), ratios=(0.3,),
-                ratio_sweep_context: int = 2048, sweep_ratios=(0.1, 0.3, 0.5, 0.7), m: int = 256,
-                n_synthetic: int = 128, config: SculptConfig | None = None, qwen_context: int | None = 2048,
-                reference_at=((2048, 0.3),),
-                reference_limit: int | None = 8, seed: int = 0, progress: bool = True):
-    """Seconds per context of the batched solver against context length and ratio (issue: "Distillation
-    in seconds"), on the embedded model's own problems and on Qwen2.5-1.5B-shaped ones.
-
-    One PG19 window per context length is captured once. The embedded shape is timed at every
-    ``contexts × ratios`` and at ``ratio_sweep_context × sweep_ratios``; the Qwen shape at
-    ``(qwen_context, 0.3)`` (skipped when ``None`` or when the model is too small to build it). The reference solver runs in the same process at the ``reference_at`` points
-    (on ``reference_limit`` evenly spread problems, scaled to the context).
-
-    Returns ``(timings, losses)`` as :func:`bench_distill`, concatenated.
-    """
-    import pandas as pd
-    from tqdm.auto import tqdm
-
-    from zipkv.data import windows as make_windows
-    from zipkv.models import capture as capture_fn, model_shape
-
-    shape = model_shape(model)
-    embedded_label = f"{shape.name} {shape.layers}×{shape.kv_heads}×{shape.head_dim}"
-    qwen_label = "Qwen2.5-1.5B-shaped 28×2×128"
-    points = [("embedded", c, r) for c in contexts for r in ratios]
-    points += [("embedded", ratio_sweep_context, r) for r in sweep_ratios if ("embedded", ratio_sweep_context, r) not in points]
-    if qwen_context and shape.layers >= QWEN_SHAPE["layers"] and shape.kv_heads >= 2:
-        points.append(("qwen", qwen_context, 0.3))
-    captures = {}
-    timings, losses = [], []
-    for kind, ctx, ratio in tqdm(points, desc="distill speed", disable=not progress):
-        if ctx not in captures:
-            (window,) = make_windows(tokenizer, books, 1, context=ctx, continuation=0, seed=seed + ctx)
-            captures[ctx] = capture_fn(model, window.context_ids)
-        problems = context_problems(captures[ctx], ratio, kind, m=m, n_synthetic=n_synthetic, seed=seed)
-        timing, loss = bench_distill(problems, problem_shape=embedded_label if kind == "embedded" else qwen_label,
-                                     ratio=ratio, config=config, reference=(ctx, ratio) in reference_at,
-                                     reference_limit=reference_limit)
-        timings.append(timing)
-        losses.append(loss.assign(problem_shape=timing.problem_shape.iloc[0], ctx=ctx, ratio=ratio))
-    return pd.concat(timings, ignore_index=True), pd.concat(losses, ignore_index=True)
+        return getattr(distill, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

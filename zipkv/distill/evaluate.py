@@ -1,12 +1,11 @@
 """End-to-end evaluation of a compressed cache: KL and hidden-state error (KVSculpt §4 metric, §6).
 
 :func:`teacher_force` puts a :class:`~zipkv.distill.kvsculpt.CompressedCache` into a Hugging Face
-Llama-family model and feeds the continuation tokens at their *original* positions N … N+C−1.
-Each layer may hold its own number of pairs per KV head: a layer is padded to its longest head
-and the padded keys are masked per head by a registered attention function
-(:data:`ATTENTION_NAME`), so the result equals attention over the exact per-head lengths. The
-reference run uses the uncompressed captured cache through the same path, so an uncompressed
-cache gives KL exactly 0.
+Llama-family model as a :class:`zipkv.cache.DistilledCache` — the cache users generate from — and
+feeds the continuation tokens at their *original* positions N … N+C−1 in one forward pass. Each
+layer may hold its own number of pairs per KV head (masked per head inside the model's own
+attention), so the result is attention over the exact per-head lengths. The reference run uses the
+uncompressed captured cache through the same path, so an uncompressed cache gives KL exactly 0.
 
 :func:`evaluate` returns KL(full ‖ compressed) per continuation token and its mean (the paper's
 metric), plus the relative L2 error of every decoder layer's output hidden states (§6.1).
@@ -24,43 +23,6 @@ import torch
 
 from .baselines import JointConfig
 from .kvsculpt import CompressedCache, SculptConfig, Solver, compress
-
-ATTENTION_NAME = "zipkv_masked"
-"""Name under which the per-head masked attention is registered in transformers' ``AttentionInterface``."""
-
-_valid: dict[int, torch.Tensor] = {}  # layer_idx -> [H, n_max] bool, True on real cached pairs
-
-
-def _masked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Eager attention over ``[cache; new tokens]`` with per-head cache padding masked out.
-
-    ``query`` ``[B, Hq, C, d]``; ``key``/``value`` ``[B, H, P + C, d]`` (``P`` padded cached pairs).
-    The cached part is visible where ``_valid[layer]`` ``[H, P]`` is True; the new tokens are causal.
-    transformers builds no mask for this implementation name, so ``attention_mask`` is ``None``.
-    """
-    valid = _valid[module.layer_idx]
-    B, Hq, C, _ = query.shape
-    H, P = valid.shape
-    if key.shape[1] != H or key.shape[2] != P + C:
-        raise RuntimeError(f"layer {module.layer_idx}: keys {tuple(key.shape)}, expected [B, {H}, {P + C}, d]")
-    group = Hq // H
-    key = key.repeat_interleave(group, dim=1)  # q head h uses kv head h // group (HF repeat_kv)
-    value = value.repeat_interleave(group, dim=1)
-    causal = torch.ones(C, C, dtype=torch.bool, device=query.device).tril()
-    allowed = torch.cat([valid.repeat_interleave(group, dim=0)[:, None, :].expand(Hq, C, P),
-                         causal[None].expand(Hq, C, C)], dim=-1)  # [Hq, C, P + C]
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs, value).transpose(1, 2).contiguous()
-    return out, probs
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, _masked_attention)
-
 
 def _decoder_layers(model):
     base = getattr(model, "model", model)
@@ -108,52 +70,64 @@ def _as_ids(ids: torch.Tensor) -> torch.Tensor:
     return ids.long()
 
 
-def teacher_force(model, cache: CompressedCache, continuation_ids: torch.Tensor) -> TeacherForced:
+def teacher_force(model, cache, continuation_ids: torch.Tensor) -> TeacherForced:
     """Feed ``continuation_ids`` ``[C]`` after ``cache`` at positions N … N+C−1 (teacher forcing).
 
-    Each layer is padded to its longest head (:meth:`CompressedCache.padded`) and run by
-    :func:`teacher_force_padded`, which masks the padding per head.
+    ``cache`` is a :class:`CompressedCache` or a :class:`zipkv.cache.DistilledCache` (used through
+    :meth:`~zipkv.cache.DistilledCache.fresh`: the caller's cache is not appended to).
     """
-    param = next(model.parameters())
-    layers = [cache.padded(layer, dtype=param.dtype, device=param.device) for layer in range(cache.num_layers)]
-    return teacher_force_padded(model, layers, cache.n_context, continuation_ids)
+    from zipkv.cache import DistilledCache
+
+    if isinstance(cache, DistilledCache):
+        _check_layers(model, len(cache.layers), cache.layers[0].valid.shape[0])
+        return _run(model, cache.fresh(), continuation_ids)
+    _check_layers(model, cache.num_layers, cache.num_heads)
+    return _run(model, DistilledCache.from_compressed(cache, model), continuation_ids)
 
 
-@torch.no_grad()
-def teacher_force_padded(model, layers: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], n_context: int,
+def teacher_force_padded(model, layers: Sequence[tuple], n_context: int,
                          continuation_ids: torch.Tensor) -> TeacherForced:
-    """Teacher forcing over a padded cache: ``layers[l] = (keys, values, valid)``.
+    """Teacher forcing over a padded cache: ``layers[l] = (keys, values, valid)`` (or with a ``bias``).
 
     Args:
         model: a Hugging Face Llama-family causal LM.
         layers: per layer ``keys``, ``values`` ``[H, P_l, d]`` post-RoPE and ``valid`` ``[H, P_l]`` bool
-            (False entries are masked out for that head, wherever they are).
+            (False entries are masked out for that head, wherever they are), optionally ``bias`` ``[H, P_l]``.
         n_context: ``N``: the continuation runs at positions N … N+C−1.
         continuation_ids: ``[C]`` token ids.
-
-    The cache goes into a ``transformers.DynamicCache`` (``[1, H, P_l, d]`` in the model's dtype)
-    and attention runs through :data:`ATTENTION_NAME`; the model's attention implementation is
-    restored afterwards.
     """
-    from transformers import DynamicCache
+    from zipkv.cache import DistilledCache
 
-    ids = _as_ids(continuation_ids)
-    decoder = _decoder_layers(model)
-    if len(layers) != len(decoder):
-        raise ValueError(f"cache has {len(layers)} layers, the model {len(decoder)}")
-    kv_heads = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    kv_heads = _check_layers(model, len(layers), None)
     param = next(model.parameters())
-    dtype, device = param.dtype, param.device
-    data = []
-    _valid.clear()
-    for index, (k, v, valid) in enumerate(layers):
+    for index, layer in enumerate(layers):
+        k, v, valid = layer[:3]
         if k.ndim != 3 or k.shape[0] != kv_heads or v.shape != k.shape or tuple(valid.shape) != tuple(k.shape[:2]):
             raise ValueError(f"layer {index}: keys {tuple(k.shape)}, values {tuple(v.shape)}, valid "
                              f"{tuple(valid.shape)}; expected [{kv_heads}, P, d] twice and [{kv_heads}, P] "
                              f"(the model has {kv_heads} KV heads)")
-        data.append((k.to(device=device, dtype=dtype)[None], v.to(device=device, dtype=dtype)[None]))
-        _valid[index] = valid.to(device=device, dtype=torch.bool)
-    past = DynamicCache(data, config=model.config)
+    cache = DistilledCache.from_padded(layers, n_context, dtype=param.dtype, device=param.device)
+    return _run(model, cache, continuation_ids)
+
+
+def _check_layers(model, layers: int, kv_heads: int | None) -> int:
+    decoder = _decoder_layers(model)
+    want = getattr(model.config, "num_key_value_heads", None) or model.config.num_attention_heads
+    if layers != len(decoder):
+        raise ValueError(f"cache has {layers} layers, the model {len(decoder)}")
+    if kv_heads is not None and kv_heads != want:
+        raise ValueError(f"cache has {kv_heads} KV heads per layer, the model has {want} KV heads")
+    return want
+
+
+@torch.no_grad()
+def _run(model, cache, continuation_ids: torch.Tensor) -> TeacherForced:
+    """One forward of ``continuation_ids`` over a fresh :class:`~zipkv.cache.DistilledCache`, every layer's output kept."""
+    from zipkv.cache import attach
+
+    ids = _as_ids(continuation_ids)
+    decoder = _decoder_layers(model)
+    device = next(model.parameters()).device
     hidden: list[torch.Tensor | None] = [None] * len(decoder)
 
     def hook(index):
@@ -161,20 +135,13 @@ def teacher_force_padded(model, layers: Sequence[tuple[torch.Tensor, torch.Tenso
             hidden[index] = (output[0] if isinstance(output, tuple) else output)[0].float()
         return record
 
+    attach(model)
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(decoder)]
-    _register()
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTENTION_NAME)
     try:
-        C = ids.shape[0]
-        positions = torch.arange(n_context, n_context + C, device=device)
-        out = model(input_ids=ids[None].to(device), position_ids=positions[None], past_key_values=past,
-                    use_cache=True)
+        out = model(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
     finally:
-        model.set_attn_implementation(previous)
         for h in handles:
             h.remove()
-        _valid.clear()
     return TeacherForced(logits=out.logits[0].float(), hidden=torch.stack(hidden))
 
 

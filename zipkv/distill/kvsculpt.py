@@ -14,26 +14,30 @@
   with final losses ~30× higher;
 * the best iterate is returned, so the final loss is never above Select+Fit's.
 
-Its interface is a batch of independent :class:`~zipkv.distill.baselines.Problem` (layers × heads,
-each with its own ``k``) → one :class:`~zipkv.distill.baselines.Solution` each, so a batched solver
-with the same signature can be passed to :func:`compress` as ``solver=``.
+Its interface is a batch of independent :class:`~zipkv.distill.problem.Problem` (layers × heads,
+each with its own ``k``) → one :class:`~zipkv.distill.problem.Solution` each (a
+:data:`~zipkv.distill.problem.Solver`, settings in :class:`~zipkv.distill.problem.SculptConfig`), so
+the batched solver (:mod:`.batched`) or another with the same signature can be passed to
+:func:`compress` as ``solver=``.
 
 :func:`compress` compresses a whole captured cache at ratio ``r = (k + m)/N`` with a named method and
 a uniform or pilot-MSE budget (§3.5), returning a :class:`CompressedCache` (per layer and KV head,
-``k_lh + m`` post-RoPE pairs) that :mod:`zipkv.distill.evaluate` puts back into the model.
+``k_lh + m`` post-RoPE pairs); :class:`zipkv.cache.DistilledCache` puts it into a model for ``generate`` and for
+:mod:`zipkv.distill.evaluate`.
 """
 from __future__ import annotations
 
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 from tqdm import tqdm
 
-from . import baselines, budget as budget_mod
-from .baselines import RIDGE, JointConfig, Prepared, Problem, Solution
+from . import baselines, batched, budget as budget_mod
+from .baselines import JointConfig
+from .problem import Prepared, Problem, SculptConfig, Solution, Solver
 from .queries import check_strategy, training_queries
 
 DETERMINISTIC_STRATEGIES = ("uniform",)
@@ -44,39 +48,6 @@ METHODS = ("kvsculpt", "random", "attention_score", "select_fit", "joint_opt")
 
 BUDGETS = ("uniform", "pilot", "pilot_layer")
 """Named budget policies: equal ``k``; pilot-MSE per layer then per head; pilot-MSE per layer only."""
-
-
-@dataclass
-class SculptConfig:
-    """KVSculpt solver settings; defaults are the paper's (§4 "KVSculpt configuration").
-
-    Attributes:
-        steps: outer L-BFGS steps (paper: 100; the quick profile uses fewer).
-        lr: L-BFGS learning rate.
-        inner_iterations: L-BFGS ``max_iter`` per outer step.
-        value_every: V-step (ridge) every this many outer steps.
-        ridge: λ of the V-step.
-        history_size: L-BFGS memory.
-        reset_history: restart L-BFGS after each V-step (not the paper's; see the module docstring).
-        dtype: solver dtype.
-        device: where to solve (default: the problem tensors' device).
-        progress: a tqdm bar over problems.
-    """
-
-    steps: int = 100
-    lr: float = 0.5
-    inner_iterations: int = 10
-    value_every: int = 5
-    ridge: float = RIDGE
-    history_size: int = 100
-    reset_history: bool = False
-    dtype: torch.dtype = torch.float32
-    device: str | torch.device | None = None
-    progress: bool = True
-
-
-Solver = Callable[[Sequence[Problem], SculptConfig], list[Solution]]
-"""A batch solver: problems (each with its own ``k``) and settings → one solution per problem."""
 
 
 def _lbfgs(param: torch.Tensor, cfg: SculptConfig) -> torch.optim.LBFGS:
@@ -134,9 +105,7 @@ def solver_named(name: str) -> Solver:
     if name == "reference":
         return solve
     if name == "batched":
-        from .batched import solve as batched_solve
-
-        return batched_solve
+        return batched.solve
     raise ValueError(f"solver={name!r}: expected 'reference' or 'batched'")
 
 
@@ -155,6 +124,8 @@ class CompressedCache:
         loss, initial_loss: ``[L, H]`` the method's objective on the training queries at the
             returned solution and at its starting point (KVSculpt: Select+Fit's loss).
         seconds: ``[L, H]`` solver time per problem.
+        bias: ``bias[layer][head]`` ``[n_lh]`` float logit bias added to the attention scores of the cached
+            pairs (``None``: zero everywhere; Attention Matching's pairs stand for several tokens each).
     """
 
     keys: list[list[torch.Tensor]]
@@ -166,6 +137,7 @@ class CompressedCache:
     loss: torch.Tensor | None = None
     initial_loss: torch.Tensor | None = None
     seconds: torch.Tensor | None = None
+    bias: list[list[torch.Tensor]] | None = None
 
     def __post_init__(self):
         if len(self.keys) != len(self.values):
@@ -178,6 +150,13 @@ class CompressedCache:
                 if k.ndim != 2 or k.shape != v.shape:
                     raise ValueError(f"layer {layer} head {head}: keys {tuple(k.shape)} and values {tuple(v.shape)}, "
                                      "expected equal [n, head_dim]")
+        if self.bias is not None:
+            for layer, (bs, ks) in enumerate(zip(self.bias, self.keys)):
+                if len(bs) != len(ks) or any(b.shape != (k.shape[0],) for b, k in zip(bs, ks)):
+                    raise ValueError(f"layer {layer}: bias shapes {[tuple(b.shape) for b in bs]}, expected "
+                                     f"{[(k.shape[0],) for k in ks]} (one value per cached pair)")
+            if len(self.bias) != len(self.keys):
+                raise ValueError(f"bias has {len(self.bias)} layers, keys {len(self.keys)}")
 
     @classmethod
     def from_capture(cls, capture) -> "CompressedCache":
@@ -229,16 +208,35 @@ class CompressedCache:
             valid[h, : k.shape[0]] = True
         return keys, values, valid
 
+    def padded_bias(self, layer: int, device=None) -> torch.Tensor:
+        """``[H, n_max]`` float32 logit bias of one layer padded like :meth:`padded` (zeros where none or padded)."""
+        ks = self.keys[layer]
+        device = device or ks[0].device
+        out = torch.zeros(len(ks), max(k.shape[0] for k in ks), device=device)
+        if self.bias is not None:
+            for h, b in enumerate(self.bias[layer]):
+                out[h, : b.shape[0]] = b.to(device=device, dtype=torch.float32)
+        return out
+
     def with_layers(self, other: "CompressedCache", layers: Sequence[int]) -> "CompressedCache":
         """A copy of this cache whose ``layers`` come from ``other`` (e.g. one compressed layer in a full cache)."""
         if other.num_layers != self.num_layers or other.n_context != self.n_context:
             raise ValueError(f"other has {other.num_layers} layers and N={other.n_context}, expected "
                              f"{self.num_layers} and N={self.n_context}")
         chosen = set(int(x) for x in layers)
+        def pick(mine, theirs, i):
+            source = theirs if i in chosen else mine
+            if source is not None:
+                return source[i]
+            return [torch.zeros(k.shape[0]) for k in (other.keys if i in chosen else self.keys)[i]]
+
         keys = [other.keys[i] if i in chosen else self.keys[i] for i in range(self.num_layers)]
         values = [other.values[i] if i in chosen else self.values[i] for i in range(self.num_layers)]
+        bias = None
+        if self.bias is not None or other.bias is not None:
+            bias = [pick(self.bias, other.bias, i) for i in range(self.num_layers)]
         return CompressedCache(keys, values, self.n_context, method=f"{self.method}+{other.method}@{sorted(chosen)}",
-                               ratio=self.ratio)
+                               ratio=self.ratio, bias=bias)
 
 
 def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
@@ -269,6 +267,12 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
         scale: score scale (``1/√d`` when ``None``).
     """
     check_strategy(strategy)
+    for name, value in (("m", m), ("n_synthetic", n_synthetic)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected an integer ≥ 0")
+    if m + n_synthetic == 0:
+        raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
+                         "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
     L = len(capture.layers)
     if L == 0:
         raise ValueError("capture has no layers")
@@ -368,6 +372,11 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     check_strategy(strategy)
+    if m + n_synthetic == 0 and problems is None:
+        raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
+                         "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
+    if config is not None and not isinstance(config, SculptConfig):
+        raise TypeError(f"config={config!r}: expected a zipkv.distill.SculptConfig")
     cfg = config or SculptConfig()
     L = len(capture.layers)
     H, N, _ = capture.layers[0].keys.shape

@@ -121,14 +121,15 @@ def decode_attention_info(path: str = "compressed", *, q_heads: int = 32, kv_hea
     """Resources of one decode-attention specialisation (``path``: ``"compressed"``,
     ``"raw"`` or ``"mixed"``) at a given shape, compiled as :func:`decode_attention` would
     launch it on the GPU (bf16, tensor-core dots). Defaults: Llama-3.1-8B shapes, the
-    launch options of the path on ``gpu_name`` (:func:`zipkv.kernels.decode_attention.launch_config`)."""
+    launch options of the path on ``gpu_name`` (:func:`zipkv.kernels.decode_triton.launch_config`)."""
     import triton
 
     from zipkv import format as fmt
-    from zipkv.kernels import decode_attention as da
+    from zipkv import paged
+    from zipkv.kernels import decode_triton as dt
 
-    p = da.PATHS.index(path)
-    tune = da.launch_config(path, gpu_name)
+    p = paged.PAGE_KINDS.index(path)
+    tune = dt.launch_config(path, gpu_name)
     pages_per_tile = tune["pages_per_tile"] if pages_per_tile is None else pages_per_tile
     G = q_heads // kv_heads
     cst = dict(HKV=kv_heads, G=G, G_PAD=max(16, triton.next_power_of_2(G)), D=head_dim,
@@ -136,7 +137,7 @@ def decode_attention_info(path: str = "compressed", *, q_heads: int = 32, kv_hea
                PPT=pages_per_tile, SPLITS=splits, FP32=False, PATH=p, ROUTE=route,
                STAGES=tune["stages"] if num_stages is None else num_stages)
     maxnreg = tune.get("maxnreg") if maxnreg == -1 else maxnreg
-    info = compile_info(da._decode_kernel, _DECODE_SIG, cst,
+    info = compile_info(dt._decode_kernel, _DECODE_SIG, cst,
                         num_warps=tune["num_warps"] if num_warps is None else num_warps,
                         num_stages=cst["STAGES"], arch=arch, divisible=tuple(range(10)),
                         keep_asm=keep_asm, **({"maxnreg": maxnreg} if maxnreg else {}))
@@ -165,26 +166,21 @@ def pack_info(head_dim: int = 128, layout: str = "token", *, pages_per_program: 
 
 def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: int = 8, splits: int = 2,
                     slots: int | None = None, arch: int = 90, keep_asm: bool = False) -> dict:
-    """Resources of the Gluon decode kernel (:mod:`zipkv.kernels.decode_mma`, one warp): ``path``
-    ``"compressed"`` or ``"raw"`` (the pipelined kernel, ``slots`` ring slots, default its launch
-    option) or ``"any page"`` (the element-by-element kernel, with the mixed-page body)."""
+    """Resources of the Gluon decode kernel (:mod:`zipkv.kernels.decode_mma`, one warp): ``path`` a page
+    kind of :data:`zipkv.paged.PAGE_KINDS` (``"compressed"``, ``"raw"`` or ``"mixed"``: its pipelined
+    specialisation), ``slots`` ring slots (default its launch option)."""
+    from zipkv import paged
     from zipkv.kernels import decode_mma as dm
-    from zipkv.kernels.decode_attention import MMA_LAUNCH
 
+    if path not in paged.PAGE_KINDS:
+        raise ValueError(f"path must be one of {paged.PAGE_KINDS}, got {path!r}")
     sig = {"q_ptr": "*bf16", "pool_ptr": "*u8", "desc_ptr": "*i64", "indptr_ptr": "*i32", "indices_ptr": "*i32",
-           "last_ptr": "*i32", "kind_ptr": "*u8", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16",
-           "cnt_ptr": "*i32", "qk_scale": "fp32"}          # by name: each kernel takes the arguments it declares
-    cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits)
-    if path == "any page":
-        fn, stages = dm._any_page_kernel, 1
-        cst.update(BODY=True, ROUTE=True, PIPE=3)
-    elif path in ("compressed", "raw"):
-        fn, stages = dm._pipelined_kernel, slots or MMA_LAUNCH["stages"]
-        cst.update(RAW=path == "raw", ROUTE=False, SLOTS=stages, N_OUT=splits, FUSED=True)
-    else:
-        raise ValueError(f"path must be 'compressed', 'raw' or 'any page', got {path!r}")
-    info = compile_info(fn, sig, cst, num_warps=1, num_stages=stages, arch=arch, divisible=tuple(range(9)),
-                        keep_asm=keep_asm)
+           "last_ptr": "*i32", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32",
+           "qk_scale": "fp32"}
+    stages = slots or dm.MMA_LAUNCH["stages"]
+    cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits, KIND=paged.PAGE_KINDS.index(path), SLOTS=stages)
+    info = compile_info(dm._pipelined_kernel, sig, cst, num_warps=1, num_stages=stages, arch=arch,
+                        divisible=tuple(range(9)), keep_asm=keep_asm)
     info.update(path=path)
     return info
 
@@ -198,7 +194,7 @@ def table(configs=None):
     configs = configs or [dict(path=p, pages_per_tile=t) for p in ("compressed", "raw", "mixed")
                           for t in (4, 8)]
     rows = [decode_attention_info(**c) for c in configs]
-    rows += [decode_mma_info(p) for p in ("compressed", "raw", "any page")] + [pack_info()]
+    rows += [decode_mma_info(p) for p in ("compressed", "raw", "mixed")] + [pack_info()]
     cols = ["kernel", "path", "pages_per_tile", "num_warps", "num_stages", "registers", "spill_stores",
             "spill_loads", "stack_bytes", "shared_bytes", "cp_async_ptx", "ld_global_v4"]
     return pd.DataFrame(rows).reindex(columns=cols)

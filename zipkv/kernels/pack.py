@@ -22,7 +22,7 @@ Stores are int32 words: low bytes ``[BLK, 64, 2]`` (8 contiguous bytes per group
 offsets, so the same kernel packs a contiguous batch of pages into a new buffer, packs in
 place (every value of a page is loaded before the first store: a program owns whole
 pages, and a barrier separates its loads from its stores), or compresses page slots of a
-:class:`zipkv.kernels.decode_attention.PagedKVCache` pool. The bytes of a slot past the page's
+:class:`zipkv.paged.PagedKVCache` pool. The bytes of a slot past the page's
 compressed size are left as they were: they are not part of the page (the space ZipFusion's
 memory manager hands on, §III-D), so writing zeros there would only cost bandwidth.
 """
@@ -126,6 +126,13 @@ def _launch_config(head_dim: int, pages_per_program: int | None, gpu: bool):
     return dict(PAGES=triton.next_power_of_2(ppp)), _TUNE["num_warps"]
 
 
+def _check_pages_per_program(pages_per_program):
+    if pages_per_program is None:
+        return
+    if isinstance(pages_per_program, bool) or not isinstance(pages_per_program, int) or pages_per_program <= 0:
+        raise ValueError(f"pages_per_program must be a positive int or None, got {pages_per_program!r}")
+
+
 def _check_int_tensor(x, name, dtype, n):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -155,6 +162,7 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
     """
     fmt._check_layout(layout)
     fmt._check_layout_head_dim(layout, head_dim)
+    _check_pages_per_program(pages_per_program)
     if layout in fmt.MMA_LAYOUTS and not src_packed:
         raise ValueError(f"layout {layout!r}: pack_into reads mma-layout pages only as all-raw packed slots "
                          f"(src_packed=True); pack_pages takes plain pages")
@@ -218,6 +226,7 @@ def pack_pages(pages: torch.Tensor, layout: str = "token", *, out: torch.Tensor 
     """
     d = fmt._check_pages(pages)
     fmt._check_layout(layout)
+    _check_pages_per_program(pages_per_program)
     if pages.dim() != 3:
         raise ValueError(f"pages must have shape [N, 16, head_dim], got {tuple(pages.shape)}")
     if not pages.is_contiguous():

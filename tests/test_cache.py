@@ -1,0 +1,246 @@
+"""The distilled cache in Hugging Face generate: exact per-head lengths, positions at N, the logit bias (issue 18)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from zipkv import cache as C
+from zipkv.distill import evaluate as E
+from zipkv.distill import kvsculpt as K
+from conftest import tiny_llama
+from test_evaluate import manual_logits
+
+N, T, M = 30, 8, 6
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(sharpen_logits=True)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 128, (N + T,), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.fixture(scope="module")
+def cap(model, ids):
+    from zipkv.models import capture
+
+    return capture(model, ids[:N])
+
+
+def greedy(model, ids, **kw):
+    return model.generate(ids[None], max_new_tokens=T, do_sample=False, **kw)[0, -T:]
+
+
+def test_full_cache_generates_what_the_model_generates(model, ids, cap):
+    cache = C.DistilledCache.from_compressed(K.CompressedCache.from_capture(cap), model, context_ids=ids[:N])
+    plain = greedy(model, ids[:N + 1])
+    assert torch.equal(greedy(model, ids[N:N + 1], past_key_values=cache), plain), "positions continue at N"
+    assert cache.get_seq_length() == T and cache.next_position == N + T
+    cache.reset()
+    assert cache.get_seq_length() == 0 and torch.equal(cache.lengths, torch.full((2, 2), N))
+    assert torch.equal(greedy(model, ids[N:N + 1], past_key_values=cache), plain), "reset: the same again"
+
+
+def test_beam_search_and_several_samples_follow_the_model(model, ids, cap):
+    full = K.CompressedCache.from_capture(cap)
+    cache = C.DistilledCache.from_compressed(full, model)
+    plain = model.generate(ids[None, :N + 1], max_new_tokens=T, do_sample=False, num_beams=3)[0, -T:]
+    assert torch.equal(model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=T, do_sample=False,
+                                      num_beams=3)[0, -T:], plain)
+    torch.manual_seed(0)
+    plain = model.generate(ids[None, :N + 1], max_new_tokens=T, do_sample=True, num_return_sequences=2)[:, -T:]
+    torch.manual_seed(0)
+    ours = model.generate(ids[None, N:N + 1], past_key_values=C.DistilledCache.from_compressed(full, model),
+                          max_new_tokens=T, do_sample=True, num_return_sequences=2)[:, -T:]
+    assert torch.equal(ours, plain)
+
+
+def test_per_head_lengths_in_generate_equal_the_manual_forward(model, ids, cap):
+    budget = torch.tensor([[1, 20], [9, 3]])
+    compressed = K.compress(cap, 0.5, "select_fit", m=M, n_synthetic=8, budget=budget,
+                            config=K.SculptConfig(progress=False))
+    cache = C.DistilledCache.from_compressed(compressed, model)
+    assert torch.equal(cache.lengths, budget + M)
+    with torch.no_grad():
+        logits = model(ids[None, N:], past_key_values=cache).logits[0]
+    want = manual_logits(model, compressed, ids[N:])
+    assert (logits - want).abs().max() < 1e-4 * want.abs().max()
+    # the model's eager attention takes the same mask
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            eager = model(ids[None, N:], past_key_values=cache.fresh()).logits[0]
+    finally:
+        model.set_attn_implementation(previous)
+    assert (eager - want).abs().max() < 1e-4 * want.abs().max()
+    # one token at a time (generate's decode path) gives the same logits as the one-pass forward
+    cache.reset()
+    with torch.no_grad():
+        steps = torch.cat([model(ids[None, N + t:N + t + 1], past_key_values=cache).logits[0] for t in range(T)])
+    assert (steps - logits).abs().max() < 1e-4 * want.abs().max()
+
+
+def with_bias(compressed, bias):
+    return K.CompressedCache(compressed.keys, compressed.values, compressed.n_context, bias=bias)
+
+
+def test_bias_enters_the_logits_exactly(model, ids, cap):
+    full = K.CompressedCache.from_capture(cap)
+    gen = torch.Generator().manual_seed(1)
+    bias = [[2.0 * torch.randn(k.shape[0], generator=gen) for k in ks] for ks in full.keys]
+    biased = with_bias(full, bias)
+    run = E.teacher_force(model, biased, ids[N:])
+    want = manual_logits(model, biased, ids[N:])
+    assert (run.logits - want).abs().max() < 1e-4 * want.abs().max()
+    plain = E.teacher_force(model, full, ids[N:])
+    assert (run.logits - plain.logits).abs().max() > 1e-2 * want.abs().max(), "the bias changes the result"
+    # every pair twice with bias −log 2 is the same attention as every pair once
+    doubled = K.CompressedCache([[torch.cat([k, k]) for k in ks] for ks in full.keys],
+                                [[torch.cat([v, v]) for v in vs] for vs in full.values], N,
+                                bias=[[torch.full((2 * k.shape[0],), -math.log(2.0)) for k in ks] for ks in full.keys])
+    again = E.teacher_force(model, doubled, ids[N:])
+    assert (again.logits - plain.logits).abs().max() < 1e-5 * plain.logits.abs().max()
+    # a zero bias is no bias
+    zero = with_bias(full, [[torch.zeros(k.shape[0]) for k in ks] for ks in full.keys])
+    assert torch.equal(E.teacher_force(model, zero, ids[N:]).logits, plain.logits)
+
+
+def test_bias_survives_with_layers_and_is_checked(cap):
+    full = K.CompressedCache.from_capture(cap)
+    biased = with_bias(full, [[torch.ones(k.shape[0]) for k in ks] for ks in full.keys])
+    mixed = full.with_layers(biased, [1])
+    assert float(mixed.padded_bias(0).abs().max()) == 0 and bool((mixed.padded_bias(1) == 1).all())
+    with pytest.raises(ValueError, match="bias"):
+        with_bias(full, [[torch.ones(3) for _ in ks] for ks in full.keys])
+
+
+def test_bad_uses_are_refused(model, ids, cap):
+    full = K.CompressedCache.from_capture(cap)
+    cache = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
+    with pytest.raises(ValueError, match="context tokens"):
+        model.generate(ids[None], past_key_values=cache, max_new_tokens=1)
+    with pytest.raises(ValueError, match="padding"):
+        model(ids[None, N:], attention_mask=torch.tensor([[0] + [1] * (T - 1)]), past_key_values=cache)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = "flash_attention_2"
+    try:
+        with pytest.raises(ValueError, match="attn_implementation"):
+            model(ids[None, N:], past_key_values=cache.fresh())
+    finally:
+        model.config._attn_implementation = previous
+    C.detach(model)
+    try:
+        with pytest.raises(RuntimeError, match="attach"):
+            model(ids[None, N:], past_key_values=cache.fresh())
+    finally:
+        C.attach(model)
+    with pytest.raises(ValueError, match="2 × 2"):
+        C.DistilledCache.from_compressed(K.CompressedCache(full.keys[:1], full.values[:1], N), model)
+    k, v, valid = full.padded(0)
+    with pytest.raises(ValueError, match="at least one"):
+        C.DistilledLayer(k, v, torch.zeros_like(valid))
+    with pytest.raises(ValueError, match="bias"):
+        C.DistilledLayer(k, v, valid, torch.full(valid.shape, float("nan")))
+
+
+def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):
+    import zipkv
+
+    for kwargs, match in ((dict(method="h2o"), "method='h2o'"), (dict(ratio=0.1, m=6), "ratio=0.1"),
+                          (dict(m=6, steps=2, config=K.SculptConfig()), "one way"),
+                          (dict(m=6, value_every=0), "value_every=0")):
+        with pytest.raises(ValueError, match=match):
+            zipkv.compress(model, ids[:N], **kwargs)
+    with pytest.raises(ValueError, match="input_ids"):
+        zipkv.compress(model, torch.rand(N), m=6)
+    cache = zipkv.compress(model, ids[:N], ratio=0.5, method="select_fit", m=6, n_synthetic=4)
+    assert isinstance(cache, zipkv.DistilledCache) and torch.equal(cache.lengths, torch.full((2, 2), 15))
+
+
+def test_other_caches_are_untouched_by_the_hooks(model, ids):
+    C.attach(model)
+    C.attach(model)  # idempotent
+    assert len(model._zipkv_cache_hooks) == 1 + model.config.num_hidden_layers
+    with torch.no_grad():
+        plain = model(ids[None]).logits
+    C.detach(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids[None]).logits, plain)
+    C.attach(model)
+
+
+# --- the embedded model on a PG19 window (the bars of issue 18) ---------------------------------------------
+
+CTX, NEW = 320, 16
+
+
+@pytest.fixture(scope="module")
+def window(embedded):
+    from zipkv import data
+
+    (w,) = data.windows(embedded[1], data.load_books(), 1, context=CTX, continuation=NEW, seed=3)
+    return w
+
+
+@pytest.mark.slow
+def test_uncompressed_cache_generates_token_for_token(embedded, window):
+    import zipkv
+
+    model, _ = embedded
+    context, nxt = window.context_ids, window.continuation_ids[:1]
+    plain = model.generate(torch.cat([context, nxt])[None], max_new_tokens=NEW, do_sample=False)[0, -NEW:]
+    cache = zipkv.compress(model, context, ratio=1.0, method="attention_score", m=64)
+    assert torch.equal(cache.lengths, torch.full(cache.lengths.shape, CTX)), "ratio 1 keeps every original pair"
+    ours = model.generate(nxt[None], past_key_values=cache, max_new_tokens=NEW, do_sample=False)[0, -NEW:]
+    assert torch.equal(ours, plain)
+
+
+class Force:
+    """A logits processor that makes generate emit ``tokens`` one per step (teacher forcing through generate)."""
+
+    def __init__(self, tokens, prompt_length: int):
+        self.tokens, self.prompt_length = tokens, prompt_length
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, -math.inf)
+        forced[:, self.tokens[input_ids.shape[1] - self.prompt_length]] = 0
+        return forced
+
+
+@pytest.mark.slow
+def test_kvsculpt_cache_generates_and_its_kl_is_the_books(embedded, window):
+    import zipkv
+    from transformers import LogitsProcessorList
+
+    model, _ = embedded
+    context, cont = window.context_ids, window.continuation_ids
+    cache = zipkv.compress(model, context, ratio=0.3, method="kvsculpt", m=32, n_synthetic=32,
+                           config=K.SculptConfig(steps=5, progress=False))
+    assert cache.compressed.method == "kvsculpt" and torch.equal(cache.lengths, torch.full(cache.lengths.shape, 96))
+    out = model.generate(cont[None, :1], past_key_values=cache, max_new_tokens=NEW, do_sample=False)
+    assert out.shape == (1, 1 + NEW)
+
+    def forced_logits(c):
+        """generate's own per-step logits while it is forced to emit the continuation: positions N … N+C−1."""
+        c.reset()
+        res = model.generate(cont[None, :1], past_key_values=c, max_new_tokens=len(cont), do_sample=False,
+                             logits_processor=LogitsProcessorList([Force(cont[1:].tolist() + [0], 1)]),
+                             output_logits=True,
+                             return_dict_in_generate=True)
+        assert torch.equal(res.sequences[0, 1:-1], cont[1:]), "generate followed the continuation"
+        return torch.cat(res.logits).float()
+
+    full = zipkv.compress(model, context, ratio=1.0, method="attention_score", m=32)
+    kl_generate = float(E.kl_divergence(forced_logits(full), forced_logits(cache)).mean())
+    book = E.evaluate(model, cache.compressed, cont, full.compressed)  # what the book's tables report
+    assert kl_generate > 0
+    print(f"KL through generate {kl_generate:.6g}, book evaluation {book.kl:.6g}")
+    assert kl_generate == pytest.approx(book.kl, rel=1e-3)

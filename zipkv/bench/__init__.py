@@ -1,0 +1,27 @@
+"""GPU benchmarks, one module per thing measured:
+
+* :mod:`~zipkv.bench.timing`: cold-L2 medians (:class:`ColdTimer`) and the copy bandwidth of the same run;
+* :mod:`~zipkv.bench.baselines`: FlashInfer's paged decode (tensor-core and CUDA-core paths), torch SDPA and the
+  fp32 reference;
+* :mod:`~zipkv.bench.attention`: decode-attention latency of every method (ZipFusion Fig. 4);
+* :mod:`~zipkv.bench.pack`: the pack kernel's throughput;
+* :mod:`~zipkv.bench.nsight`: the kernels under Nsight Compute;
+* :mod:`~zipkv.bench.tune`: launch tuning of the Triton decode kernel.
+
+Every timing is reported with the bytes it moved and its fraction of the copy bandwidth measured in the same
+process, never against a typed-in constant. The names below are re-exported (``from zipkv import bench;
+bench.attention_benchmark(...)``).
+"""
+from zipkv.bench.attention import (ATTENTION_SHAPES, KERNEL_LAYOUTS, METHODS, attention_benchmark,
+                                   measured_compressible_fraction)
+from zipkv.bench.baselines import FlashInferDecode, sdpa_decode
+from zipkv.bench.nsight import (NCU_KERNELS, NCU_METRICS, NCU_SECTIONS, NCU_STALLS, NCU_TARGETS, nsight_report,
+                                nsight_targets)
+from zipkv.bench.pack import pack_benchmark
+from zipkv.bench.timing import L2_FLUSH_BYTES, ColdTimer, copy_bandwidth
+from zipkv.bench.tune import TUNE_GRID, TUNE_PROGRAMS_PER_SM, tune_decode_attention, write_tuning
+
+__all__ = ["ATTENTION_SHAPES", "KERNEL_LAYOUTS", "METHODS", "attention_benchmark", "measured_compressible_fraction",
+           "FlashInferDecode", "sdpa_decode", "NCU_KERNELS", "NCU_METRICS", "NCU_SECTIONS", "NCU_STALLS",
+           "NCU_TARGETS", "nsight_report", "nsight_targets", "pack_benchmark", "L2_FLUSH_BYTES", "ColdTimer",
+           "copy_bandwidth", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "tune_decode_attention", "write_tuning"]

@@ -1,0 +1,175 @@
+"""Decode-attention latency of every method on the same data, as in ZipFusion Fig. 4 (§IV-B):
+zipkv's two decode kernels (compressed and uncompressed caches) beside FlashInfer (tensor-core and
+CUDA-core paths) and torch SDPA, at the attention shapes of :data:`ATTENTION_SHAPES`."""
+from __future__ import annotations
+
+import torch
+
+from zipkv import format as kvformat
+from zipkv import models
+from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, nhd_pages, reference_attention, sdpa_decode
+from zipkv.bench.timing import ColdTimer, copy_bandwidth
+
+__all__ = ["ATTENTION_SHAPES", "METHODS", "KERNEL_LAYOUTS", "attention_benchmark", "measured_compressible_fraction",
+           "mix_mask", "compressible_kv", "attention_inputs"]
+
+ATTENTION_SHAPES = {
+    "llama3.1-8b": models.PAPER_MODELS["Llama-3.1-8B-Instruct"],   # also Qwen3-8B's attention shape
+    "smollm2-135m": models.EMBEDDED_SHAPE,
+}
+"""Benchmark shape name (the ``shape`` column) -> the model's attention shape (:class:`zipkv.models.ModelShape`)."""
+METHODS = ("zipkv_compressed", "zipkv_uncompressed", "flashinfer_tc", "flashinfer_cuda", "sdpa")
+KERNEL_LAYOUTS = {"gluon": kvformat.MMA_LAYOUTS, "triton": ("token", "token")}
+"""zipkv's two decode kernels and the cache layouts each reads: the Gluon kernel
+(:mod:`zipkv.kernels.decode_mma`, the mma layouts, at the head dims :func:`zipkv.format.layouts_for` defines them)
+and the Triton kernel (:mod:`zipkv.kernels.decode_triton`, any head_dim)."""
+PAGE = kvformat.PAGE_TOKENS
+
+
+def measured_compressible_fraction(results_csv, layout: str = "token") -> dict[str, float]:
+    """Mean compressible-block fraction of K and V over layers, from the first chapter's table."""
+    import pandas as pd
+
+    table = pd.read_csv(results_csv)
+    return {"K": float(table[f"K_{layout}"].mean()), "V": float(table[f"V_{layout}"].mean())}
+
+
+def compressible_kv(batch: int, kv_heads: int, ctx: int, head_dim: int, generator: torch.Generator):
+    """Random bf16 K and V [batch, kv_heads, ctx, head_dim] whose every 512-value block is compressible:
+    magnitudes in [2^-9, 2^3) span 12 exponents, inside any [b, b+15] window."""
+    shape = (batch, kv_heads, ctx, head_dim)
+    out = []
+    for _ in range(2):
+        mag = torch.exp2(torch.empty(shape, device="cuda").uniform_(-9, 3, generator=generator))
+        sign = torch.randint(0, 2, shape, device="cuda", generator=generator) * 2 - 1
+        out.append((mag * sign).to(torch.bfloat16))
+    return out
+
+
+def attention_inputs(shape: str, ctx: int, batch: int, generator: torch.Generator):
+    """All-compressible K, V ``[batch, kv_heads, ctx, head_dim]`` and q ``[batch, q_heads, head_dim]`` (bf16) of an
+    attention shape of :data:`ATTENTION_SHAPES`."""
+    model = ATTENTION_SHAPES[shape]
+    k, v = compressible_kv(batch, model.kv_heads, ctx, model.head_dim, generator)
+    q = torch.randn(batch, model.q_heads, model.head_dim, device="cuda", generator=generator).to(torch.bfloat16)
+    return k, v, q
+
+
+def mix_mask(batch, kv_heads, ctx, head_dim, fraction: dict[str, float], seed: int) -> torch.Tensor:
+    """Bool [pages, 2, kv_heads, n_blocks]: each K block compressed with probability fraction["K"], V likewise."""
+    n_pages = batch * ctx // PAGE
+    gen = torch.Generator().manual_seed(seed)
+    draw = torch.rand(n_pages, 2, kv_heads, kvformat.n_blocks(head_dim), generator=gen)
+    rate = torch.tensor([fraction["K"], fraction["V"]])[None, :, None, None]
+    return draw < rate
+
+
+def kernels_for(head_dim: int) -> list[str]:
+    """zipkv's decode kernels whose layouts are defined at ``head_dim``."""
+    return [name for name, layouts in KERNEL_LAYOUTS.items() if layouts[0] in kvformat.layouts_for(head_dim)]
+
+
+def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batches=(32, 64, 96),
+                        real_fraction: dict[str, float] | None = None, reps: int = 30,
+                        methods=METHODS, seed: int = 0, progress: bool = True):
+    """Decode-attention latency of every method on the same data, as in ZipFusion Fig. 4.
+
+    For each (context, batch): K/V whose blocks are all compressible ("all compressible"), and, when
+    ``real_fraction`` is given, the same data with only that fraction of K and V blocks compressed
+    ("measured mix", the fractions measured on the embedded model's PG19 KV). Each method is checked
+    against fp32 attention before it is timed (relative RMS error reported). Every paged method reads the same
+    page table: :func:`~zipkv.paged.physical_page_ids`' random physical page order, as a serving engine's page
+    pool hands pages out (FlashInfer's NHD pages are placed at those ids). zipkv's kernels and FlashInfer are
+    planned once per configuration and their ``run`` is timed.
+
+    zipkv's rows say which kernel ran (``kernel``, ``layout``): every kernel of :func:`kernels_for` the shape's
+    head_dim, on every kind of data.
+
+    Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method[, kernel]): latency_us (median of
+    ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error,
+    speedup_vs_flashinfer_tc / _cuda, copy_bw_tbps and the device.
+    """
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    from zipkv.kernels.decode_attention import plan
+    from zipkv.paged import build_paged_cache, physical_page_ids
+
+    if shape not in ATTENTION_SHAPES:
+        raise ValueError(f"shape={shape!r}: expected one of {sorted(ATTENTION_SHAPES)}")
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        raise ValueError(f"methods {sorted(unknown)} unknown: expected names from {METHODS}")
+    model = ATTENTION_SHAPES[shape]
+    q_heads, kv_heads, head_dim = model.q_heads, model.kv_heads, model.head_dim
+    copy_bw = copy_bandwidth()
+    timer = ColdTimer()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = []
+    configs = [(c, b) for c in contexts for b in batches]
+    for ctx, batch in tqdm(configs, desc=f"attention {shape}", disable=not progress):
+        k, v, q = attention_inputs(shape, ctx, batch, gen)
+        ref = reference_attention(q, k, v)
+        io_bytes = 2 * q.numel() * q.element_size()  # q in, out
+        raw_kv_bytes = 2 * k.numel() * k.element_size()
+        measured = {}
+
+        def record(method, kv_data, fn, kv_bytes):
+            out = fn()
+            rel, mx = error_vs_reference(out, ref)
+            if rel > 2e-2:
+                raise AssertionError(f"{method} ({kv_data}, ctx {ctx}, batch {batch}) disagrees with fp32 "
+                                     f"attention: relative RMS error {rel:.3g}, max abs {mx:.3g}")
+            micros = timer(fn, reps=reps)
+            moved = kv_bytes + io_bytes
+            measured[(method, kv_data)] = micros
+            rows.append(dict(shape=shape, ctx=ctx, batch=batch, kv_data=kv_data, method=method,
+                             latency_us=micros, bytes_read=moved, tbps=moved / micros / 1e6,
+                             frac_copy_bw=moved / (micros * 1e-6) / copy_bw,
+                             rel_rms_error=rel, max_abs_error=mx))
+
+        mixes = [("all compressible", "eligible")]
+        if real_fraction is not None:
+            mixes.append(("measured mix", mix_mask(batch, kv_heads, ctx, head_dim, real_fraction, seed)))
+        for kv_data, compress in mixes:
+            for method in ("zipkv_compressed", "zipkv_uncompressed"):
+                if method not in methods or (method == "zipkv_uncompressed" and kv_data != mixes[0][0]):
+                    continue
+                mode = "none" if method == "zipkv_uncompressed" else compress
+                for kernel in kernels_for(head_dim):
+                    layout = KERNEL_LAYOUTS[kernel]
+                    cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed,
+                                                                     k_layout=layout[0], v_layout=layout[1])
+                    stats = cache.stats()
+                    desc_bytes = cache.desc.numel() * cache.desc.element_size()
+                    kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
+                    planned = plan(indptr, indices, last, cache, q_heads)
+                    out = torch.empty_like(q)
+                    record(method, kv_data, lambda: planned.run(q, out), kv_bytes)
+                    rows[-1].update(kernel=kernel, layout="/".join(layout), frac_compressed_k=stats["frac_k"],
+                                    frac_compressed_v=stats["frac_v"])
+                    del cache, planned
+        # FlashInfer's NHD pages at the physical ids of zipkv's caches: the same page table for every paged method
+        indices = physical_page_ids(batch * ctx // PAGE, seed).to("cuda")
+        k_pages, v_pages = (nhd_pages(x, indices) for x in (k, v))
+        indices = indices.to(torch.int32)
+        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (ctx // PAGE)
+        last = torch.full((batch,), PAGE, device="cuda", dtype=torch.int32)
+        for method, tensor_cores in (("flashinfer_tc", True), ("flashinfer_cuda", False)):
+            if method in methods:
+                runner = FlashInferDecode(indptr, indices, last, q_heads, kv_heads, head_dim, PAGE, tensor_cores)
+                record(method, "any", lambda: runner(q, k_pages, v_pages), raw_kv_bytes + indices.numel() * 4)
+        del k_pages, v_pages
+        if "sdpa" in methods:
+            record("sdpa", "any", lambda: sdpa_decode(q, k, v), raw_kv_bytes)
+        for row in rows:
+            if row["ctx"] == ctx and row["batch"] == batch:
+                for anchor in ("flashinfer_tc", "flashinfer_cuda", "sdpa"):
+                    if (anchor, "any") in measured:
+                        row[f"speedup_vs_{anchor}"] = measured[(anchor, "any")] / row["latency_us"]
+        del k, v, q, ref
+        torch.cuda.empty_cache()
+    table = pd.DataFrame(rows)
+    table["copy_bw_tbps"] = copy_bw / 1e12
+    table["device"] = torch.cuda.get_device_name()
+    return table

@@ -1,0 +1,82 @@
+"""The decode and pack kernels under Nsight Compute (``python -m zipkv bench ncu``): the Gluon decode kernel
+on all-compressible and uncompressed KV at the Llama-3.1-8B shape, and the pack kernel."""
+from __future__ import annotations
+
+import torch
+
+from zipkv.bench.attention import attention_inputs
+from zipkv.bench.pack import pack_inputs
+
+__all__ = ["nsight_targets", "nsight_report", "NCU_SECTIONS", "NCU_METRICS", "NCU_TARGETS", "NCU_KERNELS"]
+
+NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "WarpStateStats", "LaunchStats")
+NCU_STALLS = ("long_scoreboard", "short_scoreboard", "wait", "selected", "not_selected", "mio_throttle", "barrier",
+              "math_pipe_throttle", "dispatch_stall", "branch_resolving", "lg_throttle", "no_instructions")
+"""Warp stall reasons sampled per kernel (``smsp__pcsamp_warps_issue_stalled_<reason>``)."""
+NCU_METRICS = tuple(f"smsp__pcsamp_warps_issue_stalled_{r}" for r in NCU_STALLS) + (
+    "smsp__inst_executed.sum", "smsp__inst_executed_op_shared_ld.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum")
+NCU_TARGETS = ("decode all compressed", "decode uncompressed", "pack")
+NCU_KERNELS = ("_pipelined_kernel", "_pack_kernel")
+"""Kernel names profiled: the Gluon decode kernel's pipelined launch (the only one a uniform cache needs: it
+merges its own splits) and the pack kernel."""
+
+
+def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64):
+    """Launch the kernels :func:`nsight_report` profiles, in the order of :data:`NCU_TARGETS`, each once inside
+    the NVTX range ``zipkv`` after a warm-up call outside it: the Gluon decode kernel (mma layouts, default
+    launch options) on all-compressible KV and on the same KV uncompressed, and the pack kernel on 1 GiB of
+    head_dim-128 pages."""
+    from zipkv.kernels.decode_attention import plan
+    from zipkv.kernels.pack import pack_pages
+    from zipkv.paged import build_paged_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, v, q = attention_inputs(shape, ctx, batch, gen)
+    calls = []
+    for mode in ("eligible", "none"):
+        cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, k_layout="k_mma", v_layout="v_mma")
+        calls.append(lambda run=plan(indptr, indices, last, cache, q.shape[1]).run: run(q))
+    pages, out = pack_inputs(128, 1 << 30, gen)
+    calls.append(lambda: pack_pages(pages, "token", out=out))
+    for call in calls:
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push("zipkv")
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+
+
+def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
+    """Profile :func:`nsight_targets` under ``ncu --clock-control none`` (sections :data:`NCU_SECTIONS`, metrics
+    :data:`NCU_METRICS`) in a subprocess and write the report to ``out`` behind a header with the device, driver,
+    date, commit and the launch options in use. Returns the report text."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zipkv.book import provenance
+    from zipkv.kernels.decode_mma import MMA_LAUNCH
+
+    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "zipkv/", "-k", "regex:" + "|".join(NCU_KERNELS)]
+    for section in NCU_SECTIONS:
+        cmd += ["--section", section]
+    cmd += ["--metrics", ",".join(NCU_METRICS), sys.executable, "-m", "zipkv", "bench", "ncu-targets"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"ncu failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip()
+    record = provenance("ncu")
+    header = [f"# zipkv kernels under Nsight Compute: {' '.join(cmd[:7])} ..., sections {', '.join(NCU_SECTIONS)}; "
+              f"stall reasons and shared-memory counters as metrics",
+              f"# device: {record['device']} (driver {driver}); date: {record['date']}; commit: {record['commit']}",
+              f"# launch options of the Gluon kernel: {json.dumps(MMA_LAUNCH)}",
+              f"# kernels, in order: {'; '.join(NCU_TARGETS)} (zipkv.bench.nsight.nsight_targets: Llama-3.1-8B attention shape, "
+              f"ctx 8192, batch 64; pack: 1 GiB of head_dim-128 pages)"]
+    text = "\n".join(header) + "\n" + done.stdout
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text)
+    return text

@@ -1,0 +1,328 @@
+"""A distilled KV cache as a Hugging Face ``transformers`` ``Cache``: generate from it (KVSculpt §3, §4).
+
+:func:`compress` captures a context, compresses it with a KVSculpt method and returns a
+:class:`DistilledCache` that ``model.generate`` accepts::
+
+    cache = zipkv.compress(model, context_ids, ratio=0.3)          # KVSculpt, k + m pairs per KV head
+    out = model.generate(continuation_ids, past_key_values=cache, max_new_tokens=64)
+
+* **Exact per-head lengths.** Adaptive budgets (§3.5) give every KV head its own ``k``. A layer is
+  stored padded to its longest head, ``[1, H, P, d]``, with ``valid`` ``[H, P]`` marking real pairs;
+  the padding is masked per head, so attention equals attention over each head's own pairs.
+* **Positions continue at N.** The continuation runs at positions ``N, N+1, …`` (``N`` the original
+  context length), not at the number of cached pairs.
+* **A per-key logit bias** ``β`` ``[H, P]`` per layer (zero by default) is added to the attention
+  logits of the cached pairs: pairs that stand for several tokens (Attention Matching) need it.
+
+The masks and positions come from two forward pre-hooks that :func:`attach` registers on the model
+(once; :func:`compress` and :mod:`zipkv.distill.evaluate` call it): one on the decoder sets the
+positions, one per attention module replaces the attention mask by the layer's additive mask
+``[B, q_heads, T, P + past + T]`` (``β`` or ``−inf`` on the cached pairs, ``0``/``−inf`` causal on the
+new tokens). Both do nothing unless the forward's ``past_key_values`` is a :class:`DistilledCache`,
+and the model keeps its own attention implementation (``sdpa`` or ``eager``), so what runs is the
+model's attention with a mask. Nothing is kept outside the cache: each layer's lengths and bias live
+in its :class:`DistilledLayer`.
+
+The cache follows ``transformers``' convention of appending: after ``generate`` it holds the
+generated tokens too (:meth:`DistilledCache.reset` drops them). Its ``get_seq_length()`` counts the
+tokens appended after the compressed context (what ``generate`` compares the inputs with), so pass
+only the tokens that follow the context; inputs that repeat the context are refused.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+__all__ = ["DistilledCache", "DistilledLayer", "attach", "compress", "detach"]
+
+SUPPORTED_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that take the per-head additive mask (flash attention takes no mask)."""
+
+
+class DistilledLayer(DynamicLayer):
+    """One layer of a :class:`DistilledCache`: padded cached pairs, then the appended tokens.
+
+    Attributes:
+        keys, values: ``[B, H, P + appended, d]`` (``B = 1`` until several sequences continue the context).
+        cached: ``P``, the padded number of cached pairs.
+        valid: ``[H, P]`` bool, True on real pairs.
+        bias: ``[H, P]`` float32 logit bias of the cached pairs (``0`` where none was given).
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        if keys.ndim != 3 or values.shape != keys.shape:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)}: expected equal [H, P, d]")
+        H, P, _ = keys.shape
+        valid = torch.ones(H, P, dtype=torch.bool) if valid is None else torch.as_tensor(valid)
+        if tuple(valid.shape) != (H, P) or valid.dtype != torch.bool:
+            raise ValueError(f"valid has shape {tuple(valid.shape)} and dtype {valid.dtype}: expected [{H}, {P}] bool")
+        if not bool(valid.any(dim=1).all()):
+            raise ValueError("valid: every head needs at least one cached pair")
+        bias = torch.zeros(H, P) if bias is None else torch.as_tensor(bias)
+        if (tuple(bias.shape) != (H, P) or not bias.is_floating_point()
+                or bool((torch.isnan(bias) | (bias == float("inf"))).any())):
+            raise ValueError(f"bias has shape {tuple(bias.shape)} and dtype {bias.dtype}: expected [{H}, {P}] floats, "
+                             "finite or −inf (a −inf pair is never attended)")
+        self.keys, self.values = keys[None], values[None]
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+        self.cached = P
+        self.valid = valid.to(keys.device)
+        self.bias = bias.to(device=keys.device, dtype=torch.float32)
+        self.armed = False
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.armed:
+            raise RuntimeError("a DistilledCache ran through a model without zipkv's attention mask: call "
+                               "zipkv.cache.attach(model) once before using it (zipkv.compress does)")
+        self.armed = False
+        B = key_states.shape[0]
+        if self.keys.shape[0] != B:  # several sequences (beams, samples) continue the one compressed context
+            if self.keys.shape[0] != 1:
+                raise ValueError(f"a batch of {B} sequences after a cache of {self.keys.shape[0]}: expected equal")
+            self.keys = self.keys.expand(B, -1, -1, -1).contiguous()
+            self.values = self.values.expand(B, -1, -1, -1).contiguous()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def get_seq_length(self) -> int:
+        """Tokens appended after the compressed context."""
+        return self.keys.shape[-2] - self.cached
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # the size of the mask transformers builds from the 2-D attention mask; the hook replaces it
+        return self.get_seq_length() + query_length, 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:  # transformers' legacy form: the length to keep (here: appended tokens)
+            tokens_to_remove = min(0, tokens_to_remove - self.get_seq_length())
+        tokens_to_remove = min(-tokens_to_remove, self.get_seq_length())
+        if tokens_to_remove:
+            self.keys = self.keys[..., :-tokens_to_remove, :]
+            self.values = self.values[..., :-tokens_to_remove, :]
+
+    # DynamicLayer skips these while get_seq_length() is 0; here the cached pairs are there from the start
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.keys = self.keys.repeat_interleave(repeats, dim=0)
+        self.values = self.values.repeat_interleave(repeats, dim=0)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
+        self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+    def additive_mask(self, query_length: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """``[1, H·group, T, P + appended + T]`` additive attention mask for ``T`` new tokens.
+
+        Cached pairs: ``β`` where valid, ``−inf`` on padding (per KV head, repeated over its ``group``
+        query heads, as ``repeat_kv``); appended tokens: ``0``; the new tokens: causal.
+        """
+        H, T, past = self.valid.shape[0], query_length, self.get_seq_length()
+        cached = self.bias.masked_fill(~self.valid, float("-inf")).repeat_interleave(group, dim=0)  # [Hq, P]
+        causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        new = torch.zeros(T, past + T, device=self.device).masked_fill_(
+            torch.cat([torch.ones(T, past, dtype=torch.bool, device=self.device), causal], dim=1).logical_not(),
+            float("-inf"))
+        mask = torch.cat([cached[:, None, :].expand(-1, T, -1), new[None].expand(H * group, -1, -1)], dim=-1)
+        return mask[None].to(dtype)
+
+
+class DistilledCache(Cache):
+    """A compressed KV cache that ``model.generate`` and ``model(...)`` accept as ``past_key_values``.
+
+    Attributes:
+        layers: one :class:`DistilledLayer` per decoder layer.
+        n_context: ``N``, the original context length: new tokens run at positions ``N + appended + t``.
+        context_ids: ``[N]`` the context's token ids when known (to refuse inputs that repeat it).
+        compressed: the :class:`~zipkv.distill.kvsculpt.CompressedCache` it was made from (method,
+            ratio, budget, losses), when made from one.
+    """
+
+    def __init__(self, layers: Sequence[DistilledLayer], n_context: int, *, context_ids: torch.Tensor | None = None,
+                 compressed=None):
+        if not layers:
+            raise ValueError("a DistilledCache needs at least one layer")
+        if not isinstance(n_context, int) or n_context < 1:
+            raise ValueError(f"n_context={n_context!r}: expected the original context length N ≥ 1")
+        super().__init__(layers=list(layers))
+        self.n_context = n_context
+        self.context_ids = None if context_ids is None else torch.as_tensor(context_ids).reshape(-1).cpu()
+        self.compressed = compressed
+
+    @classmethod
+    def from_padded(cls, layers: Sequence[tuple], n_context: int, *, dtype=None, device=None,
+                    **kwargs) -> "DistilledCache":
+        """From per-layer ``(keys, values, valid)`` or ``(keys, values, valid, bias)``: ``[H, P_l, d]`` twice,
+        ``[H, P_l]`` bool (False entries are masked out for that head, wherever they are), ``[H, P_l]`` float."""
+        built = []
+        for index, layer in enumerate(layers):
+            if len(layer) not in (3, 4):
+                raise ValueError(f"layer {index}: expected (keys, values, valid) or (keys, values, valid, bias)")
+            k, v, valid = layer[:3]
+            bias = layer[3] if len(layer) == 4 else None
+            k = k.to(device=device or k.device, dtype=dtype or k.dtype)
+            v = v.to(device=k.device, dtype=k.dtype)
+            try:
+                built.append(DistilledLayer(k, v, valid.to(k.device), None if bias is None else bias.to(k.device)))
+            except ValueError as error:
+                raise ValueError(f"layer {index}: {error}") from None
+        return cls(built, n_context, **kwargs)
+
+    @classmethod
+    def from_compressed(cls, compressed, model=None, *, dtype=None, device=None,
+                        context_ids: torch.Tensor | None = None) -> "DistilledCache":
+        """From a :class:`~zipkv.distill.kvsculpt.CompressedCache`, in ``model``'s dtype and device (when
+        given; the model also gets :func:`attach`'s hooks and is checked against the cache's shape)."""
+        if model is not None:
+            param = next(model.parameters())
+            dtype, device = dtype or param.dtype, device or param.device
+            _check_shape(model, compressed.num_layers, compressed.num_heads)
+            attach(model)
+        layers = []
+        for layer in range(compressed.num_layers):
+            k, v, valid = compressed.padded(layer, dtype=dtype, device=device)
+            layers.append((k, v, valid, compressed.padded_bias(layer, device=device)))
+        return cls.from_padded(layers, compressed.n_context, context_ids=context_ids, compressed=compressed)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[L, H]`` int64 cached pairs per layer and KV head (the compressed context, not appended tokens)."""
+        return torch.stack([layer.valid.sum(dim=1).cpu() for layer in self.layers])
+
+    @property
+    def next_position(self) -> int:
+        """The position of the next token fed: ``N`` plus the tokens appended so far."""
+        return self.n_context + self.get_seq_length()
+
+    def reset(self) -> None:
+        """Drop every appended token: back to the compressed context (before another ``generate``)."""
+        for layer in self.layers:
+            layer.crop(-layer.get_seq_length())
+
+    def fresh(self) -> "DistilledCache":
+        """A new cache over the same compressed context (shared tensors), with nothing appended."""
+        layers = []
+        for layer in self.layers:
+            P = layer.cached
+            new = DistilledLayer(layer.keys[0, :, :P], layer.values[0, :, :P], layer.valid, layer.bias)
+            layers.append(new)
+        return DistilledCache(layers, self.n_context, context_ids=self.context_ids, compressed=self.compressed)
+
+
+def _decoder(model):
+    base = getattr(model, "model", model)
+    if getattr(base, "layers", None) is None:
+        raise ValueError(f"model {type(model).__name__} has no .model.layers: expected a Llama-family causal LM")
+    return base
+
+
+def _check_shape(model, layers: int, kv_heads: int) -> None:
+    config = model.config
+    want = (config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+    if (layers, kv_heads) != want:
+        raise ValueError(f"cache has {layers} layers × {kv_heads} KV heads, the model {want[0]} × {want[1]}")
+
+
+def _positions_hook(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, DistilledCache):
+        return None
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    embeds = kwargs.get("inputs_embeds")
+    tokens = ids if ids is not None else embeds
+    B, T = tokens.shape[:2]
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.bool().all()):
+        raise ValueError("attention_mask has padding: a DistilledCache holds one sequence, without padding")
+    ctx = cache.context_ids
+    if (ids is not None and ctx is not None and cache.get_seq_length() == 0 and T >= ctx.numel()
+            and torch.equal(ids[0, :ctx.numel()].cpu(), ctx)):
+        raise ValueError(f"input_ids begin with the {ctx.numel()} context tokens the cache already holds: pass only "
+                         "the tokens after the context (positions continue at N by themselves)")
+    start = cache.next_position
+    kwargs["position_ids"] = torch.arange(start, start + T, device=tokens.device)[None].expand(B, -1)
+    return args, kwargs
+
+
+def _mask_hook(module, args, kwargs):
+    cache = kwargs.get("past_key_values")
+    if not isinstance(cache, DistilledCache):
+        return None
+    implementation = module.config._attn_implementation
+    if implementation not in SUPPORTED_ATTENTION:
+        raise ValueError(f"attn_implementation={implementation!r}: a DistilledCache needs one of "
+                         f"{list(SUPPORTED_ATTENTION)} (per-head masks); model.set_attn_implementation('sdpa')")
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    layer = cache.layers[module.layer_idx]
+    group = module.config.num_attention_heads // layer.valid.shape[0]
+    kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype)
+    layer.armed = True
+    return args, kwargs
+
+
+def attach(model):
+    """Register the two pre-hooks a :class:`DistilledCache` needs on ``model`` (once; idempotent).
+
+    They act only on forwards whose ``past_key_values`` is a :class:`DistilledCache`; every other
+    forward runs exactly as before. Returns ``model``. :func:`detach` removes them.
+    """
+    if getattr(model, "_zipkv_cache_hooks", None):
+        return model
+    base = _decoder(model)
+    handles = [base.register_forward_pre_hook(_positions_hook, with_kwargs=True)]
+    for layer in base.layers:
+        handles.append(layer.self_attn.register_forward_pre_hook(_mask_hook, with_kwargs=True))
+    model._zipkv_cache_hooks = handles
+    return model
+
+
+def detach(model) -> None:
+    """Remove :func:`attach`'s hooks from ``model``."""
+    for handle in getattr(model, "_zipkv_cache_hooks", None) or []:
+        handle.remove()
+    model._zipkv_cache_hooks = None
+
+
+def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "kvsculpt", **settings
+             ) -> DistilledCache:
+    """Compress the KV cache of the context ``input_ids`` to ratio ``r = (k + m)/N`` (KVSculpt §3, §4).
+
+    Args:
+        model: a Hugging Face Llama-family causal LM (RoPE, GQA).
+        input_ids: ``[N]`` or ``[1, N]`` context token ids.
+        ratio: ``r``, cached pairs over ``N`` per KV head on average (``m/N < r ≤ 1``).
+        method: one of :data:`zipkv.distill.kvsculpt.METHODS` (``"kvsculpt"``, ``"select_fit"``, …).
+        settings: :func:`zipkv.distill.kvsculpt.compress`'s (``m``, ``n_synthetic``, ``budget``, ``config``,
+            …; the paper's defaults) or :class:`~zipkv.distill.SculptConfig`'s fields (``steps=20``,
+            ``device=…``) instead of a ``config``. KVSculpt runs on the batched solver unless ``solver`` is given.
+
+    Returns:
+        A :class:`DistilledCache` in the model's dtype and device, for ``model.generate(next_ids,
+        past_key_values=cache, ...)`` where ``next_ids`` are the tokens after the context.
+    """
+    from .distill import batched
+    from .distill.kvsculpt import METHODS, budget_for_ratio, compress as compress_capture
+    from .distill.problem import SculptConfig
+    from .models import capture
+
+    ids = torch.as_tensor(input_ids)
+    ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
+    if ids.ndim != 1 or ids.numel() < 2 or ids.is_floating_point():
+        raise ValueError(f"input_ids has shape {tuple(torch.as_tensor(input_ids).shape)} and dtype {ids.dtype}: "
+                         "expected integer token ids [N] or [1, N], N ≥ 2")
+    if method not in METHODS:
+        raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
+    budget_for_ratio(ratio, ids.numel(), settings.get("m", 256))  # a bad ratio fails before the forward pass
+    fields = {name: settings.pop(name) for name in list(settings) if name in SculptConfig.__dataclass_fields__}
+    if fields:
+        if settings.get("config") is not None:
+            raise ValueError(f"{sorted(fields)} and config=: give the solver settings one way")
+        settings["config"] = SculptConfig(**fields)
+    settings.setdefault("solver", batched.solve)
+    compressed = compress_capture(capture(model, ids), ratio, method, **settings)
+    return DistilledCache.from_compressed(compressed, model, context_ids=ids)

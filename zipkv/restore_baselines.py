@@ -1,0 +1,422 @@
+"""Why restore-before-attention is slow (ZipFusion §II-B): the codecs of :mod:`zipkv.codecs` restoring each
+layer into a shared buffer before FlashInfer's paged decode, against ZipFusion's fused kernel.
+
+* :func:`real_kv_bits`: bits per value of ZipFusion's format, SplitZip-style and Huffman on captured KV
+  (K and V separately); the SplitZip codebook is calibrated on other windows (:func:`calibration_codebook`).
+* :func:`llama_shaped_kv`: Llama-3.1-8B-shaped K/V of one layer (``[batch, 8, ctx, 128]``) tiled from a
+  captured SmolLM2 layer (``[3, T, 64]``): KV head ``h`` is SmolLM2 heads ``h % 3`` and ``(h+1) % 3`` side by
+  side along head_dim, batch row ``b`` the tokens rolled by ``16 * b`` (whole pages), so the values, their
+  exponent statistics and their page-level structure are the embedded model's.
+* :func:`restore_step_benchmark` (GPU): per decode step of ``layers`` layers, the restore time (K and V
+  into one shared buffer pair per layer) and FlashInfer's attention time on the restored pages, for each
+  codec; ZipFusion's fused decode over the compressed cache; encode / decode GB/s; bit-exact checks.
+"""
+from __future__ import annotations
+
+import statistics
+
+import pandas as pd
+import torch
+
+from zipkv import codecs, format as kvformat
+
+CODECS = ("zipfusion", "splitzip", "huffman")
+LLAMA = dict(layers=32, q_heads=32, kv_heads=8, head_dim=128)
+"""Llama-3.1-8B's attention shape (ZipFusion §II-B measures it at 2048 tokens, batch 32)."""
+PAGE = kvformat.PAGE_TOKENS
+
+
+def capture_kv(n_windows: int, context: int, seed: int, device: str = "cpu", model_name=None, books_dir=None):
+    """Per-layer ``(K, V)`` bf16 ``[kv_heads, context, head_dim]`` of the embedded model on PG19 windows:
+    a list (windows) of lists (layers)."""
+    from tqdm.auto import tqdm
+
+    from zipkv import data, models
+
+    model, tokenizer = models.load_model(model_name, dtype=torch.bfloat16, device=device)
+    wins = data.windows(tokenizer, data.load_books(books_dir), n_windows, context=context, continuation=0, seed=seed)
+    out = []
+    for w in tqdm(wins, desc="capture"):
+        cap = models.capture(model, w.context_ids)
+        out.append([(x.keys.contiguous(), x.values.contiguous()) for x in cap.layers])
+    return out
+
+
+def calibration_codebook(calibration) -> codecs.SplitZip:
+    """SplitZip's offline step: the 16 most frequent exponents of K and V over every layer of ``calibration``
+    (windows disjoint from the evaluation ones)."""
+    return codecs.SplitZip.calibrate([t for window in calibration for layer in window for t in layer])
+
+
+def _zipfusion_bits(x: torch.Tensor) -> float:
+    """ZipFusion's bits per value on K or V ``[heads, T, d]`` (full pages, token layout), the metadata byte
+    per 512-value block included."""
+    stats = kvformat.cache_stats(kvformat.to_pages(x[:, : x.shape[1] // PAGE * PAGE]), "token")
+    return stats.bits_per_value + 8 / kvformat.BLOCK_VALUES
+
+
+def real_kv_bits(captures, splitzip: codecs.SplitZip, huffman: codecs.Huffman | None = None) -> pd.DataFrame:
+    """Bits per value of each codec for K and V over every layer and window of ``captures``: rows
+    (codec, tensor, bits_per_value). Huffman builds one code per layer's K or V of a window (DFloat11: one per
+    tensor); SplitZip uses its fixed codebook."""
+    huffman = huffman or codecs.Huffman()
+    total = {}
+    for window in captures:
+        for layer in window:
+            for tensor, x in zip("KV", layer):
+                n = x.numel()
+                for codec, bits in (("zipfusion", _zipfusion_bits(x)), ("splitzip", splitzip.encode(x).bits_per_value),
+                                    ("huffman", huffman.encode(x).bits_per_value)):
+                    acc = total.setdefault((codec, tensor), [0.0, 0])
+                    acc[0] += bits * n
+                    acc[1] += n
+    return pd.DataFrame([dict(codec=c, tensor=t, bits_per_value=b / n) for (c, t), (b, n) in total.items()])
+
+
+def llama_shaped_kv(layer, batch: int, ctx: int, kv_heads: int = 8, head_dim: int = 128):
+    """K, V bf16 ``[batch, kv_heads, ctx, head_dim]`` tiled from one captured layer ``(K, V)`` ``[h, T, d]``
+    (see the module docstring; ``T`` >= ctx, ``head_dim`` = 2 d)."""
+    out = []
+    for x in layer:
+        h, T, d = x.shape
+        if T < ctx or 2 * d != head_dim:
+            raise ValueError(f"a captured layer [{h}, {T}, {d}] cannot tile [{batch}, {kv_heads}, {ctx}, {head_dim}]: "
+                             f"expected T >= {ctx} and d = {head_dim // 2}")
+        heads = torch.stack([torch.cat([x[i % h], x[(i + 1) % h]], -1)[:ctx] for i in range(kv_heads)])
+        out.append(torch.stack([torch.roll(heads, PAGE * b, dims=1) for b in range(batch)]).contiguous())
+    return out[0], out[1]
+
+
+def _nhd(x):
+    """[B, H, T, d] -> FlashInfer NHD pages [B*T/16, 16, H, d] (request b's pages b*T/16 ...)."""
+    B, H, T, d = x.shape
+    return x.reshape(B, H, T // PAGE, PAGE, d).permute(0, 2, 3, 1, 4).reshape(-1, PAGE, H, d).contiguous()
+
+
+def _graph_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``fn`` captured once in a CUDA graph and replayed (no host work between launches);
+    NaN when ``fn`` cannot be captured."""
+    import warnings
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as err:                    # a method whose launch path syncs or allocates on the host
+        warnings.warn(f"CUDA graph capture failed ({type(err).__name__}: {err}); graph time left as NaN")
+        torch.cuda.synchronize()
+        return float("nan")
+    return _events_ms(graph.replay, reps)
+
+
+def _events_ms(fn, reps: int) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls (each call moves far more than L2: cold by size). A spin
+    kernel before each call keeps the GPU busy while the host enqueues it, so the events time the GPU's work."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(2_000_000)            # about 1 ms at 2 GHz: longer than any launch path here
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def restore_step_benchmark(captures, splitzip: codecs.SplitZip, *, ctx: int = 2048, batch: int = 32,
+                           layers: int = LLAMA["layers"], reps: int = 10, progress: bool = True) -> pd.DataFrame:
+    """One decode step of Llama-3.1-8B attention (``layers`` layers, 32 q / 8 kv heads, d = 128) on KV tiled
+    from ``captures[0]``'s layers (layer ``l`` from captured layer ``l % len``), on the GPU.
+
+    For SplitZip and Huffman: each layer's K and V pages (FlashInfer NHD order) are encoded once; a step
+    restores layer by layer into one shared K/V buffer pair and runs FlashInfer's paged decode (tensor-core
+    path, planned once) on it. Timed separately: all restores of a step (``restore_ms_per_step``) and all
+    attentions (``attention_ms_per_step``), and the step as it runs (``step_ms``: restore then attention per
+    layer, launched from Python; ``step_graph_ms``: the same captured in a CUDA graph and replayed, as a serving
+    engine runs decode steps; NaN where a method cannot be captured). ZipFusion: zipkv's fused decode (Gluon kernel, mma layouts, planned once, ``run`` timed) over ``build_paged_cache(compress=
+    "eligible")`` of the same KV (every layer its own cache). "flashinfer (bf16)" is the uncompressed baseline.
+    Encode and decode GB/s are bf16 bytes per second on a layer's K and V separately. Every restore is
+    checked bit-exact and every attention against FlashInfer on the original pages.
+    """
+    from tqdm.auto import tqdm
+
+    from zipkv.bench import FlashInferDecode, copy_bandwidth
+    from zipkv.kernels.decode_attention import build_paged_cache, physical_page_ids, plan
+
+    H, D, HQ = LLAMA["kv_heads"], LLAMA["head_dim"], LLAMA["q_heads"]
+    sources = captures[0]
+    n_src = min(len(sources), layers)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
+    pages_per_req = ctx // PAGE
+    phys = physical_page_ids(batch * pages_per_req).to("cuda")        # the same random page table for all
+    indices = phys.to(torch.int32)
+    indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * pages_per_req
+    last = torch.full((batch,), PAGE, device="cuda", dtype=torch.int32)
+    fi = FlashInferDecode(indptr, indices, last, HQ, H, D, PAGE, use_tensor_cores=True)
+    rows, kv_pages, zf_caches, steps = [], [], [], {}
+    for s in tqdm(range(n_src), desc="layers", disable=not progress):
+        k, v = llama_shaped_kv([t.to("cuda") for t in sources[s]], batch, ctx, H, D)
+        kp, vp = (torch.empty_like(_nhd(x)) for x in (k, v))
+        kp[phys], vp[phys] = _nhd(k), _nhd(v)
+        kv_pages.append((kp, vp))
+        cache, zf_indptr, zf_indices, zf_last = build_paged_cache(k, v, compress="eligible",
+                                                                  k_layout="k_mma", v_layout="v_mma")
+        zf_caches.append(plan(zf_indptr, zf_indices, zf_last, cache, HQ))
+        del k, v
+    ref = [fi(q, kp, vp).clone() for kp, vp in kv_pages]
+    buf_k, buf_v = torch.empty_like(kv_pages[0][0]), torch.empty_like(kv_pages[0][1])
+    layer_src = [i % n_src for i in range(layers)]
+    raw_bytes = 2 * kv_pages[0][0].numel()                              # one K (or V) in bf16
+    copy_bw = copy_bandwidth()
+
+    def attention_only():
+        for i in layer_src:
+            fi(q, buf_k, buf_v)
+    attention_ms = _events_ms(attention_only, reps)
+    rows.append(dict(codec="flashinfer (bf16)", tensor="K+V", bits_per_value=16.0, restore_ms_per_step=0.0,
+                     attention_ms_per_step=_events_ms(lambda: [fi(q, *kv_pages[i]) for i in layer_src], reps)))
+    for codec in (splitzip, codecs.Huffman()):
+        enc, enc_gbps, dec_gbps = [], {"K": [], "V": []}, {"K": [], "V": []}
+        for s, (kp, vp) in enumerate(kv_pages):
+            pair = []
+            for tensor, x, buf in (("K", kp, buf_k), ("V", vp, buf_v)):
+                e = codec.encode(x)
+                codecs.decode_into(e, buf, validate=s == 0)
+                if not torch.equal(buf.view(torch.int16), x.view(torch.int16)):
+                    raise AssertionError(f"{codec.name} restore of layer {s} {tensor} is not bit-exact")
+                if s == 0:
+                    enc_gbps[tensor].append(raw_bytes / _events_ms(lambda: codec.encode(x), 3) / 1e6)
+                    dec_gbps[tensor].append(raw_bytes / _events_ms(lambda: codecs.decode_into(e, buf, validate=False), reps) / 1e6)
+                pair.append(e)
+            enc.append(pair)
+        same_attention = True
+        for (ek, ev), r in zip(enc, ref):
+            codecs.decode_into(ek, buf_k, validate=False), codecs.decode_into(ev, buf_v, validate=False)
+            same_attention &= torch.equal(fi(q, buf_k, buf_v), r)
+
+        def restore_only():
+            for i in layer_src:
+                codecs.decode_into(enc[i][0], buf_k, validate=False)
+                codecs.decode_into(enc[i][1], buf_v, validate=False)
+
+        def step():
+            for i in layer_src:
+                codecs.decode_into(enc[i][0], buf_k, validate=False)
+                codecs.decode_into(enc[i][1], buf_v, validate=False)
+                fi(q, buf_k, buf_v)
+        restore_ms = _events_ms(restore_only, reps)
+        restore_graph_ms = _graph_ms(restore_only, reps)              # decode_into is capturable: never NaN
+        step_ms = _events_ms(step, reps)
+        steps[codec.name] = step
+        for tensor in "KV":
+            bits = statistics.mean(p["KV".index(tensor)].bits_per_value for p in enc)
+            rows.append(dict(codec=codec.name, tensor=tensor, bits_per_value=bits,
+                             encode_gbps=enc_gbps[tensor][0], decode_gbps=dec_gbps[tensor][0],
+                             decode_frac_copy_bw=dec_gbps[tensor][0] * 1e9 * (1 + bits / 16) / copy_bw))
+        rows.append(dict(codec=codec.name, tensor="K+V",
+                         bits_per_value=statistics.mean(e.bits_per_value for p in enc for e in p),
+                         restore_ms_per_step=restore_ms, restore_graph_ms_per_step=restore_graph_ms,
+                         attention_ms_per_step=attention_ms, step_ms=step_ms,
+                         attention_equals_original=same_attention))
+    steps["flashinfer (bf16)"] = lambda: [fi(q, *kv_pages[i]) for i in layer_src]
+    zf_out = torch.empty_like(q)
+    steps["zipfusion"] = lambda: [zf_caches[i].run(q, zf_out) for i in layer_src]
+    zf_ms = _events_ms(steps["zipfusion"], reps)
+    zf_err = max(float((p.run(q).float() - r.float()).norm() / r.float().norm()) for p, r in zip(zf_caches, ref))
+    st = [p.cache.stats() for p in zf_caches]
+    rows.append(dict(codec="zipfusion", tensor="K+V", restore_ms_per_step=0.0, attention_ms_per_step=zf_ms,
+                     step_ms=zf_ms, rel_rms_error_vs_flashinfer=zf_err,
+                     bits_per_value=statistics.mean(16 * x["used_bytes"] / x["raw_bytes"] for x in st)))
+    graph_ms = {name: _graph_ms(fn, reps) for name, fn in steps.items()}   # last: a failed capture spoils nothing
+    for row in rows:
+        if row["tensor"] == "K+V":
+            row["step_graph_ms"] = graph_ms.get(row["codec"], float("nan"))
+    table = pd.DataFrame(rows)
+    step = table.tensor == "K+V"
+    table.loc[step, "step_ms"] = table.step_ms[step].fillna(table.restore_ms_per_step + table.attention_ms_per_step)
+    table["ctx"], table["batch"], table["layers"] = ctx, batch, layers
+    table["copy_bw_tbps"] = copy_bw / 1e12
+    table["device"] = torch.cuda.get_device_name()
+    return table
+
+
+def decode_launch_sweep(x: torch.Tensor, splitzip: codecs.SplitZip, reps: int = 10) -> pd.DataFrame:
+    """Decode GB/s (restored bf16 bytes per second) of both kernels over their launch options on ``x`` (GPU)."""
+    from zipkv.kernels import restore
+
+    out = torch.empty_like(x)
+    rows = []
+    e = splitzip.encode(x)
+    d = e.data
+    for words in (False, True):
+        for cpp in (1, 2, 4, 8):
+            for warps in (2, 4, 8):
+                fn = lambda: restore.splitzip_decode(d["sm"], d["codes"], e.info["book"], d["esc_indptr"], d["esc_pos"],
+                                                     d["esc_exp"], out.view(torch.int16).reshape(-1), e.n_values,
+                                                     e.n_chunks, e.info["chunk"], chunks_per_program=cpp,
+                                                     num_warps=warps, words=words)
+                out.zero_()
+                fn()
+                ok = torch.equal(out.view(torch.int16), x.view(torch.int16))
+                rows.append(dict(codec="splitzip", words=words, chunks_per_program=cpp, num_warps=warps,
+                                 smem_lut=None, exact=ok, decode_gbps=2 * x.numel() / _events_ms(fn, reps) / 1e6))
+    e = codecs.Huffman().encode(x)
+    d, i = e.data, e.info
+    for cpp in (8, 16, 32):
+        for warps in (2, 4, 8):
+            for smem in (True, False):
+                fn = lambda: restore.huffman_decode(d["stream"], d["chunk_bits"], d["lane_bits"], d["lut"], d["sm"],
+                                                    out.view(torch.int16).reshape(-1), e.n_values, e.n_chunks,
+                                                    i["lanes"], i["per_lane"], i["max_len"], chunks_per_program=cpp,
+                                                    num_warps=warps, smem_lut=smem)
+                out.zero_()
+                fn()
+                ok = torch.equal(out.view(torch.int16), x.view(torch.int16))
+                rows.append(dict(codec="huffman", chunks_per_program=cpp, num_warps=warps, smem_lut=smem, exact=ok,
+                                 decode_gbps=2 * x.numel() / _events_ms(fn, reps) / 1e6))
+    return pd.DataFrame(rows)
+
+
+def main(argv=None):
+    """``python -m zipkv.restore_baselines SAMPLE OUT_DIR``: the GPU run behind the chapter, from a saved sample
+    (``torch.save(dict(layers=[(K, V), ...], codebook=[...]))``: every 4th layer of one 2048-token PG19 window (seed
+    0) and the SplitZip codebook calibrated on another (seed 1); captured and saved first when SAMPLE does not
+    exist): launch sweep, then :func:`restore_step_benchmark`; writes ``restore_launch_sweep.csv`` and
+    ``zipfusion_restore_baselines_gpu.csv`` into OUT_DIR."""
+    import argparse
+    import datetime
+    from pathlib import Path
+
+    p = argparse.ArgumentParser()
+    p.add_argument("sample")
+    p.add_argument("out")
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--commit", default="")
+    a = p.parse_args(argv)
+    if not Path(a.sample).is_file():            # build it: needs the embedded model and PG19 books
+        book = calibration_codebook(capture_kv(1, 2048, seed=1, device="cuda"))
+        layers = capture_kv(1, 2048, seed=0, device="cuda")[0]
+        torch.save(dict(layers=[tuple(t.cpu() for t in x) for x in layers[::4]], codebook=book.codebook), a.sample)
+    sample = torch.load(a.sample)
+    book = codecs.SplitZip(sample["codebook"])
+    k, _ = llama_shaped_kv([t.to("cuda") for t in sample["layers"][0]], 32, 2048)
+    stamp = dict(date=datetime.date.today().isoformat(), commit=a.commit)
+    sweep = decode_launch_sweep(_nhd(k), book, a.reps).assign(device=torch.cuda.get_device_name(), **stamp)
+    sweep.to_csv(Path(a.out) / "restore_launch_sweep.csv", index=False)
+    print(sweep.to_string())
+    del k
+    table = restore_step_benchmark([sample["layers"]], book, reps=a.reps, progress=False).assign(**stamp)
+    table.to_csv(Path(a.out) / "zipfusion_restore_baselines_gpu.csv", index=False)
+    print(table.to_string())
+
+
+if __name__ == "__main__":
+    main()
+
+
+# ----------------------------------------------------------------------------- the chapter's table, verdict, figure
+
+COLUMNS = ["codec", "tensor", "bits_per_value", "encode_gbps", "decode_gbps", "restore_ms_per_step",
+           "attention_ms_per_step", "ctx", "batch"]
+
+
+def roundtrip_check(captures, splitzip: codecs.SplitZip, layers: int = 2) -> pd.DataFrame:
+    """Bit-exact encode -> Triton decode and -> torch reference on the first ``layers`` captured layers (K, V):
+    one row per (codec, layer, tensor) with ``exact``."""
+    rows = []
+    for i, layer in enumerate(captures[0][:layers]):
+        for tensor, x in zip("KV", layer):
+            for codec in (splitzip, codecs.Huffman()):
+                e = codec.encode(x)
+                same = [torch.equal(y.view(torch.int16), x.view(torch.int16))
+                        for y in (codecs.decode(e), codecs.decode_reference(e))]
+                rows.append(dict(codec=codec.name, layer=i, tensor=tensor, values=x.numel(), exact=all(same)))
+    return pd.DataFrame(rows)
+
+
+def chapter_table(bits: pd.DataFrame, gpu: pd.DataFrame | None) -> pd.DataFrame:
+    """The chapter's main table: bits per value on real KV (``bits``, K and V rows) with the GPU run's
+    encode / decode GB/s beside them, and the GPU run's per-step restore and attention times (K+V rows)."""
+    table = bits.copy()
+    if gpu is None:
+        return table.reindex(columns=COLUMNS)
+    speeds = gpu[gpu.tensor.isin(["K", "V"])][["codec", "tensor", "encode_gbps", "decode_gbps"]]
+    table = table.merge(speeds, on=["codec", "tensor"], how="left")
+    steps = gpu[gpu.tensor == "K+V"].drop(columns=["encode_gbps", "decode_gbps"], errors="ignore")
+    real = bits.groupby("codec").bits_per_value.mean()
+    steps = steps.assign(bits_per_value=steps.codec.map(real).fillna(steps.bits_per_value))
+    table = pd.concat([table, steps], ignore_index=True)
+    table[["ctx", "batch"]] = table[["ctx", "batch"]].ffill().bfill().astype(int)
+    return table.reindex(columns=COLUMNS + [c for c in table.columns if c not in COLUMNS])
+
+
+def _against(x: float, lo: float, hi: float) -> str:
+    return "below" if x < lo else "above" if x > hi else "within"
+
+
+def verdict(table: pd.DataFrame):
+    """(text, kind) of the chapter's verdict, from the table's numbers and the paper's."""
+    from zipkv import paper_values as pv
+
+    steps = table[table.tensor == "K+V"].set_index("codec")
+    bits = table[table.tensor.isin(["K", "V"])].groupby("codec").bits_per_value.mean()
+    lo, hi = pv.ZIPFUSION_RESTORE_MS_RANGE
+    text = (f"On the embedded model's PG19 KV, bits per value (K and V averaged): ZipFusion {bits['zipfusion']:.2f}, "
+            f"SplitZip-style {bits['splitzip']:.2f}, Huffman {bits['huffman']:.2f}.")
+    if "restore_ms_per_step" not in steps or steps.restore_ms_per_step.isna().all():
+        return text + " No GPU timings: restore and attention times need a GPU run.", "note"
+    sz, hf, zf, fi = (steps.loc[c] for c in ("splitzip", "huffman", "zipfusion", "flashinfer (bf16)"))
+    dec = table[(table.codec == "splitzip") & table.tensor.isin(["K", "V"])].decode_gbps.min()
+    text += (f" Per decode step ({int(sz.batch)} × {int(sz.ctx)} tokens, 32 layers of Llama-3.1-8B attention, H200): "
+             f"restoring takes {sz.restore_ms_per_step:.2f} ms (SplitZip-style) and {hf.restore_ms_per_step:.2f} ms "
+             f"(Huffman) on top of {sz.attention_ms_per_step:.2f} ms of attention, while ZipFusion's fused kernel on the "
+             f"compressed cache takes {zf.attention_ms_per_step:.2f} ms and FlashInfer on bf16 {fi.attention_ms_per_step:.2f} ms "
+             f"(paper, H100: restore {lo}–{hi} ms beside about {pv.ZIPFUSION_RESTORE_OTHER_MS} ms for the rest of the "
+             f"instrumented step, which holds more than attention; ours times attention alone, on a GPU with more memory "
+             f"bandwidth: our restores lie {_against(sz.restore_ms_per_step, lo, hi)} and "
+             f"{_against(hf.restore_ms_per_step, lo, hi)} the paper's range). "
+             f"The SplitZip-style decoder restores {dec / 1e3:.2f} TB/s of bf16 (bar ≥ 2 TB/s: "
+             f"{'met' if dec >= 2000 else 'missed'}; its authors report {pv.SPLITZIP_DECODE_GBPS / 1e3:.2f} TB/s).")
+    best = min(sz.step_ms, hf.step_ms)
+    text += (f" Restore + attention per step: SplitZip-style {sz.step_ms:.2f} ms, Huffman {hf.step_ms:.2f} ms; ZipFusion "
+             f"{zf.step_ms:.2f} ms is {best / zf.step_ms:.2f}× the best restore baseline's speed and "
+             f"{fi.step_ms / zf.step_ms:.2f}× FlashInfer's on bf16" +
+             (" — on this real mix of compressed and raw blocks zipkv's fused kernel is slower than restoring first "
+              "(see the chapter on decode attention latency for the mixed-page path)." if zf.step_ms > best else "."))
+    if "step_graph_ms" in steps and steps.step_graph_ms.notna().any():
+        g = steps.step_graph_ms
+        text += (f" Replayed as CUDA graphs (no host work between launches): SplitZip-style {g['splitzip']:.2f} ms, "
+                 f"Huffman {g['huffman']:.2f} ms, ZipFusion {g['zipfusion']:.2f} ms, FlashInfer {g['flashinfer (bf16)']:.2f} ms.")
+    return text, "tip" if dec >= 2000 and zf.step_ms < min(sz.step_ms, hf.step_ms) else "warning"
+
+
+def figure(table: pd.DataFrame):
+    """Stacked bars per method (restore | attention, ms per step), ours beside the paper's range."""
+    import matplotlib.pyplot as plt
+
+    from zipkv import paper_values as pv
+
+    steps = table[table.tensor == "K+V"].set_index("codec")
+    order = [c for c in ("flashinfer (bf16)", "zipfusion", "splitzip", "huffman") if c in steps.index]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    x = range(len(order))
+    att = [steps.loc[c, "attention_ms_per_step"] for c in order]
+    res = [steps.loc[c, "restore_ms_per_step"] for c in order]
+    ax.bar(x, att, label="attention (H200, ours)", color="tab:blue")
+    ax.bar(x, res, bottom=att, label="restore into the shared buffer (H200, ours)", color="tab:orange")
+    p = len(order)
+    lo, hi = pv.ZIPFUSION_RESTORE_MS_RANGE
+    ax.bar([p], [pv.ZIPFUSION_RESTORE_OTHER_MS], color="tab:gray", alpha=0.6, label="paper: rest of the step (H100)")
+    ax.bar([p], [hi - lo], bottom=[pv.ZIPFUSION_RESTORE_OTHER_MS + lo], color="tab:red", alpha=0.4,
+           label=f"paper: restore {lo}–{hi} ms (H100)")
+    ax.bar([p], [lo], bottom=[pv.ZIPFUSION_RESTORE_OTHER_MS], color="tab:red", alpha=0.8)
+    ax.set_xticks(list(x) + [p], order + ["paper (3 codecs)"], rotation=15)
+    ax.set_ylabel("time per decode step (ms)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
