@@ -122,7 +122,7 @@ class _Attention:
                     c.refresh()                                     # page kinds recomputed in place
                 self.versions[l] = self.memory.version[l]
         lens = [self.memory.cache_len(r) for r in rids]
-        key = (tuple(id(self.memory.requests[r]) for r in rids),              # a re-admitted request is new
+        key = (tuple(self.memory.requests[r].serial for r in rids),            # a re-admitted request is new
                tuple((n + fmt.PAGE_TOKENS - 1) // fmt.PAGE_TOKENS for n in lens))
         if key == self.key:                                         # same pages: only last_page_len moves
             last = [n - fmt.PAGE_TOKENS * (p - 1) for n, p in zip(lens, key[1])]

@@ -92,6 +92,7 @@ class _Request:
     cache_len: int
     reserved: int                     # pages promised and not yet allocated
     ids: torch.Tensor | None = None   # ``pages`` as a device tensor (page_table), rebuilt when pages change
+    serial: int = 0                   # admission number: tells a re-admitted request from its earlier self
 
 
 def _pages_for(tokens: int) -> int:
@@ -170,6 +171,7 @@ class KVMemory:
         self._full: list = []                                             # full raw pages awaiting compress
         self._inplace = [set() for _ in range(num_layers)]
         self.requests: dict = {}
+        self.admitted = 0
         self.reassigned = 0
         head = torch.arange(2 * kv_heads, device=self.device).reshape(2, kv_heads) * self.slot_bytes
         self._raw_offsets = (head[..., None] + fmt.RAW_BLOCK_BYTES * torch.arange(nb, device=self.device))
@@ -397,7 +399,9 @@ class KVMemory:
         if self.capacity_pages() - self.outstanding < prompt_pages + reserve:
             return None
         ids = self._new_pages(prompt_pages)
-        self.requests[rid] = _Request(prompt_len, prompt_len + max_new_tokens - 1, ids, prompt_len, reserve)
+        self.admitted += 1
+        self.requests[rid] = _Request(prompt_len, prompt_len + max_new_tokens - 1, ids, prompt_len, reserve,
+                                      serial=self.admitted)
         self._full.extend(ids[: prompt_len // fmt.PAGE_TOKENS])
         return list(ids)
 
