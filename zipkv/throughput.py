@@ -211,7 +211,7 @@ def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk
 
 def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256, timed_steps=None, fixed_batch=32,
             uncompressed_max_batch=46, kv_windows=2, kv_window_context=2048, e2e_requests=12, e2e_context=1024,
-            e2e_new_tokens=64, e2e_budget_requests=4, pages_per_chunk=16, seed=0):
+            e2e_new_tokens=64, e2e_budget_requests=4, e2e_pages_per_chunk=16, pages_per_chunk=16, seed=0):
     """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens)``.
 
     ``table`` (one row per model, method and batch; columns of ``results/paper/zipfusion_throughput.csv``
@@ -219,10 +219,11 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
     weights and real-KV prefixes (:func:`real_prefix`) at ``fixed_batch`` and at each method's largest batch
     under the budget whose uncompressed engine holds ``uncompressed_max_batch`` requests; always the embedded
     model end to end on PG19 windows (``e2e_*``; its ZipFusion run also compresses the pages decoding
-    fills). ``shape=None`` runs the end-to-end part only (the CPU quick profile)."""
+    fills; ``e2e_pages_per_chunk`` its chunk size). ``shape=None`` runs the end-to-end part only (the CPU quick
+    profile)."""
     import pandas as pd
     rows, (e2e_rows, runs, same, (small, tok)) = [], _e2e(device, e2e_requests, e2e_context, e2e_new_tokens,
-                                                          e2e_budget_requests, min(pages_per_chunk, 4), seed)
+                                                          e2e_budget_requests, e2e_pages_per_chunk, seed)
     if shape is not None:
         if shape != "llama3.1-8b":
             raise ValueError(f"shape must be 'llama3.1-8b' or None, got {shape!r}")
