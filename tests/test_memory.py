@@ -210,21 +210,22 @@ TestMemoryMachine = MemoryMachine.TestCase
 
 
 def test_compression_frees_chunks_for_other_layers():
-    """A compressible layer moves its full pages into compressed chunks, its raw chunks empty (pending until
+    """A compressible layer moves its full pages into compressed chunks (a fresh chunk only for at least a
+    chunk's worth of pages: the last page stays compressed in place), its raw chunks empty (pending until
     reads_done, usable by their own layer only), and then a chunk emptied by layer 0 serves layer 1."""
-    m = KVMemory(2, H, D, 2 * 3 * 4 * m_page(), pages_per_chunk=4)        # 6 chunks of 4 pages
+    m = KVMemory(2, H, D, 11 * 4 * m_page(), pages_per_chunk=4)           # 11 chunks of 4 pages
     gen = torch.Generator().manual_seed(0)
-    m.admit("a", 128, 1)                                                   # 8 pages: 2 chunks per layer
-    m.write(0, "a", 0, _tokens(gen, 128, False), _tokens(gen, 128, False))  # layer 0: compressible
-    m.write(1, "a", 0, _tokens(gen, 128, True), _tokens(gen, 128, True))    # layer 1: not
-    assert m.capacity_pages() == 4
-    assert m.compress() == dict(moved=8, in_place=0)                       # 5 + 3 pages in 2 compressed chunks
-    assert m.used_bytes(0) == 8 * 2 * H * 768 and m.used_bytes(1) == 8 * m.page_bytes
-    assert m.stats()["chunks_pending"] == 2 and m.capacity_pages() == 0    # pending: for layer 0 only
+    m.admit("a", 256, 1)                                                   # 16 pages: 4 chunks per layer
+    m.write(0, "a", 0, _tokens(gen, 256, False), _tokens(gen, 256, False))  # layer 0: compressible
+    m.write(1, "a", 0, _tokens(gen, 256, True), _tokens(gen, 256, True))    # layer 1: not
+    assert m.compress() == dict(moved=15, in_place=1)                      # 5 + 5 + 5 in 3 compressed chunks
+    assert m.used_bytes(0) == 15 * 2 * H * 768 + m.page_bytes and m.used_bytes(1) == 16 * m.page_bytes
+    assert m.stats()["chunks_pending"] == 3 and m.stats()["chunks_free"] == 0
+    assert m.capacity_pages() == 0                                         # pending: for layer 0 only
     m.reads_done()
-    assert m.stats()["chunks_free"] == 2 and m.capacity_pages() == 4
+    assert m.stats()["chunks_free"] == 3 and m.capacity_pages() == 7
     layer0_chunks = {c for c, ch in enumerate(m._chunks) if ch.layer == 0 and ch.state == FREE}
-    m.admit("b", 64, 1)
+    m.admit("b", 16, 1)                                                    # layer 1 needs one of them
     assert m.reassigned == 1
     assert any(m._chunks[c].layer == 1 and m._chunks[c].state == OWNED for c in layer0_chunks)
 

@@ -23,8 +23,9 @@ Memory model
   is queued; :meth:`compress` -- called once the reads of the step that filled it are done -- packs it
   in place, then moves it into a compressed chunk of its layer when a destination is free (the raw
   slot is released) or leaves it compressed **in place** (it keeps its raw slot; a later
-  :meth:`compress` moves it when room appears). A compressed chunk is taken from the pool only when the
-  capacity left still covers every reservation.
+  :meth:`compress` moves it when room appears). A compressed chunk is taken from the pool only for at
+  least a chunk's worth of pages to move (their raw slots give back what the chunk takes in that layer) and
+  only when the capacity left still covers every reservation.
 
 Admission and capacity (SGLang vocabulary)
 ------------------------------------------
@@ -524,15 +525,19 @@ class KVMemory:
             head_units = (fmt.n_blocks(self.head_dim) * 4 - comp).cpu()
             page_units = head_units.reshape(len(todo), -1).sum(-1).tolist()
             src, dst, rows, released = [], [], [], []
-            new_chunk = True                 # refused once, refused for the rest of this layer's pass
+            refused = False                  # a new chunk refused once is refused for the rest of this pass
+            left = sum(u * UNIT < self.page_bytes for u in page_units)          # pages a move would shrink
             for i, p in enumerate(todo):
                 loc = self._loc[l][p]
                 if page_units[i] * UNIT == self.page_bytes:        # nothing compressible: stays where it is
                     self._loc[l][p] = ("inplace",) + loc[1:]
                     continue
-                dest = self._comp_alloc(l, page_units[i], new_chunk)
+                # a fresh chunk only for at least a chunk's worth of pages: their raw slots give back as much
+                # as the chunk takes in this layer
+                dest = self._comp_alloc(l, page_units[i], not refused and left >= self.pages_per_chunk)
+                left -= 1
                 if dest is None:
-                    new_chunk = False
+                    refused = refused or left + 1 >= self.pages_per_chunk
                     if loc[0] == RAW:
                         self._loc[l][p] = ("inplace",) + loc[1:]
                         self._inplace[l].add(p)
