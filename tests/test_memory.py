@@ -278,14 +278,21 @@ def test_alloc_without_room_changes_nothing(ratio, seed):
 
 
 def test_compression_keeps_room_for_reserved_pages():
-    """Compression must not take the chunk a running request was promised: with the budget exactly
-    covering a request's reservation, its full pages are compressed in place, and every reserved append
-    still gets its page."""
-    m = KVMemory(1, H, D, 3 * 4 * m_page(), pages_per_chunk=4)            # 3 chunks of 4 pages
+    """Compression must not take the chunks a running request was promised: layer 0's full pages could
+    fill two fresh compressed chunks, but layer 1 needs one of the two free chunks for request b's
+    reservation (layer 0's emptied chunks are pending, its own, until reads_done), so they are compressed
+    in place and every reserved append of b gets its page before any reads_done."""
+    m = KVMemory(2, H, D, 8 * 4 * m_page(), pages_per_chunk=4)            # 8 chunks of 4 pages
     gen = torch.Generator().manual_seed(1)
-    m.admit("a", 56, 137)                                                  # 4 pages now (3 full), 12 in the end
-    m.write(0, "a", 0, _tokens(gen, 56, False), _tokens(gen, 56, False))
-    assert m.capacity_pages() == m.outstanding == 8
-    assert m.compress() == dict(moved=0, in_place=3)
-    for _ in range(136):
-        assert m.alloc("a", 1) is not None
+    m.admit("a", 128, 1)                                                   # 8 full pages
+    m.write(0, "a", 0, _tokens(gen, 128, False), _tokens(gen, 128, False))
+    m.write(1, "a", 0, _tokens(gen, 128, True), _tokens(gen, 128, True))
+    m.admit("b", 16, 65)                                                   # 1 page now, 4 reserved
+    m.write(0, "b", 0, _tokens(gen, 16, False), _tokens(gen, 16, False))
+    m.write(1, "b", 0, _tokens(gen, 16, True), _tokens(gen, 16, True))
+    assert m.capacity_pages() == 7 and m.outstanding == 4
+    result = m.compress()
+    assert m.capacity_pages() >= m.outstanding, "compression took room promised to b"
+    assert result == dict(moved=0, in_place=9)
+    for _ in range(64):
+        assert m.alloc("b", 1) is not None
