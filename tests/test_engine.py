@@ -1,0 +1,192 @@
+"""zipkv.engine: batch greedy decoding over zipkv.memory equals model.generate.
+
+The engine's decode attention is fp32 over the bf16 cache (the torch reference on the CPU, the fused
+kernel's fp32 accumulation on the GPU); Hugging Face's default bf16 attention rounds differently, which
+flips near-tied greedy choices after a few tokens. So ``model.generate`` runs here with an attention
+function of the same arithmetic as ``zipkv.kernels.reference`` (registered below): any remaining
+difference is the engine's -- its pages, compression, admission, positions and retraction.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import AttentionInterface  # noqa: E402
+
+from conftest import tiny_llama  # noqa: E402
+from zipkv.engine import Engine, Prefix  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """fp32 attention over bf16 K/V, output rounded to bf16 once: ``decode_attention_reference``'s
+    arithmetic (einsum per KV head group) for one query token, causal fp32 attention for prefill."""
+    B, HQ, T, D = query.shape
+    H = key.shape[1]
+    q = query.float().reshape(B, H, HQ // H, T, D)
+    s = torch.einsum("bhgqd,bhtd->bhgqt", q, key.float()) * scaling
+    if T > 1:
+        S = key.shape[2]
+        s = s + torch.full((T, S), float("-inf")).triu(S - T + 1)
+    o = torch.einsum("bhgqt,bhtd->bhgqd", s.softmax(-1), value.float()).reshape(B, HQ, T, D)
+    return o.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("zipkv_reference", reference_attention)
+
+
+def _generate(model, prompts, n):
+    out = []
+    for p in prompts:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
+        out.append(ids)
+    return out
+
+
+def _page_bytes(model):
+    cfg = model.config
+    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 32 * cfg.head_dim
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from zipkv import data, models
+    model, tok = models.load_model(dtype=torch.bfloat16)
+    model.config._attn_implementation = "zipkv_reference"
+    ws = data.windows(tok, data.load_books(limit=4), n=4, context=64, continuation=0)
+    prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 40, 23, 17))]
+    return model, prompts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compress", ["all", "none"])
+def test_greedy_tokens_equal_generate(smollm, compress):
+    """Four requests of 5-40 prompt tokens under a budget of 6 pages per layer: two run at first, the
+    others are admitted at later steps as pages free up; pages compress as they fill (or never)."""
+    model, prompts = smollm
+    n = 12
+    ref = _generate(model, prompts, n)
+    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2)
+    res = eng.generate(prompts, n)
+    assert res.outputs == ref
+    assert max(s["batch"] for s in res.stats["steps"]) < len(prompts)
+    assert len(set(res.stats["admitted_at"])) > 1                       # admitted at different steps
+    mem = res.stats["memory"]
+    assert mem["running"] == 0 and mem["outstanding"] == 0
+    if compress == "all":
+        assert res.stats["frac_compressed_k"] > 0.3                     # the prompts' full pages compressed
+    else:
+        assert res.stats["frac_compressed_k"] == 0.0
+
+
+@pytest.mark.slow
+def test_retraction_and_distilled_prefix_positions(smollm):
+    """Half reservations make decode steps run out of pages: requests are retracted and requeued, and
+    finish with generate's tokens. A prefix given as KV (cache length apart from position) continues
+    like the full prompt."""
+    model, prompts = smollm
+    n = 40
+    ref = _generate(model, prompts[:2], n)
+    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress="none", pages_per_chunk=1, reserve_ratio=0.2)
+    res = eng.generate(prompts[:2], n)
+    assert res.stats["retracted"] > 0
+    assert res.outputs == ref
+    # a prefix of 30 cached pairs that stands for tokens 0..29: the same as prefilling them
+    n = 12
+    p = prompts[1]
+    out = model(torch.tensor([p[:30]]), use_cache=True)
+    kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+    eng = Engine(model, kv_budget_bytes=8 * _page_bytes(model), compress="all", pages_per_chunk=2)
+    res = eng.generate([p[30:]], n, prefixes=[Prefix(kv, 30, n_tokens=30)])
+    assert res.outputs == [ref[1][:n]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel's fp32 interpreter path; on a GPU see the bf16 test below")
+def test_fused_kernel_engine_equals_reference_engine():
+    """The engine through the fused Triton decode kernel and pack kernel (under TRITON_INTERPRET=1 on the
+    CPU, fp32 arithmetic) gives the reference engine's tokens, compressed pages included."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=3).to(torch.bfloat16)
+    prompts = [[1, 5, 9, 33, 2] * 4, [7] * 3, list(range(40, 75))]
+    budget = 10 * 2 * 2 * 2 * 32 * 32
+    ref = Engine(model, budget, attention="reference", pages_per_chunk=2, eos_token_id=None).generate(prompts, 6)
+    got = Engine(model, budget, attention="kernel", pages_per_chunk=2, eos_token_id=None).generate(prompts, 6)
+    assert got.outputs == ref.outputs
+    assert got.stats["frac_compressed_k"] > 0
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda e: e.generate([[1, 2, 3]], 0), "max_new_tokens"),
+    (lambda e: e.generate([[1, 2, 3]], -1), "max_new_tokens"),
+    (lambda e: e.generate([[1, 2, 3], []], 4), "prompts\\[1\\] is empty"),
+    (lambda e: e.generate([[1, 2], list(range(100)) * 20], 4), "holds at most"),
+    (lambda e: e.generate([[1, 2, 300]], 4), "token ids"),
+])
+def test_bad_input_is_refused_before_anything_runs(call, match):
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)
+    eng = Engine(model, 10 * 2 * 2 * 2 * 32 * 32, attention="reference")
+    with pytest.raises(ValueError, match=match):
+        call(eng)
+    assert not eng.memory.requests and eng.memory.used_bytes() == 0
+
+
+def test_budget_and_model_errors():
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32)
+    with pytest.raises(TypeError, match="bfloat16"):
+        Engine(model, 10**6)
+    model = model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="smaller than one page per layer"):
+        Engine(model, 2 * 2 * 2 * 32 * 32 - 1)
+    with pytest.raises(ValueError, match="compress"):
+        Engine(model, 10**6, compress="sometimes")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's bf16 path needs a CUDA GPU")
+@pytest.mark.parametrize("compress", ["all", "none"])
+def test_fused_kernel_greedy_tokens_on_gpu(compress):
+    """On the GPU the engine runs the fused kernel (bf16 tensor-core dots, bf16 P for P @ V) and
+    ``model.generate`` Hugging Face's bf16 attention: neither is the other's arithmetic, so tokens must be
+    equal up to the first step where generate's own top-2 logits are within bf16 rounding of a tie
+    (then both choices are right); every request must agree for at least its first 8 tokens."""
+    from zipkv import data, models
+    model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
+    ws = data.windows(tok, data.load_books(limit=4), n=4, context=256, continuation=0)
+    prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 200, 97, 31))]
+    n = 32
+    eng = Engine(model, kv_budget_bytes=30 * _page_bytes(model), compress=compress, pages_per_chunk=2)
+    res = eng.generate(prompts, n)
+    assert len(set(res.stats["admitted_at"])) > 1
+    for p, got in zip(prompts, res.outputs):
+        g = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True)
+        want = g.sequences[0, len(p):].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            assert got == want
+            continue
+        top2 = g.scores[first][0].float().topk(2).values
+        assert first >= 8 and float(top2[0] - top2[1]) <= 0.125, (first, top2.tolist())
+
+
+def test_decode_throughput_fixed_and_largest_batch():
+    """The chapter's measurement on a 2-layer model of Llama-8B's head shape with real-looking prefixes: the budget
+    holds exactly 8 uncompressed requests, ZipFusion's compressed prefixes fit more, a fixed batch stays fixed,
+    and the timed window is the decode steps after the first token."""
+    from zipkv import throughput as tp
+    torch.manual_seed(0)
+    model = tp.random_llama("cpu", num_hidden_layers=2, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, vocab_size=300)
+    x = (torch.randn(4000, 512) * 0.3).bfloat16()                       # narrow exponents: blocks compress
+    budget = tp.largest_batch_budget(model.config, 8, 256 + 6 - 1, pages_per_chunk=16)
+    rows = {m: tp.decode_throughput(model, m, kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6,
+                                    pages_per_chunk=16) for m in tp.METHODS}
+    assert rows["uncompressed"]["batch"] == 8 and rows["uncompressed"]["frac_compressed_k"] == 0
+    assert rows["zipfusion"]["batch"] > 8 and rows["zipfusion"]["frac_compressed_k"] > 0.8
+    assert rows["zipfusion"]["timed_steps"] == 5 and rows["zipfusion"]["tokens_per_s"] > 0
+    fixed = tp.decode_throughput(model, "zipfusion", kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6,
+                                 batch=2, pages_per_chunk=16)
+    assert {s["batch"] for s in fixed["stats"]["steps"]} == {2}

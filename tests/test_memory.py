@@ -1,0 +1,298 @@
+"""Property tests of the cross-layer KV memory manager (zipkv.memory, ZipFusion §III-D).
+
+A hypothesis state machine drives long random sequences of admit / append (pages filling) / compress /
+reads_done (chunks reassigned to other layers) / finish / retract over several layers and checks after
+every step, against an independent recount: no page lost or owned twice (slots, extents, ids), byte
+accounting exact, admission never promising room a later append cannot get, the bytes of every request
+reading back bit-exact through the kernel's cache format, and every freed byte available again.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from zipkv.kernels.decode_attention import PagedKVCache
+from zipkv.memory import COMP, FREE, OWNED, PENDING, RAW, UNIT, KVMemory
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+L, H, D = 3, 1, 32                       # one 512-value block per page-head: eligibility varies per page
+
+
+def _tokens(gen, n, wide):
+    """bf16 [H, n, D]: narrow exponents (compressible blocks) or, with ``wide``, a spread that is not."""
+    x = torch.randn(H, n, D, generator=gen)
+    if wide:
+        x = x * torch.exp2(torch.randint(-30, 30, (H, n, 1), generator=gen).float())
+    return x.bfloat16()
+
+
+class MemoryMachine(RuleBasedStateMachine):
+    @initialize(chunks_per_layer=st.integers(1, 6), ppc=st.integers(1, 4), seed=st.integers(0, 2**16))
+    def setup(self, chunks_per_layer, ppc, seed):
+        page = 2 * H * 2 * 16 * D
+        self.m = KVMemory(L, H, D, L * chunks_per_layer * ppc * page + 100, pages_per_chunk=ppc,
+                          k_layout="token", v_layout="channel")
+        self.gen = torch.Generator().manual_seed(seed)
+        self.kv = {}                     # (rid, layer) -> (k, v) written so far
+        self.max_new = {}
+        self.full_reserve = set()        # requests admitted with reserve_ratio = 1
+        self.next_rid = 0
+        self.since_reads_done = {}
+        self.initial_capacity = self.m.capacity_pages()
+
+    def _write(self, rid, start, n):
+        for l in range(L):
+            wide = bool(torch.rand((), generator=self.gen) < 0.3)
+            k, v = _tokens(self.gen, n, wide), _tokens(self.gen, n, not wide)
+            self.m.write(l, rid, start, k, v)
+            old = self.kv.get((rid, l))
+            self.kv[rid, l] = (k, v) if old is None else (torch.cat([old[0], k], 1), torch.cat([old[1], v], 1))
+
+    def _drop(self, rid):
+        for l in range(L):
+            self.kv.pop((rid, l), None)
+        self.full_reserve.discard(rid)
+
+    # ---------------------------------------------------------------- rules
+
+    @rule(prompt=st.integers(1, 70), max_new=st.integers(1, 40), full=st.booleans())
+    def admit(self, prompt, max_new, full):
+        ratio = 1.0 if full else 0.5
+        if (prompt + max_new - 1 + 15) // 16 > self.m.max_request_pages:
+            with pytest.raises(ValueError, match="holds at most"):
+                self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio)
+            return
+        expect = self.m.can_admit(prompt, max_new, reserve_ratio=ratio)
+        before = self.m.capacity_pages() - self.m.outstanding
+        ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio)
+        assert (ids is not None) == expect
+        if ids is None:
+            prompt_pages = (prompt + 15) // 16
+            assert before < prompt_pages + math.ceil(ratio * ((prompt + max_new + 14) // 16 - prompt_pages))
+            return
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        self.max_new[rid] = max_new
+        if full:
+            self.full_reserve.add(rid)
+        self._write(rid, 0, prompt)
+
+    @precondition(lambda self: self.m.requests)
+    @rule(data=st.data())
+    def append(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.m.requests)))
+        r = self.m.requests[rid]
+        if r.cache_len >= r.max_len:
+            return
+        n = r.cache_len
+        ids = self.m.alloc(rid, 1)
+        if rid in self.full_reserve:
+            assert ids is not None, "an admitted request could not get the page it was promised"
+        if ids is None:                  # no room: retract by the policy (the victim may be rid itself)
+            victim = self.m.retract()
+            self._drop(victim)
+            return
+        self._write(rid, n, 1)
+
+    @rule()
+    def compress(self):
+        self.m.compress()
+
+    @rule()
+    def reads_done(self):
+        self.m.reads_done()
+        self.since_reads_done = {}       # chunk -> the layer that owned it since the last reads_done
+
+    @precondition(lambda self: self.m.requests)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.m.requests)))
+        self.m.free(rid)
+        self._drop(rid)
+
+    @precondition(lambda self: self.m.requests)
+    @rule()
+    def retract(self):
+        reqs = self.m.requests
+        key = lambda q: (reqs[q].cache_len - reqs[q].prompt_len, -reqs[q].prompt_len)   # noqa: E731
+        want = min(reqs, key=key)
+        victim = self.m.retract()
+        assert victim == want and victim not in self.m.requests
+        self._drop(victim)
+
+    # ---------------------------------------------------------------- invariants
+
+    @invariant()
+    def pages_owned_once_and_bytes_exact(self):
+        m = self.m
+        ids = [p for r in m.requests.values() for p in r.pages]
+        assert len(ids) == len(set(ids)), "a page id is owned by two requests"
+        assert set(ids).isdisjoint(m._free_ids) and len(ids) + len(m._free_ids) == m.max_pages, "page id lost"
+        for l in range(L):
+            assert set(m._loc[l]) == set(ids)
+            raw_slots, units = set(), {}
+            used = 0
+            for p, loc in m._loc[l].items():
+                ch = m._chunks[loc[1]]
+                assert ch.state == OWNED and ch.layer == l
+                if loc[0] == COMP:
+                    assert ch.kind == COMP
+                    for u in range(loc[2], loc[2] + loc[3]):
+                        assert (loc[1], u) not in units, "two pages share compressed bytes"
+                        units[loc[1], u] = p
+                    used += loc[3] * UNIT
+                else:
+                    assert ch.kind == RAW and (loc[1], loc[2]) not in raw_slots, "two pages share a raw slot"
+                    raw_slots.add((loc[1], loc[2]))
+                    used += m.page_bytes
+            assert used == m.used_bytes(l), "byte accounting"
+            for c, ch in enumerate(m._chunks):
+                if ch.state != OWNED or ch.layer != l:
+                    continue
+                if ch.kind == RAW:
+                    live = {s for (cc, s) in raw_slots if cc == c}
+                    assert live.isdisjoint(ch.free_slots) and len(live) + len(ch.free_slots) == m.pages_per_chunk
+                    assert live and ch.live == len(live), "an owned chunk is empty (should be pending)"
+                else:
+                    free_u = [u for s, n in ch.extents for u in range(s, s + n)]
+                    live_u = [u for (cc, u) in units if cc == c]
+                    assert not set(free_u) & set(live_u) and len(free_u) + len(live_u) == m.units_per_chunk
+                    assert live_u
+            assert m._raw_free[l] == sum(len(ch.free_slots) for ch in m._chunks
+                                         if ch.state == OWNED and ch.layer == l and ch.kind == RAW)
+        states = [c.state for c in m._chunks]
+        assert states.count(FREE) == m._n_free == sum(map(len, m._free_chunks.values()))
+        assert states.count(PENDING) == sum(map(len, m._pending))
+        for l in range(L):
+            assert set(m._comp[l]) == {c for c, ch in enumerate(m._chunks) if ch.state == OWNED and ch.layer == l and ch.kind == COMP}
+            assert set(m._comp_open[l]) == {c for c in m._comp[l]
+                                            if max((n for _, n in m._chunks[c].extents), default=0) >= m._min_page_units}
+        assert m.free_bytes() + m.used_bytes() == m.total_bytes
+
+    @invariant()
+    def chunks_change_layer_only_after_reads_done(self):
+        for c, ch in enumerate(self.m._chunks):
+            if ch.state == OWNED:
+                before = self.since_reads_done.setdefault(c, ch.layer)
+                assert before == ch.layer, f"chunk {c} went from layer {before} to {ch.layer} before reads_done"
+
+    @invariant()
+    def promises_are_covered(self):
+        assert self.m.capacity_pages() >= self.m.outstanding
+
+    @invariant()
+    def bytes_read_back_exactly(self):
+        for rid in self.m.requests:
+            pages = torch.tensor(self.m.requests[rid].pages)
+            n = self.m.requests[rid].cache_len
+            for l in range(L):
+                cache = PagedKVCache(self.m.pool[: self.m.total_bytes], self.m.desc[l], D, "token", "channel")
+                k, v = (x.permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n] for x in cache.read_pages(pages))
+                wk, wv = self.kv[rid, l]
+                assert torch.equal(k.view(torch.int16), wk.view(torch.int16)), f"keys of request {rid}, layer {l}"
+                assert torch.equal(v.view(torch.int16), wv.view(torch.int16)), f"values of request {rid}, layer {l}"
+
+    def teardown(self):
+        for rid in list(self.m.requests):
+            self.m.free(rid)
+        self.m.reads_done()
+        assert self.m.used_bytes() == 0
+        assert self.m._n_free == self.m.num_chunks, "a freed chunk did not come back to the pool"
+        assert self.m.capacity_pages() == self.initial_capacity == self.m.max_request_pages
+        assert self.m.available_size() == 16 * self.initial_capacity
+
+
+MemoryMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
+                                           suppress_health_check=[HealthCheck.too_slow])
+TestMemoryMachine = MemoryMachine.TestCase
+
+
+def test_compression_frees_chunks_for_other_layers():
+    """A compressible layer moves its full pages into compressed chunks (a fresh chunk only for at least a
+    chunk's worth of pages: the last page stays compressed in place), its raw chunks empty (pending until
+    reads_done, usable by their own layer only), and then a chunk emptied by layer 0 serves layer 1."""
+    m = KVMemory(2, H, D, 11 * 4 * m_page(), pages_per_chunk=4)           # 11 chunks of 4 pages
+    gen = torch.Generator().manual_seed(0)
+    m.admit("a", 256, 1)                                                   # 16 pages: 4 chunks per layer
+    m.write(0, "a", 0, _tokens(gen, 256, False), _tokens(gen, 256, False))  # layer 0: compressible
+    m.write(1, "a", 0, _tokens(gen, 256, True), _tokens(gen, 256, True))    # layer 1: not
+    assert m.compress() == dict(moved=15, in_place=1)                      # 5 + 5 + 5 in 3 compressed chunks
+    assert m.used_bytes(0) == 15 * 2 * H * 768 + m.page_bytes and m.used_bytes(1) == 16 * m.page_bytes
+    assert m.stats()["chunks_pending"] == 3 and m.stats()["chunks_free"] == 0
+    assert m.capacity_pages() == 0                                         # pending: for layer 0 only
+    m.reads_done()
+    assert m.stats()["chunks_free"] == 3 and m.capacity_pages() == 7
+    layer0_chunks = {c for c, ch in enumerate(m._chunks) if ch.layer == 0 and ch.state == FREE}
+    m.admit("b", 16, 1)                                                    # layer 1 needs one of them
+    assert m.reassigned == 1
+    assert any(m._chunks[c].layer == 1 and m._chunks[c].state == OWNED for c in layer0_chunks)
+
+
+def m_page():
+    return 2 * H * 2 * 16 * D
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(prompt_len=0, max_new_tokens=4), "prompt_len"),
+    (dict(prompt_len=5, max_new_tokens=0), "max_new_tokens"),
+    (dict(prompt_len=5, max_new_tokens=-3), "max_new_tokens"),
+    (dict(prompt_len=10_000, max_new_tokens=1), "holds at most"),
+])
+def test_bad_requests_are_refused_before_anything_is_allocated(kwargs, match):
+    m = KVMemory(2, H, D, 2 * 4 * 2 * H * 2 * 16 * D, pages_per_chunk=2)
+    m.admit("running", 20, 5)
+    snapshot = (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m._free_ids))
+    with pytest.raises(ValueError, match=match):
+        m.admit("new", **kwargs)
+    assert (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m._free_ids)) == snapshot
+    assert list(m.requests) == ["running"]
+
+
+def test_budget_smaller_than_one_page_per_layer():
+    with pytest.raises(ValueError, match="smaller than one page per layer"):
+        KVMemory(4, H, D, 4 * 2 * H * 2 * 16 * D - 1)
+    with pytest.raises(ValueError, match="head_dim"):
+        KVMemory(4, H, 48, 10**6)
+
+
+@given(ratio=st.sampled_from([0.25, 0.5]), seed=st.integers(0, 1000))
+@settings(max_examples=20, deadline=None)
+def test_alloc_without_room_changes_nothing(ratio, seed):
+    """With partial reservations an append can fail: it returns None and leaves every count as it was."""
+    m = KVMemory(1, H, D, 6 * 2 * H * 2 * 16 * D, pages_per_chunk=1)
+    for rid in range(3):
+        assert m.admit(rid, 16, 64, reserve_ratio=ratio) is not None or rid
+    rng = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        rid = sorted(m.requests)[int(torch.randint(len(m.requests), (1,), generator=rng))]
+        r = m.requests[rid]
+        if r.cache_len >= r.max_len:
+            continue
+        before = (m.capacity_pages(), m.outstanding, m.used_bytes(), r.cache_len, len(r.pages))
+        if m.alloc(rid, 1) is None:
+            assert before == (m.capacity_pages(), m.outstanding, m.used_bytes(), r.cache_len, len(r.pages))
+            return
+    pytest.fail("the partial reservations never ran out")
+
+
+def test_compression_keeps_room_for_reserved_pages():
+    """Compression must not take the chunks a running request was promised: layer 0's full pages could
+    fill two fresh compressed chunks, but layer 1 needs one of the two free chunks for request b's
+    reservation (layer 0's emptied chunks are pending, its own, until reads_done), so they are compressed
+    in place and every reserved append of b gets its page before any reads_done."""
+    m = KVMemory(2, H, D, 8 * 4 * m_page(), pages_per_chunk=4)            # 8 chunks of 4 pages
+    gen = torch.Generator().manual_seed(1)
+    m.admit("a", 128, 1)                                                   # 8 full pages
+    m.write(0, "a", 0, _tokens(gen, 128, False), _tokens(gen, 128, False))
+    m.write(1, "a", 0, _tokens(gen, 128, True), _tokens(gen, 128, True))
+    m.admit("b", 16, 65)                                                   # 1 page now, 4 reserved
+    m.write(0, "b", 0, _tokens(gen, 16, False), _tokens(gen, 16, False))
+    m.write(1, "b", 0, _tokens(gen, 16, True), _tokens(gen, 16, True))
+    assert m.capacity_pages() == 7 and m.outstanding == 4
+    result = m.compress()
+    assert m.capacity_pages() >= m.outstanding, "compression took room promised to b"
+    assert result == dict(moved=0, in_place=9)
+    for _ in range(64):
+        assert m.alloc("b", 1) is not None

@@ -1,0 +1,623 @@
+"""The cross-layer KV memory manager: chunks, pages, compression migration, admission, retraction
+(ZipFusion §II-C, §III-D).
+
+Memory model
+------------
+* One uint8 byte ``pool`` (the KV budget) is cut into **chunks** of ``pages_per_chunk`` raw pages. A *page*
+  is 16 tokens of one layer, keys and values of every KV head: ``2 * kv_heads`` page-heads of
+  ``zipkv.format.page_bytes(head_dim)`` bytes each, laid out as :mod:`zipkv.format` packs them.
+* A chunk is **free** (in the pool shared by all layers), **owned** by one layer -- as a *raw* chunk
+  (fixed slots of one raw page) or a *compressed* chunk (variable extents of compressed pages, in
+  256-byte units) -- or **pending**: emptied by its layer and waiting for the attention reads that may
+  still touch it. :meth:`KVMemory.reads_done` returns pending chunks to the pool; only then can another
+  layer take them (a chunk *reassigned*). Its own layer may take a pending chunk back at once.
+* **Page ids are logical and shared by all layers**: a request's j-th page has the same id in every
+  layer, so the page table -- FlashInfer's CSR ``indptr``, ``indices``, ``last_page_len`` (int32),
+  :meth:`KVMemory.page_table` -- is the same array for every layer; where the page's bytes are differs per
+  layer and lives in that layer's descriptor tensor ``desc[layer]`` (int64 ``[max_pages, 2, kv_heads,
+  n_blocks]``, ``byte_address << 8 | flag << 7 | b >> 1`` per block, the format of
+  ``zipkv.kernels.decode_attention.PagedKVCache``). ``PagedKVCache(memory.pool, memory.desc[layer], ...)``
+  is layer ``layer``'s cache for the kernel: moving or compressing a page rewrites its descriptors, never
+  its id, so the page table stays valid.
+* A page is **raw while it fills** (decoding appends in place, :meth:`write_tokens`). When it is full it
+  is queued; :meth:`compress` -- called once the reads of the step that filled it are done -- packs it
+  in place, then moves it into a compressed chunk of its layer when a destination is free (the raw
+  slot is released) or leaves it compressed **in place** (it keeps its raw slot; a later
+  :meth:`compress` moves it when room appears). A compressed chunk is taken from the pool only for at
+  least a chunk's worth of pages to move (their raw slots give back what the chunk takes in that layer) and
+  only when the capacity left still covers every reservation.
+
+Admission and capacity (SGLang vocabulary)
+------------------------------------------
+Capacity is counted in **uncompressed pages across all layers** (:meth:`capacity_pages`): the number of
+new logical pages that could be written raw now, each needing a raw slot in *every* layer -- from the
+layer's raw chunks, its pending chunks, or the shared pool. It grows as compression empties raw chunks.
+:meth:`admit` (SGLang's ``PrefillAdder.add_one_req`` + ``alloc``) takes a request only if
+``capacity_pages() - outstanding`` covers its prompt pages plus a *reservation* of
+``ceil(reserve_ratio * pages it can still grow by)``; ``outstanding`` is the sum of running requests'
+unused reservations. With ``reserve_ratio=1`` (default) an admitted request can always grow to its
+output length: no operation lowers the capacity below the outstanding reservations (allocating a
+reserved page lowers both by one; compression takes a chunk only when that still holds; freeing and
+:meth:`reads_done` only raise capacity). With ``reserve_ratio < 1`` (SGLang's ``new_token_ratio``) more
+requests fit and :meth:`alloc` can fail: it then returns ``None`` and changes nothing (never a silent
+overwrite), and the caller retracts a request with :meth:`retract` -- SGLang's ``retract_decode`` order:
+the request with the fewest decoded tokens, ties broken by the longest prompt -- which frees its pages.
+
+Mapping onto serving engines
+----------------------------
+* SGLang ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator``: ``alloc(need_size)`` ->
+  :meth:`alloc` (per request, in tokens, returns the new page ids or ``None``); ``free(indices)`` ->
+  :meth:`free` (a request's pages); ``available_size()`` -> :meth:`available_size` (tokens that can still
+  be promised: capacity minus outstanding reservations). The per-layer ``k_buffer[layer]`` /
+  ``v_buffer[layer]`` become ``pool`` + ``desc[layer]``.
+* SGLang ``PrefillAdder``: ``rem_total_tokens`` (free minus running requests' ``max_new_tokens``
+  scaled by ``new_token_ratio``) is ``available_size()`` with ``reserve_ratio``; ``add_one_req`` is
+  :meth:`can_admit` + :meth:`admit`; ``ScheduleBatch.retract_decode`` is :meth:`retract`.
+* vLLM ``KVCacheManager``: ``allocate_slots(request, num_new_tokens)`` -> :meth:`alloc`,
+  ``free(request)`` -> :meth:`free`, ``get_num_free_blocks`` -> :meth:`capacity_pages`; a block is a page.
+  vLLM's preemption (recompute) is :meth:`retract` + re-admission.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from zipkv import format as fmt
+
+__all__ = ["KVMemory", "pack_slots_reference", "UNIT"]
+
+UNIT = 256
+"""Address granularity of the descriptors (a compressed block is 3 units, a raw one 4)."""
+
+FREE, OWNED, PENDING = "free", "owned", "pending"
+RAW, COMP = "raw", "comp"
+
+
+@dataclass
+class _Chunk:
+    state: str = FREE
+    layer: int = -1                   # owner (owned / pending) or last owner (free)
+    kind: str = ""                    # RAW or COMP while owned
+    free_slots: list = field(default_factory=list)    # RAW: free slot numbers
+    extents: list = field(default_factory=list)       # COMP: free [start_unit, n_units], sorted
+    live: int = 0                     # pages stored
+
+
+@dataclass
+class _Request:
+    prompt_len: int
+    max_len: int                      # most tokens the cache will hold: prompt + max_new_tokens - 1
+    pages: list
+    cache_len: int
+    reserved: int                     # pages promised and not yet allocated
+    ids: torch.Tensor | None = None   # ``pages`` as a device tensor (page_table), rebuilt when pages change
+    serial: int = 0                   # admission number: tells a re-admitted request from its earlier self
+
+
+def _pages_for(tokens: int) -> int:
+    return -(-tokens // fmt.PAGE_TOKENS)
+
+
+def pack_slots_reference(pool: torch.Tensor, offsets: torch.Tensor, head_dim: int, layout: str) -> torch.Tensor:
+    """Compress raw page-head slots of ``pool`` in place with ``zipkv.format.pack`` (the reference of the
+    Triton pack kernel's ``pack_into(pool, off, pool, off, src_packed=True)``). offsets: int64 ``[n]`` byte
+    addresses of raw slots. Returns the metadata bytes uint8 ``[n, n_blocks]``."""
+    pb, nb = fmt.page_bytes(head_dim), fmt.n_blocks(head_dim)
+    idx = offsets[:, None] + torch.arange(pb, device=pool.device)
+    blocks = pool[idx].view(torch.bfloat16).reshape(-1, nb, fmt.BLOCK_VALUES)
+    payload, meta = fmt.pack(fmt.from_blocks(blocks, layout, head_dim), layout)
+    pool[idx] = payload
+    return meta.packed()
+
+
+class KVMemory:
+    """Chunked, cross-layer KV pool with compression migration and admission (module docstring).
+
+    num_layers, kv_heads, head_dim: the model's KV shape. kv_budget_bytes: bytes of the pool (whole
+    chunks are used; the rest is left out). pages_per_chunk: raw pages per chunk (lowered when the budget
+    holds fewer than one chunk per layer). k_layout / v_layout: block arrangements (``zipkv.format``).
+    pack_slots: ``f(pool, offsets, head_dim, layout) -> meta`` compressing raw slots in place (default
+    :func:`pack_slots_reference`; the engine passes the Triton pack kernel on the GPU).
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, kv_budget_bytes: int, *,
+                 pages_per_chunk: int = 16, k_layout: str = "token", v_layout: str = "token",
+                 device="cpu", pack_slots=None):
+        for name, x in (("num_layers", num_layers), ("kv_heads", kv_heads), ("pages_per_chunk", pages_per_chunk)):
+            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+                raise ValueError(f"{name} must be a positive int, got {x!r}")
+        fmt._check_head_dim(head_dim)
+        for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
+            fmt._check_layout(lay, name)
+            fmt._check_layout_head_dim(lay, head_dim, name)
+        if not isinstance(kv_budget_bytes, int) or isinstance(kv_budget_bytes, bool):
+            raise TypeError(f"kv_budget_bytes must be an int, got {type(kv_budget_bytes).__name__}")
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.layouts = (k_layout, v_layout)
+        self.slot_bytes = fmt.page_bytes(head_dim)                       # one page-head
+        self.page_bytes = 2 * kv_heads * self.slot_bytes                  # one page of one layer, raw
+        per_layer = kv_budget_bytes // (num_layers * self.page_bytes)
+        if per_layer < 1:
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is smaller than one page per layer "
+                             f"({num_layers} layers x {self.page_bytes} bytes = {num_layers * self.page_bytes})")
+        self.pages_per_chunk = min(pages_per_chunk, per_layer)
+        self.chunk_bytes = self.pages_per_chunk * self.page_bytes
+        self.num_chunks = kv_budget_bytes // self.chunk_bytes
+        self.total_bytes = self.num_chunks * self.chunk_bytes
+        self.units_per_chunk = self.chunk_bytes // UNIT
+        self.device = torch.device(device)
+        nb = fmt.n_blocks(head_dim)
+        min_page_units = 2 * kv_heads * nb * fmt.PACKED_BLOCK_BYTES // UNIT
+        self.max_pages = self.total_bytes // UNIT // (num_layers * min_page_units) + 1
+        # pad: the pack kernel checks a whole slot fits after each offset
+        self.pool = torch.zeros(self.total_bytes + self.slot_bytes, dtype=torch.uint8, device=self.device)
+        self.desc = [torch.zeros(self.max_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
+                     for _ in range(num_layers)]
+        self.version = [0] * num_layers                                   # bumped when desc[layer] changes
+        self._pack = pack_slots or pack_slots_reference
+        self._chunks = [_Chunk() for _ in range(self.num_chunks)]
+        self._free_chunks = {-1: list(range(self.num_chunks - 1, -1, -1))}  # free chunks by last owner
+        self._n_free = self.num_chunks
+        self._raw_open = [dict() for _ in range(num_layers)]               # raw chunks with a free slot
+        self._comp = [dict() for _ in range(num_layers)]                   # compressed chunks
+        self._comp_open = [dict() for _ in range(num_layers)]              # ... with room for a page
+        self._min_page_units = 2 * kv_heads * fmt.n_blocks(head_dim) * fmt.PACKED_BLOCK_BYTES // UNIT
+        self._pending = [[] for _ in range(num_layers)]
+        self._raw_free = [0] * num_layers                                 # free slots in owned raw chunks
+        self._used = [0] * num_layers
+        self._loc = [dict() for _ in range(num_layers)]                   # page id -> location
+        self._free_ids = list(range(self.max_pages - 1, -1, -1))
+        self._full: list = []                                             # full raw pages awaiting compress
+        self._inplace = [set() for _ in range(num_layers)]
+        self.requests: dict = {}
+        self.admitted = 0
+        self.reassigned = 0
+        head = torch.arange(2 * kv_heads, device=self.device).reshape(2, kv_heads) * self.slot_bytes
+        self._raw_offsets = (head[..., None] + fmt.RAW_BLOCK_BYTES * torch.arange(nb, device=self.device))
+        self._write_index = torch.stack([self._slot_positions(lay) for lay in self.layouts])   # [2, 16, D]
+        self.max_request_pages = self.capacity_pages()
+
+    # ------------------------------------------------------------------ capacity
+
+    def _slot_positions(self, layout):
+        """int64 ``[16, head_dim]``: bf16 position inside a raw page-head slot of each (token, channel)."""
+        nb = fmt.n_blocks(self.head_dim)
+        pos = torch.arange(nb * fmt.BLOCK_VALUES).reshape(nb, fmt.BLOCK_VALUES)
+        return fmt.from_blocks(pos, layout, self.head_dim).to(self.device)
+
+    def _layer_free_slots(self, layer):
+        return self._raw_free[layer] + self.pages_per_chunk * len(self._pending[layer])
+
+    def _capacity(self, free_slots, free_chunks):
+        ppc = self.pages_per_chunk
+        lo, hi = 0, min(free_slots) + free_chunks * ppc
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            need = sum(-(-(mid - f) // ppc) for f in free_slots if mid > f)
+            lo, hi = (mid, hi) if need <= free_chunks else (lo, mid - 1)
+        return lo
+
+    def capacity_pages(self) -> int:
+        """New logical pages that fit raw now: a raw slot in every layer (own free slots, own pending
+        chunks, then chunks of the shared pool)."""
+        return self._capacity([self._layer_free_slots(l) for l in range(self.num_layers)], self._n_free)
+
+    @property
+    def outstanding(self) -> int:
+        """Pages promised to running requests and not yet allocated."""
+        return sum(r.reserved for r in self.requests.values())
+
+    def available_size(self) -> int:
+        """Tokens that can still be promised to new requests (SGLang's ``available_size``)."""
+        return max(0, self.capacity_pages() - self.outstanding) * fmt.PAGE_TOKENS
+
+    # ------------------------------------------------------------------ chunks and slots
+
+    def _take_chunk(self, layer, kind):
+        """An empty chunk for ``layer``: its own pending chunk, else one from the pool (its last owner's
+        first). None if there is none."""
+        if self._pending[layer]:
+            c = self._pending[layer].pop()
+        elif self._n_free:
+            owner = next(o for o in (layer, -1, *self._free_chunks) if self._free_chunks.get(o))
+            c = self._free_chunks[owner].pop()
+            self._n_free -= 1
+            if owner not in (-1, layer):
+                self.reassigned += 1
+        else:
+            return None
+        ch = self._chunks[c]
+        ch.state, ch.layer, ch.kind, ch.live = OWNED, layer, kind, 0
+        if kind == RAW:
+            ch.free_slots = list(range(self.pages_per_chunk - 1, -1, -1))
+            ch.extents = []
+            self._raw_open[layer][c] = None
+            self._raw_free[layer] += self.pages_per_chunk
+        else:
+            ch.free_slots, ch.extents = [], [[0, self.units_per_chunk]]
+            self._comp[layer][c] = None
+            self._comp_open[layer][c] = None
+        return c
+
+    def _release_chunk(self, c):
+        ch = self._chunks[c]
+        l = ch.layer
+        if ch.kind == RAW:
+            del self._raw_open[l][c]
+            self._raw_free[l] -= self.pages_per_chunk
+        else:
+            del self._comp[l][c]
+            self._comp_open[l].pop(c, None)
+        ch.state, ch.kind, ch.free_slots, ch.extents = PENDING, "", [], []
+        self._pending[l].append(c)
+
+    def _raw_alloc(self, layer):
+        if not self._raw_open[layer] and self._take_chunk(layer, RAW) is None:
+            raise RuntimeError("KVMemory: no raw slot although the capacity check passed (internal error)")
+        c = next(iter(self._raw_open[layer]))
+        ch = self._chunks[c]
+        s = ch.free_slots.pop()
+        ch.live += 1
+        self._raw_free[layer] -= 1
+        if not ch.free_slots:
+            del self._raw_open[layer][c]
+        self._used[layer] += self.page_bytes
+        return c, s
+
+    def _raw_free_slot(self, layer, c, s):
+        ch = self._chunks[c]
+        ch.free_slots.append(s)
+        ch.live -= 1
+        self._raw_free[layer] += 1
+        self._raw_open[layer][c] = None
+        self._used[layer] -= self.page_bytes
+        if ch.live == 0:
+            self._release_chunk(c)
+
+    def _comp_alloc(self, layer, units, new_chunk=True):
+        for c in self._comp_open[layer]:
+            for e in self._chunks[c].extents:
+                if e[1] >= units:
+                    return self._carve(c, e, units)
+        if not new_chunk:
+            return None
+        # a new compressed chunk only if the capacity left still covers every reservation
+        free = [self._layer_free_slots(l) for l in range(self.num_layers)]
+        if self._pending[layer]:
+            free[layer] -= self.pages_per_chunk
+            n_free = self._n_free
+        elif self._n_free:
+            n_free = self._n_free - 1
+        else:
+            return None
+        if units > self.units_per_chunk or self._capacity(free, n_free) < self.outstanding:
+            return None
+        c = self._take_chunk(layer, COMP)
+        return self._carve(c, self._chunks[c].extents[0], units)
+
+    def _carve(self, c, extent, units):
+        start = extent[0]
+        extent[0] += units
+        extent[1] -= units
+        ch = self._chunks[c]
+        if extent[1] == 0:
+            ch.extents.remove(extent)
+        if max((n for _, n in ch.extents), default=0) < self._min_page_units:
+            self._comp_open[ch.layer].pop(c, None)
+        ch.live += 1
+        return c, start
+
+    def _comp_free(self, layer, c, start, units):
+        ch = self._chunks[c]
+        ch.live -= 1
+        self._used[layer] -= units * UNIT
+        ext = sorted(ch.extents + [[start, units]])
+        merged = [ext[0]]
+        for s, n in ext[1:]:
+            if merged[-1][0] + merged[-1][1] == s:
+                merged[-1][1] += n
+            else:
+                merged.append([s, n])
+        ch.extents = merged
+        if max(n for _, n in merged) >= self._min_page_units:
+            self._comp_open[layer][c] = None
+        if ch.live == 0:
+            self._release_chunk(c)
+
+    def reads_done(self) -> None:
+        """The attention reads issued so far are finished: pending chunks go back to the shared pool,
+        where any layer can take them."""
+        for l in range(self.num_layers):
+            for c in self._pending[l]:
+                self._chunks[c].state = FREE
+                self._free_chunks.setdefault(l, []).append(c)
+            self._n_free += len(self._pending[l])
+            self._pending[l] = []
+
+    # ------------------------------------------------------------------ pages
+
+    def _slot_address(self, c, s):
+        return c * self.chunk_bytes + s * self.page_bytes
+
+    def _new_pages(self, n):
+        ids = [self._free_ids.pop() for _ in range(n)]
+        addr = []
+        for l in range(self.num_layers):
+            for p in ids:
+                c, s = self._raw_alloc(l)
+                self._loc[l][p] = (RAW, c, s)
+                addr.append(self._slot_address(c, s))
+        if n:
+            addr = torch.tensor(addr, dtype=torch.int64).reshape(self.num_layers, n).to(self.device)
+            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
+            for l in range(self.num_layers):
+                self.desc[l][idx] = (addr[l][:, None, None, None] + self._raw_offsets) << 8
+                self.version[l] += 1
+        return ids
+
+    def _free_page(self, p):
+        for l in range(self.num_layers):
+            loc = self._loc[l].pop(p)
+            if loc[0] == COMP:
+                self._comp_free(l, loc[1], loc[2], loc[3])
+            else:
+                self._inplace[l].discard(p)
+                self._raw_free_slot(l, loc[1], loc[2])
+        self._free_ids.append(p)
+
+    # ------------------------------------------------------------------ requests (SGLang vocabulary)
+
+    def _check_new(self, rid, prompt_len, max_new_tokens, reserve_ratio):
+        if rid in self.requests:
+            raise ValueError(f"request {rid!r} is already running")
+        if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
+            raise ValueError(f"prompt_len must be an int >= 1 (an empty prompt has nothing to attend to), got {prompt_len!r}")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if not 0.0 < reserve_ratio <= 1.0:
+            raise ValueError(f"reserve_ratio must lie in (0, 1], got {reserve_ratio!r}")
+        need = _pages_for(prompt_len + max_new_tokens - 1)
+        if need > self.max_request_pages:
+            raise ValueError(f"request {rid!r}: {prompt_len} prompt + {max_new_tokens} new tokens need {need} pages "
+                             f"per layer, but the budget ({self.total_bytes} bytes) holds at most "
+                             f"{self.max_request_pages} uncompressed pages per layer for one request")
+        prompt_pages = _pages_for(prompt_len)
+        return prompt_pages, math.ceil(reserve_ratio * (need - prompt_pages))
+
+    def can_admit(self, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> bool:
+        """Whether :meth:`admit` would take this request now (SGLang ``PrefillAdder``'s budget check)."""
+        prompt_pages, reserve = self._check_new(None, prompt_len, max_new_tokens, reserve_ratio)
+        return self.capacity_pages() - self.outstanding >= prompt_pages + reserve
+
+    def admit(self, rid, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0):
+        """Admit request ``rid``: allocate raw pages for its ``prompt_len`` cached tokens (in every layer)
+        and reserve ``ceil(reserve_ratio * remaining pages)`` for its growth to ``prompt_len +
+        max_new_tokens - 1`` cached tokens. Returns the prompt's page ids, or ``None`` (nothing changed)
+        when it does not fit now. Raises ``ValueError`` for input it could never take."""
+        prompt_pages, reserve = self._check_new(rid, prompt_len, max_new_tokens, reserve_ratio)
+        if self.capacity_pages() - self.outstanding < prompt_pages + reserve:
+            return None
+        ids = self._new_pages(prompt_pages)
+        self.admitted += 1
+        self.requests[rid] = _Request(prompt_len, prompt_len + max_new_tokens - 1, ids, prompt_len, reserve,
+                                      serial=self.admitted)
+        self._full.extend(ids[: prompt_len // fmt.PAGE_TOKENS])
+        return list(ids)
+
+    def alloc(self, rid, n_tokens: int = 1):
+        """Grow request ``rid``'s cache by ``n_tokens`` tokens: new pages come from its reservation, then
+        from capacity nobody else was promised. Returns the new page ids (maybe ``[]``), or ``None``
+        (nothing changed) when there is no room -- the caller retracts a request (:meth:`retract`)."""
+        r = self._request(rid)
+        if not isinstance(n_tokens, int) or n_tokens < 1:
+            raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+        need = _pages_for(r.cache_len + n_tokens) - len(r.pages)
+        from_reserve = min(need, r.reserved)
+        if need > from_reserve and self.capacity_pages() < self.outstanding + need - from_reserve:
+            return None
+        ids = self._new_pages(need)
+        r.reserved -= from_reserve
+        r.pages.extend(ids)
+        self._full.extend(r.pages[r.cache_len // fmt.PAGE_TOKENS: (r.cache_len + n_tokens) // fmt.PAGE_TOKENS])
+        r.cache_len += n_tokens
+        return ids
+
+    def free(self, rid) -> None:
+        """Free every page of request ``rid`` in every layer and drop its reservation."""
+        r = self.requests.pop(self._request_key(rid))
+        gone = set(r.pages)
+        self._full = [p for p in self._full if p not in gone]
+        for p in r.pages:
+            self._free_page(p)
+
+    def retract(self, candidates=None):
+        """Retract one running request (SGLang ``retract_decode`` order: fewest tokens decoded since admission, then the
+        longest prompt), free it and return its id; the caller requeues it. candidates: ids to choose
+        from (default all running)."""
+        rids = list(self.requests) if candidates is None else list(candidates)
+        if not rids:
+            raise ValueError("retract: no running request to retract")
+        victim = min(rids, key=lambda q: (self.requests[q].cache_len - self.requests[q].prompt_len,
+                                          -self.requests[q].prompt_len))
+        self.free(victim)
+        return victim
+
+    def _request_key(self, rid):
+        if rid not in self.requests:
+            raise ValueError(f"unknown request {rid!r} (running: {sorted(map(str, self.requests))[:10]})")
+        return rid
+
+    def _request(self, rid):
+        return self.requests[self._request_key(rid)]
+
+    def cache_len(self, rid) -> int:
+        return self._request(rid).cache_len
+
+    # ------------------------------------------------------------------ data
+
+    def slots(self, rid, start: int, n: int):
+        """Page ids and in-page offsets of tokens ``start .. start + n - 1`` of request ``rid``."""
+        r = self._request(rid)
+        if start < 0 or start + n > r.cache_len:
+            raise ValueError(f"tokens [{start}, {start + n}) lie outside request {rid!r}'s cache of {r.cache_len}")
+        t = torch.arange(start, start + n)
+        pages = torch.tensor(r.pages, dtype=torch.int64)[t // fmt.PAGE_TOKENS]
+        return pages.to(self.device), (t % fmt.PAGE_TOKENS).to(self.device)
+
+    def write_tokens(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> None:
+        """Write one token's K and V per row into raw pages of ``layer``: pages, offsets int64 ``[n]``;
+        k, v bf16 ``[n, kv_heads, head_dim]``. No host sync (the engine checks the pages are raw: only
+        pages that are not full are written)."""
+        base = (self.desc[layer][pages, :, :, 0] >> 8) // 2                       # [n, 2, H] bf16 index
+        idx = base[..., None] + self._write_index[:, offsets].transpose(0, 1)[:, :, None, :]
+        self.pool[: self.total_bytes].view(torch.bfloat16)[idx] = torch.stack([k, v], 1)
+
+    def write(self, layer: int, rid, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write tokens ``start ..`` of request ``rid`` in ``layer``: k, v bf16 ``[kv_heads, n, head_dim]``."""
+        n = k.shape[1]
+        pages, offsets = self.slots(rid, start, n)
+        for p in set(pages.tolist()):
+            if self._loc[layer][p][0] != RAW:
+                raise ValueError(f"write: page {p} of request {rid!r} is compressed (only filling pages are written)")
+        self.write_tokens(layer, pages, offsets, k.transpose(0, 1), v.transpose(0, 1))
+
+    def page_table(self, rids):
+        """FlashInfer CSR page table of requests ``rids`` (the same for every layer): ``indptr``,
+        ``indices``, ``last_page_len``, int32 on the pool's device."""
+        reqs = [self._request(r) for r in rids]
+        indptr = [0]
+        for r in reqs:
+            indptr.append(indptr[-1] + _pages_for(r.cache_len))
+            if r.ids is None or r.ids.numel() != len(r.pages):
+                r.ids = torch.tensor(r.pages, dtype=torch.int32, device=self.device)
+        used = [r.ids[: _pages_for(r.cache_len)] for r in reqs]
+        indices = torch.cat(used) if used else torch.zeros(0, dtype=torch.int32, device=self.device)
+        last = [r.cache_len - fmt.PAGE_TOKENS * (_pages_for(r.cache_len) - 1) for r in reqs]
+        t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)      # noqa: E731
+        return t(indptr), indices, t(last)
+
+    # ------------------------------------------------------------------ compression
+
+    def compress(self) -> dict:
+        """Compress the queued full pages of every layer (call once the reads that used them are done)
+        and move in-place compressed pages into compressed chunks where room has appeared. Returns
+        counts ``moved`` and ``in_place``."""
+        full, self._full = self._full, []
+        moved = in_place = 0
+        for l in range(self.num_layers):
+            todo = full + sorted(self._inplace[l])
+            if not todo:
+                continue
+            n_new = len(full)
+            idx = torch.tensor(todo, dtype=torch.int64, device=self.device)
+            d = self.desc[l]
+            if n_new:
+                base = d[idx[:n_new], :, :, 0] >> 8                                 # [n, 2, H]
+                for kv in (0, 1):
+                    meta = self._pack(self.pool, base[:, kv].reshape(-1).contiguous(), self.head_dim, self.layouts[kv])
+                    m = fmt.PageMeta.from_packed(meta, self.layouts[kv], self.head_dim)
+                    d[idx[:n_new], kv] = (((base[:, kv].reshape(-1, 1) + m.block_offsets()) << 8)
+                                          | meta.to(torch.int64)).reshape(n_new, self.kv_heads, -1)
+            comp = ((d[idx] >> 7) & 1).sum(-1)                                       # [n, 2, H] compressed blocks
+            head_units = (fmt.n_blocks(self.head_dim) * 4 - comp).cpu()
+            page_units = head_units.reshape(len(todo), -1).sum(-1).tolist()
+            src, dst, rows, released = [], [], [], []
+            refused = False                  # a new chunk refused once is refused for the rest of this pass
+            left = sum(u * UNIT < self.page_bytes for u in page_units)          # pages a move would shrink
+            for i, p in enumerate(todo):
+                loc = self._loc[l][p]
+                if page_units[i] * UNIT == self.page_bytes:        # nothing compressible: stays where it is
+                    self._loc[l][p] = ("inplace",) + loc[1:]
+                    continue
+                # a fresh chunk only for at least a chunk's worth of pages: their raw slots give back as much
+                # as the chunk takes in this layer
+                dest = self._comp_alloc(l, page_units[i], not refused and left >= self.pages_per_chunk)
+                left -= 1
+                if dest is None:
+                    refused = refused or left + 1 >= self.pages_per_chunk
+                    if loc[0] == RAW:
+                        self._loc[l][p] = ("inplace",) + loc[1:]
+                        self._inplace[l].add(p)
+                        in_place += 1
+                    continue
+                c, start = dest
+                src.append(self._slot_address(loc[1], loc[2]) // UNIT)
+                dst.append(c * self.units_per_chunk + start)
+                rows.append(i)
+                self._inplace[l].discard(p)
+                released.append(loc)
+                self._loc[l][p] = (COMP, c, start, page_units[i])
+                self._used[l] += page_units[i] * UNIT
+                moved += 1
+            if rows:
+                self._move(l, idx[rows], head_units[rows], src, dst)
+            for loc in released:                   # after the copy: an emptied chunk must not be a destination
+                self._raw_free_slot(l, loc[1], loc[2])
+            self.version[l] += 1
+        return dict(moved=moved, in_place=in_place)
+
+    def keep_raw(self) -> None:
+        """Leave the pages queued so far raw (drop them from the compression queue): new KV stays
+        uncompressed, as in ZipFusion's throughput setup (§IV-A)."""
+        self._full = []
+
+    def compressed_fraction(self, rids=None):
+        """Fractions of K and V blocks stored compressed over the pages of ``rids`` (default all running
+        requests), all layers: ``(frac_k, frac_v)``."""
+        pages = [p for r in (self.requests if rids is None else rids) for p in self._request(r).pages]
+        if not pages:
+            return float("nan"), float("nan")
+        idx = torch.tensor(pages, device=self.device)
+        comp = torch.stack([((d[idx] >> 7) & 1).to(torch.float32).mean((0, 2, 3)) for d in self.desc])
+        k, v = comp.mean(0).tolist()
+        return k, v
+
+    def _move(self, layer, ids, head_units, src, dst):
+        """Copy compressed pages (their page-heads' used prefixes) from their raw slots to extents
+        starting at units ``dst`` and point their descriptors there."""
+        n, H = ids.numel(), self.kv_heads
+        hu = head_units.reshape(n, 2 * H)
+        start = torch.cumsum(hu, -1) - hu                                           # head start in extent
+        slot_units = self.slot_bytes // UNIT
+        u = torch.arange(slot_units)
+        used = u < hu[..., None]                                                   # [n, 2H, slot_units]
+        src_u = (torch.tensor(src)[:, None, None] + torch.arange(2 * H)[None, :, None] * slot_units + u)[used]
+        dst_u = (torch.tensor(dst)[:, None, None] + start[..., None] + u)[used]
+        units = self.pool[: self.total_bytes].view(-1, UNIT)
+        units[dst_u.to(self.device)] = units[src_u.to(self.device)]
+        head_src = torch.tensor(src)[:, None] * UNIT + torch.arange(2 * H) * self.slot_bytes
+        head_dst = (torch.tensor(dst)[:, None] + start) * UNIT
+        shift = ((head_dst - head_src).reshape(n, 2, H, 1) << 8).to(self.device)
+        self.desc[layer][ids] += shift
+
+    # ------------------------------------------------------------------ accounting
+
+    def used_bytes(self, layer: int | None = None) -> int:
+        """Bytes held by pages (raw slots, in-place compressed slots, compressed extents) of ``layer``
+        (all layers by default)."""
+        return sum(self._used) if layer is None else self._used[layer]
+
+    def free_bytes(self) -> int:
+        """Bytes not held by any page: free and pending chunks, free slots and free extents."""
+        return self.total_bytes - self.used_bytes()
+
+    def snapshot(self) -> dict:
+        """Cheap per-step counters: bytes in use per layer, free and pending chunks, chunks reassigned so far."""
+        return dict(used_bytes=list(self._used), chunks_free=self._n_free,
+                    chunks_pending=sum(map(len, self._pending)), reassigned=self.reassigned, running=len(self.requests))
+
+    def stats(self) -> dict:
+        """A full snapshot (walks every page and chunk): :meth:`snapshot` plus chunks per layer and kind,
+        pages per kind, capacity and outstanding reservations."""
+        kinds = {RAW: 0, "inplace": 0, COMP: 0}
+        for locs in self._loc:
+            for loc in locs.values():
+                kinds[loc[0]] += 1
+        return dict(self.snapshot(),
+                    chunks_raw=[sum(1 for c in self._chunks if c.state == OWNED and c.layer == l and c.kind == RAW)
+                                for l in range(self.num_layers)],
+                    chunks_comp=[len(x) for x in self._comp], pages_raw=kinds[RAW], pages_in_place=kinds["inplace"],
+                    pages_compressed=kinds[COMP], capacity_pages=self.capacity_pages(), outstanding=self.outstanding)
