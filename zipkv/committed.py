@@ -3,7 +3,8 @@
 A chapter whose paper-profile run needs a GPU can be re-rendered on any machine from its committed
 main table (parameter ``from_results = True``): :func:`read_committed_csv` reads the table as git
 holds it at ``HEAD`` (the pipeline clears the working copy before a run), and :func:`origin` names
-the commit that last changed it and the provenance of the executed notebook committed with it.
+the commit that last changed it and the run that measured it: the table's own ``device``, ``date`` and
+``commit`` columns where it has them, else the provenance of the executed notebook committed with it.
 """
 from __future__ import annotations
 
@@ -45,6 +46,12 @@ def origin(path: str | Path) -> dict:
     top, rel = _in_repo(path)
     commit, date = _git(["log", "-1", "--format=%H %cs", "--", rel], top).split()
     record = {"table": rel, "table_commit": commit[:12], "table_committed": date}
+    table = read_committed_csv(top / rel)
+    if {"device", "date", "commit"} <= set(table.columns):  # the run wrote its own provenance into the table
+        for key in ("device", "date", "commit"):
+            values = table[key].dropna().astype(str).unique()
+            record[f"run_{key}"] = ", ".join(sorted(values)) if len(values) else "unrecorded"
+        return record
     stem = Path(rel).stem
     for nb_path in _git(["ls-tree", "-r", "--name-only", commit, "book"], top).split():
         if nb_path.endswith(f"/{stem}.ipynb"):
