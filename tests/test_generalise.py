@@ -148,3 +148,21 @@ def test_bad_arguments_raise(cap):
         generalise.compress(cap, 0.5, m=M, budget="probe")
     with pytest.raises(ValueError, match="bias"):
         bias.BiasedCache([[torch.zeros(3, 4)]], [[torch.zeros(3, 4)]], [[torch.zeros(2)]], 3)
+
+
+def test_batched_teacher_forcing_equals_one_at_a_time(model, cap, full, ids):
+    caches = [full, generalise.compress(cap, 0.5, m=M), bias.as_biased(kvsculpt.compress(cap, 0.3, "select_fit", m=M))]
+    for cache, run in zip(caches, bias.teacher_force_many(model, caches, ids[N:])):
+        torch.testing.assert_close(run.logits, bias.teacher_force(model, cache, ids[N:]).logits, rtol=0, atol=1e-4)
+
+
+def test_probe_budget_moves_pairs_to_the_heads_that_move_the_probe_kl(model, cap, ids):
+    probe = generalise.sample_probe(model, cap, ids[:N], 8)
+    assert probe.ids.shape == (8,)
+    cache = generalise.compress(cap, 0.5, m=M, budget="probe", model=model, probe=probe)
+    k = round(0.5 * N) - M
+    assert int(cache.budget.sum()) == k * cache.budget.numel()  # the same total memory as uniform
+    signal = cache.info["signal"]
+    assert signal.shape == cache.budget.shape and bool((signal >= 0).all())
+    most, least = int(signal.argmax()), int(signal.argmin())
+    assert cache.budget.flatten()[most] >= cache.budget.flatten()[least]

@@ -17,6 +17,7 @@ This is the smallest evaluation the bias needs while :mod:`zipkv.distill.evaluat
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 import torch
 
 ATTENTION_NAME = "zipkv_biased"
@@ -91,13 +92,14 @@ class BiasedCache:
         pairs = sum(k.shape[0] for ks in self.keys for k in ks)
         return pairs / (self.num_layers * self.num_heads * self.n_context)
 
-    def padded(self, layer: int, dtype=None, device=None):
-        """One layer padded to its longest head: ``(keys, values, bias)`` ``[H, n_max, d]`` twice and
-        ``[H, n_max]`` float32 bias, ``−inf`` on padding (zero attention)."""
+    def padded(self, layer: int, dtype=None, device=None, length: int | None = None):
+        """One layer padded to its longest head (or to ``length``): ``(keys, values, bias)`` ``[H, n_max, d]``
+        twice and ``[H, n_max]`` float32 bias, ``−inf`` on padding (zero attention)."""
         ks, vs, bs = self.keys[layer], self.values[layer], self.bias[layer]
         dtype = dtype or ks[0].dtype
         device = device or ks[0].device
-        n_max, H, d = max(k.shape[0] for k in ks), len(ks), ks[0].shape[1]
+        H, d = len(ks), ks[0].shape[1]
+        n_max = length or max(k.shape[0] for k in ks)
         keys = torch.zeros(H, n_max, d, dtype=dtype, device=device)
         values = torch.zeros(H, n_max, d, dtype=dtype, device=device)
         bias = torch.full((H, n_max), float("-inf"), dtype=torch.float32, device=device)
@@ -109,20 +111,20 @@ class BiasedCache:
 
 
 def _biased_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """Eager attention over ``[cache; new tokens]``: ``β`` (``_bias[layer]`` ``[H, P]``) added to the cached
+    """Eager attention over ``[cache; new tokens]``: ``β`` (``_bias[layer]`` ``[B, H, P]``) added to the cached
     keys' scores, the new tokens causal. ``query`` ``[B, Hq, C, d]``, ``key``/``value`` ``[B, H, P + C, d]``."""
     bias = _bias[module.layer_idx]
     B, Hq, C, _ = query.shape
-    H, P = bias.shape
-    if key.shape[1] != H or key.shape[2] != P + C:
-        raise RuntimeError(f"layer {module.layer_idx}: keys {tuple(key.shape)}, expected [B, {H}, {P + C}, d]")
+    _, H, P = bias.shape
+    if key.shape[1] != H or key.shape[2] != P + C or bias.shape[0] != B:
+        raise RuntimeError(f"layer {module.layer_idx}: keys {tuple(key.shape)}, expected [{B}, {H}, {P + C}, d]")
     group = Hq // H
     key = key.repeat_interleave(group, dim=1)  # query head h reads KV head h // group (HF repeat_kv)
     value = value.repeat_interleave(group, dim=1)
     causal = torch.zeros(C, C, dtype=torch.float32, device=query.device).masked_fill(
         ~torch.ones(C, C, dtype=torch.bool, device=query.device).tril(), float("-inf"))
-    additive = torch.cat([bias.repeat_interleave(group, dim=0)[:, None, :].expand(Hq, C, P),
-                          causal[None].expand(Hq, C, C)], dim=-1)  # [Hq, C, P + C]
+    additive = torch.cat([bias.repeat_interleave(group, dim=1)[:, :, None, :].expand(B, Hq, C, P),
+                          causal.expand(B, Hq, C, C)], dim=-1)  # [B, Hq, C, P + C]
     scores = torch.matmul(query.float(), key.float().transpose(2, 3)) * scaling + additive
     probs = torch.softmax(scores, dim=-1).to(query.dtype)
     out = torch.matmul(probs, value).transpose(1, 2).contiguous()
@@ -139,6 +141,13 @@ class Forced:
 @torch.no_grad()
 def teacher_force(model, cache: BiasedCache, continuation_ids: torch.Tensor) -> Forced:
     """Feed ``continuation_ids`` ``[C]`` after ``cache`` at positions N … N+C−1 with the bias in the scores."""
+    return teacher_force_many(model, [cache], continuation_ids)[0]
+
+
+@torch.no_grad()
+def teacher_force_many(model, caches: Sequence[BiasedCache], continuation_ids: torch.Tensor) -> list[Forced]:
+    """:func:`teacher_force` for several caches of one context at once, as one batch (each layer padded to
+    the longest head of any cache; padding gets ``β = −inf``)."""
     from transformers import AttentionInterface, DynamicCache
 
     ids = torch.as_tensor(continuation_ids)
@@ -147,29 +156,34 @@ def teacher_force(model, cache: BiasedCache, continuation_ids: torch.Tensor) -> 
     if ids.ndim != 1 or ids.numel() == 0 or ids.is_floating_point():
         raise ValueError(f"continuation_ids has shape {tuple(ids.shape)} and dtype {ids.dtype}: expected integer "
                          "token ids [C], C ≥ 1")
+    if not caches or len({(c.num_layers, c.num_heads, c.n_context) for c in caches}) != 1:
+        raise ValueError("caches: expected at least one, all with the same layers, heads and n_context")
     layers = getattr(getattr(model, "model", model), "layers", None)
-    if layers is None or len(layers) != cache.num_layers:
-        raise ValueError(f"cache has {cache.num_layers} layers, the model "
-                         f"{'none' if layers is None else len(layers)} (expected a Llama-family causal LM)")
+    L = caches[0].num_layers
+    if layers is None or len(layers) != L:
+        raise ValueError(f"cache has {L} layers, the model {'none' if layers is None else len(layers)} "
+                         "(expected a Llama-family causal LM)")
     param = next(model.parameters())
     data = []
     _bias.clear()
-    for layer in range(cache.num_layers):
-        k, v, b = cache.padded(layer, dtype=param.dtype, device=param.device)
-        data.append((k[None], v[None]))
-        _bias[layer] = b
+    for layer in range(L):
+        n_max = max(k.shape[0] for c in caches for k in c.keys[layer])
+        padded = [c.padded(layer, dtype=param.dtype, device=param.device, length=n_max) for c in caches]
+        data.append((torch.stack([p[0] for p in padded]), torch.stack([p[1] for p in padded])))
+        _bias[layer] = torch.stack([p[2] for p in padded])
     past = DynamicCache(data, config=model.config)
     AttentionInterface.register(ATTENTION_NAME, _biased_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION_NAME)
+    B, n = len(caches), caches[0].n_context
     try:
-        positions = torch.arange(cache.n_context, cache.n_context + ids.shape[0], device=param.device)
-        out = model(input_ids=ids[None].to(param.device).long(), position_ids=positions[None], past_key_values=past,
-                    use_cache=True)
+        positions = torch.arange(n, n + ids.shape[0], device=param.device)
+        out = model(input_ids=ids[None].expand(B, -1).to(param.device).long(), position_ids=positions[None].expand(B, -1),
+                    past_key_values=past, use_cache=True)
     finally:
         model.set_attn_implementation(previous)
         _bias.clear()
-    return Forced(logits=out.logits[0].float())
+    return [Forced(logits=out.logits[i].float()) for i in range(B)]
 
 
 def kl_per_token(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

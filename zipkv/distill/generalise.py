@@ -273,12 +273,13 @@ def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *,
     return Probe(ids=ids, reference=teacher_force(model, full, ids))
 
 
-def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe) -> torch.Tensor:
-    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs."""
-    from .bias import evaluate
+def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe, batch: int = 16) -> torch.Tensor:
+    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs; the
+    ``L·H`` variants run ``batch`` at a time through :func:`~zipkv.distill.bias.teacher_force_many`."""
+    from .bias import kl_per_token, teacher_force_many
 
     L, H = full.num_layers, full.num_heads
-    out = torch.zeros(L, H, dtype=torch.float64)
+    variants = []
     for layer in range(L):
         for h in range(H):
             keys = [list(x) for x in full.keys]
@@ -287,8 +288,12 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
             keys[layer][h] = compressed.keys[layer][h]
             values[layer][h] = compressed.values[layer][h]
             bias[layer][h] = compressed.bias[layer][h]
-            out[layer, h] = evaluate(model, BiasedCache(keys, values, bias, full.n_context), probe.ids, probe.reference)
-    return out
+            variants.append(BiasedCache(keys, values, bias, full.n_context))
+    kl = []
+    for start in range(0, len(variants), batch):
+        for run in teacher_force_many(model, variants[start:start + batch], probe.ids):
+            kl.append(float(kl_per_token(probe.reference.logits, run.logits).mean()))
+    return torch.tensor(kl, dtype=torch.float64).view(L, H)
 
 
 BUDGETS = ("uniform", "pilot", "probe")
