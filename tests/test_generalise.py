@@ -166,3 +166,33 @@ def test_probe_budget_moves_pairs_to_the_heads_that_move_the_probe_kl(model, cap
     assert signal.shape == cache.budget.shape and bool((signal >= 0).all())
     most, least = int(signal.argmax()), int(signal.argmin())
     assert cache.budget.flatten()[most] >= cache.budget.flatten()[least]
+
+
+def test_cascade_on_an_uncompressed_budget_is_a_no_op(model, cap, ids, reference):
+    probe = generalise.sample_probe(model, cap, ids[:N], 6)
+    cache = generalise.compress_cascade(model, cap, 1.0, probe, m=M)
+    assert cache.memory_ratio == 1.0
+    assert bias.evaluate(model, cache, ids[N:], reference) < 1e-6
+
+
+def test_cascade_uses_the_compressed_models_queries(model, cap, ids, reference):
+    """Layer 0 (nothing upstream) is distilled with the full model's probe queries; layer 1 with the queries of
+    the model whose layer 0 is compressed, so it differs from the same fit on the full model's queries."""
+    probe = generalise.sample_probe(model, cap, ids[:N], 6)
+    cascade = generalise.compress_cascade(model, cap, 0.5, probe, m=M)
+    assert cascade.memory_ratio == pytest.approx(0.5, abs=1e-9)
+    assert 0 < bias.evaluate(model, cascade, ids[N:], reference) < 10
+    off_policy = capture(model, torch.cat([ids[:N], probe.ids]))  # the full model's queries on the probe
+    k = round(0.5 * N) - M
+    for layer, same in ((0, True), (1, False)):
+        lc = cap.layers[layer]
+        H, _, d = lc.keys.shape
+        train, val = generalise.future_queries(lc.queries.view(H, -1, N, d), cap.positions, cap.rope, M)
+        probe_q = off_policy.layers[layer].queries[:, N:].float().reshape(H, -1, d)
+        train = torch.cat([train, probe_q], dim=1)
+        fitted = [generalise.distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], train[h:h + 1], val[h:h + 1], M, k)
+                  for h in range(H)]
+        diff = max(float((f["values"][0] - cascade.values[layer][h][:k]).abs().max()) for h, f in enumerate(fitted))
+        assert (diff < 1e-3) if same else (diff > 1e-3), (layer, diff)
+    with pytest.raises(ValueError, match="budget"):
+        generalise.compress_cascade(model, cap, 0.5, probe, m=M, budget=torch.ones(2, 2, dtype=torch.long))

@@ -380,6 +380,98 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
     return cache
 
 
+CASCADE_ATTENTION = "zipkv_cascade"
+"""Attention function name under which :func:`compress_cascade` distils each layer inside the probe's forward."""
+
+_cascade: dict = {}  # state of the running compress_cascade forward
+
+
+def _cascade_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Distil layer ``ℓ`` from the probe tokens' queries as they arrive (layers < ℓ already compressed), then
+    attend over ``[compressed layer ℓ (+β); probe tokens]`` so that layer ℓ + 1 sees the compressed model."""
+    state = _cascade
+    layer = module.layer_idx
+    lc, tr, va = state["inputs"][layer]
+    H, N, d = lc.keys.shape
+    m, cfg = state["m"], state["config"]
+    Hq, P = query.shape[1], query.shape[2]
+    g = Hq // H
+    on_policy = query[0].float().reshape(H, g * P, d)
+    train = torch.cat([tr, on_policy.to(tr)], dim=1)
+    heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], train[h:h + 1], va[h:h + 1], m,
+                          int(state["ks"][layer, h]), cfg) for h in range(H)]
+    out = {name: [o[name][0] for o in heads] for name in heads[0]}
+    state["solved"][layer] = out
+    n_max = max(int(state["ks"][layer].max()) + m, 1)
+    keys = key.new_zeros(1, H, n_max, d)
+    values = value.new_zeros(1, H, n_max, d)
+    bias = torch.full((1, H, n_max), float("-inf"), dtype=torch.float32, device=key.device)
+    for h in range(H):
+        k = out["keys"][h].shape[0]
+        keys[0, h, :k + m] = torch.cat([out["keys"][h].to(key), lc.keys[h, N - m:].to(key)])
+        values[0, h, :k + m] = torch.cat([out["values"][h].to(value), lc.values[h, N - m:].to(value)])
+        bias[0, h, :k] = out["bias"][h].float().to(key.device)
+        bias[0, h, k:k + m] = 0.0
+    from .bias import _bias, _biased_attention
+
+    _bias[layer] = bias
+    try:
+        return _biased_attention(module, query, torch.cat([keys, key[:, :, N:]], dim=2),
+                                 torch.cat([values, value[:, :, N:]], dim=2), None, scaling)
+    finally:
+        _bias.pop(layer, None)
+
+
+@torch.no_grad()
+def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256, config: ZipkvConfig | None = None,
+                     budget: torch.Tensor | None = None) -> BiasedCache:
+    """Cascade-aware (on-policy) zipkv: layer ``ℓ`` is distilled with, besides its future queries, the probe
+    continuation's queries *as the model whose layers < ℓ are already compressed produces them* (KVSculpt
+    §6–§7's "next step"; Attention Matching's on-policy queries). One forward pass of the probe tokens at
+    N … N+P−1 over the full cache distils each layer on arrival and attends over the result.
+
+    Args:
+        model: the model the capture came from.
+        capture, ratio, m, config: as :func:`compress`.
+        probe: :func:`sample_probe` of this context.
+        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``); default uniform ``k``.
+
+    An uncompressed budget (``k = N − m``) keeps every pair and changes nothing (the tests check KL 0).
+    """
+    from transformers import AttentionInterface, DynamicCache
+
+    from .kvsculpt import budget_for_ratio
+
+    cfg = config or ZipkvConfig()
+    started = time.perf_counter()
+    L = len(capture.layers)
+    H, N, d = capture.layers[0].keys.shape
+    k = budget_for_ratio(ratio, N, m)
+    ks = torch.full((L, H), k) if budget is None else torch.as_tensor(budget)
+    if tuple(ks.shape) != (L, H) or int(ks.sum()) != k * L * H:
+        raise ValueError(f"budget has shape {tuple(ks.shape)} and total {int(ks.sum())}: expected [{L}, {H}] summing "
+                         f"to k·L·H = {k * L * H}")
+    inputs = [_layer_inputs(capture, layer, m, cfg) for layer in range(L)]
+    param = next(model.parameters())
+    past = DynamicCache([(lc.keys[None].to(param), lc.values[None].to(param)) for lc in capture.layers],
+                        config=model.config)
+    _cascade.update(inputs=inputs, m=m, config=cfg, ks=ks, solved=[None] * L)
+    AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CASCADE_ATTENTION)
+    try:
+        positions = torch.arange(N, N + probe.ids.shape[0], device=param.device)
+        model(input_ids=probe.ids[None].to(param.device), position_ids=positions[None], past_key_values=past,
+              use_cache=True, logits_to_keep=1)
+        solved = _cascade["solved"]
+    finally:
+        model.set_attn_implementation(previous)
+        _cascade.clear()
+    cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
+    cache.method = "zipkv_cascade"
+    return cache
+
+
 def heldout_objective(capture_whole, n_context: int, cache: BiasedCache, m: int) -> torch.Tensor:
     """``[L, H]`` KVSculpt's §3.2 objective of ``cache`` on the continuation's real queries (never trained on).
 
