@@ -18,6 +18,14 @@ on queries it never trained on:
   V-step): ``V_c = argmin ‖A_c V − R‖² + λ‖V − V_sel‖²``, ``λ = λ₀·tr(A_cᵀA_c)/k``, with ``λ₀`` chosen per
   head from :attr:`ZipkvConfig.value_ridges` (``∞``: the original values) by the validation objective.
 
+* **Budget** (``budget="probe"``, :func:`sample_probe`, :func:`head_sensitivity`): the model samples its
+  own continuation of the context (no access to the real one); the KL on it when only head ``(l, h)`` holds
+  its compressed pairs is the signal that splits the same total of pairs over layers, then heads
+  (KVSculpt §3.5's two-level allocation, ``alpha = 0.5``). On the development windows a few heads carry
+  most of the KL, and the per-head objective (KVSculpt's pilot signal) does not find them; this does.
+* **Cascade-aware** (:func:`compress_cascade`, optional): layer ``ℓ`` is fitted with the probe tokens'
+  queries as the model whose layers ``< ℓ`` are already compressed produces them.
+
 With ``k = N − m`` every old key is kept, the mass is matched exactly by ``w = 1`` and the values' residual
 is exactly the original values', so the cache is the full one (to float rounding; a test checks it).
 
@@ -273,7 +281,7 @@ def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *,
     return Probe(ids=ids, reference=teacher_force(model, full, ids))
 
 
-def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe, batch: int = 16) -> torch.Tensor:
+def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe, batch: int = 30) -> torch.Tensor:
     """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs; the
     ``L·H`` variants run ``batch`` at a time through :func:`~zipkv.distill.bias.teacher_force_many`."""
     from .bias import kl_per_token, teacher_force_many
