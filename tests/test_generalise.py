@@ -196,3 +196,12 @@ def test_cascade_uses_the_compressed_models_queries(model, cap, ids, reference):
         assert (diff < 1e-3) if same else (diff > 1e-3), (layer, diff)
     with pytest.raises(ValueError, match="budget"):
         generalise.compress_cascade(model, cap, 0.5, probe, m=M, budget=torch.ones(2, 2, dtype=torch.long))
+
+
+def test_probe_budget_with_cascade_keeps_the_allocation(model, cap, ids, reference):
+    probe = generalise.sample_probe(model, cap, ids[:N], 6)
+    plain = generalise.compress(cap, 0.5, m=M, budget="probe", model=model, probe=probe)
+    cascade = generalise.compress(cap, 0.5, m=M, budget="probe", model=model, probe=probe, cascade=True)
+    assert torch.equal(plain.budget, cascade.budget)
+    assert cascade.method == "zipkv_cascade"
+    assert 0 < bias.evaluate(model, cascade, ids[N:], reference) < 10

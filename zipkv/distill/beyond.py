@@ -11,7 +11,7 @@ cache once, and compresses the context at every ratio with every method of :data
   (:func:`~zipkv.distill.generalise.future_queries`), so the best Select+Fit is chosen among three query sets;
 * ``attention_matching`` — :mod:`zipkv.distill.attention_matching` on zipkv's training queries;
 * ``zipkv`` — :mod:`zipkv.distill.generalise` with the probe budget (the model's own sampled continuation,
-  drawn once per window; its sampling time is added to every ratio's seconds).
+  drawn once per window; its sampling time is added to every ratio's seconds) and the cascade-aware fit.
 
 KL is measured by :func:`zipkv.distill.bias.evaluate` for every method (β = 0 for the methods without
 bias, where it equals :func:`zipkv.distill.evaluate.evaluate`). :func:`compare` also returns each cache's
@@ -80,6 +80,7 @@ def objective_on(capture, cache: bias.BiasedCache, m: int, queries: Sequence[tor
 def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence[str] = METHODS, *, m: int = 256,
             n_synthetic: int = 128, steps: int = 100, solver: str = "batched", probe_tokens: int = 64,
             zipkv_config: generalise.ZipkvConfig | None = None, zipkv_budget: str = "probe", alpha: float = 0.5,
+            cascade: bool = True,
             kvsculpt_ratios: Sequence[float] | None = None, objective_ratio: float | None = 0.3,
             device=None, seed: int = 0, progress: bool = True):
     """KL and seconds of every method at every ratio on every window (module docstring).
@@ -91,7 +92,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
         methods: names from :data:`METHODS`.
         m, n_synthetic, steps, solver: the paper's setting for the KVSculpt-family methods.
         probe_tokens: tokens of zipkv's sampled continuation.
-        zipkv_config, zipkv_budget, alpha: zipkv's distiller settings.
+        zipkv_config, zipkv_budget, alpha, cascade: zipkv's distiller settings (probe budget, cascade-aware fit).
         kvsculpt_ratios: the ratios KVSculpt runs at (default: all); its 100 L-BFGS steps dominate the run.
         objective_ratio: the ratio at which the objectives (paper's queries, held-out queries) are measured.
         device: solver device for every method.
@@ -129,7 +130,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
         if "select_fit_future" in methods:
             problems["future"] = _future_problems(cap, m, zcfg.horizon, zcfg.validation_every)
         probe, probe_seconds = None, 0.0
-        if "zipkv" in methods and zipkv_budget == "probe":
+        if "zipkv" in methods and (zipkv_budget == "probe" or cascade):
             t0 = time.perf_counter()
             probe = generalise.sample_probe(model, cap, window.context_ids, probe_tokens, seed=seed + w)
             probe_seconds = time.perf_counter() - t0
@@ -156,7 +157,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
                     cache = attention_matching.compress(cap, ratio, m=m, config=acfg)
                 else:
                     cache = generalise.compress(cap, ratio, m=m, config=zcfg, budget=zipkv_budget, alpha=alpha,
-                                                model=model, probe=probe)
+                                                model=model, probe=probe, cascade=cascade)
                 if device is not None and torch.device(device).type == "cuda":
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - t0 + (probe_seconds if method == "zipkv" else 0.0)
@@ -193,7 +194,8 @@ def layer_kl(model, window, ratio: float = 0.3, *, m: int = 256, probe_tokens: i
     probe = generalise.sample_probe(model, cap, window.context_ids, probe_tokens, seed=seed)
     caches = {"select_fit_dense": bias.as_biased(compress(cap, ratio, "select_fit", m=m, n_synthetic=N)),
               "zipkv_uniform": generalise.compress(cap, ratio, m=m, config=zcfg),
-              "zipkv": generalise.compress(cap, ratio, m=m, config=zcfg, budget="probe", model=model, probe=probe)}
+              "zipkv": generalise.compress(cap, ratio, m=m, config=zcfg, budget="probe", model=model, probe=probe,
+                                           cascade=True)}
     rows = []
     for method, cache in caches.items():
         variants = [bias.BiasedCache([cache.keys[i] if i == l else full.keys[i] for i in range(full.num_layers)],

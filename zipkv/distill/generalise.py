@@ -336,7 +336,8 @@ def _assemble(capture, inputs, solved, ks, m, ratio, seconds) -> BiasedCache:
 
 
 def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None = None, budget: str = "uniform",
-             alpha: float = 0.5, model=None, probe: Probe | None = None, progress: bool = False) -> BiasedCache:
+             alpha: float = 0.5, model=None, probe: Probe | None = None, cascade: bool = False,
+             progress: bool = False) -> BiasedCache:
     """Compress a captured context at ``r = (k + m)/N`` with zipkv's distiller (module docstring).
 
     Args:
@@ -346,7 +347,9 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
         config: :class:`ZipkvConfig`.
         budget: one of :data:`BUDGETS`.
         alpha: dampening exponent of the allocation.
-        model, probe: the model and its sampled continuation, for ``budget="probe"``.
+        model, probe: the model and its sampled continuation, for ``budget="probe"`` and ``cascade``.
+        cascade: after the allocation, distil with :func:`compress_cascade` (on-policy probe queries) instead
+            of the future queries alone.
 
     Returns:
         A :class:`~zipkv.distill.bias.BiasedCache` with ``k_lh + m`` pairs per head (β on the first ``k_lh``);
@@ -361,8 +364,8 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
     cfg = config or ZipkvConfig()
     if budget not in BUDGETS:
         raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)}")
-    if budget == "probe" and (model is None or probe is None):
-        raise ValueError("budget='probe' needs model= and probe= (zipkv.distill.generalise.sample_probe)")
+    if (budget == "probe" or cascade) and (model is None or probe is None):
+        raise ValueError("budget='probe' and cascade=True need model= and probe= (zipkv.distill.generalise.sample_probe)")
     started = time.perf_counter()
     L = len(capture.layers)
     H, N, d = capture.layers[0].keys.shape
@@ -372,6 +375,8 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
               for lc, tr, va in tqdm(inputs, desc="zipkv", disable=not progress, leave=False)]
     ks = torch.full((L, H), k)
     if budget == "uniform" or k == N - m:
+        if cascade:
+            return compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
         return _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
     if budget == "pilot":
         signal = torch.stack([out["validation"].double().cpu() for out in solved])
@@ -379,6 +384,11 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
         uniform = _assemble(capture, inputs, solved, ks, m, ratio, 0.0)
         signal = head_sensitivity(model, BiasedCache.from_capture(capture), uniform, probe)
     ks = allocate(signal.clamp_min(1e-12), k * L * H, alpha=alpha, per_head=True, k_min=1, k_max=N - m)
+    if cascade:
+        cache = compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
+        cache.seconds = time.perf_counter() - started
+        cache.info["signal"] = signal
+        return cache
     for layer, (lc, tr, va) in enumerate(inputs):
         heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], tr[h:h + 1], va[h:h + 1], m, int(ks[layer, h]), cfg)
                  for h in range(H)]
