@@ -79,7 +79,8 @@ def objective_on(capture, cache: bias.BiasedCache, m: int, queries: Sequence[tor
 
 def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence[str] = METHODS, *, m: int = 256,
             n_synthetic: int = 128, steps: int = 100, solver: str = "batched", probe_tokens: int = 64,
-            zipkv_config: generalise.ZipkvConfig | None = None, zipkv_budget: str = "probe", alpha: float = 0.5,
+            zipkv_config: generalise.ZipkvConfig | None = None, zipkv_budget: str = "probe",
+            alpha: float = generalise.PROBE_ALPHA,
             cascade: bool = True,
             kvsculpt_ratios: Sequence[float] | None = None, objective_ratio: float | None = 0.3,
             device=None, seed: int = 0, progress: bool = True):
