@@ -1,0 +1,207 @@
+"""zipkv's distiller, Attention Matching and the biased-cache evaluation (issue 17), on a tiny random Llama."""
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from zipkv.distill import attention_matching, bias, evaluate, generalise, kvsculpt
+from zipkv.models import capture
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+N, M, C = 48, 8, 6
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(sharpen_logits=True)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 128, (N + C,), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def whole(model, ids):
+    return capture(model, ids)
+
+
+@pytest.fixture(scope="module")
+def cap(whole):
+    return whole.prefix(N)
+
+
+@pytest.fixture(scope="module")
+def full(cap):
+    return bias.BiasedCache.from_capture(cap)
+
+
+@pytest.fixture(scope="module")
+def reference(model, full, ids):
+    return bias.teacher_force(model, full, ids[N:])
+
+
+def test_zero_bias_is_the_project_evaluation(model, cap, ids):
+    """β = 0 computes what zipkv.distill.evaluate computes, for the full and a compressed cache."""
+    for cache in (kvsculpt.CompressedCache.from_capture(cap), kvsculpt.compress(cap, 0.5, "attention_score", m=M)):
+        ours = bias.teacher_force(model, bias.as_biased(cache), ids[N:]).logits
+        theirs = evaluate.teacher_force(model, cache, ids[N:]).logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def _per_head(cache, edit):
+    """A copy of ``cache`` with ``edit(layer, head, k, v, b) -> (k, v, b)`` applied to every head."""
+    keys, values, biases = [], [], []
+    for layer, (ks, vs, bs) in enumerate(zip(cache.keys, cache.values, cache.bias)):
+        edited = [edit(layer, h, k, v, b) for h, (k, v, b) in enumerate(zip(ks, vs, bs))]
+        keys.append([e[0] for e in edited])
+        values.append([e[1] for e in edited])
+        biases.append([e[2] for e in edited])
+    return bias.BiasedCache(keys, values, biases, cache.n_context)
+
+
+def test_bias_log_c_weighs_as_c_copies_and_minus_inf_removes(model, full, ids):
+    """β_j = log 2 is exactly two copies of pair j; β_j = −inf is pair j removed (one j per head)."""
+    picks = torch.randint(0, N - M, (full.num_layers, full.num_heads), generator=torch.Generator().manual_seed(3))
+
+    def with_bias(value):
+        def edit(layer, h, k, v, b):
+            b = b.clone()
+            b[picks[layer, h]] = value
+            return k, v, b
+        return edit
+
+    def duplicated(layer, h, k, v, b):
+        j = int(picks[layer, h])
+        return torch.cat([k, k[j:j + 1]]), torch.cat([v, v[j:j + 1]]), torch.zeros(k.shape[0] + 1)
+
+    def removed(layer, h, k, v, b):
+        keep = torch.arange(k.shape[0]) != picks[layer, h]
+        return k[keep], v[keep], b[keep]
+
+    def logits(cache):
+        return bias.teacher_force(model, cache, ids[N:]).logits
+
+    weighted = logits(_per_head(full, with_bias(math.log(2.0))))
+    torch.testing.assert_close(weighted, logits(_per_head(full, duplicated)), rtol=0, atol=1e-4)
+    assert (weighted - logits(full)).abs().max() > 1e-3  # the bias changed something
+    torch.testing.assert_close(logits(_per_head(full, with_bias(-math.inf))), logits(_per_head(full, removed)),
+                               rtol=0, atol=1e-4)
+
+
+def test_uncompressed_cache_gives_kl_exactly_zero(model, full, ids, reference):
+    assert bias.evaluate(model, full, ids[N:], reference) == 0.0
+
+
+def test_full_budget_reproduces_attention(model, cap, ids, reference):
+    """k + m = N: every old key is kept, w = e^β = 1 matches the mass exactly and the values anchored to the
+    originals are the originals, so the model's logits are the full cache's (to float rounding)."""
+    cache = generalise.compress(cap, 1.0, m=M)
+    assert cache.memory_ratio == 1.0
+    for layer in range(cache.num_layers):
+        for h in range(cache.num_heads):
+            torch.testing.assert_close(cache.keys[layer][h], cap.layers[layer].keys[h], rtol=0, atol=0)
+            torch.testing.assert_close(cache.values[layer][h], cap.layers[layer].values[h], rtol=1e-4, atol=1e-4)
+            assert float(cache.bias[layer][h].abs().max()) < 1e-4
+    run = bias.teacher_force(model, cache, ids[N:])
+    torch.testing.assert_close(run.logits, reference.logits, rtol=0, atol=1e-3)
+    assert bias.evaluate(model, cache, ids[N:], reference) < 1e-6
+
+
+def test_attention_matching_full_budget_matches_the_mass_exactly(cap):
+    """Attention Matching with every old key kept: its NNLS bias reproduces every training query's
+    log-sum-exp (its least-squares values need not be the originals: more keys than the queries' rank)."""
+    lc = cap.layers[0]
+    H, _, d = lc.keys.shape
+    train, val = generalise.future_queries(lc.queries.view(H, -1, N, d), cap.positions, cap.rope, M)
+    out = attention_matching.compact_layer(lc.keys, lc.values, train, val, M, N - M)
+    t = generalise.HeadTargets.of(train, lc.keys, lc.values, M, 1 / math.sqrt(d))
+    _, lse_mse = generalise.objective(t, out["keys"], out["values"], out["bias"], lc.values[:, N - M:])
+    assert float(lse_mse.max()) < 1e-8
+    few = attention_matching.compact_layer(lc.keys, lc.values, train, val, M, (N - M) // 4)
+    assert float(generalise.objective(t, few["keys"], few["values"], few["bias"], lc.values[:, N - M:])[1].max()) > 1e-6
+
+
+def test_future_queries_split_and_positions(cap):
+    lc = cap.layers[0]
+    H, _, d = lc.keys.shape
+    g = lc.queries.shape[0] // H
+    train, val = generalise.future_queries(lc.queries.view(H, g, N, d), cap.positions, cap.rope, M, horizon=16,
+                                           validation_every=4)
+    per_head = N + M  # every position's content vector, plus the retain zone's real queries
+    assert train.shape[1] + val.shape[1] == g * per_head
+    assert val.shape[1] == g * (N // 4 + M // 4)
+    # the retain queries are the real ones, at their own positions
+    retain = lc.queries.view(H, g, N, d)[:, :, N - M:].float()
+    assert torch.equal(train.view(H, g, -1, d)[:, :, -(M - M // 4):], retain[:, :, [i for i in range(M)
+                                                                                     if (N - M + i) % 4 != 3]])
+
+
+def test_bad_arguments_raise(cap):
+    with pytest.raises(ValueError, match="ratio"):
+        generalise.compress(cap, 0.1, m=M)
+    with pytest.raises(ValueError, match="budget"):
+        generalise.compress(cap, 0.5, m=M, budget="equal")
+    with pytest.raises(ValueError, match="probe"):
+        generalise.compress(cap, 0.5, m=M, budget="probe")
+    with pytest.raises(ValueError, match="bias"):
+        bias.BiasedCache([[torch.zeros(3, 4)]], [[torch.zeros(3, 4)]], [[torch.zeros(2)]], 3)
+
+
+def test_batched_teacher_forcing_equals_one_at_a_time(model, cap, full, ids):
+    caches = [full, generalise.compress(cap, 0.5, m=M), bias.as_biased(kvsculpt.compress(cap, 0.3, "select_fit", m=M))]
+    for cache, run in zip(caches, bias.teacher_force_many(model, caches, ids[N:])):
+        torch.testing.assert_close(run.logits, bias.teacher_force(model, cache, ids[N:]).logits, rtol=0, atol=1e-4)
+
+
+def test_probe_budget_moves_pairs_to_the_heads_that_move_the_probe_kl(model, cap, ids):
+    probe = generalise.sample_probe(model, cap, ids[:N], 8)
+    assert probe.ids.shape == (8,)
+    cache = generalise.compress(cap, 0.5, m=M, budget="probe", model=model, probe=probe)
+    k = round(0.5 * N) - M
+    assert int(cache.budget.sum()) == k * cache.budget.numel()  # the same total memory as uniform
+    signal = cache.info["signal"]
+    assert signal.shape == cache.budget.shape and bool((signal >= 0).all())
+    most, least = int(signal.argmax()), int(signal.argmin())
+    assert cache.budget.flatten()[most] >= cache.budget.flatten()[least]
+
+
+def test_cascade_on_an_uncompressed_budget_is_a_no_op(model, cap, ids, reference):
+    probe = generalise.sample_probe(model, cap, ids[:N], 6)
+    cache = generalise.compress_cascade(model, cap, 1.0, probe, m=M)
+    assert cache.memory_ratio == 1.0
+    assert bias.evaluate(model, cache, ids[N:], reference) < 1e-6
+
+
+def test_cascade_uses_the_compressed_models_queries(model, cap, ids, reference):
+    """Layer 0 (nothing upstream) is distilled with the full model's probe queries; layer 1 with the queries of
+    the model whose layer 0 is compressed, so it differs from the same fit on the full model's queries."""
+    probe = generalise.sample_probe(model, cap, ids[:N], 6)
+    cascade = generalise.compress_cascade(model, cap, 0.5, probe, m=M)
+    assert cascade.memory_ratio == pytest.approx(0.5, abs=1e-9)
+    assert 0 < bias.evaluate(model, cascade, ids[N:], reference) < 10
+    off_policy = capture(model, torch.cat([ids[:N], probe.ids]))  # the full model's queries on the probe
+    k = round(0.5 * N) - M
+    for layer, same in ((0, True), (1, False)):
+        lc = cap.layers[layer]
+        H, _, d = lc.keys.shape
+        train, val = generalise.future_queries(lc.queries.view(H, -1, N, d), cap.positions, cap.rope, M)
+        probe_q = off_policy.layers[layer].queries[:, N:].float().reshape(H, -1, d)
+        train = torch.cat([train, probe_q], dim=1)
+        fitted = [generalise.distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], train[h:h + 1], val[h:h + 1], M, k)
+                  for h in range(H)]
+        diff = max(float((f["values"][0] - cascade.values[layer][h][:k]).abs().max()) for h, f in enumerate(fitted))
+        assert (diff < 1e-3) if same else (diff > 1e-3), (layer, diff)
+    with pytest.raises(ValueError, match="budget"):
+        generalise.compress_cascade(model, cap, 0.5, probe, m=M, budget=torch.ones(2, 2, dtype=torch.long))
+
+
+def test_probe_budget_with_cascade_keeps_the_allocation(model, cap, ids, reference):
+    probe = generalise.sample_probe(model, cap, ids[:N], 6)
+    plain = generalise.compress(cap, 0.5, m=M, budget="probe", model=model, probe=probe)
+    cascade = generalise.compress(cap, 0.5, m=M, budget="probe", model=model, probe=probe, cascade=True)
+    assert torch.equal(plain.budget, cascade.budget)
+    assert cascade.method == "zipkv_cascade"
+    assert 0 < bias.evaluate(model, cascade, ids[N:], reference) < 10

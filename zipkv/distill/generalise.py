@@ -1,0 +1,524 @@
+"""zipkv's distiller: a compressed cache fitted to queries like the future ones (issue 17).
+
+KVSculpt (§3.3) fits ``k`` free pairs per KV head to ``g·(m + n_s)`` training queries (1,152 for SmolLM2):
+its objective on them falls ~180× below Select+Fit's, but not on the continuation's real queries, and its
+KL does not improve. zipkv's method fits fewer free parameters to many more queries and checks every choice
+on queries it never trained on:
+
+* **Queries** (:func:`future_queries`): every context position's content vector ``RoPE⁻¹(q_p, p)``
+  re-rotated to a future position ``N + o_p`` (offsets ``o_p`` spread over ``[0, horizon)``), plus the
+  retain zone's real queries at their own positions: ``g·(N + m)`` per KV head (6,912 at N = 2048).
+  Every ``validation_every``-th position is held out as the **validation set**.
+* **Keys**: the top-``k`` old positions by attention over the training queries, kept as they are.
+* **Bias** ``β`` (Attention Matching's, :mod:`zipkv.distill.bias`): per kept key, ``w_j = e^{β_j} ≥ 0`` by
+  ridge-regularised least squares so that the kept keys carry the attention mass of the whole compress
+  zone for every training query (``Σ_j w_j a_qj ≈ Σ_{i old} a_qi``, attention weights of the full cache),
+  shrunk toward ``w = 1`` and kept in ``[e^{-3}, e^{3}]``.
+* **Values**: ridge regression toward the kept keys' *original* values (not toward zero as KVSculpt's
+  V-step): ``V_c = argmin ‖A_c V − R‖² + λ‖V − V_sel‖²``, ``λ = λ₀·tr(A_cᵀA_c)/k``, with ``λ₀`` chosen per
+  head from :attr:`ZipkvConfig.value_ridges` (``∞``: the original values) by the validation objective.
+
+* **Budget** (``budget="probe"``, :func:`sample_probe`, :func:`head_sensitivity`): the model samples its
+  own continuation of the context (no access to the real one); the KL on it when only head ``(l, h)`` holds
+  its compressed pairs is the signal that splits the same total of pairs over layers, then heads
+  (KVSculpt §3.5's two-level allocation, ``alpha =`` :data:`PROBE_ALPHA`). On the development windows a few heads carry
+  most of the KL, and the per-head objective (KVSculpt's pilot signal) does not find them; this does.
+* **Cascade-aware** (:func:`compress_cascade`, optional): layer ``ℓ`` is fitted with the probe tokens'
+  queries as the model whose layers ``< ℓ`` are already compressed produces them.
+
+With ``k = N − m`` every old key is kept, the mass is matched exactly by ``w = 1`` and the values' residual
+is exactly the original values', so the cache is the full one (to float rounding; a test checks it).
+
+All heads of a layer are solved as one batch (``[H, ·, ·]`` matmuls and one batched Cholesky per ridge
+value), with no iterative optimiser: its cost is a few matmuls of the ``[H, n_q, N]`` score matrix.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .bias import BiasedCache
+
+INF = math.inf
+
+
+@dataclass
+class ZipkvConfig:
+    """Settings of zipkv's distiller (issue 17; chosen on development windows of ``shared/data/pg19``).
+
+    Attributes:
+        horizon: content vectors are re-rotated to positions ``N … N + horizon − 1``.
+        validation_every: every this many-th query position is held out for validation.
+        selection: key score: ``"mean"`` attention over the training queries, or ``"max"``.
+        bias: fit the per-key bias β (else β = 0).
+        mass_ridge: ridge of the mass fit, relative to ``tr(GᵀG)/k``, shrinking ``w = e^β`` toward 1.
+        bias_bound: ``|β| ≤ bias_bound``.
+        value_ridges: candidate ``λ₀`` for the values (``math.inf``: keep the original values).
+        dtype: solve dtype (the ridge systems are solved in float64).
+        device: where to solve (default: the capture's device).
+    """
+
+    horizon: int = 256
+    validation_every: int = 8
+    selection: str = "mean"
+    bias: bool = True
+    mass_ridge: float = 1e-3
+    bias_bound: float = 3.0
+    value_ridges: tuple = (1e-3, 1e-2, 1e-1, 1.0, INF)
+    dtype: torch.dtype = torch.float32
+    device: str | torch.device | None = None
+
+
+def future_queries(queries: torch.Tensor, positions: torch.Tensor, rope, m: int, *, horizon: int = 256,
+                   validation_every: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training and validation queries of the KV heads of one layer.
+
+    Args:
+        queries: ``[H, g, N, d]`` post-RoPE captured queries (query head ``h·g + i`` reads KV head ``h``).
+        positions: ``[N]`` their positions; the future starts at ``N = positions[-1] + 1``.
+        rope: the model's :class:`zipkv.models.Rope`.
+        m: retain zone: the last ``m`` real queries are also kept at their own positions.
+        horizon: re-rotation offsets ``o_p = (61·p) mod horizon``, so every offset in ``[0, horizon)`` occurs.
+        validation_every: positions ``p`` with ``p mod validation_every = validation_every − 1`` go to validation.
+
+    Returns:
+        ``(train, validation)``: ``[H, n_t, d]`` and ``[H, n_v, d]`` float32, the ``g`` query heads stacked.
+    """
+    if queries.ndim != 4:
+        raise ValueError(f"queries has shape {tuple(queries.shape)}: expected [kv_heads, g, N, head_dim]")
+    H, g, N, d = queries.shape
+    if tuple(positions.shape) != (N,):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}: expected [{N}]")
+    if not 0 <= m < N or horizon < 1 or validation_every < 2:
+        raise ValueError(f"m={m}, horizon={horizon}, validation_every={validation_every}: expected 0 ≤ m < N={N}, "
+                         "horizon ≥ 1, validation_every ≥ 2")
+    q = queries.float()
+    start = int(positions[-1]) + 1
+    offsets = (61 * torch.arange(N)) % horizon
+    content = q.new_empty(q.shape)
+    for h in range(H):  # per KV head to keep the rotation's temporaries small
+        content[h] = rope.apply(rope.invert(q[h], positions), start + offsets)
+    held = (torch.arange(N) % validation_every) == validation_every - 1
+    retain_held = held[N - m:]
+    retain = q[:, :, N - m:]
+    train = torch.cat([content[:, :, ~held], retain[:, :, ~retain_held]], dim=2).reshape(H, -1, d)
+    validation = torch.cat([content[:, :, held], retain[:, :, retain_held]], dim=2).reshape(H, -1, d)
+    return train, validation
+
+
+@dataclass
+class HeadTargets:
+    """Full-cache attention of ``P`` heads on a query set: ``lse`` ``[P, n]``, ``y`` ``[P, n, d]`` and the
+    old zone's and retain zone's scores ``s_old`` ``[P, n, N − m]``, ``s_ret`` ``[P, n, m]`` (scaled)."""
+
+    q: torch.Tensor
+    s_old: torch.Tensor
+    s_ret: torch.Tensor
+    lse: torch.Tensor
+    y: torch.Tensor
+
+    @classmethod
+    def of(cls, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, m: int, scale: float) -> "HeadTargets":
+        q = q * scale
+        s = torch.bmm(q, keys.transpose(1, 2))
+        lse = torch.logsumexp(s, dim=-1)
+        y = torch.bmm(torch.exp(s - lse[..., None]), values)
+        cut = keys.shape[1] - m
+        return cls(q=q, s_old=s[..., :cut], s_ret=s[..., cut:], lse=lse, y=y)
+
+
+def compressed_attention(t: HeadTargets, keys_c: torch.Tensor, bias_c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weights ``[P, n, k + m]`` over ``[K_c (+β); K_ret]`` and their log-sum-exp ``[P, n]``."""
+    s = torch.cat([torch.baddbmm(bias_c[:, None, :], t.q, keys_c.transpose(1, 2)), t.s_ret], dim=-1)
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.exp(s - lse[..., None]), lse
+
+
+def objective(t: HeadTargets, keys_c, values_c, bias_c, v_ret) -> tuple[torch.Tensor, torch.Tensor]:
+    """KVSculpt's §3.2 terms on the query set ``t``: ``[P]`` output MSE and ``[P]`` LSE MSE."""
+    a, lse = compressed_attention(t, keys_c, bias_c)
+    k = keys_c.shape[1]
+    y_hat = torch.bmm(a[..., :k], values_c) + torch.bmm(a[..., k:], v_ret)
+    return (y_hat - t.y).square().mean(dim=(1, 2)), (lse - t.lse).square().mean(dim=1)
+
+
+def _spd_solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    """``gram⁻¹ rhs`` for a batch of symmetric positive definite systems (float64 Cholesky)."""
+    chol, info = torch.linalg.cholesky_ex(gram)
+    if bool((info != 0).any()):  # not positive definite to rounding: a little more diagonal
+        eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+        chol = torch.linalg.cholesky(gram + 1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye)
+    return torch.cholesky_solve(rhs, chol)
+
+
+def mass_bias(t: HeadTargets, index: torch.Tensor, ridge: float, bound: float) -> torch.Tensor:
+    """``β`` ``[P, k]``: the kept keys' weights ``w = e^β`` matched to the whole old zone's attention mass.
+
+    ``min_w ‖G w − t‖² + ρ‖w − 1‖²`` with ``G_qj = exp(s_qj − ℓ_q)`` (the kept keys' full-cache attention
+    weights), ``t_q = Σ_{i old} exp(s_qi − ℓ_q)``, ``ρ = ridge·tr(GᵀG)/k``; ``w`` clipped to ``[e^{−b}, e^{b}]``.
+    """
+    a_old = torch.exp(t.s_old.double() - t.lse.double()[..., None])  # [P, n, N − m]
+    target = a_old.sum(dim=-1, keepdim=True)  # [P, n, 1]
+    g = a_old.gather(2, index[:, None, :].expand(-1, a_old.shape[1], -1))  # [P, n, k]
+    gram = torch.bmm(g.transpose(1, 2), g)
+    k = index.shape[1]
+    rho = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / k  # [P]
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    rhs = torch.bmm(g.transpose(1, 2), target) + rho[:, None, None]
+    w = _spd_solve(gram + rho[:, None, None] * eye, rhs)[..., 0]
+    return torch.log(w.clamp(math.exp(-bound), math.exp(bound))).to(t.q.dtype)
+
+
+def anchored_values(t: HeadTargets, keys_c, bias_c, v_sel, v_ret, ridges) -> list[torch.Tensor]:
+    """Values ``[P, k, d]`` for each ``λ₀`` in ``ridges``: ``argmin ‖A_c V − R‖² + λ‖V − V_sel‖²`` with
+    ``λ = λ₀·tr(A_cᵀA_c)/k`` (float64; ``λ₀ = ∞`` gives ``V_sel``)."""
+    a, _ = compressed_attention(t, keys_c, bias_c)
+    k = keys_c.shape[1]
+    a = a.double()
+    a_c = a[..., :k]
+    residual = t.y.double() - torch.bmm(a[..., k:], v_ret.double())
+    gram = torch.bmm(a_c.transpose(1, 2), a_c)
+    rhs = torch.bmm(a_c.transpose(1, 2), residual)
+    scale = gram.diagonal(dim1=-2, dim2=-1).sum(-1) / k  # [P]
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    out = []
+    for lam in ridges:
+        if math.isinf(lam):
+            out.append(v_sel)
+            continue
+        lam_p = (lam * scale)[:, None, None]
+        out.append(_spd_solve(gram + lam_p * eye, rhs + lam_p * v_sel.double()).to(v_sel.dtype))
+    return out
+
+
+def distil_layer(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor, validation: torch.Tensor,
+                 m: int, k: int, config: ZipkvConfig | None = None, scale: float | None = None) -> dict:
+    """zipkv's distiller on the ``P`` KV heads of one layer (see the module docstring).
+
+    Args:
+        keys, values: ``[P, N, d]`` the full cache; the last ``m`` pairs are kept.
+        train, validation: ``[P, n_t, d]``, ``[P, n_v, d]`` queries (:func:`future_queries`).
+        m, k: retain zone and compressed pairs per head (``1 ≤ k ≤ N − m``).
+        scale: score scale (``1/√d`` when ``None``).
+
+    Returns:
+        dict with ``keys``, ``values`` ``[P, k, d]``, ``bias`` ``[P, k]``, ``index`` ``[P, k]`` (kept old
+        positions), ``ridge`` ``[P]`` (the chosen ``λ₀``), ``train``/``validation`` ``[P]`` objectives.
+    """
+    cfg = config or ZipkvConfig()
+    P, N, d = keys.shape
+    if not 1 <= k <= N - m:
+        raise ValueError(f"k={k}: expected 1 ≤ k ≤ N − m = {N - m}")
+    if cfg.selection not in ("mean", "max"):
+        raise ValueError(f"selection={cfg.selection!r}: expected 'mean' or 'max'")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dev = cfg.device or keys.device
+    keys, values = keys.to(dev, cfg.dtype), values.to(dev, cfg.dtype)
+    t = HeadTargets.of(train.to(dev, cfg.dtype), keys, values, m, scale)
+    v_ret = values[:, N - m:]
+    a_old = torch.exp(t.s_old - t.lse[..., None])
+    importance = a_old.mean(dim=1) if cfg.selection == "mean" else a_old.amax(dim=1)
+    del a_old
+    index = torch.topk(importance, k, dim=1).indices.sort(dim=1).values  # [P, k]
+    gather = index[..., None].expand(-1, -1, d)
+    keys_c, v_sel = keys.gather(1, gather), values.gather(1, gather)
+    bias_c = mass_bias(t, index, cfg.mass_ridge, cfg.bias_bound) if cfg.bias else keys.new_zeros(P, k)
+    candidates = anchored_values(t, keys_c, bias_c, v_sel, v_ret, cfg.value_ridges)
+    v = HeadTargets.of(validation.to(dev, cfg.dtype), keys, values, m, scale)
+    scores = torch.stack([sum(objective(v, keys_c, vc, bias_c, v_ret)) for vc in candidates])  # [R, P]
+    best = scores.argmin(dim=0)
+    values_c = torch.stack(candidates)[best, torch.arange(P, device=dev)]
+    train_obj = sum(objective(t, keys_c, values_c, bias_c, v_ret))
+    return dict(keys=keys_c, values=values_c, bias=bias_c, index=index,
+                ridge=torch.tensor([cfg.value_ridges[int(i)] for i in best]),
+                train=train_obj, validation=scores.min(dim=0).values)
+
+
+@dataclass
+class Probe:
+    """The model's own continuation of the context, sampled at compression time (no access to the real one).
+
+    Attributes:
+        ids: ``[P]`` sampled token ids (positions N … N+P−1).
+        reference: the full cache's teacher-forced logits on them (:func:`zipkv.distill.bias.teacher_force`).
+    """
+
+    ids: torch.Tensor
+    reference: object
+
+
+@torch.no_grad()
+def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *, seed: int = 0) -> Probe:
+    """Sample ``tokens`` continuation tokens (temperature 1) from the model after the captured context.
+
+    ``context_ids`` ``[N]``: the context the capture was made of (its last token is re-fed at ``N − 1`` on the
+    cache of the first ``N − 1`` positions, which gives the first sampled token's distribution).
+    """
+    from transformers import DynamicCache
+
+    from .bias import BiasedCache, teacher_force
+
+    param = next(model.parameters())
+    full = BiasedCache.from_capture(capture)
+    N = full.n_context
+    context_ids = torch.as_tensor(context_ids).flatten()
+    if context_ids.shape[0] != N:
+        raise ValueError(f"context_ids has {context_ids.shape[0]} tokens, the capture N={N}")
+    past = DynamicCache([(torch.stack(ks)[None, :, :N - 1].to(param), torch.stack(vs)[None, :, :N - 1].to(param))
+                         for ks, vs in zip(full.keys, full.values)], config=model.config)
+    generator = torch.Generator(device=param.device).manual_seed(seed)
+    token = context_ids[-1].to(param.device)
+    ids = []
+    for step in range(tokens):
+        out = model(input_ids=token.view(1, 1), position_ids=torch.tensor([[N - 1 + step]], device=param.device),
+                    past_key_values=past, use_cache=True)
+        token = torch.multinomial(torch.softmax(out.logits[0, -1].float(), dim=-1), 1, generator=generator)[0]
+        ids.append(int(token))
+    ids = torch.tensor(ids)
+    return Probe(ids=ids, reference=teacher_force(model, full, ids))
+
+
+def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe, batch: int = 30) -> torch.Tensor:
+    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs; the
+    ``L·H`` variants run ``batch`` at a time through :func:`~zipkv.distill.bias.teacher_force_many`."""
+    from .bias import kl_per_token, teacher_force_many
+
+    L, H = full.num_layers, full.num_heads
+    variants = []
+    for layer in range(L):
+        for h in range(H):
+            keys = [list(x) for x in full.keys]
+            values = [list(x) for x in full.values]
+            bias = [list(x) for x in full.bias]
+            keys[layer][h] = compressed.keys[layer][h]
+            values[layer][h] = compressed.values[layer][h]
+            bias[layer][h] = compressed.bias[layer][h]
+            variants.append(BiasedCache(keys, values, bias, full.n_context))
+    kl = []
+    for start in range(0, len(variants), batch):
+        for run in teacher_force_many(model, variants[start:start + batch], probe.ids):
+            kl.append(float(kl_per_token(probe.reference.logits, run.logits).mean()))
+    return torch.tensor(kl, dtype=torch.float64).view(L, H)
+
+
+PROBE_ALPHA = 0.25
+"""Dampening exponent of the probe allocation, chosen on one development window (PG19 book 41607, not an
+evaluation window; r = 0.3): 0 (uniform), 0.25, 0.35, 0.5 and 1.0 were measured, 0.25 had the lowest KL,
+1.0 (proportional) a higher KL than uniform; KVSculpt's pilot uses 0.5."""
+
+BUDGETS = ("uniform", "pilot", "probe")
+"""``uniform``: ``k`` per head. ``pilot``: the uniform run's validation objective; ``probe``: the KL on the
+model's own sampled continuation (:func:`sample_probe`) when only that head is compressed. Either signal,
+raised to ``alpha``, splits the same total over layers, then heads (KVSculpt §3.5's two-level allocation,
+:func:`zipkv.distill.budget.allocate`)."""
+
+
+def _layer_inputs(capture, layer: int, m: int, cfg: ZipkvConfig):
+    lc = capture.layers[layer]
+    H, N, d = lc.keys.shape
+    g = lc.queries.shape[0] // H
+    train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, capture.rope, m,
+                                       horizon=cfg.horizon, validation_every=cfg.validation_every)
+    return lc, train, validation
+
+
+def _assemble(capture, inputs, solved, ks, m, ratio, seconds) -> BiasedCache:
+    L = len(inputs)
+    H, N, _ = capture.layers[0].keys.shape
+    keys, values, bias = [], [], []
+    info = {name: torch.zeros(L, H, dtype=torch.float64) for name in ("train", "validation", "ridge")}
+    for layer, ((lc, _, _), out) in enumerate(zip(inputs, solved)):
+        keys.append([torch.cat([out["keys"][h].to(lc.keys), lc.keys[h, N - m:]]) for h in range(H)])
+        values.append([torch.cat([out["values"][h].to(lc.values), lc.values[h, N - m:]]) for h in range(H)])
+        bias.append([torch.cat([out["bias"][h].float().cpu(), torch.zeros(m)]).to(lc.keys.device) for h in range(H)])
+        for name in info:
+            info[name][layer] = torch.as_tensor([float(out[name][h]) for h in range(H)], dtype=torch.float64)
+    return BiasedCache(keys, values, bias, n_context=int(capture.positions[-1]) + 1, method="zipkv", ratio=ratio,
+                       budget=ks.clone(), seconds=seconds, info=info)
+
+
+def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None = None, budget: str = "uniform",
+             alpha: float = PROBE_ALPHA, model=None, probe: Probe | None = None, cascade: bool = False,
+             progress: bool = False) -> BiasedCache:
+    """Compress a captured context at ``r = (k + m)/N`` with zipkv's distiller (module docstring).
+
+    Args:
+        capture: a :class:`zipkv.models.Capture` of the ``N``-token context.
+        ratio: ``m/N < r ≤ 1``; ``k = round(r·N) − m`` pairs per head on average replace the old zone.
+        m: retain zone (kept unchanged).
+        config: :class:`ZipkvConfig`.
+        budget: one of :data:`BUDGETS`.
+        alpha: dampening exponent of the allocation.
+        model, probe: the model and its sampled continuation, for ``budget="probe"`` and ``cascade``.
+        cascade: after the allocation, distil with :func:`compress_cascade` (on-policy probe queries) instead
+            of the future queries alone.
+
+    Returns:
+        A :class:`~zipkv.distill.bias.BiasedCache` with ``k_lh + m`` pairs per head (β on the first ``k_lh``);
+        ``info`` holds ``[L, H]`` tensors ``train``, ``validation`` (objectives), ``ridge`` (chosen ``λ₀``)
+        and, with a non-uniform budget, ``signal``.
+    """
+    from tqdm.auto import tqdm
+
+    from .budget import allocate
+    from .kvsculpt import budget_for_ratio
+
+    cfg = config or ZipkvConfig()
+    if budget not in BUDGETS:
+        raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)}")
+    if (budget == "probe" or cascade) and (model is None or probe is None):
+        raise ValueError("budget='probe' and cascade=True need model= and probe= (zipkv.distill.generalise.sample_probe)")
+    started = time.perf_counter()
+    L = len(capture.layers)
+    H, N, d = capture.layers[0].keys.shape
+    k = budget_for_ratio(ratio, N, m)
+    inputs = [_layer_inputs(capture, layer, m, cfg) for layer in range(L)]
+    solved = [distil_layer(lc.keys, lc.values, tr, va, m, k, cfg)
+              for lc, tr, va in tqdm(inputs, desc="zipkv", disable=not progress, leave=False)]
+    ks = torch.full((L, H), k)
+    if budget == "uniform" or k == N - m:
+        if cascade:
+            return compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
+        return _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
+    if budget == "pilot":
+        signal = torch.stack([out["validation"].double().cpu() for out in solved])
+    else:
+        uniform = _assemble(capture, inputs, solved, ks, m, ratio, 0.0)
+        signal = head_sensitivity(model, BiasedCache.from_capture(capture), uniform, probe)
+    ks = allocate(signal.clamp_min(1e-12), k * L * H, alpha=alpha, per_head=True, k_min=1, k_max=N - m)
+    if cascade:
+        cache = compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
+        cache.seconds = time.perf_counter() - started
+        cache.info["signal"] = signal
+        return cache
+    for layer, (lc, tr, va) in enumerate(inputs):
+        heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], tr[h:h + 1], va[h:h + 1], m, int(ks[layer, h]), cfg)
+                 for h in range(H)]
+        solved[layer] = {name: [out[name][0] for out in heads] for name in heads[0]}
+    cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
+    cache.info["signal"] = signal
+    return cache
+
+
+CASCADE_ATTENTION = "zipkv_cascade"
+"""Attention function name under which :func:`compress_cascade` distils each layer inside the probe's forward."""
+
+_cascade: dict = {}  # state of the running compress_cascade forward
+
+
+def _cascade_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Distil layer ``ℓ`` from the probe tokens' queries as they arrive (layers < ℓ already compressed), then
+    attend over ``[compressed layer ℓ (+β); probe tokens]`` so that layer ℓ + 1 sees the compressed model."""
+    state = _cascade
+    layer = module.layer_idx
+    lc, tr, va = state["inputs"][layer]
+    H, N, d = lc.keys.shape
+    m, cfg = state["m"], state["config"]
+    Hq, P = query.shape[1], query.shape[2]
+    g = Hq // H
+    on_policy = query[0].float().reshape(H, g * P, d)
+    train = torch.cat([tr, on_policy.to(tr)], dim=1)
+    heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], train[h:h + 1], va[h:h + 1], m,
+                          int(state["ks"][layer, h]), cfg) for h in range(H)]
+    out = {name: [o[name][0] for o in heads] for name in heads[0]}
+    state["solved"][layer] = out
+    n_max = max(int(state["ks"][layer].max()) + m, 1)
+    keys = key.new_zeros(1, H, n_max, d)
+    values = value.new_zeros(1, H, n_max, d)
+    bias = torch.full((1, H, n_max), float("-inf"), dtype=torch.float32, device=key.device)
+    for h in range(H):
+        k = out["keys"][h].shape[0]
+        keys[0, h, :k + m] = torch.cat([out["keys"][h].to(key), lc.keys[h, N - m:].to(key)])
+        values[0, h, :k + m] = torch.cat([out["values"][h].to(value), lc.values[h, N - m:].to(value)])
+        bias[0, h, :k] = out["bias"][h].float().to(key.device)
+        bias[0, h, k:k + m] = 0.0
+    from .bias import _bias, _biased_attention
+
+    _bias[layer] = bias
+    try:
+        return _biased_attention(module, query, torch.cat([keys, key[:, :, N:]], dim=2),
+                                 torch.cat([values, value[:, :, N:]], dim=2), None, scaling)
+    finally:
+        _bias.pop(layer, None)
+
+
+@torch.no_grad()
+def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256, config: ZipkvConfig | None = None,
+                     budget: torch.Tensor | None = None) -> BiasedCache:
+    """Cascade-aware (on-policy) zipkv: layer ``ℓ`` is distilled with, besides its future queries, the probe
+    continuation's queries *as the model whose layers < ℓ are already compressed produces them* (KVSculpt
+    §6–§7's "next step"; Attention Matching's on-policy queries). One forward pass of the probe tokens at
+    N … N+P−1 over the full cache distils each layer on arrival and attends over the result.
+
+    Args:
+        model: the model the capture came from.
+        capture, ratio, m, config: as :func:`compress`.
+        probe: :func:`sample_probe` of this context.
+        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``); default uniform ``k``.
+
+    An uncompressed budget (``k = N − m``) keeps every pair and changes nothing (the tests check KL 0).
+    """
+    from transformers import AttentionInterface, DynamicCache
+
+    from .kvsculpt import budget_for_ratio
+
+    cfg = config or ZipkvConfig()
+    started = time.perf_counter()
+    L = len(capture.layers)
+    H, N, d = capture.layers[0].keys.shape
+    k = budget_for_ratio(ratio, N, m)
+    ks = torch.full((L, H), k) if budget is None else torch.as_tensor(budget)
+    if tuple(ks.shape) != (L, H) or int(ks.sum()) != k * L * H:
+        raise ValueError(f"budget has shape {tuple(ks.shape)} and total {int(ks.sum())}: expected [{L}, {H}] summing "
+                         f"to k·L·H = {k * L * H}")
+    inputs = [_layer_inputs(capture, layer, m, cfg) for layer in range(L)]
+    param = next(model.parameters())
+    past = DynamicCache([(lc.keys[None].to(param), lc.values[None].to(param)) for lc in capture.layers],
+                        config=model.config)
+    _cascade.update(inputs=inputs, m=m, config=cfg, ks=ks, solved=[None] * L)
+    AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(CASCADE_ATTENTION)
+    try:
+        positions = torch.arange(N, N + probe.ids.shape[0], device=param.device)
+        model(input_ids=probe.ids[None].to(param.device), position_ids=positions[None], past_key_values=past,
+              use_cache=True, logits_to_keep=1)
+        solved = _cascade["solved"]
+    finally:
+        model.set_attn_implementation(previous)
+        _cascade.clear()
+    cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
+    cache.method = "zipkv_cascade"
+    return cache
+
+
+def heldout_objective(capture_whole, n_context: int, cache: BiasedCache, m: int) -> torch.Tensor:
+    """``[L, H]`` KVSculpt's §3.2 objective of ``cache`` on the continuation's real queries (never trained on).
+
+    Args:
+        capture_whole: :func:`zipkv.models.capture` of context + continuation: keys ``[:N]`` are the context's
+            cache (causal attention), queries ``[N:]`` the held-out set.
+        n_context: ``N``.
+        cache: a :class:`BiasedCache` of the context whose first ``k_lh`` pairs replace the old zone.
+        m: its retain zone.
+    """
+    L = len(capture_whole.layers)
+    H = capture_whole.layers[0].keys.shape[0]
+    out = torch.zeros(L, H, dtype=torch.float64)
+    for layer, lc in enumerate(capture_whole.layers):
+        g = lc.queries.shape[0] // H
+        d = lc.keys.shape[-1]
+        q = lc.queries[:, n_context:].float().reshape(H, g * (lc.queries.shape[1] - n_context), d)
+        keys, values = lc.keys[:, :n_context].float(), lc.values[:, :n_context].float()
+        t = HeadTargets.of(q, keys, values, m, 1.0 / math.sqrt(d))
+        for h in range(H):
+            k = cache.keys[layer][h].shape[0] - m
+            sub = HeadTargets(q=t.q[h:h + 1], s_old=t.s_old[h:h + 1], s_ret=t.s_ret[h:h + 1], lse=t.lse[h:h + 1],
+                              y=t.y[h:h + 1])
+            terms = objective(sub, cache.keys[layer][h][None, :k].float(), cache.values[layer][h][None, :k].float(),
+                              cache.bias[layer][h][None, :k].float(), values[h:h + 1, n_context - m:])
+            out[layer, h] = float(sum(terms))
+    return out
