@@ -172,8 +172,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
     return pd.DataFrame(rows), pd.DataFrame(objective_rows)
 
 
-def layer_kl(model, window, ratio: float = 0.3, *, m: int = 256, probe_tokens: int = 64, device=None, seed: int = 0,
-             batch: int = 10):
+def layer_kl(model, window, ratio: float = 0.3, *, m: int = 256, probe_tokens: int = 64, device=None, seed: int = 0):
     """Where the KL sits: KL on the real continuation with only layer ``l`` compressed (all others full), for
     Select+Fit with ``n_s = N``, zipkv with a uniform budget and zipkv with the probe budget, plus the probe's
     per-layer signal (what zipkv sees instead of the real continuation).
@@ -197,17 +196,9 @@ def layer_kl(model, window, ratio: float = 0.3, *, m: int = 256, probe_tokens: i
               "zipkv_uniform": generalise.compress(cap, ratio, m=m, config=zcfg),
               "zipkv": generalise.compress(cap, ratio, m=m, config=zcfg, budget="probe", model=model, probe=probe,
                                            cascade=True)}
-    rows = []
-    for method, cache in caches.items():
-        variants = [bias.BiasedCache([cache.keys[i] if i == l else full.keys[i] for i in range(full.num_layers)],
-                                     [cache.values[i] if i == l else full.values[i] for i in range(full.num_layers)],
-                                     [cache.bias[i] if i == l else full.bias[i] for i in range(full.num_layers)], N)
-                    for l in range(full.num_layers)]
-        for start in range(0, len(variants), batch):
-            runs = bias.teacher_force_many(model, variants[start:start + batch], window.continuation_ids)
-            for l, run in enumerate(runs, start):
-                rows.append(dict(layer=l, method=method,
-                                 kl=float(bias.kl_per_token(reference.logits, run.logits).mean())))
+    rows = [dict(layer=l, method=method, kl=bias.evaluate(model, full.with_layers(cache, [l]), window.continuation_ids,
+                                                        reference))
+            for method, cache in caches.items() for l in range(full.num_layers)]
     signal = caches["zipkv"].info["signal"].sum(dim=1)
     rows += [dict(layer=l, method="probe_signal", kl=float(s)) for l, s in enumerate(signal)]
     return pd.DataFrame(rows)

@@ -281,13 +281,13 @@ def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *,
     return Probe(ids=ids, reference=teacher_force(model, full, ids))
 
 
-def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe, batch: int = 30) -> torch.Tensor:
-    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs; the
-    ``L·H`` variants run ``batch`` at a time through :func:`~zipkv.distill.bias.teacher_force_many`."""
-    from .bias import kl_per_token, teacher_force_many
+def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe) -> torch.Tensor:
+    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs (``L·H``
+    forwards through :func:`zipkv.distill.bias.evaluate`)."""
+    from .bias import evaluate
 
     L, H = full.num_layers, full.num_heads
-    variants = []
+    kl = torch.zeros(L, H, dtype=torch.float64)
     for layer in range(L):
         for h in range(H):
             keys = [list(x) for x in full.keys]
@@ -296,12 +296,8 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
             keys[layer][h] = compressed.keys[layer][h]
             values[layer][h] = compressed.values[layer][h]
             bias[layer][h] = compressed.bias[layer][h]
-            variants.append(BiasedCache(keys, values, bias, full.n_context))
-    kl = []
-    for start in range(0, len(variants), batch):
-        for run in teacher_force_many(model, variants[start:start + batch], probe.ids):
-            kl.append(float(kl_per_token(probe.reference.logits, run.logits).mean()))
-    return torch.tensor(kl, dtype=torch.float64).view(L, H)
+            kl[layer, h] = evaluate(model, BiasedCache(keys, values, bias, full.n_context), probe.ids, probe.reference)
+    return kl
 
 
 PROBE_ALPHA = 0.25
@@ -411,7 +407,12 @@ _cascade: dict = {}  # state of the running compress_cascade forward
 
 def _cascade_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
     """Distil layer ``ℓ`` from the probe tokens' queries as they arrive (layers < ℓ already compressed), then
-    attend over ``[compressed layer ℓ (+β); probe tokens]`` so that layer ℓ + 1 sees the compressed model."""
+    attend (transformers' SDPA with :class:`zipkv.cache.DistilledLayer`'s mask) over ``[compressed layer ℓ (+β);
+    probe tokens]`` so that layer ℓ + 1 sees the compressed model."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from zipkv.cache import DistilledLayer
+
     state = _cascade
     layer = module.layer_idx
     lc, tr, va = state["inputs"][layer]
@@ -426,23 +427,20 @@ def _cascade_attention(module, query, key, value, attention_mask, scaling, dropo
     out = {name: [o[name][0] for o in heads] for name in heads[0]}
     state["solved"][layer] = out
     n_max = max(int(state["ks"][layer].max()) + m, 1)
-    keys = key.new_zeros(1, H, n_max, d)
-    values = value.new_zeros(1, H, n_max, d)
-    bias = torch.full((1, H, n_max), float("-inf"), dtype=torch.float32, device=key.device)
+    keys = key.new_zeros(H, n_max, d)
+    values = value.new_zeros(H, n_max, d)
+    valid = torch.zeros(H, n_max, dtype=torch.bool, device=key.device)
+    bias = torch.zeros(H, n_max, dtype=torch.float32, device=key.device)
     for h in range(H):
         k = out["keys"][h].shape[0]
-        keys[0, h, :k + m] = torch.cat([out["keys"][h].to(key), lc.keys[h, N - m:].to(key)])
-        values[0, h, :k + m] = torch.cat([out["values"][h].to(value), lc.values[h, N - m:].to(value)])
-        bias[0, h, :k] = out["bias"][h].float().to(key.device)
-        bias[0, h, k:k + m] = 0.0
-    from .bias import _bias, _biased_attention
-
-    _bias[layer] = bias
-    try:
-        return _biased_attention(module, query, torch.cat([keys, key[:, :, N:]], dim=2),
-                                 torch.cat([values, value[:, :, N:]], dim=2), None, scaling)
-    finally:
-        _bias.pop(layer, None)
+        keys[h, :k + m] = torch.cat([out["keys"][h].to(key), lc.keys[h, N - m:].to(key)])
+        values[h, :k + m] = torch.cat([out["values"][h].to(value), lc.values[h, N - m:].to(value)])
+        valid[h, :k + m] = True
+        bias[h, :k] = out["bias"][h].float().to(key.device)
+    # the DistilledCache's mask: β on the cached pairs, −inf on padding, the probe tokens causal
+    mask = DistilledLayer(keys, values, valid, bias).additive_mask(P, g, query.dtype)
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, torch.cat([keys[None], key[:, :, N:]], dim=2),
+                                           torch.cat([values[None], value[:, :, N:]], dim=2), mask, scaling=scaling)
 
 
 @torch.no_grad()
