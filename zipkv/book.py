@@ -262,6 +262,12 @@ def _parameters_used(nb) -> dict:
     return used
 
 
+def _shows_figure(cell) -> bool:
+    """Whether an executed code cell's outputs hold an image (shown directly or glued for a captioned figure)."""
+    return cell.cell_type == "code" and any(
+        any(k.endswith("image/png") for k in o.get("data", {})) for o in cell.get("outputs", []))
+
+
 def _stamp(executed: Path, record: dict) -> None:
     """Write provenance into the notebook's metadata and as a box under the chapter's verdict and
     headline (else under its title), with the parameters the run used and, for a chapter rebuilt from
@@ -298,6 +304,8 @@ def _stamp(executed: Path, record: dict) -> None:
     verdict = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code" and any(
         str(o.get("data", {}).get("text/markdown", "")).startswith(":::{admonition}") for o in c.get("outputs", []))), None)
     at = verdict + 1 if verdict is not None else 1 if nb.cells and nb.cells[0].cell_type == "markdown" else 0
+    if verdict is not None and at < len(nb.cells) and _shows_figure(nb.cells[at]):
+        at += 1  # the headline figure's own cell follows the verdict's
     nb.cells.insert(at, cell)  # under the verdict and headline, else under the title
     for c in nb.cells:  # the book shows results first; code stays one click away, parameters are in the box
         tags = c.metadata.setdefault("tags", [])
