@@ -420,7 +420,7 @@ def figure(table: pd.DataFrame):
 
     steps = table[table.tensor == "K+V"].set_index("codec")
     order = [c for c in ("flashinfer (bf16)", "zipfusion", "splitzip", "huffman") if c in steps.index]
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(8, 3.3))
     x = range(len(order))
     att = [steps.loc[c, "attention_ms_per_step"] for c in order]
     res = [steps.loc[c, "restore_ms_per_step"] for c in order]
