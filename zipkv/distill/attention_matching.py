@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from .bias import BiasedCache
-from .generalise import HeadTargets, _spd_solve, future_queries, objective
+from .generalise import HeadTargets, _spd_solve, future_queries, layer_targets, objective
 
 
 @dataclass
@@ -94,15 +94,10 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor,
     """Attention Matching on the ``P`` KV heads of one layer: ``keys``, ``values`` ``[P, N, d]`` → dict with
     ``keys``, ``values`` ``[P, k, d]``, ``bias`` ``[P, k]``, ``index`` and ``train``/``validation`` objectives."""
     cfg = config or AttentionMatchingConfig()
+    keys, values, t, a_old, scale = layer_targets(keys, values, train, m, k, scale, cfg.dtype, cfg.device)
     P, N, d = keys.shape
-    if not 1 <= k <= N - m:
-        raise ValueError(f"k={k}: expected 1 ≤ k ≤ N − m = {N - m}")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dev = cfg.device or keys.device
-    keys, values = keys.to(dev, cfg.dtype), values.to(dev, cfg.dtype)
-    t = HeadTargets.of(train.to(dev, cfg.dtype), keys, values, m, scale)
+    dev = keys.device
     v_ret = values[:, N - m:]
-    a_old = torch.exp(t.s_old - t.lse[..., None])
     importance = a_old.square().mean(dim=1).sqrt()  # rms attention per old key
     del a_old
     index = torch.topk(importance, k, dim=1).indices.sort(dim=1).values

@@ -194,6 +194,21 @@ def anchored_values(t: HeadTargets, keys_c, bias_c, v_sel, v_ret, ridges) -> lis
     return out
 
 
+def layer_targets(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor, m: int, k: int,
+                  scale: float | None, dtype, device):
+    """The inputs every per-layer fit starts from: ``keys``, ``values`` ``[P, N, d]`` on ``device`` in ``dtype``,
+    the full cache's targets on ``train`` (:class:`HeadTargets`), ``a_old`` ``[P, Q, N − m]`` (each training
+    query's attention to the old keys) and the score scale (``1/√d`` when ``None``). Checks 1 ≤ k ≤ N − m."""
+    P, N, d = keys.shape
+    if not 1 <= k <= N - m:
+        raise ValueError(f"k={k}: expected 1 ≤ k ≤ N − m = {N - m}")
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dev = device or keys.device
+    keys, values = keys.to(dev, dtype), values.to(dev, dtype)
+    t = HeadTargets.of(train.to(dev, dtype), keys, values, m, scale)
+    return keys, values, t, torch.exp(t.s_old - t.lse[..., None]), scale
+
+
 def distil_layer(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor, validation: torch.Tensor,
                  m: int, k: int, config: ZipkvConfig | None = None, scale: float | None = None) -> dict:
     """zipkv's distiller on the ``P`` KV heads of one layer (see the module docstring).
@@ -209,17 +224,12 @@ def distil_layer(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor, 
         positions), ``ridge`` ``[P]`` (the chosen ``λ₀``), ``train``/``validation`` ``[P]`` objectives.
     """
     cfg = config or ZipkvConfig()
-    P, N, d = keys.shape
-    if not 1 <= k <= N - m:
-        raise ValueError(f"k={k}: expected 1 ≤ k ≤ N − m = {N - m}")
     if cfg.selection not in ("mean", "max"):
         raise ValueError(f"selection={cfg.selection!r}: expected 'mean' or 'max'")
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    dev = cfg.device or keys.device
-    keys, values = keys.to(dev, cfg.dtype), values.to(dev, cfg.dtype)
-    t = HeadTargets.of(train.to(dev, cfg.dtype), keys, values, m, scale)
+    keys, values, t, a_old, scale = layer_targets(keys, values, train, m, k, scale, cfg.dtype, cfg.device)
+    P, N, d = keys.shape
+    dev = keys.device
     v_ret = values[:, N - m:]
-    a_old = torch.exp(t.s_old - t.lse[..., None])
     importance = a_old.mean(dim=1) if cfg.selection == "mean" else a_old.amax(dim=1)
     del a_old
     index = torch.topk(importance, k, dim=1).indices.sort(dim=1).values  # [P, k]
