@@ -204,7 +204,7 @@ def restore_step_benchmark(captures, splitzip: codecs.SplitZip, *, ctx: int = 20
                 codecs.decode_into(enc[i][0], buf_k, validate=False)
                 codecs.decode_into(enc[i][1], buf_v, validate=False)
 
-        def step():
+        def step(enc=enc):                      # bound now: the graphs below are captured after the loop
             for i in layer_src:
                 codecs.decode_into(enc[i][0], buf_k, validate=False)
                 codecs.decode_into(enc[i][1], buf_v, validate=False)
