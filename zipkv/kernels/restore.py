@@ -7,7 +7,7 @@ out-of-bounds access (:func:`zipkv.codecs.validate_payload` finds the corruption
 
 * :func:`splitzip_decode` (SplitZip-style, arXiv 2605.01708): one program rebuilds ``BLOCK`` values
   (whole 1,024-value chunks) from the sign+mantissa bytes and the 4-bit codes (two per byte,
-  even value in the low nibble) through the 16-entry exponent codebook (kernel arguments, no table load), then -- after a barrier,
+  even value in the low nibble) through the 16-entry exponent codebook (two 64-bit arguments), then -- after a barrier,
   so its own dense stores are visible -- patches its chunks' escapes (position in chunk, exponent).
 * :func:`huffman_decode` (DFloat11-style, arXiv 2504.11651): one program decodes ``CPP`` chunks of
   ``LANES`` lane streams each; lane ``j`` of a chunk decodes the chunk's values ``t*LANES + j``
@@ -89,31 +89,24 @@ def _splitzip_kernel(sm_ptr, code_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos
 
 
 @triton.jit
-def _book_exp(c, b0, b1, b2, b3):
-    """Exponent of 4-bit code ``c`` from the codebook held as four int32 words (entry i in byte i % 4 of word i // 4)."""
-    w = tl.where(c < 8, tl.where(c < 4, b0, b1), tl.where(c < 12, b2, b3))
-    return (w >> ((c & 3) * 8)) & 0xFF
-
-
-@triton.jit
-def _splitzip_words_kernel(sm32_ptr, code16_ptr, sm_ptr, b0, b1, b2, b3, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr,
+def _splitzip_words_kernel(sm32_ptr, code16_ptr, sm_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr,
                            out64_ptr, out_ptr, n_values, n_chunks, n_words, BLOCK: tl.constexpr,
                            CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
     """The same decode on 32-bit words: 4 sign+mantissa bytes and their 4 codes (16 bits) -> 4 BF16 values
-    as one 64-bit store (n_values a multiple of 4, the output 8-byte aligned). All arithmetic is 32-bit."""
+    as one 64-bit store (n_values a multiple of 4, the output 8-byte aligned)."""
     G: tl.constexpr = BLOCK // CHUNK
     pid = tl.program_id(0)
     w = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     ok = w < n_words
-    S = tl.load(sm32_ptr + w, mask=ok, other=0)
-    C = tl.load(code16_ptr + w, mask=ok, other=0).to(tl.int32) & 0xFFFF
-    lo = (S & 0xFF) | ((S & 0xFF00) << 8)                # bytes 0, 1 -> bits 0-7, 16-23
-    hi = ((S >> 16) & 0xFF) | ((S >> 8) & 0xFF0000)      # bytes 2, 3 -> bits 0-7, 16-23
-    lo = ((lo & 0x007F007F) | ((lo & 0x00800080) << 8)
-          | (_book_exp(C & 15, b0, b1, b2, b3) << 7) | (_book_exp((C >> 4) & 15, b0, b1, b2, b3) << 23))
-    hi = ((hi & 0x007F007F) | ((hi & 0x00800080) << 8)
-          | (_book_exp((C >> 8) & 15, b0, b1, b2, b3) << 7) | (_book_exp((C >> 12) & 15, b0, b1, b2, b3) << 23))
-    out = (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
+    S = tl.load(sm32_ptr + w, mask=ok, other=0).to(tl.int64) & 0xFFFFFFFF
+    C = tl.load(code16_ptr + w, mask=ok, other=0).to(tl.int64) & 0xFFFF
+    x = (S | (S << 16)) & 0x0000FFFF0000FFFF     # byte j of S -> bits 16j .. 16j+7
+    x = (x | (x << 8)) & 0x00FF00FF00FF00FF
+    out = (x & 0x007F007F007F007F) | ((x & 0x0080008000800080) << 8)
+    for j in tl.static_range(4):                 # value j's code is nibble j of C
+        c = (C >> (4 * j)) & 15
+        book = tl.where(c < 8, book_lo, book_hi).to(tl.int64)
+        out |= ((book >> ((c & 7) * 8)) & 0xFF) << (16 * j + 7)
     tl.store(out64_ptr + w, out, mask=ok)
     tl.debug_barrier()
     _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
@@ -175,12 +168,12 @@ of :func:`zipkv.restore_baselines.decode_launch_sweep` times both)."""
 HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=False)
 
 
-def _book_words(book: list[int], per_word: int = 8):
-    """The 16 codebook exponents as signed integers of ``per_word`` bytes (entry i in byte i % per_word)."""
-    words, bits = [], 8 * per_word
-    for j in range(0, 16, per_word):
-        w = sum(int(e) << (8 * i) for i, e in enumerate(book[j:j + per_word]))
-        words.append(w - (1 << bits) if w >= 1 << (bits - 1) else w)
+def _book_words(book: list[int]):
+    """The 16 codebook exponents as two signed 64-bit integers (entry i in byte i % 8)."""
+    words = []
+    for half in (book[:8], book[8:]):
+        w = sum(int(e) << (8 * i) for i, e in enumerate(half))
+        words.append(w - (1 << 64) if w >= 1 << 63 else w)
     return words
 
 
@@ -204,8 +197,7 @@ def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_valu
     if words is None:
         words = SPLITZIP_LAUNCH["words"]
     if words and n_values % 4 == 0 and out16.data_ptr() % 8 == 0:
-        _splitzip_words_kernel[grid](sm.view(torch.int32), codes.view(torch.int16), sm, *_book_words(book, 4),
-                                     esc_indptr, esc_pos,
+        _splitzip_words_kernel[grid](sm.view(torch.int32), codes.view(torch.int16), sm, lo, hi, esc_indptr, esc_pos,
                                      esc_exp, out16.view(torch.int64), out16, n_values, n_chunks, n_values // 4, **meta)
     else:
         _splitzip_kernel[grid](sm, codes, lo, hi, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks,
