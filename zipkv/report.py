@@ -55,7 +55,6 @@ def figure(fig, caption: str, *, name: str) -> None:
     shown. ``name`` must be unique within the book (letters, digits, ``-`` and ``_``).
     """
     import matplotlib.pyplot as plt
-    from myst_nb import glue
 
     if not re.fullmatch(r"[A-Za-z][\w-]*", name or ""):
         raise ValueError(f"name={name!r}: expected a label of letters, digits, '-' and '_', starting with a letter")
@@ -63,12 +62,28 @@ def figure(fig, caption: str, *, name: str) -> None:
         raise ValueError(f"caption={caption!r}: expected a non-empty string")
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    glue(name, fig, display=False)  # the book's copy of the image, placed by the directive below
+    _glue(name, fig)  # the book's copy of the image, placed by the directive below
     plt.close(fig)
     png = base64.b64encode(buffer.getvalue()).decode()
     _display(f"```{{glue:figure}} {name}\n:name: {name}\n\n{caption}\n```",
              f'<figure><img src="data:image/png;base64,{png}" style="max-width:100%">'
              f"<figcaption><b>Figure.</b> {_inline_html(caption)}</figcaption></figure>")
+
+
+def _glue(name: str, obj) -> None:
+    """Store ``obj``'s display data under ``name`` for myst-nb's ``glue:`` directives, hidden in the notebook.
+
+    The output myst-nb's ``glue(name, obj, display=False)`` writes (a mime bundle prefixed
+    ``application/papermill.record/`` with ``scrapbook`` metadata), written here so that executing a
+    chapter needs IPython only: myst-nb's own function imports docutils and Sphinx.
+    """
+    from IPython.core.formatters import format_display_data
+    from IPython.display import display
+
+    prefix = "application/papermill.record/"
+    bundle, metadata = format_display_data(obj)
+    metadata["scrapbook"] = dict(name=name, mime_prefix=prefix)
+    display({prefix + k: v for k, v in bundle.items()}, raw=True, metadata=metadata)
 
 
 def markdown(text: str) -> None:
