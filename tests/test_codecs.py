@@ -69,12 +69,15 @@ def test_huffman_own_histogram_and_escapes_on_odd_sizes():
         roundtrip(enc, x)
 
 
-@pytest.fixture(params=[False, True], ids=["per-value", "words"])
+@pytest.fixture(params=[(False, False), (True, False), (True, True)], ids=["per-value", "words", "words-early"])
 def splitzip_kernel(request, monkeypatch):
-    """Both SplitZip decode kernels: per value, and on 32-bit words (where n_values % 4 == 0 and out is aligned)."""
+    """Both SplitZip decode kernels: per value, and on 32-bit words (where n_values % 4 == 0 and out is aligned),
+    the latter with its escapes loaded before or after the barrier."""
     from zipkv.kernels import restore
-    monkeypatch.setitem(restore.SPLITZIP_LAUNCH, "words", request.param)
-    return request.param
+    words, early = request.param
+    monkeypatch.setitem(restore.SPLITZIP_LAUNCH, "words", words)
+    monkeypatch.setitem(restore.SPLITZIP_LAUNCH, "early_escapes", early)
+    return words
 
 
 def test_splitzip_word_and_value_kernels_agree(splitzip_kernel):

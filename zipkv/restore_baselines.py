@@ -245,26 +245,32 @@ def restore_step_benchmark(captures, splitzip: codecs.SplitZip, *, ctx: int = 20
     return table
 
 
-def decode_launch_sweep(x: torch.Tensor, splitzip: codecs.SplitZip, reps: int = 10) -> pd.DataFrame:
-    """Decode GB/s (restored bf16 bytes per second) of both kernels over their launch options on ``x`` (GPU)."""
+def decode_launch_sweep(x: torch.Tensor, splitzip: codecs.SplitZip, reps: int = 10,
+                        v: torch.Tensor | None = None) -> pd.DataFrame:
+    """Decode GB/s (restored bf16 bytes per second) of both kernels over their launch options on ``x`` (GPU):
+    the SplitZip-style kernels on ``x`` (tensor K) and on ``v`` too when given (tensor V), Huffman on ``x``."""
     from zipkv.kernels import restore
 
     out = torch.empty_like(x)
     rows = []
-    e = splitzip.encode(x)
-    d = e.data
-    for words in (False, True):
-        for cpp in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
-                fn = lambda: restore.splitzip_decode(d["sm"], d["codes"], e.info["book"], d["esc_indptr"], d["esc_pos"],
-                                                     d["esc_exp"], out.view(torch.int16).reshape(-1), e.n_values,
-                                                     e.n_chunks, e.info["chunk"], chunks_per_program=cpp,
-                                                     num_warps=warps, words=words)
-                out.zero_()
-                fn()
-                ok = torch.equal(out.view(torch.int16), x.view(torch.int16))
-                rows.append(dict(codec="splitzip", words=words, chunks_per_program=cpp, num_warps=warps,
-                                 smem_lut=None, exact=ok, decode_gbps=2 * x.numel() / _events_ms(fn, reps) / 1e6))
+    options = [(False, False, cpp, warps) for cpp in (2, 4) for warps in (2, 4)] + \
+              [(True, early, cpp, warps) for early in (False, True) for cpp in (2, 4, 8) for warps in (1, 2, 4)]
+    for tensor, t in (("K", x), ("V", v)):
+        if t is None:
+            continue
+        e = splitzip.encode(t)
+        d = e.data
+        for words, early, cpp, warps in options:
+            fn = lambda: restore.splitzip_decode(d["sm"], d["codes"], e.info["book"], d["esc_indptr"], d["esc_pos"],
+                                                 d["esc_exp"], out.view(torch.int16).reshape(-1), e.n_values,
+                                                 e.n_chunks, e.info["chunk"], chunks_per_program=cpp,
+                                                 num_warps=warps, words=words, early_escapes=early)
+            out.zero_()
+            fn()
+            ok = torch.equal(out.view(torch.int16), t.view(torch.int16))
+            rows.append(dict(codec="splitzip", tensor=tensor, words=words, early_escapes=early,
+                             chunks_per_program=cpp, num_warps=warps, smem_lut=None, exact=ok,
+                             decode_gbps=2 * t.numel() / _events_ms(fn, reps) / 1e6))
     e = codecs.Huffman().encode(x)
     d, i = e.data, e.info
     for cpp in (8, 16, 32):
@@ -277,7 +283,7 @@ def decode_launch_sweep(x: torch.Tensor, splitzip: codecs.SplitZip, reps: int = 
                 out.zero_()
                 fn()
                 ok = torch.equal(out.view(torch.int16), x.view(torch.int16))
-                rows.append(dict(codec="huffman", chunks_per_program=cpp, num_warps=warps, smem_lut=smem, exact=ok,
+                rows.append(dict(codec="huffman", tensor="K", chunks_per_program=cpp, num_warps=warps, smem_lut=smem, exact=ok,
                                  decode_gbps=2 * x.numel() / _events_ms(fn, reps) / 1e6))
     return pd.DataFrame(rows)
 
@@ -286,7 +292,8 @@ def main(argv=None):
     """``python -m zipkv.restore_baselines SAMPLE OUT_DIR``: the GPU run behind the chapter, from a saved sample
     (``torch.save(dict(layers=[(K, V), ...], codebook=[...]))``: every 4th layer of one 2048-token PG19 window (seed
     0) and the SplitZip codebook calibrated on another (seed 1); captured and saved first when SAMPLE does not
-    exist): launch sweep, then :func:`restore_step_benchmark`; writes ``restore_launch_sweep.csv`` and
+    exist): launch sweep, then :func:`restore_step_benchmark` with the sweep's best SplitZip-style launch (the one
+    whose slower tensor is fastest, recorded in the table's ``splitzip_launch``); writes ``restore_launch_sweep.csv`` and
     ``zipfusion_restore_baselines_gpu.csv`` into OUT_DIR."""
     import argparse
     import datetime
@@ -304,12 +311,20 @@ def main(argv=None):
         torch.save(dict(layers=[tuple(t.cpu() for t in x) for x in layers[::4]], codebook=book.codebook), a.sample)
     sample = torch.load(a.sample)
     book = codecs.SplitZip(sample["codebook"])
-    k, _ = llama_shaped_kv([t.to("cuda") for t in sample["layers"][0]], 32, 2048)
+    k, v = llama_shaped_kv([t.to("cuda") for t in sample["layers"][0]], 32, 2048)
     stamp = dict(date=datetime.date.today().isoformat(), commit=a.commit)
-    sweep = decode_launch_sweep(_nhd(k), book, a.reps).assign(device=torch.cuda.get_device_name(), **stamp)
+    sweep = decode_launch_sweep(_nhd(k), book, a.reps, v=_nhd(v)).assign(device=torch.cuda.get_device_name(), **stamp)
     sweep.to_csv(Path(a.out) / "restore_launch_sweep.csv", index=False)
     print(sweep.to_string())
-    del k
+    del k, v
+    from zipkv.kernels import restore
+    sz = sweep[(sweep.codec == "splitzip") & sweep.exact].groupby(["words", "early_escapes", "chunks_per_program",
+                                                                  "num_warps"]).decode_gbps.min()
+    words, early, cpp, warps = sz.idxmax()        # the launch whose slower tensor (K or V) is fastest
+    restore.SPLITZIP_LAUNCH.update(words=bool(words), early_escapes=bool(early), chunks_per_program=int(cpp),
+                                   num_warps=int(warps))
+    print("SplitZip-style launch for the step benchmark:", restore.SPLITZIP_LAUNCH)
+    stamp["splitzip_launch"] = str(restore.SPLITZIP_LAUNCH)
     table = restore_step_benchmark([sample["layers"]], book, reps=a.reps, progress=False).assign(**stamp)
     table.to_csv(Path(a.out) / "zipfusion_restore_baselines_gpu.csv", index=False)
     print(table.to_string())

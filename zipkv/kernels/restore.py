@@ -45,26 +45,40 @@ def _last_at_most(starts, k, G: tl.constexpr, LOG_G: tl.constexpr):
 
 
 @triton.jit
+def _escape_range(chunk0, esc_indptr_ptr, n_chunks, G: tl.constexpr):
+    """The escapes of chunks chunk0 .. chunk0+G-1: their first escapes ``starts`` [G] and the range e0 .. e1."""
+    g = tl.arange(0, G)
+    starts = tl.load(esc_indptr_ptr + tl.minimum(chunk0 + g, n_chunks))    # [G] first escape of each chunk
+    ends = tl.load(esc_indptr_ptr + tl.minimum(chunk0 + g + 1, n_chunks))
+    return starts, tl.min(starts, 0), tl.max(ends, 0)
+
+
+@triton.jit
+def _escape_block(e, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, n_values,
+                  G: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
+    """Escapes e .. e+ESC_BLOCK-1 (those below e1): value index, its BF16 bits, and which are live (loads only)."""
+    k = e + tl.arange(0, ESC_BLOCK)
+    live = k < e1
+    pos = tl.load(esc_pos_ptr + k, mask=live, other=0).to(tl.int32)
+    ex = tl.load(esc_exp_ptr + k, mask=live, other=0).to(tl.int32)
+    chunk = chunk0 + _last_at_most(starts, k, G, LOG_G)
+    v = chunk.to(tl.int64) * CHUNK + pos
+    live = live & (pos >= 0) & (pos < CHUNK) & (v < n_values)
+    s = tl.load(sm_ptr + v, mask=live, other=0).to(tl.int32)
+    return v, _bf16_bits(s, ex).to(tl.int16), live
+
+
+@triton.jit
 def _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
                    G: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
     """Program ``pid``'s escapes (its G chunks'): value chunk*CHUNK + pos gets exponent esc_exp."""
     chunk0 = pid * G
-    g = tl.arange(0, G)
-    starts = tl.load(esc_indptr_ptr + tl.minimum(chunk0 + g, n_chunks))    # [G] first escape of each chunk
-    ends = tl.load(esc_indptr_ptr + tl.minimum(chunk0 + g + 1, n_chunks))
-    e0 = tl.min(starts, 0)                      # the program's escapes: e0 .. e1
-    e1 = tl.max(ends, 0)
+    starts, e0, e1 = _escape_range(chunk0, esc_indptr_ptr, n_chunks, G)
     e = e0
     while e < e1:                               # (a while loop: the interpreter's range() takes no tensor bounds)
-        k = e + tl.arange(0, ESC_BLOCK)
-        live = k < e1
-        pos = tl.load(esc_pos_ptr + k, mask=live, other=0).to(tl.int32)
-        ex = tl.load(esc_exp_ptr + k, mask=live, other=0).to(tl.int32)
-        chunk = chunk0 + _last_at_most(starts, k, G, LOG_G)
-        v = chunk.to(tl.int64) * CHUNK + pos
-        live = live & (pos >= 0) & (pos < CHUNK) & (v < n_values)
-        s = tl.load(sm_ptr + v, mask=live, other=0).to(tl.int32)
-        tl.store(out_ptr + v, _bf16_bits(s, ex).to(tl.int16), mask=live)
+        v, bits, live = _escape_block(e, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, n_values,
+                                      G, CHUNK, ESC_BLOCK, LOG_G)
+        tl.store(out_ptr + v, bits, mask=live)
         e += ESC_BLOCK
 
 
@@ -91,15 +105,23 @@ def _splitzip_kernel(sm_ptr, code_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos
 @triton.jit
 def _splitzip_words_kernel(sm32_ptr, code16_ptr, sm_ptr, book_lo, book_hi, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr,
                            out64_ptr, out_ptr, n_values, n_chunks, n_words, BLOCK: tl.constexpr,
-                           CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
+                           CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr,
+                           EARLY: tl.constexpr):
     """The same decode on 32-bit words: 4 sign+mantissa bytes and their 4 codes (16 bits) -> 4 BF16 values
-    as one 64-bit store (n_values a multiple of 4, the output 8-byte aligned)."""
+    as one 64-bit store (n_values a multiple of 4, the output 8-byte aligned). ``EARLY``: the first ESC_BLOCK
+    escapes are loaded (a chain of three dependent loads) while the dense words are in flight, and only
+    stored after the barrier."""
     G: tl.constexpr = BLOCK // CHUNK
     pid = tl.program_id(0)
     w = pid.to(tl.int64) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     ok = w < n_words
     S = tl.load(sm32_ptr + w, mask=ok, other=0).to(tl.int64) & 0xFFFFFFFF
     C = tl.load(code16_ptr + w, mask=ok, other=0).to(tl.int64) & 0xFFFF
+    if EARLY:
+        chunk0 = pid * G
+        starts, e0, e1 = _escape_range(chunk0, esc_indptr_ptr, n_chunks, G)
+        v, bits, live = _escape_block(e0, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, n_values,
+                                      G, CHUNK, ESC_BLOCK, LOG_G)
     x = (S | (S << 16)) & 0x0000FFFF0000FFFF     # byte j of S -> bits 16j .. 16j+7
     x = (x | (x << 8)) & 0x00FF00FF00FF00FF
     out = (x & 0x007F007F007F007F) | ((x & 0x0080008000800080) << 8)
@@ -109,8 +131,17 @@ def _splitzip_words_kernel(sm32_ptr, code16_ptr, sm_ptr, book_lo, book_hi, esc_i
         out |= ((book >> ((c & 7) * 8)) & 0xFF) << (16 * j + 7)
     tl.store(out64_ptr + w, out, mask=ok)
     tl.debug_barrier()
-    _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
-                   G, CHUNK, ESC_BLOCK, LOG_G)
+    if EARLY:
+        tl.store(out_ptr + v, bits, mask=live)
+        e = e0 + ESC_BLOCK
+        while e < e1:
+            v, bits, live = _escape_block(e, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, n_values,
+                                          G, CHUNK, ESC_BLOCK, LOG_G)
+            tl.store(out_ptr + v, bits, mask=live)
+            e += ESC_BLOCK
+    else:
+        _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
+                       G, CHUNK, ESC_BLOCK, LOG_G)
 
 
 @triton.jit
@@ -162,7 +193,7 @@ def _interpreting() -> bool:
 # GPU launch options from the H200 sweep (results/paper/zipfusion_restore_launch_sweep.csv, a515a67): SplitZip on
 # 32-bit words, 4 chunks x 2 warps (2.06 TB/s there, the sweep's best; per value 4 x 4 gave 1.84), Huffman 16 chunks
 # x 4 warps with the table read through L1 (the shared-memory gather was 3-4x slower).
-SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=2, words=True)
+SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=2, words=True, early_escapes=False)
 """``words``: the 32-bit-word SplitZip kernel where it applies, else the per-value one (both bit-exact; the sweep
 of :func:`zipkv.restore_baselines.decode_launch_sweep` times both)."""
 HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=False)
@@ -179,9 +210,10 @@ def _book_words(book: list[int]):
 
 def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_values: int, n_chunks: int,
                     chunk: int, *, chunks_per_program: int | None = None, num_warps: int | None = None,
-                    words: bool | None = None):
+                    words: bool | None = None, early_escapes: bool | None = None):
     """Launch the SplitZip-style decode (arguments already validated by :mod:`zipkv.codecs`). words: the
-    32-bit-word kernel where it applies (``n_values % 4 == 0``, ``out16`` 8-byte aligned), else per value.
+    32-bit-word kernel where it applies (``n_values % 4 == 0``, ``out16`` 8-byte aligned), else per value;
+    early_escapes: the word kernel loads its first escapes before the barrier.
 
     sm uint8 ``[n_chunks*chunk]``; codes uint8 ``[n_chunks*chunk/2]``; book: 16 exponents (host ints);
     esc_indptr int32 ``[n_chunks+1]``; esc_pos int16, esc_exp uint8 ``[n_escapes]``; out16 int16 ``[n_values]``.
@@ -198,7 +230,9 @@ def splitzip_decode(sm, codes, book, esc_indptr, esc_pos, esc_exp, out16, n_valu
         words = SPLITZIP_LAUNCH["words"]
     if words and n_values % 4 == 0 and out16.data_ptr() % 8 == 0:
         _splitzip_words_kernel[grid](sm.view(torch.int32), codes.view(torch.int16), sm, lo, hi, esc_indptr, esc_pos,
-                                     esc_exp, out16.view(torch.int64), out16, n_values, n_chunks, n_values // 4, **meta)
+                                     esc_exp, out16.view(torch.int64), out16, n_values, n_chunks, n_values // 4,
+                                     EARLY=SPLITZIP_LAUNCH["early_escapes"] if early_escapes is None else early_escapes,
+                                     **meta)
     else:
         _splitzip_kernel[grid](sm, codes, lo, hi, esc_indptr, esc_pos, esc_exp, out16, n_values, n_chunks,
                                n_chunks * chunk, **meta)
