@@ -47,15 +47,23 @@ SYNTHETIC = {
                                      "method": ["kvsculpt", "ours", "kvsculpt", "ours"], "kl": [0.06, 0.03, 0.05, 0.02],
                                      "seconds": [5.0, 7.0, 5.0, 7.0]}),
 }
+# Second tables a chapter writes beside its main one (same run, same commit).
+SIDE_TABLES = {
+    "kvsculpt_queries": {"kvsculpt_queries_stats": pd.DataFrame({
+        "window": [0, 0], "layer": [0, 1], "consecutive_cosine": [0.9, 0.92], "decode_captured": [0.8, 0.84]})},
+}
 
 
 def _results_copy(tmp_path, extra=(), drop=()):
     root = tmp_path / "results" / "paper"
     shutil.copytree(PAPER_RESULTS, root)
     for stem in drop:  # as before that chapter's table landed
-        (root / f"{stem}.csv").unlink(missing_ok=True)
+        for name in [stem, *SIDE_TABLES.get(stem, {})]:
+            (root / f"{name}.csv").unlink(missing_ok=True)
     for stem in extra:
         SYNTHETIC[stem].to_csv(root / f"{stem}.csv", index=False)
+        for name, table in SIDE_TABLES.get(stem, {}).items():
+            table.to_csv(root / f"{name}.csv", index=False)
     return root
 
 
