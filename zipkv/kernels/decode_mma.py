@@ -86,6 +86,8 @@ V_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_w
 RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 SCALES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 COLS = gl.constexpr(gl.SliceLayout(0, MMA.value))
+RESCALE_LOG2 = gl.constexpr(8.0)
+"""Lazy rescaling threshold of the online softmax (log2 units): see :func:`_softmax_step`."""
 K_ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, K_REGS.value)))   # a key tile's 16 token rows
 V_ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, V_REGS.value)))   # a value chunk's 4 block rows
 
@@ -125,6 +127,23 @@ def _select_words(low, code, raw_a, raw_b, comp, HIGH: gl.constexpr):
             "and.b32 t, $3, 0x07070707; or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 x, $2, n, 0x5140; "
             "prmt.b32 y, $2, n, 0x7362; selp.b32 $0, x, $4, p; selp.b32 $1, y, $5, p; }",
             "=r,=r,r,r,r,r,r", [low, code, raw_a, raw_b, comp], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _rebuild_words(low, code, HIGH: gl.constexpr):
+    """:func:`_rebuild128` on 32-bit words: a low-byte word and a code word (its low or HIGH nibbles) -> the
+    bf16 pair words of values (0, 1) and (2, 3) of the 4 (int32 in, int32 out), as :func:`_select_words` gives
+    them for a compressed row."""
+    if HIGH:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t; and.b32 n, $3, 0x80808080; shr.b32 t, $3, 4; and.b32 t, t, 0x07070707; "
+            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "=r,=r,r,r", [low, code], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    else:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; and.b32 t, $3, 0x07070707; "
+            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "=r,=r,r,r", [low, code], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -175,16 +194,24 @@ def _value_operand(v0, v1, v2, v3):
 @gluon.jit
 def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid):
     """One page of ``valid`` tokens: scores (log2 domain, scaled per token), online softmax,
-    ``acc += P @ V``."""
+    ``acc += P @ V``. The running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a row's
+    page max exceeds it by more than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays
+    <= 2^RESCALE_LOG2 and the result is the same up to rounding (``m_i`` cancels in ``acc / l_i`` and
+    in the log-sum-exp), and most pages skip the 64 multiplies per lane of the rescale."""
     st = gl.arange(0, 16, layout=COLS)
     sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
     sc = gl.where((st < valid)[None, :], sc, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(sc - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    m_page = gl.max(sc, axis=1)                      # finite: every page has a token
+    if gl.max(m_page - m_i, axis=0) > RESCALE_LOG2:
+        m_new = gl.maximum(m_i, m_page)
+        alpha = gl.exp2(m_i - m_new)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    p = gl.exp2(sc - m_i[:, None])
+    l_i = l_i + gl.sum(p, axis=1)
     pb = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16), A_OP)
-    return m_new, l_i, mma_v2(pb, vop, acc * alpha[:, None])
+    return m_i, l_i, mma_v2(pb, vop, acc)
 
 
 # ----------------------------------------------------------------------------- pipeline
@@ -266,49 +293,76 @@ def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd):
 
 
 @gluon.jit
-def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
+def _all_compressed(dsc):
+    """1 if every block of the page-head descriptors ``dsc`` (a row per token or per block) is
+    compressed, else 0: a scalar, the same in every lane (the warp-uniform branch of MIXED pages)."""
+    return gl.min(_compressed(dsc).to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, kall, vall):
     """cp.async of a page of any blocks into ring ``slot`` of raw size: keys as 4 tiles ``[16, 4, 16]``, values
     as 8 chunks ``[4, 8, 16]`` of bytes. A compressed key row fills tiles 0-2 (low bytes of channel bit 6 = 0,
     1; codes), a raw one tiles 0-1 (its bf16 of channel bit 6 = 0) and 2-3 (bit 6 = 1); a compressed value
     block row fills chunks 0-5 as the compressed ring, a raw one chunk 2c + i with bytes 16i.. of its bf16
-    chunk c. Only stored bytes are read (the unused tiles of a compressed row are zero-filled)."""
+    chunk c. Only stored bytes are read. ``kall`` / ``vall`` (page-level, warp-uniform): every key / value
+    block compressed, then only the compressed tiles are copied, with no per-row select."""
     kt, kq, kj, vm, vr = _tile_indices()
-    kc = _compressed(kd)
-    vc = _compressed(vd)
     kq3 = kq[None, :, None]
     vm3 = vm[None, :, None]
-    kc3 = kc[:, None, None]
-    vc3 = vc[:, None, None]
-    kbase = ((kd >> 8) + (kt % 4) * 64)[:, None, None]
-    for u in gl.static_range(4):
-        off = gl.where(kc3, kbase + u * 256 + kq3 * 16, kbase * 2 - (kd >> 8)[:, None, None]
-                       + (u // 2) * 512 + kq3 * 32 + (u % 2) * 16)
-        ptr = pool_ptr + gl.multiple_of(off, [16, 16, 16]) + kj[None, None, :]
-        if u == 3:
-            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), ptr, mask=~kc3)
-        else:
-            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), ptr)
-    vbase = (vd >> 8)[:, None, None]
-    for u in gl.static_range(8):
-        off = gl.where(vc3, vbase + u * 128 + vm3 * 16, vbase + (u // 2) * 256 + vm3 * 32 + (u % 2) * 16)
-        ptr = pool_ptr + gl.multiple_of(off, [16, 16, 16]) + vr[None, None, :]
-        if u >= 6:
-            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), ptr, mask=~vc3)
-        else:
-            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), ptr)
+    krow = ((kd >> 8) + (kt % 4) * 64)[:, None, None]                 # compressed row start (raw: + (t % 4) * 64)
+    vrow = (vd >> 8)[:, None, None]
+    if kall != 0:
+        for u in gl.static_range(3):
+            kptr = pool_ptr + gl.multiple_of(krow + (u * 256 + kq3 * 16), [16, 16, 16]) + kj[None, None, :]
+            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), kptr)
+    else:
+        kc3 = _compressed(kd)[:, None, None]
+        kraw = ((kt % 4) * 64)[:, None, None] + kq3 * 32
+        for u in gl.static_range(4):
+            krel = gl.where(kc3, u * 256 + kq3 * 16, kraw + ((u // 2) * 512 + (u % 2) * 16))
+            kptr = pool_ptr + gl.multiple_of(krow + krel, [16, 16, 16]) + kj[None, None, :]
+            if u == 3:
+                async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), kptr, mask=~kc3)
+            else:
+                async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), kptr)
+    if vall != 0:
+        for u in gl.static_range(6):
+            vptr = pool_ptr + gl.multiple_of(vrow + (u * 128 + vm3 * 16), [16, 16, 16]) + vr[None, None, :]
+            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), vptr)
+    else:
+        vc3 = _compressed(vd)[:, None, None]
+        for u in gl.static_range(8):
+            vrel = gl.where(vc3, u * 128 + vm3 * 16, (u // 2) * 256 + vm3 * 32 + (u % 2) * 16)
+            vptr = pool_ptr + gl.multiple_of(vrow + vrel, [16, 16, 16]) + vr[None, None, :]
+            if u >= 6:
+                async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), vptr, mask=~vc3)
+            else:
+                async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), vptr)
 
 
 @gluon.jit
-def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexpr):
-    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``)."""
+def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, code, KIND: gl.constexpr):
+    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``, ``code``
+    its :func:`_page_code`)."""
     if KIND == COMPRESSED:
         _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd)
     elif KIND == RAW:
         _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd)
     else:
-        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd)
+        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, code & 1, code & 2)
         kflags.index(slot).store(_compressed(kd).to(gl.int32))
         vflags.index(slot).store(_compressed(vd).to(gl.int32))
+
+
+@gluon.jit
+def _page_code(kd, vd, KIND: gl.constexpr):
+    """MIXED pages: bit 0 set if every key block of the page-head is compressed, bit 1 if every value
+    block is (a warp-uniform scalar); 0 for the other specialisations."""
+    if KIND == MIXED:
+        return _all_compressed(kd) | (_all_compressed(vd) << 1)
+    else:
+        return 0
 
 
 @gluon.jit
@@ -329,49 +383,66 @@ def _rebuilt_values(vbuf, slot):
 
 
 @gluon.jit
-def _mixed_operands(kbuf, vbuf, kflags, vflags, slot):
-    """MIXED page in ring ``slot`` -> the bf16 key tiles (channel bit 6 = 0, 1) and value chunks, each row
-    rebuilt or raw as its block is stored: one word-wise rebuild-or-raw select (:func:`_select_words`)."""
+def _mixed_keys(kbuf, kflags, slot, kall):
+    """MIXED page in ring ``slot`` -> the bf16 key tiles (channel bit 6 = 0, 1): all compressed (``kall``,
+    warp-uniform) rebuilt as in COMPRESSED, else each row rebuilt or raw as its block is stored, by one
+    word-wise rebuild-or-raw select (:func:`_select_words`). Both branches give 32-bit pair words (a branch
+    merge of bf16 values would cost a byte permute per value)."""
     kw = kbuf._reinterpret(gl.int32, [kbuf.shape[0], 16, 4, 4], RING)
-    vw = vbuf._reinterpret(gl.int32, [vbuf.shape[0], 4, 8, 4], RING)
     t0 = kw.index(slot * 4).load(K_WORDS)
     t1 = kw.index(slot * 4 + 1).load(K_WORDS)
     t2 = kw.index(slot * 4 + 2).load(K_WORDS)
-    t3 = kw.index(slot * 4 + 3).load(K_WORDS)
-    kc = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + t0 * 0
-    ra, rb = _raw_pairs(t0, t1, K_WORDS)
-    a0, b0 = _select_words(t0, t2, ra, rb, kc, False)
-    ra, rb = _raw_pairs(t2, t3, K_WORDS)
-    a1, b1 = _select_words(t1, t2, ra, rb, kc, True)
-    k0 = _words_to_values(a0, b0, K_REGS)
-    k1 = _words_to_values(a1, b1, K_REGS)
+    if kall != 0:
+        a0, b0 = _rebuild_words(t0, t2, False)
+        a1, b1 = _rebuild_words(t1, t2, True)
+    else:
+        t3 = kw.index(slot * 4 + 3).load(K_WORDS)
+        kcomp = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + t0 * 0
+        ra, rb = _raw_pairs(t0, t1, K_WORDS)
+        a0, b0 = _select_words(t0, t2, ra, rb, kcomp, False)
+        ra, rb = _raw_pairs(t2, t3, K_WORDS)
+        a1, b1 = _select_words(t1, t2, ra, rb, kcomp, True)
+    return _words_to_values(a0, b0, K_REGS), _words_to_values(a1, b1, K_REGS)
+
+
+@gluon.jit
+def _mixed_values(vbuf, vflags, slot, vall):
+    """MIXED page in ring ``slot`` -> the four bf16 value chunks, as :func:`_mixed_keys` (``vall``: every
+    value block compressed)."""
+    vw = vbuf._reinterpret(gl.int32, [vbuf.shape[0], 4, 8, 4], RING)
     u0 = vw.index(slot * 8).load(V_WORDS)
     u1 = vw.index(slot * 8 + 1).load(V_WORDS)
     u2 = vw.index(slot * 8 + 2).load(V_WORDS)
     u3 = vw.index(slot * 8 + 3).load(V_WORDS)
     u4 = vw.index(slot * 8 + 4).load(V_WORDS)
     u5 = vw.index(slot * 8 + 5).load(V_WORDS)
-    u6 = vw.index(slot * 8 + 6).load(V_WORDS)
-    u7 = vw.index(slot * 8 + 7).load(V_WORDS)
-    vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
-    ra, rb = _raw_pairs(u0, u1, V_WORDS)
-    a, b = _select_words(u0, u4, ra, rb, vc, False)
-    v0 = _words_to_values(a, b, V_REGS)
-    ra, rb = _raw_pairs(u2, u3, V_WORDS)
-    a, b = _select_words(u1, u5, ra, rb, vc, False)
-    v1 = _words_to_values(a, b, V_REGS)
-    ra, rb = _raw_pairs(u4, u5, V_WORDS)
-    a, b = _select_words(u2, u4, ra, rb, vc, True)
-    v2 = _words_to_values(a, b, V_REGS)
-    ra, rb = _raw_pairs(u6, u7, V_WORDS)
-    a, b = _select_words(u3, u5, ra, rb, vc, True)
-    v3 = _words_to_values(a, b, V_REGS)
-    return k0, k1, v0, v1, v2, v3
+    if vall != 0:
+        a0, b0 = _rebuild_words(u0, u4, False)
+        a1, b1 = _rebuild_words(u1, u5, False)
+        a2, b2 = _rebuild_words(u2, u4, True)
+        a3, b3 = _rebuild_words(u3, u5, True)
+    else:
+        u6 = vw.index(slot * 8 + 6).load(V_WORDS)
+        u7 = vw.index(slot * 8 + 7).load(V_WORDS)
+        vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
+        ra, rb = _raw_pairs(u0, u1, V_WORDS)
+        a0, b0 = _select_words(u0, u4, ra, rb, vc, False)
+        ra, rb = _raw_pairs(u2, u3, V_WORDS)
+        a1, b1 = _select_words(u1, u5, ra, rb, vc, False)
+        ra, rb = _raw_pairs(u4, u5, V_WORDS)
+        a2, b2 = _select_words(u2, u4, ra, rb, vc, True)
+        ra, rb = _raw_pairs(u6, u7, V_WORDS)
+        a3, b3 = _select_words(u3, u5, ra, rb, vc, True)
+    return (_words_to_values(a0, b0, V_REGS), _words_to_values(a1, b1, V_REGS),
+            _words_to_values(a2, b2, V_REGS), _words_to_values(a3, b3, V_REGS))
 
 
 @gluon.jit
-def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid, KIND: gl.constexpr):
-    """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state."""
+def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid, code, KIND: gl.constexpr,
+             LAST: gl.constexpr):
+    """Page in ring ``slot`` (its first ``valid`` tokens; MIXED: ``code`` its :func:`_page_code`) into the
+    softmax state. Only the LAST page of a range may be partial (``valid < 16``): the pipeline's loop
+    takes full pages, so it has no token mask and no branch merge of the value operand."""
     if KIND == COMPRESSED:
         k0, k1 = _rebuilt_keys(kbuf, slot)
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
@@ -380,12 +451,14 @@ def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scal
         v0, v1 = vbuf.index(slot * 4).load(V_REGS), vbuf.index(slot * 4 + 1).load(V_REGS)
         v2, v3 = vbuf.index(slot * 4 + 2).load(V_REGS), vbuf.index(slot * 4 + 3).load(V_REGS)
     else:
-        k0, k1, v0, v1, v2, v3 = _mixed_operands(kbuf, vbuf, kflags, vflags, slot)
+        k0, k1 = _mixed_keys(kbuf, kflags, slot, code & 1)
+        v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot, code & 2)
     kop = _key_operand(k0, k1)
     vop = _value_operand(v0, v1, v2, v3)
-    if KIND != COMPRESSED:                   # raw bytes past a partial page may be any bf16 (inf, nan)
-        tv = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
-        vop = gl.where((tv < valid)[:, None], vop, 0.0)
+    if KIND != COMPRESSED and LAST:
+        if valid < 16:                       # raw bytes past a partial page may be any bf16 (inf, nan)
+            tv = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
+            vop = gl.where((tv < valid)[:, None], vop, 0.0)
     return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid)
 
 
@@ -396,7 +469,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     others 16) through a ring of SLOTS shared-memory slots: while
     page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
     the page id of i+SLOTS+1 are in flight. The per-token scales (and MIXED: the block flags) wait in
-    the ring too."""
+    the ring too. The last page of the range is computed after the loop (:func:`_compute`'s LAST)."""
     NK: gl.constexpr = 3 if KIND == COMPRESSED else (2 if KIND == RAW else 4)   # key tiles, value chunks per slot
     NV: gl.constexpr = 6 if KIND == COMPRESSED else (4 if KIND == RAW else 8)
     ELEM: gl.constexpr = gl.bfloat16 if KIND == RAW else gl.uint8
@@ -406,10 +479,13 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     kflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 16], SCALES)
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
     last = hi - 1
+    codes = lo * 0                                  # MIXED: 2 bits (_page_code) per page in the ring, page i lowest
     for j in gl.static_range(SLOTS - 1):
         pg = gl.load(indices_ptr + p_start + gl.minimum(lo + j, last)).to(gl.int64)
         kd, vd = _descs(desc_ptr, pg, h, HKV)
-        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, KIND)
+        code = _page_code(kd, vd, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, code, KIND)
+        codes = codes | (code << (2 * j))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, KIND)
         sbuf.index(2 * j).store(ks)
@@ -417,9 +493,11 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     pga = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS - 1, last)).to(gl.int64)
     kdn, vdn = _descs(desc_ptr, pga, h, HKV)
     pgn = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS, last)).to(gl.int64)
-    for i in range(lo, hi):
+    for i in range(lo, hi - 1):                                          # full pages: no token mask
         ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of page i + SLOTS - 1
-        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, KIND)
+        code = _page_code(kdn, vdn, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, code, KIND)
+        codes = codes | (code << (2 * (SLOTS - 1)))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, KIND)
         sbuf.index(2 * ahead).store(ks)
@@ -431,9 +509,13 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
                                  sbuf.index(2 * slot).load(COLS), sbuf.index(2 * slot + 1).load(COLS),
-                                 gl.where(i == last_page, last_len, 16), KIND)
-    async_copy.wait_group(0)
-    return m_i, l_i, acc
+                                 16, codes & 3, KIND, False)
+        codes = codes >> 2
+    async_copy.wait_group(0)                                              # page hi - 1, maybe partial
+    slot = (hi - 1 - lo) % SLOTS
+    return _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, sbuf.index(2 * slot).load(COLS),
+                    sbuf.index(2 * slot + 1).load(COLS), gl.where(hi - 1 == last_page, last_len, 16), codes & 3,
+                    KIND, True)
 
 
 # ----------------------------------------------------------------------------- kernel
