@@ -271,9 +271,9 @@ def _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd):
     ka = pool_ptr + gl.multiple_of((kd >> 8) + (kt % 4) * 64, 16)[:, None, None] + k_in
     va = pool_ptr + gl.multiple_of(vd >> 8, 256)[:, None, None] + v_in
     for c in gl.static_range(3):
-        async_copy.async_copy_global_to_shared(kbuf.index(slot * 3 + c), ka + c * 256)
+        async_copy.async_copy_global_to_shared(kbuf[c].index(slot), ka + c * 256)
     for c in gl.static_range(6):
-        async_copy.async_copy_global_to_shared(vbuf.index(slot * 6 + c), va + c * 128)
+        async_copy.async_copy_global_to_shared(vbuf[c].index(slot), va + c * 128)
 
 
 @gluon.jit
@@ -287,9 +287,9 @@ def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd):
     ka = pool16 + gl.multiple_of((kd >> 9) + (kt % 4) * 64, 8)[:, None, None] + k_in
     va = pool16 + gl.multiple_of(vd >> 9, 128)[:, None, None] + v_in
     for c in gl.static_range(2):
-        async_copy.async_copy_global_to_shared(kbuf.index(slot * 2 + c), ka + c * 256)
+        async_copy.async_copy_global_to_shared(kbuf[c].index(slot), ka + c * 256)
     for c in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(vbuf.index(slot * 4 + c), va + c * 128)
+        async_copy.async_copy_global_to_shared(vbuf[c].index(slot), va + c * 128)
 
 
 @gluon.jit
@@ -315,7 +315,7 @@ def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, kall, vall):
     if kall != 0:
         for u in gl.static_range(3):
             kptr = pool_ptr + gl.multiple_of(krow + (u * 256 + kq3 * 16), [16, 16, 16]) + kj[None, None, :]
-            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), kptr)
+            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr)
     else:
         kc3 = _compressed(kd)[:, None, None]
         kraw = ((kt % 4) * 64)[:, None, None] + kq3 * 32
@@ -323,22 +323,22 @@ def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, kall, vall):
             krel = gl.where(kc3, u * 256 + kq3 * 16, kraw + ((u // 2) * 512 + (u % 2) * 16))
             kptr = pool_ptr + gl.multiple_of(krow + krel, [16, 16, 16]) + kj[None, None, :]
             if u == 3:
-                async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), kptr, mask=~kc3)
+                async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr, mask=~kc3)
             else:
-                async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), kptr)
+                async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr)
     if vall != 0:
         for u in gl.static_range(6):
             vptr = pool_ptr + gl.multiple_of(vrow + (u * 128 + vm3 * 16), [16, 16, 16]) + vr[None, None, :]
-            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), vptr)
+            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr)
     else:
         vc3 = _compressed(vd)[:, None, None]
         for u in gl.static_range(8):
             vrel = gl.where(vc3, u * 128 + vm3 * 16, (u // 2) * 256 + vm3 * 32 + (u % 2) * 16)
             vptr = pool_ptr + gl.multiple_of(vrow + vrel, [16, 16, 16]) + vr[None, None, :]
             if u >= 6:
-                async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), vptr, mask=~vc3)
+                async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr, mask=~vc3)
             else:
-                async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), vptr)
+                async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr)
 
 
 @gluon.jit
@@ -367,19 +367,25 @@ def _page_code(kd, vd, KIND: gl.constexpr):
 
 @gluon.jit
 def _rebuilt_keys(kbuf, slot):
-    kc = kbuf.index(slot * 3 + 2).load(K_REGS)
-    return (_rebuild128(kbuf.index(slot * 3).load(K_REGS), kc, False),
-            _rebuild128(kbuf.index(slot * 3 + 1).load(K_REGS), kc, True))
+    kc = kbuf[2].index(slot).load(K_REGS)
+    return (_rebuild128(kbuf[0].index(slot).load(K_REGS), kc, False),
+            _rebuild128(kbuf[1].index(slot).load(K_REGS), kc, True))
 
 
 @gluon.jit
 def _rebuilt_values(vbuf, slot):
-    c0 = vbuf.index(slot * 6 + 4).load(V_REGS)
-    c1 = vbuf.index(slot * 6 + 5).load(V_REGS)
-    return (_rebuild128(vbuf.index(slot * 6).load(V_REGS), c0, False),
-            _rebuild128(vbuf.index(slot * 6 + 1).load(V_REGS), c1, False),
-            _rebuild128(vbuf.index(slot * 6 + 2).load(V_REGS), c0, True),
-            _rebuild128(vbuf.index(slot * 6 + 3).load(V_REGS), c1, True))
+    c0 = vbuf[4].index(slot).load(V_REGS)
+    c1 = vbuf[5].index(slot).load(V_REGS)
+    return (_rebuild128(vbuf[0].index(slot).load(V_REGS), c0, False),
+            _rebuild128(vbuf[1].index(slot).load(V_REGS), c1, False),
+            _rebuild128(vbuf[2].index(slot).load(V_REGS), c0, True),
+            _rebuild128(vbuf[3].index(slot).load(V_REGS), c1, True))
+
+
+@gluon.jit
+def _words(buf, slot, WORDS: gl.constexpr):
+    """Ring tile ``slot`` of a byte ring ``buf`` ``[SLOTS, a, b, 16]`` read as 32-bit words ``[a, b, 4]``."""
+    return buf._reinterpret(gl.int32, [buf.shape[0], buf.shape[1], buf.shape[2], 4], RING).index(slot).load(WORDS)
 
 
 @gluon.jit
@@ -388,15 +394,14 @@ def _mixed_keys(kbuf, kflags, slot, kall):
     warp-uniform) rebuilt as in COMPRESSED, else each row rebuilt or raw as its block is stored, by one
     word-wise rebuild-or-raw select (:func:`_select_words`). Both branches give 32-bit pair words (a branch
     merge of bf16 values would cost a byte permute per value)."""
-    kw = kbuf._reinterpret(gl.int32, [kbuf.shape[0], 16, 4, 4], RING)
-    t0 = kw.index(slot * 4).load(K_WORDS)
-    t1 = kw.index(slot * 4 + 1).load(K_WORDS)
-    t2 = kw.index(slot * 4 + 2).load(K_WORDS)
+    t0 = _words(kbuf[0], slot, K_WORDS)
+    t1 = _words(kbuf[1], slot, K_WORDS)
+    t2 = _words(kbuf[2], slot, K_WORDS)
     if kall != 0:
         a0, b0 = _rebuild_words(t0, t2, False)
         a1, b1 = _rebuild_words(t1, t2, True)
     else:
-        t3 = kw.index(slot * 4 + 3).load(K_WORDS)
+        t3 = _words(kbuf[3], slot, K_WORDS)
         kcomp = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + t0 * 0
         ra, rb = _raw_pairs(t0, t1, K_WORDS)
         a0, b0 = _select_words(t0, t2, ra, rb, kcomp, False)
@@ -409,21 +414,20 @@ def _mixed_keys(kbuf, kflags, slot, kall):
 def _mixed_values(vbuf, vflags, slot, vall):
     """MIXED page in ring ``slot`` -> the four bf16 value chunks, as :func:`_mixed_keys` (``vall``: every
     value block compressed)."""
-    vw = vbuf._reinterpret(gl.int32, [vbuf.shape[0], 4, 8, 4], RING)
-    u0 = vw.index(slot * 8).load(V_WORDS)
-    u1 = vw.index(slot * 8 + 1).load(V_WORDS)
-    u2 = vw.index(slot * 8 + 2).load(V_WORDS)
-    u3 = vw.index(slot * 8 + 3).load(V_WORDS)
-    u4 = vw.index(slot * 8 + 4).load(V_WORDS)
-    u5 = vw.index(slot * 8 + 5).load(V_WORDS)
+    u0 = _words(vbuf[0], slot, V_WORDS)
+    u1 = _words(vbuf[1], slot, V_WORDS)
+    u2 = _words(vbuf[2], slot, V_WORDS)
+    u3 = _words(vbuf[3], slot, V_WORDS)
+    u4 = _words(vbuf[4], slot, V_WORDS)
+    u5 = _words(vbuf[5], slot, V_WORDS)
     if vall != 0:
         a0, b0 = _rebuild_words(u0, u4, False)
         a1, b1 = _rebuild_words(u1, u5, False)
         a2, b2 = _rebuild_words(u2, u4, True)
         a3, b3 = _rebuild_words(u3, u5, True)
     else:
-        u6 = vw.index(slot * 8 + 6).load(V_WORDS)
-        u7 = vw.index(slot * 8 + 7).load(V_WORDS)
+        u6 = _words(vbuf[6], slot, V_WORDS)
+        u7 = _words(vbuf[7], slot, V_WORDS)
         vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
         ra, rb = _raw_pairs(u0, u1, V_WORDS)
         a0, b0 = _select_words(u0, u4, ra, rb, vc, False)
@@ -447,9 +451,9 @@ def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scal
         k0, k1 = _rebuilt_keys(kbuf, slot)
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
     elif KIND == RAW:
-        k0, k1 = kbuf.index(slot * 2).load(K_REGS), kbuf.index(slot * 2 + 1).load(K_REGS)
-        v0, v1 = vbuf.index(slot * 4).load(V_REGS), vbuf.index(slot * 4 + 1).load(V_REGS)
-        v2, v3 = vbuf.index(slot * 4 + 2).load(V_REGS), vbuf.index(slot * 4 + 3).load(V_REGS)
+        k0, k1 = kbuf[0].index(slot).load(K_REGS), kbuf[1].index(slot).load(K_REGS)
+        v0, v1 = vbuf[0].index(slot).load(V_REGS), vbuf[1].index(slot).load(V_REGS)
+        v2, v3 = vbuf[2].index(slot).load(V_REGS), vbuf[3].index(slot).load(V_REGS)
     else:
         k0, k1 = _mixed_keys(kbuf, kflags, slot, code & 1)
         v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot, code & 2)
@@ -463,6 +467,36 @@ def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scal
 
 
 @gluon.jit
+def _ring(ELEM: gl.constexpr, SLOTS: gl.constexpr, SHAPE: gl.constexpr):
+    return gl.allocate_shared_memory(ELEM, [SLOTS] + SHAPE, RING)
+
+
+@gluon.jit
+def _rings(KIND: gl.constexpr, SLOTS: gl.constexpr):
+    """The ring of one specialisation: a tuple of key tiles ``[SLOTS, 16, 4, 16]`` and one of value chunks
+    ``[SLOTS, 4, 8, 16]`` (COMPRESSED 3 + 6 of bytes, RAW 2 + 4 of bf16, MIXED 4 + 8 of bytes), one
+    allocation each: copies into different allocations need no barrier between them (Triton's barrier
+    pass sees one allocation as one buffer)."""
+    KT: gl.constexpr = [16, 4, 16]
+    VC: gl.constexpr = [4, 8, 16]
+    if KIND == COMPRESSED:
+        E: gl.constexpr = gl.uint8
+        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
+        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC),
+                _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+    elif KIND == RAW:
+        E: gl.constexpr = gl.bfloat16
+        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
+        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+    else:
+        E: gl.constexpr = gl.uint8
+        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
+        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC),
+                _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+    return kbuf, vbuf
+
+
+@gluon.jit
 def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, last_page, last_len, h,
                qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr):
     """Pages [lo, hi) (hi > lo) of one request (page ``last_page`` holds ``last_len`` tokens, the
@@ -470,12 +504,9 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
     page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
     the page id of i+SLOTS+1 are in flight. The per-token scales (and MIXED: the block flags) wait in
     the ring too. The last page of the range is computed after the loop (:func:`_compute`'s LAST)."""
-    NK: gl.constexpr = 3 if KIND == COMPRESSED else (2 if KIND == RAW else 4)   # key tiles, value chunks per slot
-    NV: gl.constexpr = 6 if KIND == COMPRESSED else (4 if KIND == RAW else 8)
-    ELEM: gl.constexpr = gl.bfloat16 if KIND == RAW else gl.uint8
-    kbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NK, 16, 4, 16], RING)
-    vbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NV, 4, 8, 16], RING)
-    sbuf = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, 16], SCALES)
+    kbuf, vbuf = _rings(KIND, SLOTS)
+    ksbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
+    vsbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
     kflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 16], SCALES)
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
     last = hi - 1
@@ -488,8 +519,8 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
         codes = codes | (code << (2 * j))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, KIND)
-        sbuf.index(2 * j).store(ks)
-        sbuf.index(2 * j + 1).store(vs)
+        ksbuf.index(j).store(ks)
+        vsbuf.index(j).store(vs)
     pga = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS - 1, last)).to(gl.int64)
     kdn, vdn = _descs(desc_ptr, pga, h, HKV)
     pgn = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS, last)).to(gl.int64)
@@ -500,21 +531,21 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, h
         codes = codes | (code << (2 * (SLOTS - 1)))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, KIND)
-        sbuf.index(2 * ahead).store(ks)
-        sbuf.index(2 * ahead + 1).store(vs)
+        ksbuf.index(ahead).store(ks)
+        vsbuf.index(ahead).store(vs)
         kdn, vdn = _descs(desc_ptr, pgn, h, HKV)                         # page i + SLOTS
         pga = pgn
         pgn = gl.load(indices_ptr + p_start + gl.minimum(i + SLOTS + 1, last)).to(gl.int64)
         async_copy.wait_group(SLOTS - 1)                                  # page i has landed
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
-                                 sbuf.index(2 * slot).load(COLS), sbuf.index(2 * slot + 1).load(COLS),
+                                 ksbuf.index(slot).load(COLS), vsbuf.index(slot).load(COLS),
                                  16, codes & 3, KIND, False)
         codes = codes >> 2
     async_copy.wait_group(0)                                              # page hi - 1, maybe partial
     slot = (hi - 1 - lo) % SLOTS
-    return _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, sbuf.index(2 * slot).load(COLS),
-                    sbuf.index(2 * slot + 1).load(COLS), gl.where(hi - 1 == last_page, last_len, 16), codes & 3,
+    return _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(COLS),
+                    vsbuf.index(slot).load(COLS), gl.where(hi - 1 == last_page, last_len, 16), codes & 3,
                     KIND, True)
 
 
