@@ -185,7 +185,8 @@ class DecodePlan:
         qk_scale = self.softmax_scale * math.log2(math.e)
         if self.kernel == "gluon":
             return decode_mma.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._launches,
-                                     self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"])
+                                     self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"],
+                                     self.configs[0].get("maxnreg") or 0)
         return decode_triton.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._kinds,
                                     self._launches, self.configs, self.num_splits, qk_scale, out, self._ws,
                                     self._fp32, self._interp)
@@ -212,7 +213,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     through the mixed specialisation; channel layouts always use it. routing: ``"auto"`` as above,
     ``"device"`` never the single uniform launch (the plan stays valid whatever gets compressed).
     launch: overrides of the launch options (keys :data:`LAUNCH_KEYS`); the Gluon kernel reads
-    ``programs_per_sm`` and ``stages`` (its ring slots) only, default :data:`MMA_LAUNCH`.
+    ``programs_per_sm``, ``stages`` (its ring slots) and ``maxnreg`` only, default :data:`MMA_LAUNCH`.
     """
     paged.check_cache(cache)
     D, HKV = cache.head_dim, cache.kv_heads

@@ -55,7 +55,7 @@ from zipkv import paged
 
 __all__ = ["launch", "workspace", "MMA_LAUNCH"]
 
-MMA_LAUNCH = dict(programs_per_sm=6, stages=2)
+MMA_LAUNCH = dict(programs_per_sm=6, stages=2, maxnreg=0)
 """Launch options of this kernel (one warp per program): the split-KV target in programs per SM and
 the pipeline depth (shared-memory ring slots); a plan's ``launch`` overrides them. From a sweep on the
 H200 at the benchmark's six Llama-shape points: with 2 slots (12.5 KB of shared memory) 12 programs
@@ -651,10 +651,10 @@ def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device) 
 
 
 def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, qk_scale: float,
-           out: torch.Tensor, ws: dict, slots: int) -> torch.Tensor:
+           out: torch.Tensor, ws: dict, slots: int, maxnreg: int = 0) -> torch.Tensor:
     """Launch the pipelined kernel for ``launches`` -- one ``(kind, routed)`` with ``kind`` a page kind of
     :mod:`zipkv.paged` (MIXED: any page) -- into ``out``; it merges its own splits. ``slots``: ring slots;
-    ``ws``: :func:`workspace`. No host sync; inputs are checked by
+    ``ws``: :func:`workspace`; ``maxnreg``: a register cap per thread (0: the compiler's choice). No host sync; inputs are checked by
     :func:`zipkv.kernels.decode_attention.plan`."""
     (kind, _), = launches
     B, HQ, _ = q.shape
@@ -662,5 +662,6 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
     part, lse, counters = (ws.get(name, out) for name in ("part", "lse", "counters"))
     _pipelined_kernel[(B, HKV, num_splits)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, part, lse, out, counters, qk_scale,
-        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, num_warps=1)
+        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, num_warps=1,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
