@@ -61,10 +61,10 @@ the pipeline depth (shared-memory ring slots); a plan's ``launch`` overrides the
 H200 at the benchmark's six Llama-shape points: with 2 slots (12.5 KB of shared memory) 12 programs
 fit on an SM, and about 6 per SM as the target (so 6 to 12 resident, one wave) was the fastest or
 within 1 % of it at each point."""
-MAX_GROUP = 16
-"""Query heads per KV head this kernel takes (the A operand's 16 rows)."""
+MAX_GROUP = {128: 16, 64: 8}
+"""Query heads per KV head this kernel takes, per head_dim (the A operand's 16 rows; head_dim 64 uses two
+rows per query head)."""
 
-D = fmt.MMA_HEAD_DIM
 COMPRESSED = gl.constexpr(paged.COMPRESSED)
 RAW = gl.constexpr(paged.RAW)
 MIXED = gl.constexpr(paged.MIXED)
@@ -77,6 +77,8 @@ K_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_w
 # Value block chunk in registers: [4 blocks, 8 lanes m, 16 values]: lanes = block (t1, t2), c0..c2.
 V_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[4, 8, 1],
                                        warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
+OUT64 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                      order=[1, 0]))    # head_dim 64's output tile [8 query rows, 64]
 ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 # The same tiles as 32-bit words (MIXED pages): [16 tokens, 4 lanes q, 4 words] and [4 blocks, 8 lanes m, 4 words].
 K_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
@@ -192,38 +194,83 @@ def _value_operand(v0, v1, v2, v3):
 
 
 @gluon.jit
-def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid):
-    """One page of ``valid`` tokens: scores (log2 domain, scaled per token), online softmax,
-    ``acc += P @ V``. The running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a row's
-    page max exceeds it by more than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays
-    <= 2^RESCALE_LOG2 and the result is the same up to rounding (``m_i`` cancels in ``acc / l_i`` and
-    in the log-sum-exp), and most pages skip the 64 multiplies per lane of the rescale."""
-    st = gl.arange(0, 16, layout=COLS)
+def _valid_tokens(valid_a, valid_b, ROWS_L: gl.constexpr, COLS_L: gl.constexpr, TOKENS_IN_COLS: gl.constexpr,
+                  HD: gl.constexpr):
+    """Bool ``[16, x]`` in the layout of ROWS_L x COLS_L: which (row, column) pairs of a unit hold one of its
+    valid tokens (page ``pa`` holds ``valid_a``, head_dim 64's ``pb`` ``valid_b``). TOKENS_IN_COLS: the
+    columns are the unit's token rows (scores: rows are query rows) else the rows are (the value operand,
+    columns are channels). Head_dim 64: token row ``r`` of the pair is tokens ``2l``, ``2l + 1`` of page
+    ``pa`` if ``(r >> 2) & 1 == 0`` else ``pb`` (``l = r % 4 + 4 (r >> 3)``), the first for query rows
+    0-7 / channels 0-63, the second for query rows 8-15 / channels 64-127."""
+    if TOKENS_IN_COLS:
+        t = gl.arange(0, 16, layout=COLS_L)[None, :]
+        o = gl.arange(0, 16, layout=ROWS_L)[:, None]
+    else:
+        t = gl.arange(0, 16, layout=ROWS_L)[:, None]
+        o = gl.arange(0, 128, layout=COLS_L)[None, :]
+    if HD == 128:
+        return (t < valid_a) & (o >= 0)
+    else:
+        other = (o >= 8) if TOKENS_IN_COLS else (o >= 64)
+        tok = 2 * (t % 4 + 4 * (t >> 3)) + other.to(gl.int32)
+        return tok < gl.where(((t >> 2) & 1) == 0, valid_a, valid_b)
+
+
+@gluon.jit
+def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
+                  HD: gl.constexpr):
+    """One unit (16 token rows; only the LAST of a range may hold fewer valid tokens than 16 per row, see
+    :func:`_valid_tokens`): scores (log2 domain, scaled per token), online softmax, ``acc += P @ V``. The
+    running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a row's max exceeds it by more
+    than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays <= 2^RESCALE_LOG2 and the
+    result is the same up to rounding (``m_i`` cancels in ``acc / l_i`` and in the log-sum-exp), and most
+    pages skip the 64 multiplies per lane of the rescale. Head_dim 64: a query row may have no valid
+    token yet (its max -inf), so no -inf - -inf is formed."""
     sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
-    sc = gl.where((st < valid)[None, :], sc, float("-inf"))
-    m_page = gl.max(sc, axis=1)                      # finite: every page has a token
-    if gl.max(m_page - m_i, axis=0) > RESCALE_LOG2:
+    if LAST:
+        sc = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, MMA), COLS, True, HD), sc, float("-inf"))
+    m_page = gl.max(sc, axis=1)
+    if gl.max(gl.where(m_page > m_i, m_page - m_i, 0.0), axis=0) > RESCALE_LOG2:
         m_new = gl.maximum(m_i, m_page)
-        alpha = gl.exp2(m_i - m_new)
+        alpha = gl.where(m_i == m_new, 1.0, gl.exp2(m_i - m_new))
         acc = acc * alpha[:, None]
         l_i = l_i * alpha
         m_i = m_new
-    p = gl.exp2(sc - m_i[:, None])
+    if HD == 128:                                    # every row has a valid token: m_i is finite
+        p = gl.exp2(sc - m_i[:, None])
+    else:
+        p = gl.exp2(sc - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
     l_i = l_i + gl.sum(p, axis=1)
     pb = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16), A_OP)
     return m_i, l_i, mma_v2(pb, vop, acc)
 
 
-# ----------------------------------------------------------------------------- pipeline
+@gluon.jit
+def _kdesc(desc_ptr, pa, pb, h, blk, HKV: gl.constexpr, HD: gl.constexpr):
+    """Descriptors of the unit's key blocks ``blk`` (0..3, any shape): head_dim 128, the unit is page ``pa``;
+    64, the page pair (``pa``, ``pb``) as one 16-row tile, key blocks 0, 2 from ``pa`` and 1, 3 from ``pb``."""
+    if HD == 128:
+        return gl.load(desc_ptr + (pa * 2 * HKV + h) * 4 + blk)
+    else:
+        return gl.load(desc_ptr + (gl.where(blk % 2 == 0, pa, pb) * 2 * HKV + h) * 2 + blk // 2)
+
 
 @gluon.jit
-def _descs(desc_ptr, page, h, HKV: gl.constexpr):
-    """Descriptors of one page: keys per token row ``[16]``, values per block ``[4]``."""
+def _vdesc(desc_ptr, pa, pb, h, blk, HKV: gl.constexpr, HD: gl.constexpr):
+    """As :func:`_kdesc` for value blocks; head_dim 64: value blocks 0, 1 from ``pa`` and 2, 3 from ``pb``."""
+    if HD == 128:
+        return gl.load(desc_ptr + ((pa * 2 + 1) * HKV + h) * 4 + blk)
+    else:
+        return gl.load(desc_ptr + ((gl.where(blk < 2, pa, pb) * 2 + 1) * HKV + h) * 2 + blk % 2)
+
+
+@gluon.jit
+def _descs(desc_ptr, pa, pb, h, HKV: gl.constexpr, HD: gl.constexpr):
+    """Descriptors of one unit (a page; head_dim 64: a page pair): keys per token row ``[16]``, values per
+    block ``[4]``."""
     kt = gl.arange(0, 16, layout=K_ROWS)
     vb = gl.arange(0, 4, layout=V_ROWS)
-    kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + kt // 4)
-    vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + vb)
-    return kd, vd
+    return _kdesc(desc_ptr, pa, pb, h, kt // 4, HKV, HD), _vdesc(desc_ptr, pa, pb, h, vb, HKV, HD)
 
 
 @gluon.jit
@@ -232,14 +279,14 @@ def _compressed(dsc):
 
 
 @gluon.jit
-def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, KIND: gl.constexpr):
-    """Per token of the page (an S / P column): the key scale (softmax scale included) and the
-    value scale, ``2^(b - 128)`` of the token's block if it is compressed, else 1."""
+def _scales(desc_ptr, pa, pb, h, qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, HD: gl.constexpr):
+    """Per token row of the unit (an S / P column): the key scale (softmax scale included) and the
+    value scale, ``2^(b - 128)`` of the row's block if it is compressed, else 1."""
     st = gl.arange(0, 16, layout=COLS)
     if KIND == RAW:
         return gl.full([16], qk_scale, gl.float32, layout=COLS), gl.full([16], 1.0, gl.float32, layout=COLS)
-    kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + st // 4)
-    vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + (st >> 1) % 4)
+    kd = _kdesc(desc_ptr, pa, pb, h, st // 4, HKV, HD)
+    vd = _vdesc(desc_ptr, pa, pb, h, (st >> 1) % 4, HKV, HD)
     ks = _pow2(kd & 0x7F)
     vs = _pow2(vd & 0x7F)
     if KIND == MIXED:
@@ -442,11 +489,12 @@ def _mixed_values(vbuf, vflags, slot, vall):
 
 
 @gluon.jit
-def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid, code, KIND: gl.constexpr,
-             LAST: gl.constexpr):
+def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b, code,
+             KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr):
     """Page in ring ``slot`` (its first ``valid`` tokens; MIXED: ``code`` its :func:`_page_code`) into the
-    softmax state. Only the LAST page of a range may be partial (``valid < 16``): the pipeline's loop
-    takes full pages, so it has no token mask and no branch merge of the value operand."""
+    softmax state. Only the LAST unit of a range may be partial (``valid_a``, ``valid_b``: see
+    :func:`_valid_tokens`): the pipeline's loop takes full units, so it has no token mask and no branch
+    merge of the value operand."""
     if KIND == COMPRESSED:
         k0, k1 = _rebuilt_keys(kbuf, slot)
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
@@ -460,10 +508,10 @@ def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scal
     kop = _key_operand(k0, k1)
     vop = _value_operand(v0, v1, v2, v3)
     if KIND != COMPRESSED and LAST:
-        if valid < 16:                       # raw bytes past a partial page may be any bf16 (inf, nan)
-            tv = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
-            vop = gl.where((tv < valid)[:, None], vop, 0.0)
-    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid)
+        if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan)
+            vop = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, B_OP), gl.SliceLayout(0, B_OP),
+                                         False, HD), vop, 0.0)
+    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
 
 
 @gluon.jit
@@ -497,155 +545,215 @@ def _rings(KIND: gl.constexpr, SLOTS: gl.constexpr):
 
 
 @gluon.jit
-def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, last_page, last_len, h,
-               qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr):
-    """Pages [lo, hi) (hi > lo) of one request (page ``last_page`` holds ``last_len`` tokens, the
-    others 16) through a ring of SLOTS shared-memory slots: while
-    page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
-    the page id of i+SLOTS+1 are in flight. The per-token scales (and MIXED: the block flags) wait in
-    the ring too. The last page of the range is computed after the loop (:func:`_compute`'s LAST)."""
+def _unit_pages(indices_ptr, p_start, u, last, npages, HD: gl.constexpr):
+    """Physical page ids (int64) of unit ``min(u, last)`` of a request: head_dim 128 its page (twice),
+    64 its page pair (pages 2u, 2u + 1; the second is the first again past the request's last page)."""
+    u = gl.minimum(u, last)
+    if HD == 128:
+        pa = gl.load(indices_ptr + p_start + u).to(gl.int64)
+        return pa, pa
+    else:
+        pa = gl.load(indices_ptr + p_start + 2 * u).to(gl.int64)
+        return pa, gl.load(indices_ptr + p_start + gl.minimum(2 * u + 1, npages - 1)).to(gl.int64)
+
+
+@gluon.jit
+def _unit_valid(u, npages, last_len, HD: gl.constexpr):
+    """Valid tokens of unit ``u``'s pages (``pa``, ``pb``: :func:`_valid_tokens`); page ``npages - 1``
+    holds ``last_len``, a page past the request none."""
+    if HD == 128:
+        return gl.where(u == npages - 1, last_len, 16), 16
+    else:
+        vb = gl.where(2 * u + 1 == npages - 1, last_len, 16)
+        return gl.where(2 * u == npages - 1, last_len, 16), gl.where(2 * u + 1 < npages, vb, 0)
+
+
+@gluon.jit
+def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi, last_len, h,
+               qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr):
+    """Units [lo, hi) (hi > lo; a unit is a page, head_dim 64 a page pair: 16 token rows of 128 channels)
+    of one request of ``npages`` pages (its last holds ``last_len`` tokens, the others 16) through a ring of
+    SLOTS shared-memory slots: while unit i is computed, the data of units i+1 .. i+SLOTS-1, the
+    descriptors of unit i+SLOTS and the page ids of i+SLOTS+1 are in flight. The per-token scales (and
+    MIXED: the block flags) wait in the ring too. The last unit of the range is computed after the loop
+    (:func:`_compute`'s LAST)."""
     kbuf, vbuf = _rings(KIND, SLOTS)
     ksbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
     vsbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
     kflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 16], SCALES)
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
     last = hi - 1
-    codes = lo * 0                                  # MIXED: 2 bits (_page_code) per page in the ring, page i lowest
+    codes = lo * 0                                  # MIXED: 2 bits (_page_code) per unit in the ring, unit i lowest
     for j in gl.static_range(SLOTS - 1):
-        pg = gl.load(indices_ptr + p_start + gl.minimum(lo + j, last)).to(gl.int64)
-        kd, vd = _descs(desc_ptr, pg, h, HKV)
+        pa, pb = _unit_pages(indices_ptr, p_start, lo + j, last, npages, HD)
+        kd, vd = _descs(desc_ptr, pa, pb, h, HKV, HD)
         code = _page_code(kd, vd, KIND)
         _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, code, KIND)
         codes = codes | (code << (2 * j))
         async_copy.commit_group()
-        ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, KIND)
+        ks, vs = _scales(desc_ptr, pa, pb, h, qk_scale, HKV, KIND, HD)
         ksbuf.index(j).store(ks)
         vsbuf.index(j).store(vs)
-    pga = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS - 1, last)).to(gl.int64)
-    kdn, vdn = _descs(desc_ptr, pga, h, HKV)
-    pgn = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS, last)).to(gl.int64)
-    for i in range(lo, hi - 1):                                          # full pages: no token mask
-        ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of page i + SLOTS - 1
+    paa, pba = _unit_pages(indices_ptr, p_start, lo + SLOTS - 1, last, npages, HD)
+    kdn, vdn = _descs(desc_ptr, paa, pba, h, HKV, HD)
+    pan, pbn = _unit_pages(indices_ptr, p_start, lo + SLOTS, last, npages, HD)
+    for i in range(lo, hi - 1):                                          # full units: no token mask
+        ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of unit i + SLOTS - 1
         code = _page_code(kdn, vdn, KIND)
         _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, code, KIND)
         codes = codes | (code << (2 * (SLOTS - 1)))
         async_copy.commit_group()
-        ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, KIND)
+        ks, vs = _scales(desc_ptr, paa, pba, h, qk_scale, HKV, KIND, HD)
         ksbuf.index(ahead).store(ks)
         vsbuf.index(ahead).store(vs)
-        kdn, vdn = _descs(desc_ptr, pgn, h, HKV)                         # page i + SLOTS
-        pga = pgn
-        pgn = gl.load(indices_ptr + p_start + gl.minimum(i + SLOTS + 1, last)).to(gl.int64)
-        async_copy.wait_group(SLOTS - 1)                                  # page i has landed
+        kdn, vdn = _descs(desc_ptr, pan, pbn, h, HKV, HD)               # unit i + SLOTS
+        paa = pan
+        pba = pbn
+        pan, pbn = _unit_pages(indices_ptr, p_start, i + SLOTS + 1, last, npages, HD)
+        async_copy.wait_group(SLOTS - 1)                                  # unit i has landed
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
                                  ksbuf.index(slot).load(COLS), vsbuf.index(slot).load(COLS),
-                                 16, codes & 3, KIND, False)
+                                 16, 16, codes & 3, KIND, False, HD)
         codes = codes >> 2
-    async_copy.wait_group(0)                                              # page hi - 1, maybe partial
+    async_copy.wait_group(0)                                              # unit hi - 1, maybe partial
     slot = (hi - 1 - lo) % SLOTS
+    valid_a, valid_b = _unit_valid(hi - 1, npages, last_len, HD)
     return _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(COLS),
-                    vsbuf.index(slot).load(COLS), gl.where(hi - 1 == last_page, last_len, 16), codes & 3,
-                    KIND, True)
+                    vsbuf.index(slot).load(COLS), valid_a, valid_b, codes & 3, KIND, True, HD)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 @gluon.jit
-def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr):
-    """The request's pages, this split's share [lo, hi) of its full pages before the last, q as the
-    A operand and an empty softmax state."""
+def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
+              HD: gl.constexpr):
+    """The request's pages, this split's share [lo, hi) of its units before the last (a unit: a page;
+    head_dim 64: a page pair), q as the A operand and an empty softmax state. Head_dim 64: query row g
+    is rows g (channels 0-63: the even tokens of a pair) and g + 8 (channels 64-127: the odd ones)."""
     p_start = gl.load(indptr_ptr + b)
     npages = gl.load(indptr_ptr + b + 1) - p_start
-    per = gl.cdiv(npages - 1, SPLITS)
-    lo = gl.minimum(s * per, npages - 1)
-    hi = gl.minimum(lo + per, npages - 1)
+    units = npages if HD == 128 else (npages + 1) // 2
+    per = gl.cdiv(units - 1, SPLITS)
+    lo = gl.minimum(s * per, units - 1)
+    hi = gl.minimum(lo + per, units - 1)
     gq = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
     dq = gl.arange(0, 128, layout=gl.SliceLayout(0, A_OP))
-    q_rows = b * (HKV * G) + h * G + gq
-    q = gl.load(q_ptr + q_rows[:, None] * 128 + dq[None, :], mask=(gq < G)[:, None], other=0.0)
+    if HD == 128:
+        q_rows = b * (HKV * G) + h * G + gq
+        q = gl.load(q_ptr + q_rows[:, None] * 128 + dq[None, :], mask=(gq < G)[:, None], other=0.0)
+    else:
+        q_rows = b * (HKV * G) + h * G + gq % 8
+        ok = ((gq % 8) < G)[:, None] & ((dq // 64)[None, :] == (gq // 8)[:, None])
+        q = gl.load(q_ptr + q_rows[:, None] * 64 + (dq % 64)[None, :], mask=ok, other=0.0)
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([16, 128], gl.float32, layout=MMA)
-    return p_start, npages, lo, hi, q, m_i, l_i, acc
+    return p_start, npages, units, lo, hi, q, m_i, l_i, acc
+
+
+@gluon.jit
+def _fold_rows(m_i, l_i, acc):
+    """Head_dim 64: the softmax states of rows g and g + 8 (even and odd tokens of the pairs; their
+    outputs in channels 0-63 and 64-127 of ``acc``) merged into query row g's: ``[8]``, ``[8]``,
+    ``[8, 64]`` in OUT64 (row g has a finite max: every unit's first token is valid)."""
+    R8: gl.constexpr = gl.SliceLayout(1, OUT64)
+    ma, mb = gl.split(m_i.reshape([2, 8]).permute([1, 0]))
+    la, lb = gl.split(l_i.reshape([2, 8]).permute([1, 0]))
+    x0, x1 = gl.split(acc.reshape([2, 8, 2, 64]).permute([1, 3, 0, 2]))   # [row, channel, half] per channel half
+    ea, _ = gl.split(x0)
+    _, eb = gl.split(x1)
+    ma, mb = gl.convert_layout(ma, R8), gl.convert_layout(mb, R8)
+    m = gl.maximum(ma, mb)
+    wa = gl.exp2(ma - m)
+    wb = gl.exp2(mb - m)
+    lab = gl.convert_layout(la, R8) * wa + gl.convert_layout(lb, R8) * wb
+    o = gl.convert_layout(ea, OUT64) * wa[:, None] + gl.convert_layout(eb, OUT64) * wb[:, None]
+    return m, lab, o
 
 
 @gluon.jit
 def _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, slot, HKV: gl.constexpr, G: gl.constexpr,
-                 SPLITS: gl.constexpr):
-    """Normalised partial output and log2-sum-exp of split slot ``slot`` (empty: l = 0, lse = -inf, o = 0)."""
-    go = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+                 SPLITS: gl.constexpr, R: gl.constexpr, DD: gl.constexpr, LAY: gl.constexpr):
+    """Normalised partial output and log2-sum-exp of split slot ``slot`` (empty: l = 0, lse = -inf, o = 0);
+    ``acc`` ``[R, DD]`` in LAY."""
+    go = gl.arange(0, R, layout=gl.SliceLayout(1, LAY))
+    do = gl.arange(0, DD, layout=gl.SliceLayout(0, LAY))
     gm = go < G
     den = gl.where(l_i > 0, l_i, 1.0)
     lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
     prow = (b * (HKV * G) + h * G + go) * SPLITS + slot
-    gl.store(part_ptr + prow[:, None] * 128 + do[None, :], acc / den[:, None], mask=gm[:, None])
+    gl.store(part_ptr + prow[:, None] * DD + do[None, :], acc / den[:, None], mask=gm[:, None])
     gl.store(lse_ptr + prow, lse, mask=gm)
 
 
 @gluon.jit
 def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl.constexpr, G: gl.constexpr,
-            SPLITS: gl.constexpr):
-    """Output of a launch without a merge kernel: one split writes ``out`` (bf16)
-    directly; with more, each split writes its slot and counts itself in the (request, kv head)'s
-    arrival counter, and the last to arrive merges the slots into ``out`` and resets the counter to 0."""
-    go = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+            SPLITS: gl.constexpr, R: gl.constexpr, DD: gl.constexpr, LAY: gl.constexpr):
+    """Output of a launch without a merge kernel (``acc`` ``[R, DD]`` in LAY, rows = query heads of the KV
+    head, DD = head_dim): one split writes ``out`` (bf16) directly; with more, each split writes its slot
+    and counts itself in the (request, kv head)'s arrival counter, and the last to arrive merges the
+    slots into ``out`` and resets the counter to 0."""
+    go = gl.arange(0, R, layout=gl.SliceLayout(1, LAY))
+    do = gl.arange(0, DD, layout=gl.SliceLayout(0, LAY))
     rows = b * (HKV * G) + h * G + go
     gm = (go < G)[:, None]
     if SPLITS == 1:
         den = gl.where(l_i > 0, l_i, 1.0)
-        gl.store(out_ptr + rows[:, None] * 128 + do[None, :], (acc / den[:, None]).to(gl.bfloat16), mask=gm)
+        gl.store(out_ptr + rows[:, None] * DD + do[None, :], (acc / den[:, None]).to(gl.bfloat16), mask=gm)
     else:
-        _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS)
+        _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, R, DD, LAY)
         gl.thread_barrier()                    # every lane's stores before the release below
         arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
             gl.store(cnt_ptr + b * HKV + h, 0)
-            m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+            m = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LAY))
             for j in range(SPLITS):
                 m = gl.maximum(m, gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
                                           cache_modifier=".cg"))
             m = gl.where(go < G, m, 0.0)       # some split of a real row holds a token: m is finite
-            num = gl.zeros([16, 128], gl.float32, layout=MMA)
-            wsum = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+            num = gl.zeros([R, DD], gl.float32, layout=LAY)
+            wsum = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, LAY))
             for j in range(SPLITS):            # written by other programs: read past L1 (.cg)
                 w = gl.exp2(gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
                                     cache_modifier=".cg") - m)
-                o = gl.load(part_ptr + (rows * SPLITS + j)[:, None] * 128 + do[None, :], mask=gm, other=0.0,
+                o = gl.load(part_ptr + (rows * SPLITS + j)[:, None] * DD + do[None, :], mask=gm, other=0.0,
                             cache_modifier=".cg")
                 num += o * w[:, None]
                 wsum += w
             wsum = gl.where(wsum > 0, wsum, 1.0)
-            gl.store(out_ptr + rows[:, None] * 128 + do[None, :], (num / wsum[:, None]).to(gl.bfloat16), mask=gm)
+            gl.store(out_ptr + rows[:, None] * DD + do[None, :], (num / wsum[:, None]).to(gl.bfloat16), mask=gm)
 
 
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, part_ptr, lse_ptr, out_ptr,
                       cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-                      KIND: gl.constexpr, SLOTS: gl.constexpr):
-    """Grid (batch, kv_heads, splits), one warp: split s of the request's full pages before its last
-    (the last split also takes the last page) through the cp.async ring as pages of kind KIND; the splits
-    are merged into ``out`` here (:func:`_finish`)."""
+                      KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr):
+    """Grid (batch, kv_heads, splits), one warp: split s of the request's units before its last (the last
+    split also takes the last unit) through the cp.async ring as pages of kind KIND; the splits are merged
+    into ``out`` here (:func:`_finish`). HD: head_dim, 128 or 64."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
-    p_start, npages, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS)
+    p_start, npages, units, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS, HD)
     if s == SPLITS - 1:
-        hi = npages
+        hi = units
     if hi > lo:
-        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, npages - 1,
-                                   gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS)
-    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS)
+        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi,
+                                   gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD)
+    if HD == 128:
+        _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, 16, 128, MMA)
+    else:
+        m8, l8, o8 = _fold_rows(m_i, l_i, acc)
+        _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m8, l8, o8, b, h, s, HKV, G, SPLITS, 8, 64, OUT64)
 
 
-def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device) -> dict:
+def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device, head_dim: int = 128) -> dict:
     """Buffers of one batch layout: with splits, the split slots (fp32 ``part``, ``lse``) and the zeroed
     int32 arrival counters of :func:`_finish` (every launch leaves them at 0 again)."""
     if num_splits == 1:
         return {}
-    return dict(part=torch.empty(batch, q_heads, num_splits, D, dtype=torch.float32, device=device),
+    return dict(part=torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=device),
                 lse=torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=device),
                 counters=torch.zeros(batch * kv_heads, dtype=torch.int32, device=device))
 
@@ -662,6 +770,6 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
     part, lse, counters = (ws.get(name, out) for name in ("part", "lse", "counters"))
     _pipelined_kernel[(B, HKV, num_splits)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, part, lse, out, counters, qk_scale,
-        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, num_warps=1,
+        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, HD=cache.head_dim, num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
