@@ -1,44 +1,49 @@
 """Fused decode attention for the mma layouts (ZipFusion §III-C), written in Gluon.
 
-The caches of :mod:`zipkv.paged` with ``k_layout="k_mma"`` and
-``v_layout="v_mma"`` (head_dim 128, see :mod:`zipkv.format`) store each 512-value block so that
-one thread's tensor-core operand values (``mma.m16n8k16``, bf16 B operand: keys for ``q @ K^T``,
-values for ``P @ V``) are two or four runs of 16 contiguous bytes. Gluon (Triton's explicit-layout
-dialect, ``triton.experimental.gluon``) lets the kernel say so: a page is copied with 16-byte
-``cp.async`` into a ring of shared-memory slots (each thread later reads back exactly the bytes
-it copied, so no barrier between threads is needed), read into registers in a blocked layout whose
-reshape/permute *is* the operand layout (the conversion is a register renaming, checked offline),
-rebuilt with integer ops and fed to ``mma``. Nothing is written back to shared memory and no layout
-conversion moves data between threads.
+The caches of :mod:`zipkv.paged` with ``k_layout="k_mma"`` and ``v_layout="v_mma"`` (head_dim 128 or 64,
+see :mod:`zipkv.format`) store each 512-value block so that one thread's tensor-core operand values
+(``mma.m16n8k16``, bf16 B operand: keys for ``q @ K^T``, values for ``P @ V``) are two or four runs of 16
+contiguous bytes. Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``) lets the kernel
+say so: a unit of 16 token rows is copied with 16-byte ``cp.async`` into a ring of shared-memory slots
+(each thread later reads back exactly the bytes it copied, so no barrier between threads is needed; each
+tile of the ring is its own allocation, so Triton puts no barrier between the copies either), read into
+registers in a blocked layout whose reshape/permute *is* the operand layout (the conversion is a register
+renaming, checked offline), rebuilt with integer ops and fed to ``mma``. Nothing is written back to
+shared memory and no layout conversion moves data between threads.
 
-One warp per program: grid ``(batch, kv_heads, num_splits)``, the program's ``G`` query rows padded
-to 16 (the A operand, kept in registers), online softmax over one page (16 tokens) per step.
+One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
+Head_dim 128: a unit is a page (16 tokens x 128 channels); the program's ``G <= 16`` query rows padded to
+16 are the A operand (kept in registers). Head_dim 64: a unit is a page *pair* seen as 16 rows of 128
+channels (a row holds two consecutive tokens; the second page of an odd request's last pair is empty and
+masked), and query head g is A rows g (``[q, 0]``: the rows' first tokens) and g + 8 (``[0, q]``: their
+second tokens), so ``G <= 8``; the two rows' softmax states are merged at the end (:func:`_fold_rows`),
+as splits are.
 
 Specialisations (constexpr ``KIND``, the page kinds of :mod:`zipkv.paged`), all through the same
-pipeline -- with a ring of S slots (launch option ``stages``, default 2), the data of pages
-i+1 .. i+S-1, the descriptors of page i+S and the page id of i+S+1 are in flight while page i is
-computed:
+pipeline -- with a ring of S slots (launch option ``stages``, default 2), the data of units
+i+1 .. i+S-1, the descriptors of unit i+S and the page ids of i+S+1 are in flight while unit i is
+computed; full units run without a token mask, the last unit of a range after the loop:
 
-* COMPRESSED: pages whose K and V blocks are all compressed. The rebuild uses a fixed exponent base
+* COMPRESSED: units whose K and V blocks are all compressed. The rebuild uses a fixed exponent base
   128 (``high = sign << 7 | (64 + offset)``: one ``or`` per 4 values, no per-block operand) and undoes
   it exactly with a power of two per token: ``2^(b - 128)`` on the scores for keys, on P for values (a
   block with b = 0 gets 0: exact for an all-zero block; a value below 2^-126 would be flushed).
 * RAW: raw blocks (bf16 in block position order): the uncompressed baseline, the same kernel with
   compression switched off.
-* MIXED: any page, each block as stored. A block covers fixed rows of the operand tiles (keys: the
-  4 token rows of the block; values: one of the 4 block rows of every value chunk), so a ring slot of
-  raw size holds each block's stored bytes in the rows it covers (:func:`_issue_mixed`: only stored
-  bytes are read), the slot is read once as 32-bit words, and one word-wise select per 4 values takes
-  the rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. Measured on the
-  H200 (8192 x 64, Llama-3.1-8B shape): the measured real mix in 492 us; the same specialisation on
-  all-compressed pages 492 us (COMPRESSED: 379 us) and on all-raw pages 1083 us (RAW: 502 us), so its
-  per-page cost, not its bytes, bounds it (an earlier version with two rings, zero-filled copies and
-  both rings read took 1015 us on the mix, L1/TEX-bound under Nsight Compute: 73 % vs DRAM 35 %).
+* MIXED: any unit, each block as stored, in a ring slot of raw size. A warp-uniform branch per unit
+  takes the keys (and, apart, the values) of a unit whose key (value) blocks are all compressed through
+  the compressed copies and rebuild (:func:`_page_code`); otherwise each block covers fixed rows of the
+  operand tiles (keys: the 4 token rows of the block; values: one of the 4 block rows of every value
+  chunk), the slot holds each block's stored bytes in the rows it covers (:func:`_issue_mixed`: only
+  stored bytes are read), is read once as 32-bit words, and one word-wise select per 4 values takes the
+  rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. Both branches yield
+  32-bit words (a branch merge of bf16 values costs a byte permute per value).
 
-Every launch takes every page of its requests, the last one too (tokens past ``last_page_len`` are
-masked), so a batch is one launch (:func:`zipkv.kernels.decode_attention.plan`: COMPRESSED or RAW for
-a uniform cache, MIXED otherwise), and it merges its own splits: the last split of each request and
-KV head to arrive does it (:func:`_finish`).
+The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
+requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
+(:func:`zipkv.kernels.decode_attention.plan`: COMPRESSED or RAW for a uniform cache, MIXED otherwise),
+and it merges its own splits: the last split of each request and KV head to arrive does it
+(:func:`_finish`).
 
 Gluon has no interpreter (``TRITON_INTERPRET=1``): this kernel runs on CUDA GPUs only; its tests
 run on the GPU, the format and the pack kernel are tested on the CPU.
@@ -50,7 +55,6 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from zipkv import format as fmt
 from zipkv import paged
 
 __all__ = ["launch", "workspace", "MMA_LAUNCH"]
