@@ -78,6 +78,15 @@ def test_mixed_cache_has_both_kinds_of_blocks():
         st = cache.stats()
         assert 0.2 < st["frac_k"] < 0.9 and 0.2 < st["frac_v"] < 0.9, st
         assert st["used_bytes"] < st["raw_bytes"]
+    # page-heads holding both kinds: a mask whose K page-heads alternate mixed / all-compressed / all-raw
+    lens = [48]
+    mask = torch.zeros(3, 2, 2, 2, dtype=torch.bool)
+    mask[0, 0, :, 0] = True                                   # page 0: K mixed (both heads), V raw
+    mask[1, :, :, :] = True                                   # page 1: K and V all compressed
+    mask[2, 1, 0, :] = torch.tensor([True, False])            # page 2: V of head 0 mixed
+    flat = torch.ones(1, 2, 48, 64, dtype=torch.bfloat16)    # every block eligible: the mask decides
+    st = build_paged_cache(flat, flat, lens, compress=mask, shuffle=False)[0].stats()
+    assert st["mixed_k"] == pytest.approx(2 / 6) and st["mixed_v"] == pytest.approx(1 / 6), st
 
 
 def test_compression_is_lossless_end_to_end():
