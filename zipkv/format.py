@@ -27,7 +27,7 @@ Block arrangement (``layout``) — which page values form block ``j``, and in wh
 In these two layouts 8 consecutive positions ``8m .. 8m+7`` are 8 consecutive channels of one
 token.
 
-Two more layouts, for ``head_dim`` 128 only, arrange a block for the tensor cores' operand
+Two more layouts, for ``head_dim`` 128 and 64, arrange a block for the tensor cores' operand
 fragments (``mma.m16n8k16``, bf16) of the fused kernel's Gluon path
 (:mod:`zipkv.kernels.decode_mma`), so that one thread's operand values are 16 contiguous bytes
 and a page goes from memory to the tensor cores without a layout change. With ``t`` a token
@@ -39,6 +39,12 @@ of the page (bits ``t0..t3``) and ``c`` a channel (bits ``c0..c6``):
 * ``"v_mma"`` (values, the B operand of ``P @ V``): block ``j`` = the tokens with
   ``(t >> 1) & 3 == j`` (``2j, 2j+1, 2j+8, 2j+9``); ``p = (r >> 4) * 128 + (c & 7) * 16 + (r & 15)``
   with ``r = t0 | t3 << 1 | c3 << 2 | c4 << 3 | c5 << 4 | c6 << 5``.
+
+At ``head_dim`` 64 a page is half of such a 16-row, 128-channel tile: its tokens ``2l, 2l + 1`` form
+row ``l`` (channel ``c + 64 (t & 1)``), rows ``0..3`` and ``4..7`` of the page being tile rows ``0..3``
+and ``8..11`` (the kernel's second page of a pair gives ``4..7``, ``12..15``), and each block keeps the
+byte positions above for its tile rows. So ``k_mma`` blocks are tokens ``0..7`` and ``8..15`` (the token
+layout's blocks) and ``v_mma`` blocks are tokens ``0..3, 8..11`` and ``4..7, 12..15``.
 
 Byte order of one block (little-endian everywhere):
 
@@ -309,7 +315,7 @@ def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Ten
     """Compress pages (§III-B).
 
     pages: ``[..., 16, head_dim]`` bf16. layout: one of :data:`LAYOUTS` (the mma layouts need
-    head_dim 128).
+    head_dim 64 or 128).
     enable: ``False`` keeps every block raw; a bool tensor ``[..., n_blocks]`` compresses
     only eligible blocks where it is True (forcing a mix).
     Returns ``(payload, meta)``: payload uint8 ``[..., 32 * head_dim]`` (page slots, byte
