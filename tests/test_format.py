@@ -307,3 +307,18 @@ def test_format_benchmark_times_every_layout_beside_its_anchor():
     assert (table.seconds > 0).all() and table.time_vs_anchor.iloc[0] == 1.0
     with pytest.raises(ValueError, match="n_values=10"):
         format_benchmark(n_values=10)
+
+
+def test_mma_layouts_at_head_dim_64_are_half_tiles():
+    """The Gluon kernel reads a head_dim-64 page pair (A, B) as one head_dim-128 operand tile: key blocks
+    (A0, B0, A1, B1), value blocks (A0, A1, B0, B1). Reassembled in that order, the pair's blocks are the
+    head_dim-128 layout of the tile whose row r holds tokens 2l, 2l + 1 (l = r % 4 + 4 (r >> 3)) of A
+    where (r >> 2) & 1 == 0, else of B."""
+    a, b = random_pages((2,), 64, seed=9)
+    for layout, order in (("k_mma", [(a, 0), (b, 0), (a, 1), (b, 1)]), ("v_mma", [(a, 0), (a, 1), (b, 0), (b, 1)])):
+        tile = F.from_blocks(torch.stack([F.to_blocks(p, layout)[j] for p, j in order]), layout, 128)
+        rows = torch.arange(16)
+        l = rows % 4 + 4 * (rows >> 3)
+        src = torch.where((((rows >> 2) & 1) == 0)[:, None, None], a[None], b[None])    # [16, 16, 64]
+        want = torch.cat([src[rows, 2 * l], src[rows, 2 * l + 1]], -1)
+        assert torch.equal(bits(tile), bits(want)), layout
