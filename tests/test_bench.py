@@ -70,6 +70,8 @@ def test_attention_shapes_are_the_models_shapes():
     assert bench.ATTENTION_SHAPES["smollm2-135m"] is models.EMBEDDED_SHAPE
     assert models.EMBEDDED_SHAPE.group_size == 3 and models.EMBEDDED_SHAPE.head_dim == 64
     assert attention.kernels_for(128) == ["gluon", "triton"]
+    assert attention.kernels_for(64) == ["gluon", "triton"]          # SmolLM2's shape on the mma layouts too
+    assert attention.kernels_for(32) == ["triton"]
 
 
 def test_the_module_layout_keeps_the_old_names():

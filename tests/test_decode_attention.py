@@ -78,6 +78,15 @@ def test_mixed_cache_has_both_kinds_of_blocks():
         st = cache.stats()
         assert 0.2 < st["frac_k"] < 0.9 and 0.2 < st["frac_v"] < 0.9, st
         assert st["used_bytes"] < st["raw_bytes"]
+    # page-heads holding both kinds: a mask whose K page-heads alternate mixed / all-compressed / all-raw
+    lens = [48]
+    mask = torch.zeros(3, 2, 2, 2, dtype=torch.bool)
+    mask[0, 0, :, 0] = True                                   # page 0: K mixed (both heads), V raw
+    mask[1, :, :, :] = True                                   # page 1: K and V all compressed
+    mask[2, 1, 0, :] = torch.tensor([True, False])            # page 2: V of head 0 mixed
+    flat = torch.ones(1, 2, 48, 64, dtype=torch.bfloat16)    # every block eligible: the mask decides
+    st = build_paged_cache(flat, flat, lens, compress=mask, shuffle=False)[0].stats()
+    assert st["mixed_k"] == pytest.approx(2 / 6) and st["mixed_v"] == pytest.approx(1 / 6), st
 
 
 def test_compression_is_lossless_end_to_end():
@@ -338,12 +347,13 @@ def test_plan_after_compression_in_place():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("layouts", [("token", "token"), ("k_mma", "v_mma")])
-def test_run_in_a_cuda_graph(layouts):
+@pytest.mark.parametrize("layouts,D", [(("token", "token"), 128), (("k_mma", "v_mma"), 128), (("k_mma", "v_mma"), 64)])
+def test_run_in_a_cuda_graph(layouts, D):
     """plan.run captured in a CUDA graph equals eager; a replay after new tokens are written into the
-    last page (last_page_len raised in place) sees them. Both kernels, uniform and routed caches."""
+    last page (last_page_len raised in place) sees them. Both kernels (the Gluon one at head_dim 128 and
+    64), uniform and routed caches."""
     for compress, lens in (("eligible", [48, 48, 48]), (0.5, [40, 21, 48])):
-        q, k, v = make_inputs(3, 2, 4, 48, 128, seed=23, outliers=False)
+        q, k, v = make_inputs(3, 2, 4, 48, D, seed=23, outliers=False)
         if compress == "eligible":                          # |x| in [0.25, 4.25): every block eligible
             k, v = [(x.float().sign() * (0.25 + x.float().abs() % 4)).to(torch.bfloat16) for x in (k, v)]
         cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout=layouts[0], v_layout=layouts[1],

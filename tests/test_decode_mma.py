@@ -21,16 +21,16 @@ DEV = "cuda" if CUDA else "cpu"
 needs_gpu = pytest.mark.skipif(not CUDA, reason="the Gluon kernel needs a CUDA GPU")
 
 
-def make_inputs(B, HKV, G, T, seed=0, outliers=True):
-    """q, k, v (bf16). K and V magnitudes span 2^-6 .. 2^2, so every block is compressible unless
+def make_inputs(B, HKV, G, T, seed=0, outliers=True, D=128):
+    """q, k, v (bf16, head_dim D). K and V magnitudes span 2^-6 .. 2^2, so every block is compressible unless
     ``outliers`` puts values far outside (then those blocks stay raw: mixed pages)."""
     g = torch.Generator().manual_seed(seed)
-    k, v = (torch.exp2(torch.rand(B, HKV, T, 128, generator=g) * 8 - 6)
-            * (torch.randint(0, 2, (B, HKV, T, 128), generator=g) * 2 - 1) for _ in range(2))
+    k, v = (torch.exp2(torch.rand(B, HKV, T, D, generator=g) * 8 - 6)
+            * (torch.randint(0, 2, (B, HKV, T, D), generator=g) * 2 - 1) for _ in range(2))
     if outliers:
         k[..., 16:20, 3] *= 3e4
         v[..., 33:34, -5] *= 1e-6
-    q = torch.randn(B, HKV * G, 128, generator=g)
+    q = torch.randn(B, HKV * G, D, generator=g)
     return q.to(torch.bfloat16).to(DEV), k.to(torch.bfloat16).to(DEV), v.to(torch.bfloat16).to(DEV)
 
 
@@ -49,9 +49,12 @@ CASES = [
 
 
 @needs_gpu
+@pytest.mark.parametrize("D", [128, 64])
 @pytest.mark.parametrize("B,HKV,G,T,lens,splits,compress,outliers", CASES)
-def test_matches_reference(B, HKV, G, T, lens, splits, compress, outliers):
-    q, k, v = make_inputs(B, HKV, G, T, seed=T + G, outliers=outliers)
+def test_matches_reference(B, HKV, G, T, lens, splits, compress, outliers, D):
+    """Head_dim 128 (a page per operand tile) and 64 (a page pair per tile: odd page counts leave the
+    pair's second page empty) against the fp32 reference, partial last pages, G = 1, 3, 4, 8."""
+    q, k, v = make_inputs(B, HKV, G, T, seed=T + G, outliers=outliers, D=D)
     cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma",
                                              compress=compress, compact=(T % 2 == 0))
     out = decode_attention(q, cache, ip, idx, last, num_splits=splits)
@@ -61,7 +64,7 @@ def test_matches_reference(B, HKV, G, T, lens, splits, compress, outliers):
     for b in range(B):                             # and plain attention on the original K/V
         kb = k[b, :, : Ls[b]].float().repeat_interleave(G, 0)
         vb = v[b, :, : Ls[b]].float().repeat_interleave(G, 0)
-        s = torch.einsum("hd,htd->ht", q[b].float(), kb) / 128 ** 0.5
+        s = torch.einsum("hd,htd->ht", q[b].float(), kb) / D ** 0.5
         check(out[b], torch.einsum("ht,htd->hd", s.softmax(-1), vb))
     # the mixed specialisation (any page, per-block select) gives the same attention
     check(decode_attention(q, cache, ip, idx, last, num_splits=splits, path="mixed"),
@@ -132,15 +135,19 @@ def test_errors():
     if not CUDA:
         with pytest.raises(ValueError, match="needs a CUDA GPU.*use the 'token' layouts"):
             decode_attention(q, cache, ip, idx, last)
-    with pytest.raises(ValueError, match="the 'k_mma' layout is defined for head_dim 128 only, got head_dim 64"):
-        build_paged_cache(k[..., :64].contiguous(), v[..., :64].contiguous(), k_layout="k_mma", v_layout="v_mma")
+    with pytest.raises(ValueError, match="the 'k_mma' layout is defined for head_dim 64 and 128 only, got head_dim 32"):
+        build_paged_cache(k[..., :32].contiguous(), v[..., :32].contiguous(), k_layout="k_mma", v_layout="v_mma")
     with pytest.raises(ValueError, match="the mma layouts go together"):
         build_paged_cache(k, v, k_layout="k_mma", v_layout="token")
     if CUDA:
         q17, k17, v17 = make_inputs(1, 1, 17, 20, seed=2)
         c17, ip17, idx17, last17 = build_paged_cache(k17, v17, k_layout="k_mma", v_layout="v_mma")
-        with pytest.raises(ValueError, match="at most 16 query heads per KV head, got 17"):
+        with pytest.raises(ValueError, match="at most 16 query heads per KV head at head_dim 128, got 17"):
             decode_attention(q17, c17, ip17, idx17, last17)
+        q9, k9, v9 = make_inputs(1, 1, 9, 20, seed=2, D=64)
+        c9, ip9, idx9, last9 = build_paged_cache(k9, v9, k_layout="k_mma", v_layout="v_mma")
+        with pytest.raises(ValueError, match="at most 8 query heads per KV head at head_dim 64, got 9"):
+            decode_attention(q9, c9, ip9, idx9, last9)
 
 
 def _block_combinations(lens, kv_heads, n_blocks=4):
@@ -154,14 +161,15 @@ def _block_combinations(lens, kv_heads, n_blocks=4):
 
 
 @needs_gpu
-@pytest.mark.parametrize("G", [1, 3, 4, 8, 16])
-def test_mixed_pages_every_block_combination(G):
+@pytest.mark.parametrize("G,D", [(1, 128), (3, 128), (4, 128), (8, 128), (16, 128), (1, 64), (3, 64), (4, 64), (8, 64)])
+def test_mixed_pages_every_block_combination(G, D):
     """The MIXED specialisation on pages with every combination of compressed and raw K/V blocks, partial
-    last pages (raw) and full ones, splits and no splits, against the fp32 reference."""
+    last pages (raw) and full ones, splits and no splits, against the fp32 reference; head_dim 64 pairs
+    pages, so its 16-row tiles mix two pages' combinations."""
     lens = [16 * 70 + 5, 16 * 60, 16 * 80 + 11, 16 * 46 + 1]          # 259 pages: every combination of 8 bits
-    q, k, v = make_inputs(4, 2, G, max(lens), seed=G, outliers=False)
+    q, k, v = make_inputs(4, 2, G, max(lens), seed=G, outliers=False, D=D)
     cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma",
-                                             compress=_block_combinations(lens, 2), compact=True)
+                                             compress=_block_combinations(lens, 2, D // 32), compact=True)
     assert cache.kind() == "mixed"
     p = plan(ip, idx, last, cache, q.shape[1])
     assert p.launches == [("mixed", False)]

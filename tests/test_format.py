@@ -26,29 +26,32 @@ def random_pages(shape, d, seed=0, spread=4.0):
     return x.to(torch.bfloat16)
 
 
-def test_all_bit_patterns_every_position():
+@pytest.mark.parametrize("d", [64, 128])
+def test_all_bit_patterns_every_position(d):
     blocks = all_pattern_blocks()
+    nb = F.n_blocks(d)
     # every pattern appears at every position
     assert all(torch.unique(blocks[:, p].to(torch.int32) & 0xFFFF).numel() == 65536 for p in (0, 1, 255, 511))
     for layout in F.LAYOUTS:
-        pages = F.from_blocks(blocks.view(torch.bfloat16).reshape(-1, 4, 512), layout, 128)
+        pages = F.from_blocks(blocks.view(torch.bfloat16).reshape(-1, nb, 512), layout, d)
         assert torch.equal(bits(F.to_blocks(pages, layout)).reshape(-1, 512), blocks)
         payload, meta = F.pack(pages, layout)
         assert bool(meta.compressed.all()), layout
-        assert bool((meta.nbytes == 4 * 768).all())
-        assert bool((payload[:, 4 * 768:] == 0).all())
+        assert bool((meta.nbytes == nb * 768).all())
+        assert bool((payload[:, nb * 768:] == 0).all())
         assert torch.equal(bits(F.unpack(payload, meta)), bits(pages)), layout
 
 
-def test_all_bit_patterns_raw_blocks():
+@pytest.mark.parametrize("d", [64, 128])
+def test_all_bit_patterns_raw_blocks(d):
     """Ineligible blocks stay raw (their 1024 bytes unchanged) and round-trip."""
     i = torch.arange(65536, dtype=torch.int32)
     pats = ((i % 128) * 512 + i // 128).to(torch.int16)       # every block spans all exponents
-    pages = pats.view(torch.bfloat16).reshape(-1, 16, 128)
+    pages = pats.view(torch.bfloat16).reshape(-1, 16, d)
     for layout in F.LAYOUTS:
         payload, meta = F.pack(pages, layout)
         assert not bool(meta.compressed.any())
-        assert torch.equal(payload.view(-1, 4, 1024), bits(F.to_blocks(pages, layout)).view(torch.uint8))
+        assert torch.equal(payload.view(-1, F.n_blocks(d), 1024), bits(F.to_blocks(pages, layout)).view(torch.uint8))
         assert torch.equal(bits(F.unpack(payload, meta)), bits(pages))
 
 
@@ -170,6 +173,19 @@ def test_mma_layout_arrangement():
     vb = bits(F.to_blocks(idx.view(torch.bfloat16), "v_mma"))[1]         # block 1 = tokens 2, 3, 10, 11
     tc = [(2, 0), (3, 0), (10, 0), (2, 8), (2, 1), (2, 32), (2, 64)]
     assert vb[[0, 1, 2, 4, 16, 128, 256]].tolist() == [t * 128 + c for t, c in tc]
+    idx64 = torch.arange(16 * 64, dtype=torch.int16).reshape(16, 64)   # head_dim 64: half an operand tile per page
+    kb = bits(F.to_blocks(idx64.view(torch.bfloat16), "k_mma"))[1]       # block 1 = tokens 8..15
+    tc = [(8, 0), (8, 1), (8, 8), (8, 16), (8, 2), (10, 0), (9, 0)]       # 128-channel rows = token pairs
+    assert kb[[0, 1, 2, 4, 16, 64, 256]].tolist() == [t * 64 + c for t, c in tc]
+    vb = bits(F.to_blocks(idx64.view(torch.bfloat16), "v_mma"))[1]       # block 1 = tokens 4..7, 12..15
+    tc = [(4, 0), (6, 0), (12, 0), (4, 8), (4, 1), (4, 32), (5, 0)]
+    assert vb[[0, 1, 2, 4, 16, 128, 256]].tolist() == [t * 64 + c for t, c in tc]
+    spread = torch.ones(16, 64)
+    spread[4], spread[5] = 2.0 ** -10, 2.0 ** 10                       # tokens 4, 5: 20 exponents apart
+    for layout, ok in (("k_mma", [False, True]), ("v_mma", [True, False])):
+        assert sorted(F.mma_index(layout, head_dim=64).reshape(-1).tolist()) == list(range(1024))
+        assert F.eligible(spread.to(torch.bfloat16), layout).tolist() == ok
+        assert F.pack(spread.to(torch.bfloat16), layout)[1].compressed.tolist() == ok
     for layout in F.MMA_LAYOUTS:
         assert sorted(F.mma_index(layout).reshape(-1).tolist()) == list(range(2048))
         blk = _block_with_exponents(118, 131, seed=5)
@@ -224,9 +240,10 @@ def test_errors():
     with pytest.raises(ValueError, match="head_dim must be one of"):
         F.n_blocks(48)
     for layout in F.MMA_LAYOUTS:
-        with pytest.raises(ValueError, match=f"the '{layout}' layout is defined for head_dim 128 only, got head_dim 64"):
-            F.pack(good, layout)
-    with pytest.raises(ValueError, match="head_dim 128 only, got head_dim 256"):
+        with pytest.raises(ValueError, match=f"the '{layout}' layout is defined for head_dim 64 and 128 only, got "
+                                             "head_dim 32"):
+            F.pack(random_pages((2,), 32), layout)
+    with pytest.raises(ValueError, match="head_dim 64 and 128 only, got head_dim 256"):
         F.PageMeta.from_packed(torch.zeros(8, dtype=torch.uint8), "v_mma", 256)
 
 
@@ -290,3 +307,18 @@ def test_format_benchmark_times_every_layout_beside_its_anchor():
     assert (table.seconds > 0).all() and table.time_vs_anchor.iloc[0] == 1.0
     with pytest.raises(ValueError, match="n_values=10"):
         format_benchmark(n_values=10)
+
+
+def test_mma_layouts_at_head_dim_64_are_half_tiles():
+    """The Gluon kernel reads a head_dim-64 page pair (A, B) as one head_dim-128 operand tile: key blocks
+    (A0, B0, A1, B1), value blocks (A0, A1, B0, B1). Reassembled in that order, the pair's blocks are the
+    head_dim-128 layout of the tile whose row r holds tokens 2l, 2l + 1 (l = r % 4 + 4 (r >> 3)) of A
+    where (r >> 2) & 1 == 0, else of B."""
+    a, b = random_pages((2,), 64, seed=9)
+    for layout, order in (("k_mma", [(a, 0), (b, 0), (a, 1), (b, 1)]), ("v_mma", [(a, 0), (a, 1), (b, 0), (b, 1)])):
+        tile = F.from_blocks(torch.stack([F.to_blocks(p, layout)[j] for p, j in order]), layout, 128)
+        rows = torch.arange(16)
+        l = rows % 4 + 4 * (rows >> 3)
+        src = torch.where((((rows >> 2) & 1) == 0)[:, None, None], a[None], b[None])    # [16, 16, 64]
+        want = torch.cat([src[rows, 2 * l], src[rows, 2 * l + 1]], -1)
+        assert torch.equal(bits(tile), bits(want)), layout

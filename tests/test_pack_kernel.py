@@ -156,8 +156,8 @@ def test_errors():
         pack_into(pages.view(-1), off.int(), buf, off, 64)
     with pytest.raises(ValueError, match="src must be a contiguous 1-D buffer"):
         pack_into(pages, off, buf, off, 64)
-    with pytest.raises(ValueError, match="'k_mma' layout is defined for head_dim 128 only, got head_dim 64"):
-        pack_pages(pages, "k_mma")
+    with pytest.raises(ValueError, match="'k_mma' layout is defined for head_dim 64 and 128 only, got head_dim 32"):
+        pack_pages(pages.view(-1, 16, 32), "k_mma")
     with pytest.raises(ValueError, match="reads mma-layout pages only as all-raw packed slots"):
         pack_into(pages.view(-1), off * 0, buf, off * 0, 128, "v_mma")
 

@@ -27,7 +27,7 @@ Block arrangement (``layout``) — which page values form block ``j``, and in wh
 In these two layouts 8 consecutive positions ``8m .. 8m+7`` are 8 consecutive channels of one
 token.
 
-Two more layouts, for ``head_dim`` 128 only, arrange a block for the tensor cores' operand
+Two more layouts, for ``head_dim`` 128 and 64, arrange a block for the tensor cores' operand
 fragments (``mma.m16n8k16``, bf16) of the fused kernel's Gluon path
 (:mod:`zipkv.kernels.decode_mma`), so that one thread's operand values are 16 contiguous bytes
 and a page goes from memory to the tensor cores without a layout change. With ``t`` a token
@@ -39,6 +39,12 @@ of the page (bits ``t0..t3``) and ``c`` a channel (bits ``c0..c6``):
 * ``"v_mma"`` (values, the B operand of ``P @ V``): block ``j`` = the tokens with
   ``(t >> 1) & 3 == j`` (``2j, 2j+1, 2j+8, 2j+9``); ``p = (r >> 4) * 128 + (c & 7) * 16 + (r & 15)``
   with ``r = t0 | t3 << 1 | c3 << 2 | c4 << 3 | c5 << 4 | c6 << 5``.
+
+At ``head_dim`` 64 a page is half of such a 16-row, 128-channel tile: its tokens ``2l, 2l + 1`` form
+row ``l`` (channel ``c + 64 (t & 1)``), rows ``0..3`` and ``4..7`` of the page being tile rows ``0..3``
+and ``8..11`` (the kernel's second page of a pair gives ``4..7``, ``12..15``), and each block keeps the
+byte positions above for its tile rows. So ``k_mma`` blocks are tokens ``0..7`` and ``8..15`` (the token
+layout's blocks) and ``v_mma`` blocks are tokens ``0..3, 8..11`` and ``4..7, 12..15``.
 
 Byte order of one block (little-endian everywhere):
 
@@ -85,6 +91,9 @@ PACKED_BLOCK_BYTES = BLOCK_VALUES * 3 // 2  # 768: 512 low bytes + 256 code byte
 LAYOUTS = ("token", "channel", "k_mma", "v_mma")
 MMA_LAYOUTS = ("k_mma", "v_mma")
 MMA_HEAD_DIM = 128
+MMA_HEAD_DIMS = (64, 128)
+"""Head dims at which the mma layouts are defined (128: a page is one operand tile; 64: a page is half
+of one, see the module docstring)."""
 HEAD_DIMS = (32, 64, 128, 256)
 
 
@@ -97,15 +106,15 @@ def _check_layout(layout, name="layout"):
 
 
 def _check_layout_head_dim(layout, head_dim, name="layout"):
-    if layout in MMA_LAYOUTS and head_dim != MMA_HEAD_DIM:
-        raise ValueError(f"{name}: the {layout!r} layout is defined for head_dim {MMA_HEAD_DIM} only, got "
+    if layout in MMA_LAYOUTS and head_dim not in MMA_HEAD_DIMS:
+        raise ValueError(f"{name}: the {layout!r} layout is defined for head_dim 64 and 128 only, got "
                          f"head_dim {head_dim}; use 'token' or 'channel'")
 
 
 def layouts_for(head_dim: int) -> tuple:
-    """The layouts defined for ``head_dim`` (every layout at 128; token and channel otherwise)."""
+    """The layouts defined for ``head_dim`` (every layout at 64 and 128; token and channel otherwise)."""
     _check_head_dim(head_dim)
-    return LAYOUTS if head_dim == MMA_HEAD_DIM else LAYOUTS[:2]
+    return LAYOUTS if head_dim in MMA_HEAD_DIMS else LAYOUTS[:2]
 
 
 def _check_head_dim(head_dim, name="head_dim"):
@@ -158,7 +167,7 @@ def to_blocks(pages: torch.Tensor, layout: str) -> torch.Tensor:
     if layout == "token":
         return pages.reshape(*lead, nb, BLOCK_VALUES)
     if layout in MMA_LAYOUTS:
-        return pages.reshape(*lead, PAGE_TOKENS * d)[..., mma_index(layout, pages.device)]
+        return pages.reshape(*lead, PAGE_TOKENS * d)[..., mma_index(layout, pages.device, d)]
     return pages.reshape(*lead, PAGE_TOKENS, nb, 32).transpose(-3, -2).reshape(*lead, nb, BLOCK_VALUES)
 
 
@@ -174,21 +183,22 @@ def from_blocks(blocks: torch.Tensor, layout: str, head_dim: int) -> torch.Tenso
         return blocks.reshape(*lead, PAGE_TOKENS, head_dim)
     if layout in MMA_LAYOUTS:
         out = blocks.new_empty(*lead, PAGE_TOKENS * head_dim)
-        out[..., mma_index(layout, blocks.device).reshape(-1)] = blocks.reshape(*lead, nb * BLOCK_VALUES)
+        out[..., mma_index(layout, blocks.device, head_dim).reshape(-1)] = blocks.reshape(*lead, nb * BLOCK_VALUES)
         return out.reshape(*lead, PAGE_TOKENS, head_dim)
     return blocks.reshape(*lead, nb, PAGE_TOKENS, 32).transpose(-3, -2).reshape(*lead, PAGE_TOKENS, head_dim)
 
 
-def mma_index(layout: str, device="cpu") -> torch.Tensor:
-    """int64 ``[4, 512]``: for an mma layout, the flat page index ``token * 128 + channel`` of the
-    value at position ``p`` of block ``j`` (module docstring)."""
-    return _mma_index(layout).to(device)
+def mma_index(layout: str, device="cpu", head_dim: int = MMA_HEAD_DIM) -> torch.Tensor:
+    """int64 ``[n_blocks, 512]``: for an mma layout, the flat page index ``token * head_dim + channel`` of
+    the value at position ``p`` of block ``j`` (module docstring)."""
+    _check_layout_head_dim(layout, head_dim)
+    return _mma_index(layout, head_dim).to(device)
 
 
-@functools.lru_cache(maxsize=2)
-def _mma_index(layout: str) -> torch.Tensor:
+@functools.lru_cache(maxsize=4)
+def _mma_index(layout: str, head_dim: int) -> torch.Tensor:
     p = torch.arange(BLOCK_VALUES)
-    j = torch.arange(4)[:, None]
+    j = torch.arange(n_blocks(head_dim))[:, None]
     if layout == "k_mma":
         r, lane, half = p % 16, (p % 256) // 16, p // 256
         c = (r & 1) | (lane & 3) << 1 | ((r >> 1) & 7) << 3 | half << 6
@@ -196,7 +206,9 @@ def _mma_index(layout: str) -> torch.Tensor:
     else:
         r = p % 16 | (p // 128) << 4
         c = (p % 128) // 16 | ((r >> 2) & 15) << 3
-        t = (r & 1) | j << 1 | ((r >> 1) & 1) << 3
+        t = (r & 1) | j << 1 | ((r >> 1) & 1) << (3 if head_dim == 128 else 2)
+    if head_dim == 64:                       # (virtual token, channel c of 128) -> token 2t + c6, channel c % 64
+        return (2 * t + (c >> 6)) * 64 + (c & 63)
     return t * MMA_HEAD_DIM + c
 
 
@@ -208,6 +220,8 @@ def _exponent_view(pages: torch.Tensor, layout: str):
     lead = pages.shape[:-2]
     if layout == "k_mma":                           # the token layout's blocks
         layout = "token"
+    if layout == "v_mma" and d == 64:               # tokens (t >> 2) & 1 == j: [t3, j, t1 t0, d]
+        return e.reshape(*lead, 2, 2, 4, d), (-4, -2, -1)
     if layout == "v_mma":                           # tokens (t >> 1) & 3 == j: [t3, j, t0, d]
         return e.reshape(*lead, 2, 4, 2, d), (-4, -2, -1)
     if layout == "token":
@@ -301,7 +315,7 @@ def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Ten
     """Compress pages (§III-B).
 
     pages: ``[..., 16, head_dim]`` bf16. layout: one of :data:`LAYOUTS` (the mma layouts need
-    head_dim 128).
+    head_dim 64 or 128).
     enable: ``False`` keeps every block raw; a bool tensor ``[..., n_blocks]`` compresses
     only eligible blocks where it is True (forcing a mix).
     Returns ``(payload, meta)``: payload uint8 ``[..., 32 * head_dim]`` (page slots, byte

@@ -138,12 +138,18 @@ class PagedKVCache:
         return self._kinds
 
     def stats(self) -> dict:
-        """Pool bytes in use vs. raw, compressed block fractions for K and V."""
+        """Pool bytes in use vs. raw, compressed block fractions for K and V, and the fractions of K and V
+        page-heads that hold both compressed and raw blocks (``mixed_k``, ``mixed_v``)."""
         mk, mv = self.meta(0), self.meta(1)
         used = int(mk.nbytes.sum() + mv.nbytes.sum())
         raw = 2 * self.num_pages * self.kv_heads * fmt.page_bytes(self.head_dim)
+
+        def mixed(m):
+            return float((m.compressed.any(-1) & ~m.compressed.all(-1)).float().mean())
+
         return dict(pool_bytes=self.pool.numel(), used_bytes=used, raw_bytes=raw,
-                    frac_k=float(mk.compressed.float().mean()), frac_v=float(mv.compressed.float().mean()))
+                    frac_k=float(mk.compressed.float().mean()), frac_v=float(mv.compressed.float().mean()),
+                    mixed_k=mixed(mk), mixed_v=mixed(mv))
 
 
 def check_layouts(k_layout, v_layout, head_dim, prefix=""):

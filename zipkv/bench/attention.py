@@ -86,7 +86,8 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     head_dim, on every kind of data.
 
     Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method[, kernel]): latency_us (median of
-    ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error,
+    ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error, zipkv's compressed
+    block fractions and fractions of page-heads holding both kinds (``frac_mixed_pages_k`` / ``_v``),
     speedup_vs_flashinfer_tc / _cuda, copy_bw_tbps and the device.
     """
     import pandas as pd
@@ -147,7 +148,8 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     out = torch.empty_like(q)
                     record(method, kv_data, lambda: planned.run(q, out), kv_bytes)
                     rows[-1].update(kernel=kernel, layout="/".join(layout), frac_compressed_k=stats["frac_k"],
-                                    frac_compressed_v=stats["frac_v"])
+                                    frac_compressed_v=stats["frac_v"], frac_mixed_pages_k=stats["mixed_k"],
+                                    frac_mixed_pages_v=stats["mixed_v"])
                     del cache, planned
         # FlashInfer's NHD pages at the physical ids of zipkv's caches: the same page table for every paged method
         indices = physical_page_ids(batch * ctx // PAGE, seed).to("cuda")

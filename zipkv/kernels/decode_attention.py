@@ -185,7 +185,8 @@ class DecodePlan:
         qk_scale = self.softmax_scale * math.log2(math.e)
         if self.kernel == "gluon":
             return decode_mma.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._launches,
-                                     self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"])
+                                     self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"],
+                                     self.configs[0].get("maxnreg") or 0)
         return decode_triton.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._kinds,
                                     self._launches, self.configs, self.num_splits, qk_scale, out, self._ws,
                                     self._fp32, self._interp)
@@ -212,7 +213,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     through the mixed specialisation; channel layouts always use it. routing: ``"auto"`` as above,
     ``"device"`` never the single uniform launch (the plan stays valid whatever gets compressed).
     launch: overrides of the launch options (keys :data:`LAUNCH_KEYS`); the Gluon kernel reads
-    ``programs_per_sm`` and ``stages`` (its ring slots) only, default :data:`MMA_LAUNCH`.
+    ``programs_per_sm``, ``stages`` (its ring slots) and ``maxnreg`` only, default :data:`MMA_LAUNCH`.
     """
     paged.check_cache(cache)
     D, HKV = cache.head_dim, cache.kv_heads
@@ -246,9 +247,9 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
             raise ValueError(f"the k_mma/v_mma layouts are decoded by a Gluon kernel that needs a CUDA GPU "
                              f"(the cache is on {device}{', TRITON_INTERPRET=1' if interp else ''}); "
                              f"use the 'token' layouts on the CPU")
-        if q_heads // HKV > decode_mma.MAX_GROUP:
-            raise ValueError(f"q_heads: the mma-layout kernel takes at most {decode_mma.MAX_GROUP} query heads per "
-                             f"KV head, got {q_heads // HKV} ({q_heads} q heads, {HKV} kv heads)")
+        if q_heads // HKV > decode_mma.MAX_GROUP[D]:
+            raise ValueError(f"q_heads: the mma-layout kernel takes at most {decode_mma.MAX_GROUP[D]} query heads per "
+                             f"KV head at head_dim {D}, got {q_heads // HKV} ({q_heads} q heads, {HKV} kv heads)")
         if configs[0]["stages"] < 2:
             raise ValueError(f"launch['stages'] (ring slots of the mma-layout kernel) must be >= 2, "
                              f"got {configs[0]['stages']}")
@@ -267,7 +268,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     if num_splits is None:
         if gpu and B:
             sms = torch.cuda.get_device_properties(device).multi_processor_count
-            avg_tiles = max(1, indices.numel() // B // ppt)
+            avg_tiles = max(1, indices.numel() // B // ppt // (2 if kernel == "gluon" and D == 64 else 1))
             want = configs[0]["programs_per_sm"] * sms
             num_splits = max(1, min(avg_tiles, math.ceil(want / (B * HKV))))
         else:
@@ -275,7 +276,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     kinds = cache.page_kinds()
     fp32 = not gpu
     if kernel == "gluon":
-        ws = decode_mma.workspace(B, q_heads, HKV, num_splits, device)
+        ws = decode_mma.workspace(B, q_heads, HKV, num_splits, device, D)
     else:
         ws = decode_triton.workspace(B, q_heads, D, num_splits, fp32, device)
     uniform = len(launches) == 1 and launches[0][0] != paged.MIXED

@@ -1,44 +1,52 @@
 """Fused decode attention for the mma layouts (ZipFusion §III-C), written in Gluon.
 
-The caches of :mod:`zipkv.paged` with ``k_layout="k_mma"`` and
-``v_layout="v_mma"`` (head_dim 128, see :mod:`zipkv.format`) store each 512-value block so that
-one thread's tensor-core operand values (``mma.m16n8k16``, bf16 B operand: keys for ``q @ K^T``,
-values for ``P @ V``) are two or four runs of 16 contiguous bytes. Gluon (Triton's explicit-layout
-dialect, ``triton.experimental.gluon``) lets the kernel say so: a page is copied with 16-byte
-``cp.async`` into a ring of shared-memory slots (each thread later reads back exactly the bytes
-it copied, so no barrier between threads is needed), read into registers in a blocked layout whose
-reshape/permute *is* the operand layout (the conversion is a register renaming, checked offline),
-rebuilt with integer ops and fed to ``mma``. Nothing is written back to shared memory and no layout
-conversion moves data between threads.
+The caches of :mod:`zipkv.paged` with ``k_layout="k_mma"`` and ``v_layout="v_mma"`` (head_dim 128 or 64,
+see :mod:`zipkv.format`) store each 512-value block so that one thread's tensor-core operand values
+(``mma.m16n8k16``, bf16 B operand: keys for ``q @ K^T``, values for ``P @ V``) are two or four runs of 16
+contiguous bytes. Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``) lets the kernel
+say so: a unit of 16 token rows is copied with 16-byte ``cp.async`` into a ring of shared-memory slots
+(each thread later reads back exactly the bytes it copied, so no barrier between threads is needed; each
+tile of the ring is its own allocation, so Triton puts no barrier between the copies either), read into
+registers in a blocked layout whose reshape/permute *is* the operand layout (the conversion is a register
+renaming, checked offline), rebuilt with integer ops and fed to ``mma``. Nothing is written back to
+shared memory and no layout conversion moves data between threads.
 
-One warp per program: grid ``(batch, kv_heads, num_splits)``, the program's ``G`` query rows padded
-to 16 (the A operand, kept in registers), online softmax over one page (16 tokens) per step.
+One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
+Head_dim 128: a unit is a page (16 tokens x 128 channels); the program's ``G <= 16`` query rows padded to
+16 are the A operand (kept in registers). Head_dim 64: a unit is a page *pair* seen as 16 rows of 128
+channels (a row holds two consecutive tokens; the second page of an odd request's last pair is empty and
+masked), and query head g is A rows g (``[q, 0]``: the rows' first tokens) and g + 8 (``[0, q]``: their
+second tokens), so ``G <= 8``; the two rows' softmax states are merged at the end (:func:`_fold_rows`),
+as splits are.
 
 Specialisations (constexpr ``KIND``, the page kinds of :mod:`zipkv.paged`), all through the same
-pipeline -- with a ring of S slots (launch option ``stages``, default 2), the data of pages
-i+1 .. i+S-1, the descriptors of page i+S and the page id of i+S+1 are in flight while page i is
-computed:
+pipeline -- with a ring of S slots (launch option ``stages``, default 2), the data of units
+i+1 .. i+S-1, the descriptors of unit i+S and the page ids of i+S+1 are in flight while unit i is
+computed; full units run without a token mask, the last unit of a range after the loop:
 
-* COMPRESSED: pages whose K and V blocks are all compressed. The rebuild uses a fixed exponent base
+* COMPRESSED: units whose K and V blocks are all compressed. The rebuild uses a fixed exponent base
   128 (``high = sign << 7 | (64 + offset)``: one ``or`` per 4 values, no per-block operand) and undoes
   it exactly with a power of two per token: ``2^(b - 128)`` on the scores for keys, on P for values (a
   block with b = 0 gets 0: exact for an all-zero block; a value below 2^-126 would be flushed).
 * RAW: raw blocks (bf16 in block position order): the uncompressed baseline, the same kernel with
   compression switched off.
-* MIXED: any page, each block as stored. A block covers fixed rows of the operand tiles (keys: the
-  4 token rows of the block; values: one of the 4 block rows of every value chunk), so a ring slot of
-  raw size holds each block's stored bytes in the rows it covers (:func:`_issue_mixed`: only stored
-  bytes are read), the slot is read once as 32-bit words, and one word-wise select per 4 values takes
-  the rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. Measured on the
-  H200 (8192 x 64, Llama-3.1-8B shape): the measured real mix in 492 us; the same specialisation on
-  all-compressed pages 492 us (COMPRESSED: 379 us) and on all-raw pages 1083 us (RAW: 502 us), so its
-  per-page cost, not its bytes, bounds it (an earlier version with two rings, zero-filled copies and
-  both rings read took 1015 us on the mix, L1/TEX-bound under Nsight Compute: 73 % vs DRAM 35 %).
+* MIXED: any unit, each block as stored, in a ring slot of raw size. A warp-uniform branch per unit
+  takes the keys (and, apart, the values) of a unit whose key (value) blocks are all compressed through
+  the compressed copies and rebuild (:func:`_page_code`); otherwise each block covers fixed rows of the
+  operand tiles (keys: the 4 token rows of the block; values: one of the 4 block rows of every value
+  chunk), the slot holds each block's stored bytes in the rows it covers (:func:`_issue_mixed`: only
+  stored bytes are read), is read once as 32-bit words, and one word-wise select per 4 values takes the
+  rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. Both branches yield
+  32-bit words (a branch merge of bf16 values costs a byte permute per value). Measured on the H200
+  (commit 9cb4d04, 8192 x 64, Llama-3.1-8B shape, one run beside the previous version 094c17b): MIXED on
+  all-compressed pages 415 us (was 488; COMPRESSED 378), on the measured mix 454 us (was 491; FlashInfer
+  TC 495); a register cap of 200 (461 us), 3 slots (463 us) or 9 programs per SM (500 us) were slower.
 
-Every launch takes every page of its requests, the last one too (tokens past ``last_page_len`` are
-masked), so a batch is one launch (:func:`zipkv.kernels.decode_attention.plan`: COMPRESSED or RAW for
-a uniform cache, MIXED otherwise), and it merges its own splits: the last split of each request and
-KV head to arrive does it (:func:`_finish`).
+The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
+requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
+(:func:`zipkv.kernels.decode_attention.plan`: COMPRESSED or RAW for a uniform cache, MIXED otherwise),
+and it merges its own splits: the last split of each request and KV head to arrive does it
+(:func:`_finish`).
 
 Gluon has no interpreter (``TRITON_INTERPRET=1``): this kernel runs on CUDA GPUs only; its tests
 run on the GPU, the format and the pack kernel are tested on the CPU.
@@ -50,21 +58,20 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from zipkv import format as fmt
 from zipkv import paged
 
 __all__ = ["launch", "workspace", "MMA_LAUNCH"]
 
-MMA_LAUNCH = dict(programs_per_sm=6, stages=2)
+MMA_LAUNCH = dict(programs_per_sm=6, stages=2, maxnreg=0)
 """Launch options of this kernel (one warp per program): the split-KV target in programs per SM and
 the pipeline depth (shared-memory ring slots); a plan's ``launch`` overrides them. From a sweep on the
 H200 at the benchmark's six Llama-shape points: with 2 slots (12.5 KB of shared memory) 12 programs
 fit on an SM, and about 6 per SM as the target (so 6 to 12 resident, one wave) was the fastest or
 within 1 % of it at each point."""
-MAX_GROUP = 16
-"""Query heads per KV head this kernel takes (the A operand's 16 rows)."""
+MAX_GROUP = {128: 16, 64: 8}
+"""Query heads per KV head this kernel takes, per head_dim (the A operand's 16 rows; head_dim 64 uses two
+rows per query head)."""
 
-D = fmt.MMA_HEAD_DIM
 COMPRESSED = gl.constexpr(paged.COMPRESSED)
 RAW = gl.constexpr(paged.RAW)
 MIXED = gl.constexpr(paged.MIXED)
@@ -77,6 +84,8 @@ K_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_w
 # Value block chunk in registers: [4 blocks, 8 lanes m, 16 values]: lanes = block (t1, t2), c0..c2.
 V_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[4, 8, 1],
                                        warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
+OUT64 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
+                                      order=[1, 0]))    # head_dim 64's output tile [8 query rows, 64]
 ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 # The same tiles as 32-bit words (MIXED pages): [16 tokens, 4 lanes q, 4 words] and [4 blocks, 8 lanes m, 4 words].
 K_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
@@ -86,6 +95,8 @@ V_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_w
 RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 SCALES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 COLS = gl.constexpr(gl.SliceLayout(0, MMA.value))
+RESCALE_LOG2 = gl.constexpr(8.0)
+"""Lazy rescaling threshold of the online softmax (log2 units): see :func:`_softmax_step`."""
 K_ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, K_REGS.value)))   # a key tile's 16 token rows
 V_ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, V_REGS.value)))   # a value chunk's 4 block rows
 
@@ -125,6 +136,23 @@ def _select_words(low, code, raw_a, raw_b, comp, HIGH: gl.constexpr):
             "and.b32 t, $3, 0x07070707; or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 x, $2, n, 0x5140; "
             "prmt.b32 y, $2, n, 0x7362; selp.b32 $0, x, $4, p; selp.b32 $1, y, $5, p; }",
             "=r,=r,r,r,r,r,r", [low, code, raw_a, raw_b, comp], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _rebuild_words(low, code, HIGH: gl.constexpr):
+    """:func:`_rebuild128` on 32-bit words: a low-byte word and a code word (its low or HIGH nibbles) -> the
+    bf16 pair words of values (0, 1) and (2, 3) of the 4 (int32 in, int32 out), as :func:`_select_words` gives
+    them for a compressed row."""
+    if HIGH:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t; and.b32 n, $3, 0x80808080; shr.b32 t, $3, 4; and.b32 t, t, 0x07070707; "
+            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "=r,=r,r,r", [low, code], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    else:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 n, t; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; and.b32 t, $3, 0x07070707; "
+            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "=r,=r,r,r", [low, code], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -173,30 +201,83 @@ def _value_operand(v0, v1, v2, v3):
 
 
 @gluon.jit
-def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid):
-    """One page of ``valid`` tokens: scores (log2 domain, scaled per token), online softmax,
-    ``acc += P @ V``."""
-    st = gl.arange(0, 16, layout=COLS)
-    sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
-    sc = gl.where((st < valid)[None, :], sc, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(sc, axis=1))
-    alpha = gl.exp2(m_i - m_new)
-    p = gl.exp2(sc - m_new[:, None])
-    l_i = l_i * alpha + gl.sum(p, axis=1)
-    pb = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16), A_OP)
-    return m_new, l_i, mma_v2(pb, vop, acc * alpha[:, None])
+def _valid_tokens(valid_a, valid_b, ROWS_L: gl.constexpr, COLS_L: gl.constexpr, TOKENS_IN_COLS: gl.constexpr,
+                  HD: gl.constexpr):
+    """Bool ``[16, x]`` in the layout of ROWS_L x COLS_L: which (row, column) pairs of a unit hold one of its
+    valid tokens (page ``pa`` holds ``valid_a``, head_dim 64's ``pb`` ``valid_b``). TOKENS_IN_COLS: the
+    columns are the unit's token rows (scores: rows are query rows) else the rows are (the value operand,
+    columns are channels). Head_dim 64: token row ``r`` of the pair is tokens ``2l``, ``2l + 1`` of page
+    ``pa`` if ``(r >> 2) & 1 == 0`` else ``pb`` (``l = r % 4 + 4 (r >> 3)``), the first for query rows
+    0-7 / channels 0-63, the second for query rows 8-15 / channels 64-127."""
+    if TOKENS_IN_COLS:
+        t = gl.arange(0, 16, layout=COLS_L)[None, :]
+        o = gl.arange(0, 16, layout=ROWS_L)[:, None]
+    else:
+        t = gl.arange(0, 16, layout=ROWS_L)[:, None]
+        o = gl.arange(0, 128, layout=COLS_L)[None, :]
+    if HD == 128:
+        return (t < valid_a) & (o >= 0)
+    else:
+        other = (o >= 8) if TOKENS_IN_COLS else (o >= 64)
+        tok = 2 * (t % 4 + 4 * (t >> 3)) + other.to(gl.int32)
+        return tok < gl.where(((t >> 2) & 1) == 0, valid_a, valid_b)
 
-
-# ----------------------------------------------------------------------------- pipeline
 
 @gluon.jit
-def _descs(desc_ptr, page, h, HKV: gl.constexpr):
-    """Descriptors of one page: keys per token row ``[16]``, values per block ``[4]``."""
+def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
+                  HD: gl.constexpr):
+    """One unit (16 token rows; only the LAST of a range may hold fewer valid tokens than 16 per row, see
+    :func:`_valid_tokens`): scores (log2 domain, scaled per token), online softmax, ``acc += P @ V``. The
+    running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a row's max exceeds it by more
+    than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays <= 2^RESCALE_LOG2 and the
+    result is the same up to rounding (``m_i`` cancels in ``acc / l_i`` and in the log-sum-exp), and most
+    pages skip the 64 multiplies per lane of the rescale. Head_dim 64: a query row may have no valid
+    token yet (its max -inf), so no -inf - -inf is formed."""
+    sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
+    if LAST:
+        sc = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, MMA), COLS, True, HD), sc, float("-inf"))
+    m_page = gl.max(sc, axis=1)
+    if gl.max(gl.where(m_page > m_i, m_page - m_i, 0.0), axis=0) > RESCALE_LOG2:
+        m_new = gl.maximum(m_i, m_page)
+        alpha = gl.where(m_i == m_new, 1.0, gl.exp2(m_i - m_new))
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha
+        m_i = m_new
+    if HD == 128:                                    # every row has a valid token: m_i is finite
+        p = gl.exp2(sc - m_i[:, None])
+    else:
+        p = gl.exp2(sc - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+    l_i = l_i + gl.sum(p, axis=1)
+    pb = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16), A_OP)
+    return m_i, l_i, mma_v2(pb, vop, acc)
+
+
+@gluon.jit
+def _kdesc(desc_ptr, pa, pb, h, blk, HKV: gl.constexpr, HD: gl.constexpr):
+    """Descriptors of the unit's key blocks ``blk`` (0..3, any shape): head_dim 128, the unit is page ``pa``;
+    64, the page pair (``pa``, ``pb``) as one 16-row tile, key blocks 0, 2 from ``pa`` and 1, 3 from ``pb``."""
+    if HD == 128:
+        return gl.load(desc_ptr + (pa * 2 * HKV + h) * 4 + blk)
+    else:
+        return gl.load(desc_ptr + (gl.where(blk % 2 == 0, pa, pb) * 2 * HKV + h) * 2 + blk // 2)
+
+
+@gluon.jit
+def _vdesc(desc_ptr, pa, pb, h, blk, HKV: gl.constexpr, HD: gl.constexpr):
+    """As :func:`_kdesc` for value blocks; head_dim 64: value blocks 0, 1 from ``pa`` and 2, 3 from ``pb``."""
+    if HD == 128:
+        return gl.load(desc_ptr + ((pa * 2 + 1) * HKV + h) * 4 + blk)
+    else:
+        return gl.load(desc_ptr + ((gl.where(blk < 2, pa, pb) * 2 + 1) * HKV + h) * 2 + blk % 2)
+
+
+@gluon.jit
+def _descs(desc_ptr, pa, pb, h, HKV: gl.constexpr, HD: gl.constexpr):
+    """Descriptors of one unit (a page; head_dim 64: a page pair): keys per token row ``[16]``, values per
+    block ``[4]``."""
     kt = gl.arange(0, 16, layout=K_ROWS)
     vb = gl.arange(0, 4, layout=V_ROWS)
-    kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + kt // 4)
-    vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + vb)
-    return kd, vd
+    return _kdesc(desc_ptr, pa, pb, h, kt // 4, HKV, HD), _vdesc(desc_ptr, pa, pb, h, vb, HKV, HD)
 
 
 @gluon.jit
@@ -205,14 +286,14 @@ def _compressed(dsc):
 
 
 @gluon.jit
-def _scales(desc_ptr, page, h, qk_scale, HKV: gl.constexpr, KIND: gl.constexpr):
-    """Per token of the page (an S / P column): the key scale (softmax scale included) and the
-    value scale, ``2^(b - 128)`` of the token's block if it is compressed, else 1."""
+def _scales(desc_ptr, pa, pb, h, qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, HD: gl.constexpr):
+    """Per token row of the unit (an S / P column): the key scale (softmax scale included) and the
+    value scale, ``2^(b - 128)`` of the row's block if it is compressed, else 1."""
     st = gl.arange(0, 16, layout=COLS)
     if KIND == RAW:
         return gl.full([16], qk_scale, gl.float32, layout=COLS), gl.full([16], 1.0, gl.float32, layout=COLS)
-    kd = gl.load(desc_ptr + (page * 2 * HKV + h) * 4 + st // 4)
-    vd = gl.load(desc_ptr + ((page * 2 + 1) * HKV + h) * 4 + (st >> 1) % 4)
+    kd = _kdesc(desc_ptr, pa, pb, h, st // 4, HKV, HD)
+    vd = _vdesc(desc_ptr, pa, pb, h, (st >> 1) % 4, HKV, HD)
     ks = _pow2(kd & 0x7F)
     vs = _pow2(vd & 0x7F)
     if KIND == MIXED:
@@ -244,9 +325,9 @@ def _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd):
     ka = pool_ptr + gl.multiple_of((kd >> 8) + (kt % 4) * 64, 16)[:, None, None] + k_in
     va = pool_ptr + gl.multiple_of(vd >> 8, 256)[:, None, None] + v_in
     for c in gl.static_range(3):
-        async_copy.async_copy_global_to_shared(kbuf.index(slot * 3 + c), ka + c * 256)
+        async_copy.async_copy_global_to_shared(kbuf[c].index(slot), ka + c * 256)
     for c in gl.static_range(6):
-        async_copy.async_copy_global_to_shared(vbuf.index(slot * 6 + c), va + c * 128)
+        async_copy.async_copy_global_to_shared(vbuf[c].index(slot), va + c * 128)
 
 
 @gluon.jit
@@ -260,288 +341,437 @@ def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd):
     ka = pool16 + gl.multiple_of((kd >> 9) + (kt % 4) * 64, 8)[:, None, None] + k_in
     va = pool16 + gl.multiple_of(vd >> 9, 128)[:, None, None] + v_in
     for c in gl.static_range(2):
-        async_copy.async_copy_global_to_shared(kbuf.index(slot * 2 + c), ka + c * 256)
+        async_copy.async_copy_global_to_shared(kbuf[c].index(slot), ka + c * 256)
     for c in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(vbuf.index(slot * 4 + c), va + c * 128)
+        async_copy.async_copy_global_to_shared(vbuf[c].index(slot), va + c * 128)
 
 
 @gluon.jit
-def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
+def _all_compressed(dsc):
+    """1 if every block of the page-head descriptors ``dsc`` (a row per token or per block) is
+    compressed, else 0: a scalar, the same in every lane (the warp-uniform branch of MIXED pages)."""
+    return gl.min(_compressed(dsc).to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, kall, vall):
     """cp.async of a page of any blocks into ring ``slot`` of raw size: keys as 4 tiles ``[16, 4, 16]``, values
     as 8 chunks ``[4, 8, 16]`` of bytes. A compressed key row fills tiles 0-2 (low bytes of channel bit 6 = 0,
     1; codes), a raw one tiles 0-1 (its bf16 of channel bit 6 = 0) and 2-3 (bit 6 = 1); a compressed value
     block row fills chunks 0-5 as the compressed ring, a raw one chunk 2c + i with bytes 16i.. of its bf16
-    chunk c. Only stored bytes are read (the unused tiles of a compressed row are zero-filled)."""
+    chunk c. Only stored bytes are read. ``kall`` / ``vall`` (page-level, warp-uniform): every key / value
+    block compressed, then only the compressed tiles are copied, with no per-row select."""
     kt, kq, kj, vm, vr = _tile_indices()
-    kc = _compressed(kd)
-    vc = _compressed(vd)
     kq3 = kq[None, :, None]
     vm3 = vm[None, :, None]
-    kc3 = kc[:, None, None]
-    vc3 = vc[:, None, None]
-    kbase = ((kd >> 8) + (kt % 4) * 64)[:, None, None]
-    for u in gl.static_range(4):
-        off = gl.where(kc3, kbase + u * 256 + kq3 * 16, kbase * 2 - (kd >> 8)[:, None, None]
-                       + (u // 2) * 512 + kq3 * 32 + (u % 2) * 16)
-        ptr = pool_ptr + gl.multiple_of(off, [16, 16, 16]) + kj[None, None, :]
-        if u == 3:
-            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), ptr, mask=~kc3)
-        else:
-            async_copy.async_copy_global_to_shared(kbuf.index(slot * 4 + u), ptr)
-    vbase = (vd >> 8)[:, None, None]
-    for u in gl.static_range(8):
-        off = gl.where(vc3, vbase + u * 128 + vm3 * 16, vbase + (u // 2) * 256 + vm3 * 32 + (u % 2) * 16)
-        ptr = pool_ptr + gl.multiple_of(off, [16, 16, 16]) + vr[None, None, :]
-        if u >= 6:
-            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), ptr, mask=~vc3)
-        else:
-            async_copy.async_copy_global_to_shared(vbuf.index(slot * 8 + u), ptr)
+    krow = ((kd >> 8) + (kt % 4) * 64)[:, None, None]                 # compressed row start (raw: + (t % 4) * 64)
+    vrow = (vd >> 8)[:, None, None]
+    if kall != 0:
+        for u in gl.static_range(3):
+            kptr = pool_ptr + gl.multiple_of(krow + (u * 256 + kq3 * 16), [16, 16, 16]) + kj[None, None, :]
+            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr)
+    else:
+        kc3 = _compressed(kd)[:, None, None]
+        kraw = ((kt % 4) * 64)[:, None, None] + kq3 * 32
+        for u in gl.static_range(4):
+            krel = gl.where(kc3, u * 256 + kq3 * 16, kraw + ((u // 2) * 512 + (u % 2) * 16))
+            kptr = pool_ptr + gl.multiple_of(krow + krel, [16, 16, 16]) + kj[None, None, :]
+            if u == 3:
+                async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr, mask=~kc3)
+            else:
+                async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr)
+    if vall != 0:
+        for u in gl.static_range(6):
+            vptr = pool_ptr + gl.multiple_of(vrow + (u * 128 + vm3 * 16), [16, 16, 16]) + vr[None, None, :]
+            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr)
+    else:
+        vc3 = _compressed(vd)[:, None, None]
+        for u in gl.static_range(8):
+            vrel = gl.where(vc3, u * 128 + vm3 * 16, (u // 2) * 256 + vm3 * 32 + (u % 2) * 16)
+            vptr = pool_ptr + gl.multiple_of(vrow + vrel, [16, 16, 16]) + vr[None, None, :]
+            if u >= 6:
+                async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr, mask=~vc3)
+            else:
+                async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr)
 
 
 @gluon.jit
-def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexpr):
-    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``)."""
+def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, code, KIND: gl.constexpr):
+    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``, ``code``
+    its :func:`_page_code`)."""
     if KIND == COMPRESSED:
         _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd)
     elif KIND == RAW:
         _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd)
     else:
-        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd)
+        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, code & 1, code & 2)
         kflags.index(slot).store(_compressed(kd).to(gl.int32))
         vflags.index(slot).store(_compressed(vd).to(gl.int32))
 
 
 @gluon.jit
+def _page_code(kd, vd, KIND: gl.constexpr):
+    """MIXED pages: bit 0 set if every key block of the page-head is compressed, bit 1 if every value
+    block is (a warp-uniform scalar); 0 for the other specialisations."""
+    if KIND == MIXED:
+        return _all_compressed(kd) | (_all_compressed(vd) << 1)
+    else:
+        return 0
+
+
+@gluon.jit
 def _rebuilt_keys(kbuf, slot):
-    kc = kbuf.index(slot * 3 + 2).load(K_REGS)
-    return (_rebuild128(kbuf.index(slot * 3).load(K_REGS), kc, False),
-            _rebuild128(kbuf.index(slot * 3 + 1).load(K_REGS), kc, True))
+    kc = kbuf[2].index(slot).load(K_REGS)
+    return (_rebuild128(kbuf[0].index(slot).load(K_REGS), kc, False),
+            _rebuild128(kbuf[1].index(slot).load(K_REGS), kc, True))
 
 
 @gluon.jit
 def _rebuilt_values(vbuf, slot):
-    c0 = vbuf.index(slot * 6 + 4).load(V_REGS)
-    c1 = vbuf.index(slot * 6 + 5).load(V_REGS)
-    return (_rebuild128(vbuf.index(slot * 6).load(V_REGS), c0, False),
-            _rebuild128(vbuf.index(slot * 6 + 1).load(V_REGS), c1, False),
-            _rebuild128(vbuf.index(slot * 6 + 2).load(V_REGS), c0, True),
-            _rebuild128(vbuf.index(slot * 6 + 3).load(V_REGS), c1, True))
+    c0 = vbuf[4].index(slot).load(V_REGS)
+    c1 = vbuf[5].index(slot).load(V_REGS)
+    return (_rebuild128(vbuf[0].index(slot).load(V_REGS), c0, False),
+            _rebuild128(vbuf[1].index(slot).load(V_REGS), c1, False),
+            _rebuild128(vbuf[2].index(slot).load(V_REGS), c0, True),
+            _rebuild128(vbuf[3].index(slot).load(V_REGS), c1, True))
 
 
 @gluon.jit
-def _mixed_operands(kbuf, vbuf, kflags, vflags, slot):
-    """MIXED page in ring ``slot`` -> the bf16 key tiles (channel bit 6 = 0, 1) and value chunks, each row
-    rebuilt or raw as its block is stored: one word-wise rebuild-or-raw select (:func:`_select_words`)."""
-    kw = kbuf._reinterpret(gl.int32, [kbuf.shape[0], 16, 4, 4], RING)
-    vw = vbuf._reinterpret(gl.int32, [vbuf.shape[0], 4, 8, 4], RING)
-    t0 = kw.index(slot * 4).load(K_WORDS)
-    t1 = kw.index(slot * 4 + 1).load(K_WORDS)
-    t2 = kw.index(slot * 4 + 2).load(K_WORDS)
-    t3 = kw.index(slot * 4 + 3).load(K_WORDS)
-    kc = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + t0 * 0
-    ra, rb = _raw_pairs(t0, t1, K_WORDS)
-    a0, b0 = _select_words(t0, t2, ra, rb, kc, False)
-    ra, rb = _raw_pairs(t2, t3, K_WORDS)
-    a1, b1 = _select_words(t1, t2, ra, rb, kc, True)
-    k0 = _words_to_values(a0, b0, K_REGS)
-    k1 = _words_to_values(a1, b1, K_REGS)
-    u0 = vw.index(slot * 8).load(V_WORDS)
-    u1 = vw.index(slot * 8 + 1).load(V_WORDS)
-    u2 = vw.index(slot * 8 + 2).load(V_WORDS)
-    u3 = vw.index(slot * 8 + 3).load(V_WORDS)
-    u4 = vw.index(slot * 8 + 4).load(V_WORDS)
-    u5 = vw.index(slot * 8 + 5).load(V_WORDS)
-    u6 = vw.index(slot * 8 + 6).load(V_WORDS)
-    u7 = vw.index(slot * 8 + 7).load(V_WORDS)
-    vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
-    ra, rb = _raw_pairs(u0, u1, V_WORDS)
-    a, b = _select_words(u0, u4, ra, rb, vc, False)
-    v0 = _words_to_values(a, b, V_REGS)
-    ra, rb = _raw_pairs(u2, u3, V_WORDS)
-    a, b = _select_words(u1, u5, ra, rb, vc, False)
-    v1 = _words_to_values(a, b, V_REGS)
-    ra, rb = _raw_pairs(u4, u5, V_WORDS)
-    a, b = _select_words(u2, u4, ra, rb, vc, True)
-    v2 = _words_to_values(a, b, V_REGS)
-    ra, rb = _raw_pairs(u6, u7, V_WORDS)
-    a, b = _select_words(u3, u5, ra, rb, vc, True)
-    v3 = _words_to_values(a, b, V_REGS)
-    return k0, k1, v0, v1, v2, v3
+def _words(buf, slot, WORDS: gl.constexpr):
+    """Ring tile ``slot`` of a byte ring ``buf`` ``[SLOTS, a, b, 16]`` read as 32-bit words ``[a, b, 4]``."""
+    return buf._reinterpret(gl.int32, [buf.shape[0], buf.shape[1], buf.shape[2], 4], RING).index(slot).load(WORDS)
 
 
 @gluon.jit
-def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid, KIND: gl.constexpr):
-    """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state."""
+def _mixed_keys(kbuf, kflags, slot, kall):
+    """MIXED page in ring ``slot`` -> the bf16 key tiles (channel bit 6 = 0, 1): all compressed (``kall``,
+    warp-uniform) rebuilt as in COMPRESSED, else each row rebuilt or raw as its block is stored, by one
+    word-wise rebuild-or-raw select (:func:`_select_words`). Both branches give 32-bit pair words (a branch
+    merge of bf16 values would cost a byte permute per value)."""
+    t0 = _words(kbuf[0], slot, K_WORDS)
+    t1 = _words(kbuf[1], slot, K_WORDS)
+    t2 = _words(kbuf[2], slot, K_WORDS)
+    if kall != 0:
+        a0, b0 = _rebuild_words(t0, t2, False)
+        a1, b1 = _rebuild_words(t1, t2, True)
+    else:
+        t3 = _words(kbuf[3], slot, K_WORDS)
+        kcomp = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + t0 * 0
+        ra, rb = _raw_pairs(t0, t1, K_WORDS)
+        a0, b0 = _select_words(t0, t2, ra, rb, kcomp, False)
+        ra, rb = _raw_pairs(t2, t3, K_WORDS)
+        a1, b1 = _select_words(t1, t2, ra, rb, kcomp, True)
+    return _words_to_values(a0, b0, K_REGS), _words_to_values(a1, b1, K_REGS)
+
+
+@gluon.jit
+def _mixed_values(vbuf, vflags, slot, vall):
+    """MIXED page in ring ``slot`` -> the four bf16 value chunks, as :func:`_mixed_keys` (``vall``: every
+    value block compressed)."""
+    u0 = _words(vbuf[0], slot, V_WORDS)
+    u1 = _words(vbuf[1], slot, V_WORDS)
+    u2 = _words(vbuf[2], slot, V_WORDS)
+    u3 = _words(vbuf[3], slot, V_WORDS)
+    u4 = _words(vbuf[4], slot, V_WORDS)
+    u5 = _words(vbuf[5], slot, V_WORDS)
+    if vall != 0:
+        a0, b0 = _rebuild_words(u0, u4, False)
+        a1, b1 = _rebuild_words(u1, u5, False)
+        a2, b2 = _rebuild_words(u2, u4, True)
+        a3, b3 = _rebuild_words(u3, u5, True)
+    else:
+        u6 = _words(vbuf[6], slot, V_WORDS)
+        u7 = _words(vbuf[7], slot, V_WORDS)
+        vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
+        ra, rb = _raw_pairs(u0, u1, V_WORDS)
+        a0, b0 = _select_words(u0, u4, ra, rb, vc, False)
+        ra, rb = _raw_pairs(u2, u3, V_WORDS)
+        a1, b1 = _select_words(u1, u5, ra, rb, vc, False)
+        ra, rb = _raw_pairs(u4, u5, V_WORDS)
+        a2, b2 = _select_words(u2, u4, ra, rb, vc, True)
+        ra, rb = _raw_pairs(u6, u7, V_WORDS)
+        a3, b3 = _select_words(u3, u5, ra, rb, vc, True)
+    return (_words_to_values(a0, b0, V_REGS), _words_to_values(a1, b1, V_REGS),
+            _words_to_values(a2, b2, V_REGS), _words_to_values(a3, b3, V_REGS))
+
+
+@gluon.jit
+def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b, code,
+             KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr):
+    """Page in ring ``slot`` (its first ``valid`` tokens; MIXED: ``code`` its :func:`_page_code`) into the
+    softmax state. Only the LAST unit of a range may be partial (``valid_a``, ``valid_b``: see
+    :func:`_valid_tokens`): the pipeline's loop takes full units, so it has no token mask and no branch
+    merge of the value operand."""
     if KIND == COMPRESSED:
         k0, k1 = _rebuilt_keys(kbuf, slot)
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
     elif KIND == RAW:
-        k0, k1 = kbuf.index(slot * 2).load(K_REGS), kbuf.index(slot * 2 + 1).load(K_REGS)
-        v0, v1 = vbuf.index(slot * 4).load(V_REGS), vbuf.index(slot * 4 + 1).load(V_REGS)
-        v2, v3 = vbuf.index(slot * 4 + 2).load(V_REGS), vbuf.index(slot * 4 + 3).load(V_REGS)
+        k0, k1 = kbuf[0].index(slot).load(K_REGS), kbuf[1].index(slot).load(K_REGS)
+        v0, v1 = vbuf[0].index(slot).load(V_REGS), vbuf[1].index(slot).load(V_REGS)
+        v2, v3 = vbuf[2].index(slot).load(V_REGS), vbuf[3].index(slot).load(V_REGS)
     else:
-        k0, k1, v0, v1, v2, v3 = _mixed_operands(kbuf, vbuf, kflags, vflags, slot)
+        k0, k1 = _mixed_keys(kbuf, kflags, slot, code & 1)
+        v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot, code & 2)
     kop = _key_operand(k0, k1)
     vop = _value_operand(v0, v1, v2, v3)
-    if KIND != COMPRESSED:                   # raw bytes past a partial page may be any bf16 (inf, nan)
-        tv = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
-        vop = gl.where((tv < valid)[:, None], vop, 0.0)
-    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid)
+    if KIND != COMPRESSED and LAST:
+        if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan)
+            vop = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, B_OP), gl.SliceLayout(0, B_OP),
+                                         False, HD), vop, 0.0)
+    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
 
 
 @gluon.jit
-def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, last_page, last_len, h,
-               qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr):
-    """Pages [lo, hi) (hi > lo) of one request (page ``last_page`` holds ``last_len`` tokens, the
-    others 16) through a ring of SLOTS shared-memory slots: while
-    page i is computed, the data of pages i+1 .. i+SLOTS-1, the descriptors of page i+SLOTS and
-    the page id of i+SLOTS+1 are in flight. The per-token scales (and MIXED: the block flags) wait in
-    the ring too."""
-    NK: gl.constexpr = 3 if KIND == COMPRESSED else (2 if KIND == RAW else 4)   # key tiles, value chunks per slot
-    NV: gl.constexpr = 6 if KIND == COMPRESSED else (4 if KIND == RAW else 8)
-    ELEM: gl.constexpr = gl.bfloat16 if KIND == RAW else gl.uint8
-    kbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NK, 16, 4, 16], RING)
-    vbuf = gl.allocate_shared_memory(ELEM, [SLOTS * NV, 4, 8, 16], RING)
-    sbuf = gl.allocate_shared_memory(gl.float32, [2 * SLOTS, 16], SCALES)
+def _ring(ELEM: gl.constexpr, SLOTS: gl.constexpr, SHAPE: gl.constexpr):
+    return gl.allocate_shared_memory(ELEM, [SLOTS] + SHAPE, RING)
+
+
+@gluon.jit
+def _rings(KIND: gl.constexpr, SLOTS: gl.constexpr):
+    """The ring of one specialisation: a tuple of key tiles ``[SLOTS, 16, 4, 16]`` and one of value chunks
+    ``[SLOTS, 4, 8, 16]`` (COMPRESSED 3 + 6 of bytes, RAW 2 + 4 of bf16, MIXED 4 + 8 of bytes), one
+    allocation each: copies into different allocations need no barrier between them (Triton's barrier
+    pass sees one allocation as one buffer)."""
+    KT: gl.constexpr = [16, 4, 16]
+    VC: gl.constexpr = [4, 8, 16]
+    if KIND == COMPRESSED:
+        E: gl.constexpr = gl.uint8
+        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
+        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC),
+                _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+    elif KIND == RAW:
+        E: gl.constexpr = gl.bfloat16
+        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
+        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+    else:
+        E: gl.constexpr = gl.uint8
+        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
+        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC),
+                _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+    return kbuf, vbuf
+
+
+@gluon.jit
+def _unit_pages(indices_ptr, p_start, u, last, npages, HD: gl.constexpr):
+    """Physical page ids (int64) of unit ``min(u, last)`` of a request: head_dim 128 its page (twice),
+    64 its page pair (pages 2u, 2u + 1; the second is the first again past the request's last page)."""
+    u = gl.minimum(u, last)
+    if HD == 128:
+        pa = gl.load(indices_ptr + p_start + u).to(gl.int64)
+        return pa, pa
+    else:
+        pa = gl.load(indices_ptr + p_start + 2 * u).to(gl.int64)
+        return pa, gl.load(indices_ptr + p_start + gl.minimum(2 * u + 1, npages - 1)).to(gl.int64)
+
+
+@gluon.jit
+def _unit_valid(u, npages, last_len, HD: gl.constexpr):
+    """Valid tokens of unit ``u``'s pages (``pa``, ``pb``: :func:`_valid_tokens`); page ``npages - 1``
+    holds ``last_len``, a page past the request none."""
+    if HD == 128:
+        return gl.where(u == npages - 1, last_len, 16), 16
+    else:
+        vb = gl.where(2 * u + 1 == npages - 1, last_len, 16)
+        return gl.where(2 * u == npages - 1, last_len, 16), gl.where(2 * u + 1 < npages, vb, 0)
+
+
+@gluon.jit
+def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi, last_len, h,
+               qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr):
+    """Units [lo, hi) (hi > lo; a unit is a page, head_dim 64 a page pair: 16 token rows of 128 channels)
+    of one request of ``npages`` pages (its last holds ``last_len`` tokens, the others 16) through a ring of
+    SLOTS shared-memory slots: while unit i is computed, the data of units i+1 .. i+SLOTS-1, the
+    descriptors of unit i+SLOTS and the page ids of i+SLOTS+1 are in flight. The per-token scales (and
+    MIXED: the block flags) wait in the ring too. The last unit of the range is computed after the loop
+    (:func:`_compute`'s LAST)."""
+    kbuf, vbuf = _rings(KIND, SLOTS)
+    ksbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
+    vsbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
     kflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 16], SCALES)
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
     last = hi - 1
+    codes = lo * 0                                  # MIXED: 2 bits (_page_code) per unit in the ring, unit i lowest
     for j in gl.static_range(SLOTS - 1):
-        pg = gl.load(indices_ptr + p_start + gl.minimum(lo + j, last)).to(gl.int64)
-        kd, vd = _descs(desc_ptr, pg, h, HKV)
-        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, KIND)
+        pa, pb = _unit_pages(indices_ptr, p_start, lo + j, last, npages, HD)
+        kd, vd = _descs(desc_ptr, pa, pb, h, HKV, HD)
+        code = _page_code(kd, vd, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, code, KIND)
+        codes = codes | (code << (2 * j))
         async_copy.commit_group()
-        ks, vs = _scales(desc_ptr, pg, h, qk_scale, HKV, KIND)
-        sbuf.index(2 * j).store(ks)
-        sbuf.index(2 * j + 1).store(vs)
-    pga = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS - 1, last)).to(gl.int64)
-    kdn, vdn = _descs(desc_ptr, pga, h, HKV)
-    pgn = gl.load(indices_ptr + p_start + gl.minimum(lo + SLOTS, last)).to(gl.int64)
-    for i in range(lo, hi):
-        ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of page i + SLOTS - 1
-        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, KIND)
+        ks, vs = _scales(desc_ptr, pa, pb, h, qk_scale, HKV, KIND, HD)
+        ksbuf.index(j).store(ks)
+        vsbuf.index(j).store(vs)
+    paa, pba = _unit_pages(indices_ptr, p_start, lo + SLOTS - 1, last, npages, HD)
+    kdn, vdn = _descs(desc_ptr, paa, pba, h, HKV, HD)
+    pan, pbn = _unit_pages(indices_ptr, p_start, lo + SLOTS, last, npages, HD)
+    for i in range(lo, hi - 1):                                          # full units: no token mask
+        ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of unit i + SLOTS - 1
+        code = _page_code(kdn, vdn, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, code, KIND)
+        codes = codes | (code << (2 * (SLOTS - 1)))
         async_copy.commit_group()
-        ks, vs = _scales(desc_ptr, pga, h, qk_scale, HKV, KIND)
-        sbuf.index(2 * ahead).store(ks)
-        sbuf.index(2 * ahead + 1).store(vs)
-        kdn, vdn = _descs(desc_ptr, pgn, h, HKV)                         # page i + SLOTS
-        pga = pgn
-        pgn = gl.load(indices_ptr + p_start + gl.minimum(i + SLOTS + 1, last)).to(gl.int64)
-        async_copy.wait_group(SLOTS - 1)                                  # page i has landed
+        ks, vs = _scales(desc_ptr, paa, pba, h, qk_scale, HKV, KIND, HD)
+        ksbuf.index(ahead).store(ks)
+        vsbuf.index(ahead).store(vs)
+        kdn, vdn = _descs(desc_ptr, pan, pbn, h, HKV, HD)               # unit i + SLOTS
+        paa = pan
+        pba = pbn
+        pan, pbn = _unit_pages(indices_ptr, p_start, i + SLOTS + 1, last, npages, HD)
+        async_copy.wait_group(SLOTS - 1)                                  # unit i has landed
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
-                                 sbuf.index(2 * slot).load(COLS), sbuf.index(2 * slot + 1).load(COLS),
-                                 gl.where(i == last_page, last_len, 16), KIND)
-    async_copy.wait_group(0)
-    return m_i, l_i, acc
+                                 ksbuf.index(slot).load(COLS), vsbuf.index(slot).load(COLS),
+                                 16, 16, codes & 3, KIND, False, HD)
+        codes = codes >> 2
+    async_copy.wait_group(0)                                              # unit hi - 1, maybe partial
+    slot = (hi - 1 - lo) % SLOTS
+    valid_a, valid_b = _unit_valid(hi - 1, npages, last_len, HD)
+    return _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(COLS),
+                    vsbuf.index(slot).load(COLS), valid_a, valid_b, codes & 3, KIND, True, HD)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 @gluon.jit
-def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr):
-    """The request's pages, this split's share [lo, hi) of its full pages before the last, q as the
-    A operand and an empty softmax state."""
+def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
+              HD: gl.constexpr):
+    """The request's pages, this split's share [lo, hi) of its units before the last (a unit: a page;
+    head_dim 64: a page pair), q as the A operand and an empty softmax state. Head_dim 64: query row g
+    is rows g (channels 0-63: the even tokens of a pair) and g + 8 (channels 64-127: the odd ones)."""
     p_start = gl.load(indptr_ptr + b)
     npages = gl.load(indptr_ptr + b + 1) - p_start
-    per = gl.cdiv(npages - 1, SPLITS)
-    lo = gl.minimum(s * per, npages - 1)
-    hi = gl.minimum(lo + per, npages - 1)
+    units = npages if HD == 128 else (npages + 1) // 2
+    per = gl.cdiv(units - 1, SPLITS)
+    lo = gl.minimum(s * per, units - 1)
+    hi = gl.minimum(lo + per, units - 1)
     gq = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
     dq = gl.arange(0, 128, layout=gl.SliceLayout(0, A_OP))
-    q_rows = b * (HKV * G) + h * G + gq
-    q = gl.load(q_ptr + q_rows[:, None] * 128 + dq[None, :], mask=(gq < G)[:, None], other=0.0)
+    if HD == 128:
+        q_rows = b * (HKV * G) + h * G + gq
+        q = gl.load(q_ptr + q_rows[:, None] * 128 + dq[None, :], mask=(gq < G)[:, None], other=0.0)
+    else:
+        q_rows = b * (HKV * G) + h * G + gq % 8
+        ok = ((gq % 8) < G)[:, None] & ((dq // 64)[None, :] == (gq // 8)[:, None])
+        q = gl.load(q_ptr + q_rows[:, None] * 64 + (dq % 64)[None, :], mask=ok, other=0.0)
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([16, 128], gl.float32, layout=MMA)
-    return p_start, npages, lo, hi, q, m_i, l_i, acc
+    return p_start, npages, units, lo, hi, q, m_i, l_i, acc
+
+
+@gluon.jit
+def _fold_rows(m_i, l_i, acc):
+    """Head_dim 64: the softmax states of rows g and g + 8 (even and odd tokens of the pairs; their
+    outputs in channels 0-63 and 64-127 of ``acc``) merged into query row g's: ``[8]``, ``[8]``,
+    ``[8, 64]`` in OUT64 (in a split with a unit, row g has a finite max: every unit's first token is valid;
+    an empty split has no finite max at all)."""
+    R8: gl.constexpr = gl.SliceLayout(1, OUT64)
+    ma, mb = gl.split(m_i.reshape([2, 8]).permute([1, 0]))
+    la, lb = gl.split(l_i.reshape([2, 8]).permute([1, 0]))
+    x0, x1 = gl.split(acc.reshape([2, 8, 2, 64]).permute([1, 3, 0, 2]))   # [row, channel, half] per channel half
+    ea, _ = gl.split(x0)
+    _, eb = gl.split(x1)
+    ma, mb = gl.convert_layout(ma, R8), gl.convert_layout(mb, R8)
+    m = gl.maximum(ma, mb)
+    m_safe = gl.where(m == float("-inf"), 0.0, m)       # an empty split: both -inf, l = 0, acc = 0
+    wa = gl.exp2(ma - m_safe)
+    wb = gl.exp2(mb - m_safe)
+    lab = gl.convert_layout(la, R8) * wa + gl.convert_layout(lb, R8) * wb
+    o = gl.convert_layout(ea, OUT64) * wa[:, None] + gl.convert_layout(eb, OUT64) * wb[:, None]
+    return m, lab, o
 
 
 @gluon.jit
 def _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, slot, HKV: gl.constexpr, G: gl.constexpr,
-                 SPLITS: gl.constexpr):
-    """Normalised partial output and log2-sum-exp of split slot ``slot`` (empty: l = 0, lse = -inf, o = 0)."""
-    go = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+                 SPLITS: gl.constexpr, R: gl.constexpr, DD: gl.constexpr, LAY: gl.constexpr):
+    """Normalised partial output and log2-sum-exp of split slot ``slot`` (empty: l = 0, lse = -inf, o = 0);
+    ``acc`` ``[R, DD]`` in LAY."""
+    go = gl.arange(0, R, layout=gl.SliceLayout(1, LAY))
+    do = gl.arange(0, DD, layout=gl.SliceLayout(0, LAY))
     gm = go < G
     den = gl.where(l_i > 0, l_i, 1.0)
     lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
     prow = (b * (HKV * G) + h * G + go) * SPLITS + slot
-    gl.store(part_ptr + prow[:, None] * 128 + do[None, :], acc / den[:, None], mask=gm[:, None])
+    gl.store(part_ptr + prow[:, None] * DD + do[None, :], acc / den[:, None], mask=gm[:, None])
     gl.store(lse_ptr + prow, lse, mask=gm)
 
 
 @gluon.jit
 def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl.constexpr, G: gl.constexpr,
-            SPLITS: gl.constexpr):
-    """Output of a launch without a merge kernel: one split writes ``out`` (bf16)
-    directly; with more, each split writes its slot and counts itself in the (request, kv head)'s
-    arrival counter, and the last to arrive merges the slots into ``out`` and resets the counter to 0."""
-    go = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    do = gl.arange(0, 128, layout=gl.SliceLayout(0, MMA))
+            SPLITS: gl.constexpr, R: gl.constexpr, DD: gl.constexpr, LAY: gl.constexpr):
+    """Output of a launch without a merge kernel (``acc`` ``[R, DD]`` in LAY, rows = query heads of the KV
+    head, DD = head_dim): one split writes ``out`` (bf16) directly; with more, each split writes its slot
+    and counts itself in the (request, kv head)'s arrival counter, and the last to arrive merges the
+    slots into ``out`` and resets the counter to 0."""
+    go = gl.arange(0, R, layout=gl.SliceLayout(1, LAY))
+    do = gl.arange(0, DD, layout=gl.SliceLayout(0, LAY))
     rows = b * (HKV * G) + h * G + go
     gm = (go < G)[:, None]
     if SPLITS == 1:
         den = gl.where(l_i > 0, l_i, 1.0)
-        gl.store(out_ptr + rows[:, None] * 128 + do[None, :], (acc / den[:, None]).to(gl.bfloat16), mask=gm)
+        gl.store(out_ptr + rows[:, None] * DD + do[None, :], (acc / den[:, None]).to(gl.bfloat16), mask=gm)
     else:
-        _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS)
+        _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, R, DD, LAY)
         gl.thread_barrier()                    # every lane's stores before the release below
         arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
             gl.store(cnt_ptr + b * HKV + h, 0)
-            m = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+            m = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LAY))
             for j in range(SPLITS):
                 m = gl.maximum(m, gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
                                           cache_modifier=".cg"))
             m = gl.where(go < G, m, 0.0)       # some split of a real row holds a token: m is finite
-            num = gl.zeros([16, 128], gl.float32, layout=MMA)
-            wsum = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
+            num = gl.zeros([R, DD], gl.float32, layout=LAY)
+            wsum = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, LAY))
             for j in range(SPLITS):            # written by other programs: read past L1 (.cg)
                 w = gl.exp2(gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
                                     cache_modifier=".cg") - m)
-                o = gl.load(part_ptr + (rows * SPLITS + j)[:, None] * 128 + do[None, :], mask=gm, other=0.0,
+                o = gl.load(part_ptr + (rows * SPLITS + j)[:, None] * DD + do[None, :], mask=gm, other=0.0,
                             cache_modifier=".cg")
                 num += o * w[:, None]
                 wsum += w
             wsum = gl.where(wsum > 0, wsum, 1.0)
-            gl.store(out_ptr + rows[:, None] * 128 + do[None, :], (num / wsum[:, None]).to(gl.bfloat16), mask=gm)
+            gl.store(out_ptr + rows[:, None] * DD + do[None, :], (num / wsum[:, None]).to(gl.bfloat16), mask=gm)
 
 
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, part_ptr, lse_ptr, out_ptr,
                       cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-                      KIND: gl.constexpr, SLOTS: gl.constexpr):
-    """Grid (batch, kv_heads, splits), one warp: split s of the request's full pages before its last
-    (the last split also takes the last page) through the cp.async ring as pages of kind KIND; the splits
-    are merged into ``out`` here (:func:`_finish`)."""
+                      KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr):
+    """Grid (batch, kv_heads, splits), one warp: split s of the request's units before its last (the last
+    split also takes the last unit) through the cp.async ring as pages of kind KIND; the splits are merged
+    into ``out`` here (:func:`_finish`). HD: head_dim, 128 or 64."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
-    p_start, npages, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS)
+    p_start, npages, units, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS, HD)
     if s == SPLITS - 1:
-        hi = npages
+        hi = units
     if hi > lo:
-        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, lo, hi, npages - 1,
-                                   gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS)
-    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS)
+        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi,
+                                   gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD)
+    if HD == 128:
+        _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, 16, 128, MMA)
+    else:
+        m8, l8, o8 = _fold_rows(m_i, l_i, acc)
+        _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m8, l8, o8, b, h, s, HKV, G, SPLITS, 8, 64, OUT64)
 
 
-def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device) -> dict:
+def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device, head_dim: int = 128) -> dict:
     """Buffers of one batch layout: with splits, the split slots (fp32 ``part``, ``lse``) and the zeroed
     int32 arrival counters of :func:`_finish` (every launch leaves them at 0 again)."""
     if num_splits == 1:
         return {}
-    return dict(part=torch.empty(batch, q_heads, num_splits, D, dtype=torch.float32, device=device),
+    return dict(part=torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=device),
                 lse=torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=device),
                 counters=torch.zeros(batch * kv_heads, dtype=torch.int32, device=device))
 
 
 def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, qk_scale: float,
-           out: torch.Tensor, ws: dict, slots: int) -> torch.Tensor:
+           out: torch.Tensor, ws: dict, slots: int, maxnreg: int = 0) -> torch.Tensor:
     """Launch the pipelined kernel for ``launches`` -- one ``(kind, routed)`` with ``kind`` a page kind of
     :mod:`zipkv.paged` (MIXED: any page) -- into ``out``; it merges its own splits. ``slots``: ring slots;
-    ``ws``: :func:`workspace`. No host sync; inputs are checked by
+    ``ws``: :func:`workspace`; ``maxnreg``: a register cap per thread (0: the compiler's choice). No host sync; inputs are checked by
     :func:`zipkv.kernels.decode_attention.plan`."""
     (kind, _), = launches
     B, HQ, _ = q.shape
@@ -549,5 +779,6 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
     part, lse, counters = (ws.get(name, out) for name in ("part", "lse", "counters"))
     _pipelined_kernel[(B, HKV, num_splits)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, part, lse, out, counters, qk_scale,
-        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, num_warps=1)
+        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, HD=cache.head_dim, num_warps=1,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

@@ -51,7 +51,7 @@ reports registers, spills, shared memory and async copies.
 Splits write normalised partial outputs and a log2-sum-exp; a second small kernel merges
 them (:mod:`zipkv.kernels.merge`).
 
-The mma layouts of :mod:`zipkv.format` (``k_mma`` / ``v_mma``, head_dim 128), arranged for the
+The mma layouts of :mod:`zipkv.format` (``k_mma`` / ``v_mma``, head_dim 64 and 128), arranged for the
 tensor cores' operand fragments, are decoded by a Gluon kernel instead
 (:mod:`zipkv.kernels.decode_mma`): same cache, page table and plan; CUDA only.
 

@@ -165,7 +165,8 @@ def pack_info(head_dim: int = 128, layout: str = "token", *, pages_per_program: 
 
 
 def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: int = 8, splits: int = 2,
-                    slots: int | None = None, arch: int = 90, keep_asm: bool = False) -> dict:
+                    slots: int | None = None, head_dim: int = 128, maxnreg: int = 0, arch: int = 90,
+                    keep_asm: bool = False) -> dict:
     """Resources of the Gluon decode kernel (:mod:`zipkv.kernels.decode_mma`, one warp): ``path`` a page
     kind of :data:`zipkv.paged.PAGE_KINDS` (``"compressed"``, ``"raw"`` or ``"mixed"``: its pipelined
     specialisation), ``slots`` ring slots (default its launch option)."""
@@ -178,10 +179,11 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
            "last_ptr": "*i32", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32",
            "qk_scale": "fp32"}
     stages = slots or dm.MMA_LAUNCH["stages"]
-    cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits, KIND=paged.PAGE_KINDS.index(path), SLOTS=stages)
+    cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits, KIND=paged.PAGE_KINDS.index(path), SLOTS=stages,
+               HD=head_dim)
     info = compile_info(dm._pipelined_kernel, sig, cst, num_warps=1, num_stages=stages, arch=arch,
-                        divisible=tuple(range(9)), keep_asm=keep_asm)
-    info.update(path=path)
+                        divisible=tuple(range(9)), keep_asm=keep_asm, **({"maxnreg": maxnreg} if maxnreg else {}))
+    info.update(path=path, head_dim=head_dim)
     return info
 
 
