@@ -273,3 +273,24 @@ def test_attention_matching_on_policy_and_selection_by_validation(model, cap, id
         attention_matching.compress(cap, 0.5, m=M, config=attention_matching.AttentionMatchingConfig(keys="random"))
     with pytest.raises(ValueError, match="probe"):
         attention_matching.compress(cap, 0.5, m=M, model=model)
+
+
+def test_compare_runs_the_bars_ratio_everywhere_first_and_picks_attention_matching_on_validation(model):
+    from zipkv.data import Window
+    from zipkv.distill import beyond
+
+    gen = torch.Generator().manual_seed(5)
+    windows = [Window(torch.randint(0, 128, (N + C,), generator=gen), N, C, i, "t", 0) for i in range(2)]
+    table, objectives = beyond.compare(model, windows, [0.3, 0.5], m=M, n_synthetic=8, steps=2, probe_tokens=4,
+                                       kvsculpt_windows=1, ratio_windows=1, progress=False)
+    ran = table.groupby(["method", "ratio"]).window.apply(sorted)
+    assert ran[("zipkv", 0.3)] == [0, 1] and ran[("attention_matching", 0.3)] == [0, 1]
+    assert ran[("zipkv", 0.5)] == [0] and ran[("kvsculpt", 0.3)] == [0] and ran[("kvsculpt", 0.5)] == [0]
+    assert set(objectives.method) == set(beyond.METHODS)
+    for (w, r), rows in table.groupby(["window", "ratio"]):
+        am = rows.set_index("method")
+        pick = am.loc["attention_matching", "choice"]
+        assert pick in beyond.AM_VARIANTS and am.loc["attention_matching", "kl"] == am.loc[pick, "kl"]
+    cut, _ = beyond.compare(model, windows, [0.3], methods=["select_fit", "zipkv"], m=M, probe_tokens=4,
+                            time_budget_s=0.0, progress=False)
+    assert len(cut) == 0  # nothing fits in no time

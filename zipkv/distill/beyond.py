@@ -269,8 +269,9 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
     timed((w, main_ratio, ["kvsculpt"]) for w in range(len(windows)) if kvsculpt_at(w, main_ratio))  # 2: KVSculpt
     timed((w, ratio, [x for x in methods if x != "kvsculpt" or kvsculpt_at(w, ratio)])  # 3: the other ratios
           for w in range(n_other) for ratio in others)
-    table = pd.DataFrame(rows)
-    return table.sort_values(["window", "ratio"], kind="stable").reset_index(drop=True), pd.DataFrame(objective_rows)
+    table = pd.DataFrame(rows, columns=["model", "window", "ratio", "method", "kl", "seconds", "choice"])
+    return (table.sort_values(["window", "ratio"], kind="stable").reset_index(drop=True),
+            pd.DataFrame(objective_rows, columns=["window", "method", "train", "heldout"]))
 
 
 def layer_kl(model, window, ratio: float = 0.3, *, m: int = 256, probe_tokens: int = 64, device=None, seed: int = 0):
