@@ -141,7 +141,8 @@ def layers_figure(layers: pd.DataFrame):
     return fig, text
 
 
-def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, context: int, ratio: float = 0.3) -> str:
+def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, context: int, probe_tokens: int,
+                      ratio: float = 0.3) -> str:
     """One paragraph: zipkv's seconds per context at ``ratio`` beside the issue's bar, how often Attention
     Matching's validation objective picked each construction (and the KL a pick by the evaluation KL itself would
     have reached, an oracle no method has), and which work a time budget left out."""
@@ -150,7 +151,7 @@ def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, conte
     at = table[np.isclose(table.ratio, ratio)]
     z = at[at.method == "zipkv"].seconds
     text = (f"zipkv's distiller took {z.median():.2f} s per {context}-token context at r = {ratio} (median; max "
-            f"{z.max():.2f} s; sampling the 64-token probe included) on {device}; the issue's bar is ≤ 10 s per "
+            f"{z.max():.2f} s; sampling the {probe_tokens}-token probe included) on {device}; the issue's bar is ≤ 10 s per "
             "2,048-token context on the H200. ")
     am = table[table.method == "attention_matching"]
     if len(am):
