@@ -206,3 +206,91 @@ def test_probe_budget_with_cascade_keeps_the_allocation(model, cap, ids, referen
     assert torch.equal(plain.budget, cascade.budget)
     assert cascade.method == "zipkv_cascade"
     assert 0 < bias.evaluate(model, cascade, ids[N:], reference) < 10
+
+
+def _layer0(cap):
+    lc = cap.layers[0]
+    H, _, d = lc.keys.shape
+    train, val = generalise.future_queries(lc.queries.view(H, -1, N, d), cap.positions, cap.rope, M)
+    return lc, train, val, generalise.HeadTargets.of(train, lc.keys, lc.values, M, 1 / math.sqrt(d))
+
+
+def _mass_error(t, out):
+    """Mean squared error of the compacted old zone's log-sum-exp against the full old zone's, per head."""
+    lse_c = torch.logsumexp(torch.baddbmm(out["bias"][:, None, :], t.q, out["keys"].transpose(1, 2)), dim=-1)
+    return (lse_c - torch.logsumexp(t.s_old, dim=-1)).square().mean(dim=1)
+
+
+def test_attention_matching_omp_keeps_all_keys_at_full_budget_and_beats_highest_on_the_mass(cap):
+    lc, train, val, t = _layer0(cap)
+    full = attention_matching.compact_layer(lc.keys, lc.values, train, val, M, N - M,
+                                            attention_matching.AttentionMatchingConfig(keys="omp"))
+    assert torch.equal(full["index"], torch.arange(N - M).expand(lc.keys.shape[0], -1))
+    assert float(_mass_error(t, full).max()) < 1e-8
+    k = (N - M) // 4
+    omp, highest = (attention_matching.compact_layer(lc.keys, lc.values, train, val, M, k,
+                                                     attention_matching.AttentionMatchingConfig(keys=name))
+                    for name in ("omp", "highest"))
+    assert not torch.equal(omp["index"], highest["index"])
+    assert float(_mass_error(t, omp).mean()) < float(_mass_error(t, highest).mean())
+
+
+def test_attention_matching_omp_batched_over_heads_equals_one_head_at_a_time(cap):
+    lc, train, val, t = _layer0(cap)
+    cfg = attention_matching.AttentionMatchingConfig(keys="omp", omp_rounds=5)
+    batched = attention_matching.compact_layer(lc.keys, lc.values, train, val, M, 9, cfg)
+    for h in range(lc.keys.shape[0]):
+        one = attention_matching.compact_layer(lc.keys[h:h + 1], lc.values[h:h + 1], train[h:h + 1], val[h:h + 1], M, 9,
+                                               cfg)
+        assert torch.equal(one["index"][0], batched["index"][h])
+        torch.testing.assert_close(one["values"][0], batched["values"][h], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_matching_lbfgs_refines_the_highest_keys_on_the_log_sum_exp_match(cap):
+    lc, train, val, t = _layer0(cap)
+    k = (N - M) // 4
+    start, refined = (attention_matching.compact_layer(lc.keys, lc.values, train, val, M, k,
+                                                       attention_matching.AttentionMatchingConfig(keys=name))
+                      for name in ("highest", "lbfgs"))
+    assert torch.equal(start["index"], refined["index"])
+    assert float((refined["keys"] - start["keys"]).abs().max()) > 1e-4  # the free keys moved
+    assert bool((_mass_error(t, refined) < 0.5 * _mass_error(t, start)).all())
+
+
+def test_attention_matching_on_policy_and_selection_by_validation(model, cap, ids, reference):
+    probe = generalise.sample_probe(model, cap, ids[:N], 6)
+    caches = {name: attention_matching.compress(cap, 0.5, m=M, model=model, probe=probe,
+                                                config=attention_matching.AttentionMatchingConfig(keys=name))
+              for name in attention_matching.KEY_METHODS}
+    assert [c.method for c in caches.values()] == [f"am_{x}" for x in attention_matching.KEY_METHODS]
+    for cache in caches.values():
+        assert cache.memory_ratio == pytest.approx(0.5, abs=1e-9)
+        assert 0 < bias.evaluate(model, cache, ids[N:], reference) < 10
+    means = {name: float(c.info["validation"].mean()) for name, c in caches.items()}
+    assert attention_matching.select_by_validation(caches) == min(means, key=means.get)
+    assert len(set(means.values())) == 3  # three different fits
+    with pytest.raises(ValueError, match="keys"):
+        attention_matching.compress(cap, 0.5, m=M, config=attention_matching.AttentionMatchingConfig(keys="random"))
+    with pytest.raises(ValueError, match="probe"):
+        attention_matching.compress(cap, 0.5, m=M, model=model)
+
+
+def test_compare_runs_the_bars_ratio_everywhere_first_and_picks_attention_matching_on_validation(model):
+    from zipkv.data import Window
+    from zipkv.distill import beyond
+
+    gen = torch.Generator().manual_seed(5)
+    windows = [Window(torch.randint(0, 128, (N + C,), generator=gen), N, C, i, "t", 0) for i in range(2)]
+    table, objectives = beyond.compare(model, windows, [0.3, 0.5], m=M, n_synthetic=8, steps=2, probe_tokens=4,
+                                       kvsculpt_windows=1, ratio_windows=1, progress=False)
+    ran = table.groupby(["method", "ratio"]).window.apply(sorted)
+    assert ran[("zipkv", 0.3)] == [0, 1] and ran[("attention_matching", 0.3)] == [0, 1]
+    assert ran[("zipkv", 0.5)] == [0] and ran[("kvsculpt", 0.3)] == [0] and ran[("kvsculpt", 0.5)] == [0]
+    assert set(objectives.method) == set(beyond.METHODS)
+    for (w, r), rows in table.groupby(["window", "ratio"]):
+        am = rows.set_index("method")
+        pick = am.loc["attention_matching", "choice"]
+        assert pick in beyond.AM_VARIANTS and am.loc["attention_matching", "kl"] == am.loc[pick, "kl"]
+    cut, _ = beyond.compare(model, windows, [0.3], methods=["select_fit", "zipkv"], m=M, probe_tokens=4,
+                            time_budget_s=0.0, progress=False)
+    assert len(cut) == 0  # nothing fits in no time

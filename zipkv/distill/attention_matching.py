@@ -2,25 +2,40 @@
 
 Attention Matching compacts a block of keys and values into ``k`` keys ``C_1``, one additive logit bias
 ``β`` per key and ``k`` values ``C_2``, chosen so that for reference queries the compact block reproduces
-the block's attention *mass* (its partition function ``Σ_i exp(q·k_i/√d)``) and its attention *output*:
+the block's attention *mass* (its partition function ``Σ_i exp(q·k_i/√d)``) and its attention *output*.
+The paper builds the keys three ways; all three are here (:data:`KEY_METHODS`), batched over a layer's heads:
 
-1. **Keys** (``selection="highest"``): the ``k`` old keys with the highest attention over the reference
-   queries, scored by the root mean square of their full-cache attention weights (the paper's ``rms``
-   score), kept as they are.
-2. **Bias**: non-negative least squares for ``w = e^β``: ``min_{w ≥ 0} ‖M w − t‖²`` with
-   ``M_qj = exp(s_qj − μ_q)`` the kept keys' shifted exponentials and ``t_q = Σ_{i old} exp(s_qi − μ_q)``
-   (``μ_q`` the query's largest old-zone logit), started from the clamped unconstrained solution and
-   refined by projected gradient steps, ``w`` kept in ``[e^{−3}, e^{3}]`` (the paper's bounds).
-3. **Values**: least squares (a vanishing ridge, ``ridge``, for conditioning) of the whole cache's
-   attention output with the retain zone fixed — the block's own output, since mass and output together
-   determine its contribution to any later softmax.
+1. ``"highest"`` (HighestAttnKeys): the ``k`` old keys with the highest root-mean-square full-cache
+   attention weight over the reference queries, kept as they are.
+2. ``"omp"``: orthogonal matching pursuit on the mass match: with ``M_qj = exp(s_qj − μ_q)`` (every old
+   key's shifted exponential, ``μ_q`` the query's largest old-zone logit) and ``t_q = Σ_j M_qj``, keys are
+   added greedily by the correlation of their column with the residual ``t − M_S w`` (normalised by the
+   column's norm, positive only since ``w ≥ 0``), ``⌈k / omp_rounds⌉`` per round (the paper's several-keys-
+   per-step speed-up), ``w`` re-solved on the selected set after each round. Everything runs in the
+   ``(N − m)``-dimensional space of the Gram matrix ``MᵀM``, so a round costs one ``[P, N − m, |S|]``
+   product and one Cholesky of the selected block.
+3. ``"lbfgs"``: the highest-attention keys and their β as a start, then L-BFGS (strong-Wolfe line search,
+   ``lbfgs_steps`` iterations) on the free keys ``C_1`` and ``β`` against the log-sum-exp match
+   ``mean_q (lse(q K_oldᵀ) − lse(q C_1ᵀ + β))²``.
+
+Then for every construction:
+
+* **Bias** (for 1 and 2): non-negative least squares for ``w = e^β``: ``min_{w ≥ 0} ‖M w − t‖²``, started
+  from the clamped unconstrained solution and refined by projected gradient steps, ``w`` kept in
+  ``[e^{−3}, e^{3}]`` (the paper's bounds).
+* **Values**: least squares (a vanishing ridge, ``ridge``, for conditioning) of the whole cache's
+  attention output with the retain zone fixed — the block's own output, since mass and output together
+  determine its contribution to any later softmax.
 
 Here the block is KVSculpt's compress zone (the oldest ``N − m`` pairs); the retain zone is kept, as for
-every method in the KVSculpt chapters. Reference queries are the same as zipkv's distiller's
-(:func:`zipkv.distill.generalise.future_queries`, training split), so the two methods differ only in how they
-fit: with the same queries and budget a difference in KL is the method's. The paper's L-BFGS key
-refinement on a log-sum-exp match, OMP selection and on-policy (layer-sequential) queries are not
-implemented here.
+every method in the KVSculpt chapters. Reference queries are zipkv's distiller's
+(:func:`zipkv.distill.generalise.future_queries`, training split) and, given the model's sampled
+continuation (``probe=``), its queries on-policy: layer ``ℓ`` is fitted inside one forward pass of the probe
+tokens with layers ``< ℓ`` already compacted (:func:`zipkv.distill.generalise.compress_cascade`, the paper's
+on-policy queries) — the same queries zipkv's distiller trains on, so a difference in KL is the fit's.
+:func:`select_by_validation` picks one construction per cache by the objective on the validation queries,
+which no construction trained on. The budget is uniform (the paper's non-uniform head budgets come from an
+offline search this chapter does not run).
 """
 from __future__ import annotations
 
@@ -33,22 +48,31 @@ import torch
 from .bias import BiasedCache
 from .generalise import HeadTargets, _spd_solve, future_queries, layer_targets, objective
 
+KEY_METHODS = ("highest", "omp", "lbfgs")
+"""Attention Matching's key constructions (module docstring)."""
+
 
 @dataclass
 class AttentionMatchingConfig:
     """Attention Matching settings (the paper's HighestAttnKeys with NNLS β and least-squares values).
 
     Attributes:
+        keys: one of :data:`KEY_METHODS`.
         horizon, validation_every: the reference queries (as :class:`~zipkv.distill.generalise.ZipkvConfig`;
-            the validation split is not used for fitting, only reported).
+            the validation split is not used for fitting, only reported and used by :func:`select_by_validation`).
+        omp_rounds: OMP rounds (``⌈k / omp_rounds⌉`` keys added per round).
+        lbfgs_steps: L-BFGS iterations of the ``"lbfgs"`` key refinement.
         nnls_iters: projected-gradient steps of the β fit.
         bias_bound: ``|β| ≤ bias_bound``.
         ridge: relative ridge of the value least squares (``ridge·tr(AᵀA)/k``).
         dtype, device: where and in what to solve.
     """
 
+    keys: str = "highest"
     horizon: int = 256
     validation_every: int = 8
+    omp_rounds: int = 32
+    lbfgs_steps: int = 30
     nnls_iters: int = 2
     bias_bound: float = 3.0
     ridge: float = 1e-6
@@ -76,6 +100,60 @@ def nnls_bias(t: HeadTargets, index: torch.Tensor, iters: int, bound: float) -> 
     return torch.log(w[..., 0]).to(t.q.dtype)
 
 
+def omp_index(t: HeadTargets, k: int, rounds: int) -> torch.Tensor:
+    """``[P, k]`` old positions chosen by OMP on the mass match (module docstring, construction 2).
+
+    The residual's correlation with every column is ``Mᵀt − MᵀM_S w = b − G[:, S] w`` (``G = MᵀM``,
+    ``b = Mᵀt``), so ``M`` ``[P, n, N − m]`` is read once to form ``G`` and ``b``."""
+    s_old = t.s_old.double()
+    e_old = torch.exp(s_old - s_old.amax(dim=-1, keepdim=True))  # M, [P, n, N − m]
+    gram = torch.bmm(e_old.transpose(1, 2), e_old)  # [P, N − m, N − m]
+    b = torch.bmm(e_old.transpose(1, 2), e_old.sum(dim=-1, keepdim=True))[..., 0]  # [P, N − m]
+    del e_old
+    P, n_old = b.shape
+    norms = gram.diagonal(dim1=-2, dim2=-1).sqrt().clamp_min(1e-300)
+    rows = torch.arange(P, device=b.device)[:, None]
+    index = b.new_zeros(P, 0, dtype=torch.long)
+    chosen = torch.zeros(P, n_old, dtype=torch.bool, device=b.device)
+    corr = b
+    per_round = max(1, math.ceil(k / max(rounds, 1)))
+    while index.shape[1] < k:
+        step = min(per_round, k - index.shape[1])
+        score = (corr / norms).masked_fill(chosen, -math.inf)
+        new = torch.topk(score, step, dim=1).indices
+        index = torch.cat([index, new], dim=1)
+        chosen[rows, new] = True
+        g_s = gram.gather(2, index[:, None, :].expand(-1, n_old, -1))  # [P, N − m, |S|]
+        g_ss = g_s.gather(1, index[..., None].expand(-1, -1, index.shape[1]))
+        eye = torch.eye(index.shape[1], dtype=gram.dtype, device=gram.device)
+        tiny = 1e-10 * g_ss.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None]
+        w = _spd_solve(g_ss + tiny * eye, b.gather(1, index)[..., None]).clamp_min(0.0)
+        corr = b - torch.bmm(g_s, w)[..., 0]
+    return index.sort(dim=1).values
+
+
+def lbfgs_keys(t: HeadTargets, keys_c: torch.Tensor, bias_c: torch.Tensor, steps: int):
+    """``(keys, bias)`` ``[P, k, d]``, ``[P, k]`` refined by L-BFGS on the log-sum-exp match of the old zone
+    (module docstring, construction 3); the heads' losses are summed, their parameters independent."""
+    target = torch.logsumexp(t.s_old, dim=-1).detach()  # [P, n]
+    keys = keys_c.detach().clone().requires_grad_(True)
+    beta = bias_c.detach().clone().requires_grad_(True)
+    optimizer = torch.optim.LBFGS([keys, beta], lr=1, max_iter=steps, history_size=10,
+                                  line_search_fn="strong_wolfe")
+    q = t.q.detach()
+
+    def closure():
+        optimizer.zero_grad()
+        lse = torch.logsumexp(torch.baddbmm(beta[:, None, :], q, keys.transpose(1, 2)), dim=-1)
+        loss = (lse - target).square().mean(dim=1).sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+    return keys.detach(), beta.detach()
+
+
 def least_squares_values(t: HeadTargets, keys_c, bias_c, v_ret, ridge: float) -> torch.Tensor:
     """``[P, k, d]`` values minimising the whole cache's output error (float64, relative ridge ``ridge``)."""
     s = torch.cat([torch.baddbmm(bias_c[:, None, :], t.q, keys_c.transpose(1, 2)), t.s_ret], dim=-1).double()
@@ -94,15 +172,23 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor,
     """Attention Matching on the ``P`` KV heads of one layer: ``keys``, ``values`` ``[P, N, d]`` → dict with
     ``keys``, ``values`` ``[P, k, d]``, ``bias`` ``[P, k]``, ``index`` and ``train``/``validation`` objectives."""
     cfg = config or AttentionMatchingConfig()
+    if cfg.keys not in KEY_METHODS:
+        raise ValueError(f"keys={cfg.keys!r}: expected one of {list(KEY_METHODS)}")
     keys, values, t, a_old, scale = layer_targets(keys, values, train, m, k, scale, cfg.dtype, cfg.device)
     P, N, d = keys.shape
     dev = keys.device
     v_ret = values[:, N - m:]
-    importance = a_old.square().mean(dim=1).sqrt()  # rms attention per old key
-    del a_old
-    index = torch.topk(importance, k, dim=1).indices.sort(dim=1).values
+    if cfg.keys == "omp":
+        del a_old
+        index = omp_index(t, k, cfg.omp_rounds)
+    else:
+        importance = a_old.square().mean(dim=1).sqrt()  # rms attention per old key
+        del a_old
+        index = torch.topk(importance, k, dim=1).indices.sort(dim=1).values
     keys_c = keys.gather(1, index[..., None].expand(-1, -1, d))
     bias_c = nnls_bias(t, index, cfg.nnls_iters, cfg.bias_bound)
+    if cfg.keys == "lbfgs" and cfg.lbfgs_steps > 0:
+        keys_c, bias_c = lbfgs_keys(t, keys_c, bias_c, cfg.lbfgs_steps)
     values_c = least_squares_values(t, keys_c, bias_c, v_ret, cfg.ridge)
     v = HeadTargets.of(validation.to(dev, cfg.dtype), keys, values, m, scale)
     return dict(keys=keys_c, values=values_c, bias=bias_c, index=index,
@@ -110,30 +196,50 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor,
                 validation=sum(objective(v, keys_c, values_c, bias_c, v_ret)))
 
 
-def compress(capture, ratio: float, *, m: int = 256, config: AttentionMatchingConfig | None = None) -> BiasedCache:
+def compress(capture, ratio: float, *, m: int = 256, config: AttentionMatchingConfig | None = None, model=None,
+             probe=None) -> BiasedCache:
     """Compact a captured context's old zone at ``r = (k + m)/N`` with Attention Matching (module docstring).
 
+    Args:
+        capture: a :class:`zipkv.models.Capture` of the ``N``-token context.
+        ratio, m: as :func:`zipkv.distill.generalise.compress` (uniform ``k = round(r·N) − m``).
+        config: :class:`AttentionMatchingConfig` (``keys`` picks the construction).
+        model, probe: the model and its sampled continuation
+            (:func:`~zipkv.distill.generalise.sample_probe`): with both, the fit is on-policy (module docstring).
+
     Returns a :class:`~zipkv.distill.bias.BiasedCache` (``k + m`` pairs per head, β on the first ``k``) whose
-    ``info`` holds ``[L, H]`` ``train`` and ``validation`` objectives.
+    ``info`` holds ``[L, H]`` ``train`` and ``validation`` objectives; ``method`` is ``"am_" + keys``.
     """
+    from .generalise import _assemble, _layer_inputs, compress_cascade
     from .kvsculpt import budget_for_ratio
 
     cfg = config or AttentionMatchingConfig()
+    if cfg.keys not in KEY_METHODS:
+        raise ValueError(f"keys={cfg.keys!r}: expected one of {list(KEY_METHODS)}")
+    if (model is None) != (probe is None):
+        raise ValueError("model= and probe= go together (on-policy queries): got only one of them")
+    method = f"am_{cfg.keys}"
     started = time.perf_counter()
     L = len(capture.layers)
     H, N, d = capture.layers[0].keys.shape
     k = budget_for_ratio(ratio, N, m)
-    keys, values, bias = [], [], []
-    info = {name: torch.zeros(L, H, dtype=torch.float64) for name in ("train", "validation")}
-    for layer, lc in enumerate(capture.layers):
-        g = lc.queries.shape[0] // H
-        train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, capture.rope, m,
-                                           horizon=cfg.horizon, validation_every=cfg.validation_every)
-        out = compact_layer(lc.keys, lc.values, train, validation, m, k, cfg)
-        keys.append([torch.cat([out["keys"][h].to(lc.keys), lc.keys[h, N - m:]]) for h in range(H)])
-        values.append([torch.cat([out["values"][h].to(lc.values), lc.values[h, N - m:]]) for h in range(H)])
-        bias.append([torch.cat([out["bias"][h].float().cpu(), torch.zeros(m)]).to(lc.keys.device) for h in range(H)])
-        for name in info:
-            info[name][layer] = out[name].double().cpu()
-    return BiasedCache(keys, values, bias, n_context=int(capture.positions[-1]) + 1, method="attention_matching",
-                       ratio=ratio, budget=torch.full((L, H), k), seconds=time.perf_counter() - started, info=info)
+
+    def fit(keys, values, train, validation, m_, ks):
+        return compact_layer(keys, values, train, validation, m_, int(ks[0]), cfg)
+
+    if probe is not None:
+        return compress_cascade(model, capture, ratio, probe, m=m, config=cfg, fit=fit, method=method)
+    ks = torch.full((L, H), k)
+    inputs = [_layer_inputs(capture, layer, m, cfg) for layer in range(L)]
+    solved = [fit(lc.keys, lc.values, tr, va, m, ks[layer]) for lc, tr, va in inputs]
+    cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
+    cache.method = method
+    return cache
+
+
+def select_by_validation(caches: dict) -> str:
+    """The name in ``caches`` (name → :class:`BiasedCache` from :func:`compress`) whose mean validation objective
+    (``info["validation"]``, queries no construction trained on) is lowest: Attention Matching's pick per cache."""
+    if not caches:
+        raise ValueError("caches is empty: expected at least one Attention Matching cache")
+    return min(caches, key=lambda name: float(caches[name].info["validation"].mean()))

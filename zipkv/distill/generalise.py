@@ -335,7 +335,7 @@ def _assemble(capture, inputs, solved, ks, m, ratio, seconds) -> BiasedCache:
     L = len(inputs)
     H, N, _ = capture.layers[0].keys.shape
     keys, values, bias = [], [], []
-    info = {name: torch.zeros(L, H, dtype=torch.float64) for name in ("train", "validation", "ridge")}
+    info = {name: torch.zeros(L, H, dtype=torch.float64) for name in ("train", "validation", "ridge") if name in solved[0]}
     for layer, ((lc, _, _), out) in enumerate(zip(inputs, solved)):
         keys.append([torch.cat([out["keys"][h].to(lc.keys), lc.keys[h, N - m:]]) for h in range(H)])
         values.append([torch.cat([out["values"][h].to(lc.values), lc.values[h, N - m:]]) for h in range(H)])
@@ -427,14 +427,12 @@ def _cascade_attention(module, query, key, value, attention_mask, scaling, dropo
     layer = module.layer_idx
     lc, tr, va = state["inputs"][layer]
     H, N, d = lc.keys.shape
-    m, cfg = state["m"], state["config"]
+    m = state["m"]
     Hq, P = query.shape[1], query.shape[2]
     g = Hq // H
     on_policy = query[0].float().reshape(H, g * P, d)
     train = torch.cat([tr, on_policy.to(tr)], dim=1)
-    heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], train[h:h + 1], va[h:h + 1], m,
-                          int(state["ks"][layer, h]), cfg) for h in range(H)]
-    out = {name: [o[name][0] for o in heads] for name in heads[0]}
+    out = state["fit"](lc.keys, lc.values, train, va, m, state["ks"][layer])
     state["solved"][layer] = out
     n_max = max(int(state["ks"][layer].max()) + m, 1)
     keys = key.new_zeros(H, n_max, d)
@@ -453,9 +451,19 @@ def _cascade_attention(module, query, key, value, attention_mask, scaling, dropo
                                            torch.cat([values[None], value[:, :, N:]], dim=2), mask, scaling=scaling)
 
 
+def per_head_fit(config: ZipkvConfig):
+    """zipkv's per-layer fit for :func:`compress_cascade`: :func:`distil_layer` head by head (``ks`` ``[H]`` may
+    differ per head); returns per-head lists."""
+    def fit(keys, values, train, validation, m, ks):
+        heads = [distil_layer(keys[h:h + 1], values[h:h + 1], train[h:h + 1], validation[h:h + 1], m, int(ks[h]),
+                              config) for h in range(keys.shape[0])]
+        return {name: [o[name][0] for o in heads] for name in heads[0]}
+    return fit
+
+
 @torch.no_grad()
 def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256, config: ZipkvConfig | None = None,
-                     budget: torch.Tensor | None = None) -> BiasedCache:
+                     budget: torch.Tensor | None = None, fit=None, method: str = "zipkv_cascade") -> BiasedCache:
     """Cascade-aware (on-policy) zipkv: layer ``ℓ`` is distilled with, besides its future queries, the probe
     continuation's queries *as the model whose layers < ℓ are already compressed produces them* (KVSculpt
     §6–§7's "next step"; Attention Matching's on-policy queries). One forward pass of the probe tokens at
@@ -466,6 +474,10 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
         capture, ratio, m, config: as :func:`compress`.
         probe: :func:`sample_probe` of this context.
         budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``); default uniform ``k``.
+        fit: ``fit(keys, values, train, validation, m, ks)`` → the layer's fitted pairs (``keys``, ``values``,
+            ``bias`` indexable per head, plus per-head ``train``/``validation`` objectives); default
+            :func:`per_head_fit` of ``config`` (Attention Matching passes its own, same queries).
+        method: the returned cache's ``method``.
 
     An uncompressed budget (``k = N − m``) keeps every pair and changes nothing (the tests check KL 0).
     """
@@ -486,7 +498,7 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
     param = next(model.parameters())
     past = DynamicCache([(lc.keys[None].to(param), lc.values[None].to(param)) for lc in capture.layers],
                         config=model.config)
-    _cascade.update(inputs=inputs, m=m, config=cfg, ks=ks, solved=[None] * L)
+    _cascade.update(inputs=inputs, m=m, ks=ks, solved=[None] * L, fit=fit or per_head_fit(cfg))
     AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(CASCADE_ATTENTION)
@@ -499,7 +511,7 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
         model.set_attn_implementation(previous)
         _cascade.clear()
     cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
-    cache.method = "zipkv_cascade"
+    cache.method = method
     return cache
 
 
