@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from zipkv.kernels.decode_attention import PagedKVCache
-from zipkv.memory import COMP, FREE, OWNED, PENDING, RAW, UNIT, KVMemory
+from zipkv.memory import COMP, FREE, HELD, OWNED, PENDING, RAW, UNIT, KVMemory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,21 +58,36 @@ class MemoryMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- rules
 
-    @rule(prompt=st.integers(1, 70), max_new=st.integers(1, 40), full=st.booleans())
-    def admit(self, prompt, max_new, full):
+    @rule(prompt=st.integers(1, 70), max_new=st.integers(1, 40), full=st.booleans(), hold=st.integers(0, 2))
+    def admit(self, prompt, max_new, full, hold):
         ratio = 1.0 if full else 0.5
         if (prompt + max_new - 1 + 15) // 16 > self.m.max_request_pages:
             with pytest.raises(ValueError, match="holds at most"):
-                self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio)
+                self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
             return
-        expect = self.m.can_admit(prompt, max_new, reserve_ratio=ratio)
-        before = self.m.capacity_pages() - self.m.outstanding
-        ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio)
+        expect = self.m.can_admit(prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
+        free_before, held_before = self.m._n_free, self.m.held_bytes()
+        ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
         assert (ids is not None) == expect
         if ids is None:
             prompt_pages = (prompt + 15) // 16
-            assert before < prompt_pages + math.ceil(ratio * ((prompt + max_new + 14) // 16 - prompt_pages))
+            need = prompt_pages + math.ceil(ratio * ((prompt + max_new + 14) // 16 - prompt_pages))
+            # an independent recount: what would be left after holding the chunks, one capacity step at a time
+            left = self.m._n_free - hold
+            slots = [self.m._layer_free_slots(l) for l in range(L)]
+            cap = 0
+            while left >= 0:
+                short = [l for l in range(L) if slots[l] == 0]
+                if len(short) > left:
+                    break
+                left -= len(short)
+                for l in range(L):
+                    slots[l] += self.m.pages_per_chunk if l in short else 0
+                    slots[l] -= 1
+                cap += 1
+            assert hold > free_before or cap - self.m.outstanding < need
             return
+        assert self.m.held_bytes() - held_before == hold * self.m.chunk_bytes
         rid, self.next_rid = self.next_rid, self.next_rid + 1
         self.max_new[rid] = max_new
         if full:
@@ -164,12 +179,14 @@ class MemoryMachine(RuleBasedStateMachine):
                                          if ch.state == OWNED and ch.layer == l and ch.kind == RAW)
         states = [c.state for c in m._chunks]
         assert states.count(FREE) == m._n_free == sum(map(len, m._free_chunks.values()))
-        assert states.count(PENDING) == sum(map(len, m._pending))
+        assert states.count(PENDING) == sum(map(len, m._pending)) + len(m._held_pending)
+        held = [c for r in m.requests.values() for c in r.held]
+        assert len(held) == len(set(held)) and {c for c, s in enumerate(states) if s == HELD} == set(held)
         for l in range(L):
             assert set(m._comp[l]) == {c for c, ch in enumerate(m._chunks) if ch.state == OWNED and ch.layer == l and ch.kind == COMP}
             assert set(m._comp_open[l]) == {c for c in m._comp[l]
                                             if max((n for _, n in m._chunks[c].extents), default=0) >= m._min_page_units}
-        assert m.free_bytes() + m.used_bytes() == m.total_bytes
+        assert m.free_bytes() + m.used_bytes() + len(held) * m.chunk_bytes == m.total_bytes
 
     @invariant()
     def chunks_change_layer_only_after_reads_done(self):

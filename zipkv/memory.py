@@ -26,6 +26,10 @@ Memory model
   :meth:`compress` moves it when room appears). A compressed chunk is taken from the pool only for at
   least a chunk's worth of pages to move (their raw slots give back what the chunk takes in that layer) and
   only when the capacity left still covers every reservation.
+* A request may also **hold** whole chunks of the pool (``admit(..., hold_chunks=n)``) for bytes kept on its
+  behalf outside the pages -- the engine's restore-before-attention baselines keep a compressed prefix as a
+  codec payload -- so that one budget counts every method's bytes. They return to the pool with the request
+  (after :meth:`reads_done`).
 
 Admission and capacity (SGLang vocabulary)
 ------------------------------------------
@@ -71,7 +75,7 @@ __all__ = ["KVMemory", "pack_slots_reference", "UNIT"]
 UNIT = 256
 """Address granularity of the descriptors (a compressed block is 3 units, a raw one 4)."""
 
-FREE, OWNED, PENDING = "free", "owned", "pending"
+FREE, OWNED, PENDING, HELD = "free", "owned", "pending", "held"
 RAW, COMP = "raw", "comp"
 
 
@@ -92,6 +96,7 @@ class _Request:
     pages: list
     cache_len: int
     reserved: int                     # pages promised and not yet allocated
+    held: list = field(default_factory=list)   # chunks held for the request's bytes kept elsewhere
     ids: torch.Tensor | None = None   # ``pages`` as a device tensor (page_table), rebuilt when pages change
     serial: int = 0                   # admission number: tells a re-admitted request from its earlier self
 
@@ -119,12 +124,16 @@ class KVMemory:
     chunks are used; the rest is left out). pages_per_chunk: raw pages per chunk (lowered when the budget
     holds fewer than one chunk per layer). k_layout / v_layout: block arrangements (``zipkv.format``).
     pack_slots: ``f(pool, offsets, head_dim, layout) -> meta`` compressing raw slots in place (default
-    :func:`pack_slots_reference`; the engine passes the Triton pack kernel on the GPU).
+    :func:`pack_slots_reference`; the engine passes the Triton pack kernel on the GPU). extra_bytes,
+    extra_pages: a region of ``extra_bytes`` after the budget's chunks (at :attr:`extra_offset` of
+    ``pool``) and ``extra_pages`` descriptor rows after the ``max_pages`` the memory allocates, both for
+    the caller (the engine's restore buffer, whose pages the kernel reads through the same ``desc``);
+    they are not part of ``kv_budget_bytes``.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, kv_budget_bytes: int, *,
                  pages_per_chunk: int = 16, k_layout: str = "token", v_layout: str = "token",
-                 device="cpu", pack_slots=None):
+                 device="cpu", pack_slots=None, extra_bytes: int = 0, extra_pages: int = 0):
         for name, x in (("num_layers", num_layers), ("kv_heads", kv_heads), ("pages_per_chunk", pages_per_chunk)):
             if not isinstance(x, int) or isinstance(x, bool) or x < 1:
                 raise ValueError(f"{name} must be a positive int, got {x!r}")
@@ -134,6 +143,9 @@ class KVMemory:
             fmt._check_layout_head_dim(lay, head_dim, name)
         if not isinstance(kv_budget_bytes, int) or isinstance(kv_budget_bytes, bool):
             raise TypeError(f"kv_budget_bytes must be an int, got {type(kv_budget_bytes).__name__}")
+        for name, x in (("extra_bytes", extra_bytes), ("extra_pages", extra_pages)):
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {x!r}")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.layouts = (k_layout, v_layout)
         self.slot_bytes = fmt.page_bytes(head_dim)                       # one page-head
@@ -152,8 +164,9 @@ class KVMemory:
         min_page_units = 2 * kv_heads * nb * fmt.PACKED_BLOCK_BYTES // UNIT
         self.max_pages = self.total_bytes // UNIT // (num_layers * min_page_units) + 1
         # pad: the pack kernel checks a whole slot fits after each offset
-        self.pool = torch.zeros(self.total_bytes + self.slot_bytes, dtype=torch.uint8, device=self.device)
-        self.desc = [torch.zeros(self.max_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
+        self.extra_offset = self.total_bytes + self.slot_bytes
+        self.pool = torch.zeros(self.extra_offset + extra_bytes, dtype=torch.uint8, device=self.device)
+        self.desc = [torch.zeros(self.max_pages + extra_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
                      for _ in range(num_layers)]
         self.version = [0] * num_layers                                   # bumped when desc[layer] changes
         self._pack = pack_slots or pack_slots_reference
@@ -165,6 +178,7 @@ class KVMemory:
         self._comp_open = [dict() for _ in range(num_layers)]              # ... with room for a page
         self._min_page_units = 2 * kv_heads * fmt.n_blocks(head_dim) * fmt.PACKED_BLOCK_BYTES // UNIT
         self._pending = [[] for _ in range(num_layers)]
+        self._held_pending = []                                            # held chunks let go, before reads_done
         self._raw_free = [0] * num_layers                                 # free slots in owned raw chunks
         self._used = [0] * num_layers
         self._loc = [dict() for _ in range(num_layers)]                   # page id -> location
@@ -335,6 +349,11 @@ class KVMemory:
                 self._free_chunks.setdefault(l, []).append(c)
             self._n_free += len(self._pending[l])
             self._pending[l] = []
+        for c in self._held_pending:
+            self._chunks[c].state = FREE
+            self._free_chunks.setdefault(-1, []).append(c)
+        self._n_free += len(self._held_pending)
+        self._held_pending = []
 
     # ------------------------------------------------------------------ pages
 
@@ -386,23 +405,44 @@ class KVMemory:
         prompt_pages = _pages_for(prompt_len)
         return prompt_pages, math.ceil(reserve_ratio * (need - prompt_pages))
 
-    def can_admit(self, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> bool:
+    def _fits(self, prompt_pages, reserve, hold_chunks):
+        if not isinstance(hold_chunks, int) or isinstance(hold_chunks, bool) or hold_chunks < 0:
+            raise ValueError(f"hold_chunks must be an int >= 0, got {hold_chunks!r}")
+        if hold_chunks > self._n_free:
+            return False
+        free = [self._layer_free_slots(l) for l in range(self.num_layers)]
+        return self._capacity(free, self._n_free - hold_chunks) - self.outstanding >= prompt_pages + reserve
+
+    def can_admit(self, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0,
+                  hold_chunks: int = 0) -> bool:
         """Whether :meth:`admit` would take this request now (SGLang ``PrefillAdder``'s budget check)."""
         prompt_pages, reserve = self._check_new(None, prompt_len, max_new_tokens, reserve_ratio)
-        return self.capacity_pages() - self.outstanding >= prompt_pages + reserve
+        return self._fits(prompt_pages, reserve, hold_chunks)
 
-    def admit(self, rid, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0):
+    def admit(self, rid, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0, hold_chunks: int = 0):
         """Admit request ``rid``: allocate raw pages for its ``prompt_len`` cached tokens (in every layer)
         and reserve ``ceil(reserve_ratio * remaining pages)`` for its growth to ``prompt_len +
         max_new_tokens - 1`` cached tokens. Returns the prompt's page ids, or ``None`` (nothing changed)
-        when it does not fit now. Raises ``ValueError`` for input it could never take."""
+        when it does not fit now. Raises ``ValueError`` for input it could never take.
+
+        hold_chunks: whole chunks of the shared pool the request also holds until it is freed, for bytes
+        the caller keeps on its behalf outside the pages (a restore-before-attention codec's payload of a
+        compressed prefix: the budget counts it, rounded up to chunks)."""
         prompt_pages, reserve = self._check_new(rid, prompt_len, max_new_tokens, reserve_ratio)
-        if self.capacity_pages() - self.outstanding < prompt_pages + reserve:
+        if not self._fits(prompt_pages, reserve, hold_chunks):
             return None
+        held = []
+        for _ in range(hold_chunks):                   # from the pool; the pages below then fit in what is left
+            owner = next(o for o in (-1, *self._free_chunks) if self._free_chunks.get(o))
+            c = self._free_chunks[owner].pop()
+            self._n_free -= 1
+            ch = self._chunks[c]
+            ch.state, ch.layer, ch.kind, ch.live, ch.free_slots, ch.extents = HELD, -1, "", 0, [], []
+            held.append(c)
         ids = self._new_pages(prompt_pages)
         self.admitted += 1
         self.requests[rid] = _Request(prompt_len, prompt_len + max_new_tokens - 1, ids, prompt_len, reserve,
-                                      serial=self.admitted)
+                                      held=held, serial=self.admitted)
         self._full.extend(ids[: prompt_len // fmt.PAGE_TOKENS])
         return list(ids)
 
@@ -431,6 +471,9 @@ class KVMemory:
         self._full = [p for p in self._full if p not in gone]
         for p in r.pages:
             self._free_page(p)
+        for c in r.held:                               # back to the pool once the reads using them are done
+            self._chunks[c].state = PENDING
+        self._held_pending.extend(r.held)
 
     def retract(self, candidates=None):
         """Retract one running request (SGLang ``retract_decode`` order: fewest tokens decoded since admission, then the
@@ -600,14 +643,21 @@ class KVMemory:
         (all layers by default)."""
         return sum(self._used) if layer is None else self._used[layer]
 
+    def held_bytes(self) -> int:
+        """Bytes of the whole chunks running requests hold for bytes kept outside the pages (``hold_chunks``)."""
+        return self.chunk_bytes * sum(len(r.held) for r in self.requests.values())
+
     def free_bytes(self) -> int:
-        """Bytes not held by any page: free and pending chunks, free slots and free extents."""
-        return self.total_bytes - self.used_bytes()
+        """Bytes neither held by a page nor by a request's held chunks: free and pending chunks, free slots
+        and free extents."""
+        return self.total_bytes - self.used_bytes() - self.held_bytes()
 
     def snapshot(self) -> dict:
         """Cheap per-step counters: bytes in use per layer, free and pending chunks, chunks reassigned so far."""
         return dict(used_bytes=list(self._used), chunks_free=self._n_free,
-                    chunks_pending=sum(map(len, self._pending)), reassigned=self.reassigned, running=len(self.requests))
+                    chunks_pending=sum(map(len, self._pending)) + len(self._held_pending),
+                    chunks_held=sum(len(r.held) for r in self.requests.values()),
+                    reassigned=self.reassigned, running=len(self.requests))
 
     def stats(self) -> dict:
         """A full snapshot (walks every page and chunk): :meth:`snapshot` plus chunks per layer and kind,
