@@ -105,6 +105,30 @@ def test_retraction_and_distilled_prefix_positions(smollm):
     assert res.outputs == [ref[1][:n]]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("codec", ["splitzip", "huffman"])
+def test_restore_baselines_greedy_tokens_equal_generate(smollm, codec):
+    """The restore-before-attention backends: each request's full prompt pages kept as a codec payload (the
+    codecs' torch decoders on the CPU), restored into the one shared buffer before every layer's attention,
+    its payload's bytes held out of the same budget; four requests admitted at different steps give
+    generate's tokens, and every held chunk and buffer page comes back."""
+    from zipkv import codecs
+    model, prompts = smollm
+    n = 12
+    ref = _generate(model, prompts, n)
+    with torch.no_grad():
+        calib = model(torch.tensor([prompts[0][:3] + prompts[2]]), use_cache=True).past_key_values.layers[1].keys
+    c = codecs.SplitZip.calibrate(calib.bfloat16()) if codec == "splitzip" else codecs.Huffman()
+    per_layer = _page_bytes(model) // model.config.num_hidden_layers
+    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model) + 3 * per_layer, compress="prompt", restore=c,
+                 restore_buffer_pages=3, pages_per_chunk=1)
+    res = eng.generate(prompts, n)
+    assert res.outputs == ref
+    assert len(set(res.stats["admitted_at"])) > 1 and max(s["batch"] for s in res.stats["steps"]) < len(prompts)
+    assert max(s["chunks_held"] for s in res.stats["steps"]) > 0
+    assert eng.memory.stats()["chunks_held"] == 0 and eng.restore.extents == [[0, 3]] and not eng.restore.entries
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel's fp32 interpreter path; on a GPU see the bf16 test below")
 def test_fused_kernel_engine_equals_reference_engine():
     """The engine through the fused Triton decode kernel and pack kernel (under TRITON_INTERPRET=1 on the
