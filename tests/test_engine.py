@@ -130,16 +130,23 @@ def test_restore_baselines_greedy_tokens_equal_generate(smollm, codec):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel's fp32 interpreter path; on a GPU see the bf16 test below")
-def test_fused_kernel_engine_equals_reference_engine():
-    """The engine through the fused Triton decode kernel and pack kernel (under TRITON_INTERPRET=1 on the
+@pytest.mark.parametrize("restore", [None, "splitzip", "huffman"])
+def test_fused_kernel_engine_equals_reference_engine(restore):
+    """The engine through the fused Triton decode kernel and pack kernel -- or, for a restore baseline, the
+    codec's Triton decoder into the shared buffer and the raw decode kernel -- (under TRITON_INTERPRET=1 on the
     CPU, fp32 arithmetic) gives the reference engine's tokens, compressed pages included."""
+    from zipkv import codecs
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=3).to(torch.bfloat16)
     prompts = [[1, 5, 9, 33, 2] * 4, [7] * 3, list(range(40, 75))]
     budget = 10 * 2 * 2 * 2 * 32 * 32
-    ref = Engine(model, budget, attention="reference", pages_per_chunk=2, eos_token_id=None).generate(prompts, 6)
-    got = Engine(model, budget, attention="kernel", pages_per_chunk=2, eos_token_id=None).generate(prompts, 6)
+    kw = dict(pages_per_chunk=2, eos_token_id=None)
+    if restore:
+        codec = codecs.SplitZip(list(range(118, 134)), chunk=64) if restore == "splitzip" else codecs.Huffman(lanes=2, per_lane=32)
+        kw.update(restore=codec, compress="prompt", restore_buffer_pages=4)
+    ref = Engine(model, budget, attention="reference", **kw).generate(prompts, 6)
+    got = Engine(model, budget, attention="kernel", **kw).generate(prompts, 6)
     assert got.outputs == ref.outputs
-    assert got.stats["frac_compressed_k"] > 0
+    assert (got.stats["frac_compressed_k"] > 0) == (restore is None)
 
 
 @pytest.mark.parametrize("call, match", [
@@ -197,20 +204,31 @@ def test_fused_kernel_greedy_tokens_on_gpu(compress):
 
 
 def test_decode_throughput_fixed_and_largest_batch():
-    """The chapter's measurement on a 2-layer model of Llama-8B's head shape with real-looking prefixes: the budget
-    holds exactly 8 uncompressed requests, ZipFusion's compressed prefixes fit more, a fixed batch stays fixed,
-    and the timed window is the decode steps after the first token."""
+    """The chapter's measurement on a 16-layer model of Llama-8B's head shape with real-looking prefixes (16 layers:
+    the restore baselines' shared buffer, one layer's worth, is a small share of a request, as at Llama's 32): the budget
+    holds exactly 8 uncompressed requests; ZipFusion's compressed prefixes and the restore baselines' payloads fit
+    more (the restore buffer sized by restore_buffer_pages); a fixed batch stays fixed; the run is the decode
+    steps after the first token."""
     from zipkv import throughput as tp
     torch.manual_seed(0)
-    model = tp.random_llama("cpu", num_hidden_layers=2, hidden_size=256, intermediate_size=256, num_attention_heads=4,
+    model = tp.random_llama("cpu", num_hidden_layers=16, hidden_size=256, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=64, vocab_size=300)
     x = (torch.randn(4000, 512) * 0.3).bfloat16()                       # narrow exponents: blocks compress
     budget = tp.largest_batch_budget(model.config, 8, 256 + 6 - 1, pages_per_chunk=16)
+    # the restore baselines hold their payloads in whole chunks: small ones here, where a request is a few chunks
     rows = {m: tp.decode_throughput(model, m, kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6,
-                                    pages_per_chunk=16) for m in tp.METHODS}
+                                    pages_per_chunk=2 if m in tp.RESTORE else 16,
+                                    codec=tp.make_codec(m, (x[:100], x[100:200])) if m in tp.RESTORE else None)
+            for m in tp.METHODS}
     assert rows["uncompressed"]["batch"] == 8 and rows["uncompressed"]["frac_compressed_k"] == 0
+    assert rows["uncompressed"]["stored_bits_per_value"] == pytest.approx(16 * 17 * 16 / 257)   # 257 tokens in 17 raw pages
     assert rows["zipfusion"]["batch"] > 8 and rows["zipfusion"]["frac_compressed_k"] > 0.8
     assert rows["zipfusion"]["timed_steps"] == 5 and rows["zipfusion"]["tokens_per_s"] > 0
-    fixed = tp.decode_throughput(model, "zipfusion", kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6,
-                                 batch=2, pages_per_chunk=16)
+    for m in tp.RESTORE:
+        assert rows[m]["batch"] > 8, rows[m]
+        assert rows[m]["stored_bits_per_value"] < 0.9 * rows["uncompressed"]["stored_bits_per_value"], rows[m]
+    fixed = tp.decode_throughput(model, "huffman", kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6,
+                                 batch=2, pages_per_chunk=2, codec=tp.make_codec("huffman"))
     assert {s["batch"] for s in fixed["stats"]["steps"]} == {2}
+    with pytest.raises(ValueError, match="codec"):
+        tp.decode_throughput(model, "splitzip", kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6)
