@@ -27,12 +27,16 @@ a :class:`Prefix` distilled by KVSculpt holds ``k + m`` pairs for ``N`` tokens; 
 continue at position ``N``.
 
 :class:`_Attention` is the only place that calls into ``zipkv.kernels``: the plan/run API of
-``zipkv.kernels.decode_attention`` (a plan per layer, kept while the batch's pages stay the same),
-``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
-the torch reference (``attention="reference"``). CUDA graphs: not captured yet. What a capture needs is
-in place for attention (``DecodePlan.run`` neither syncs nor allocates with ``out`` given, and stays valid
-as pages fill and compress); the step around it is not yet static -- token slots, positions and the page
-table are rebuilt on the host per step, and the batch changes as requests come and go.
+``zipkv.kernels.decode_attention`` (a plan per layer and batch composition, over a static page table updated in
+place), ``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
+the torch reference (``attention="reference"``). **CUDA graphs** (:class:`_StepGraph`): the whole decode step --
+embeddings, every layer's projections, KV writes, (restores,) attention and MLP, the greedy argmax -- reads its
+per-step inputs from one static device buffer and is captured once per batch composition, then replayed; the host
+only copies tokens, positions and slots in, updates the page table in place and reads the tokens back.
+
+**Restore-before-attention baselines** (``restore=codec``, :class:`_Restore`): the same loop, with each
+request's prefix pages kept as a :mod:`zipkv.codecs` payload and decoded per layer into one shared restore buffer
+before attention (ZipFusion §II-B's setting), its bytes counted in the same budget.
 """
 from __future__ import annotations
 
@@ -290,7 +294,7 @@ class _StepGraph:
 
     def __init__(self, step, device, enabled: bool):
         self.step, self.device, self.enabled = step, device, enabled and device.type == "cuda"
-        self.key = self.graph = None
+        self.key = self.graph = self.failed = None
 
     def run(self, key, host_inputs: torch.Tensor):
         """Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"eager"``, ``"capture"`` or
@@ -309,8 +313,17 @@ class _StepGraph:
             t0 = time.perf_counter()
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            try:
+                with torch.cuda.graph(graph):
+                    self.out.copy_(self.step(self.inp))
+            except Exception as err:         # a step that cannot be captured still runs, eagerly, and says so
+                import warnings
+                warnings.warn(f"CUDA graph capture of the decode step failed ({type(err).__name__}: {err}); "
+                              f"running eagerly from now on")
+                torch.cuda.synchronize(self.device)
+                self.enabled, self.failed = False, f"{type(err).__name__}: {err}"
                 self.out.copy_(self.step(self.inp))
+                return self.out, "eager", time.perf_counter() - t0
             self.graph, mode, capture_s = graph, "capture", time.perf_counter() - t0
         self.graph.replay()
         return self.out, mode, capture_s
@@ -639,11 +652,13 @@ class Engine:
             bar.close()
         for r in running + waiting:
             done.setdefault(r.rid, r.out)
-        timed = [s for s in steps if not (self.graphs.enabled and s["mode"] == "eager")]
+        graphs = self.graphs.enabled or self.graphs.failed is not None
+        timed = [s for s in steps if not (graphs and s["mode"] == "eager")] or steps
         decode_s = sum(s["seconds"] for s in timed)
         stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], stored_bits_per_value=bits,
                      decode_tokens_per_s=sum(s["batch"] for s in timed) / decode_s if decode_s else float("nan"),
-                     decode_seconds=decode_s, timed_steps=len(timed),
+                     decode_seconds=decode_s, timed_steps=len(timed), cuda_graphs=self.graphs.enabled,
+                     graph_error=self.graphs.failed,
                      graph_capture_seconds=sum(s["capture_seconds"] for s in steps),
                      prefill_seconds=prefill_s, steps=steps,
                      max_batch=max((s["batch"] for s in steps), default=0), retracted=int(retracted),
