@@ -177,20 +177,29 @@ def test_budget_and_model_errors():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's bf16 path needs a CUDA GPU")
-@pytest.mark.parametrize("compress", ["all", "none"])
+@pytest.mark.parametrize("compress", ["all", "none", "splitzip"])
 def test_fused_kernel_greedy_tokens_on_gpu(compress):
-    """On the GPU the engine runs the fused kernel (bf16 tensor-core dots, bf16 P for P @ V) and
-    ``model.generate`` Hugging Face's bf16 attention: neither is the other's arithmetic, so tokens must be
-    equal up to the first step where generate's own top-2 logits are within bf16 rounding of a tie
-    (then both choices are right); every request must agree for at least its first 8 tokens."""
-    from zipkv import data, models
+    """On the GPU the engine runs the fused kernel (bf16 tensor-core dots, bf16 P for P @ V) -- or, for
+    ``"splitzip"``, the restore baseline: Triton decoder into the shared buffer, raw decode kernel -- with each
+    batch composition's decode step captured in a CUDA graph, and ``model.generate`` Hugging Face's bf16
+    attention: neither is the other's arithmetic, so tokens must be equal up to the first step where
+    generate's own top-2 logits are within bf16 rounding of a tie (then both choices are right); every request
+    must agree for at least its first 8 tokens."""
+    from zipkv import codecs, data, models
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
     ws = data.windows(tok, data.load_books(limit=4), n=4, context=256, continuation=0)
     prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 200, 97, 31))]
     n = 32
-    eng = Engine(model, kv_budget_bytes=30 * _page_bytes(model), compress=compress, pages_per_chunk=2)
+    kw = dict(compress=compress)
+    if compress == "splitzip":
+        with torch.no_grad():
+            calib = model(torch.tensor([ws[3].context_ids.tolist()], device="cuda"), use_cache=True).past_key_values.layers[2].keys
+        kw = dict(compress="prompt", restore=codecs.SplitZip.calibrate(calib), restore_buffer_pages=16)
+    eng = Engine(model, kv_budget_bytes=30 * _page_bytes(model), pages_per_chunk=2, **kw)
     res = eng.generate(prompts, n)
     assert len(set(res.stats["admitted_at"])) > 1
+    assert res.stats["cuda_graphs"] and res.stats["graph_error"] is None
+    assert {s["mode"] for s in res.stats["steps"]} == {"warmup", "capture", "replay"}
     for p, got in zip(prompts, res.outputs):
         g = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False,
                            output_scores=True, return_dict_in_generate=True)

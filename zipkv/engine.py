@@ -297,17 +297,18 @@ class _StepGraph:
         self.key = self.graph = self.failed = None
 
     def run(self, key, host_inputs: torch.Tensor):
-        """Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"eager"``, ``"capture"`` or
-        ``"replay"``."""
+        """Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"warmup"`` (a composition's
+        first step, eager, before its capture), ``"capture"``, ``"replay"`` or ``"eager"`` (no graphs)."""
         if key != self.key:
             self.key, self.graph, self.warm = key, None, False
             self.inp = torch.empty(host_inputs.shape, dtype=torch.int64, device=self.device)
             self.out = torch.empty(host_inputs.shape[1], dtype=torch.int64, device=self.device)
         self.inp.copy_(host_inputs)
         if not self.enabled or not self.warm:
+            mode = "eager" if not self.enabled else "warmup"
             self.warm = True
             self.out.copy_(self.step(self.inp))
-            return self.out, "eager", 0.0
+            return self.out, mode, 0.0
         mode, capture_s = "replay", 0.0
         if self.graph is None:
             t0 = time.perf_counter()
@@ -318,12 +319,13 @@ class _StepGraph:
                     self.out.copy_(self.step(self.inp))
             except Exception as err:         # a step that cannot be captured still runs, eagerly, and says so
                 import warnings
+                failed_s = time.perf_counter() - t0
                 warnings.warn(f"CUDA graph capture of the decode step failed ({type(err).__name__}: {err}); "
                               f"running eagerly from now on")
                 torch.cuda.synchronize(self.device)
                 self.enabled, self.failed = False, f"{type(err).__name__}: {err}"
                 self.out.copy_(self.step(self.inp))
-                return self.out, "eager", time.perf_counter() - t0
+                return self.out, "warmup", failed_s
             self.graph, mode, capture_s = graph, "capture", time.perf_counter() - t0
         self.graph.replay()
         return self.out, mode, capture_s
@@ -568,8 +570,8 @@ class Engine:
         token of each request comes from its prefill and is not counted; with CUDA graphs the first, eager
         step of each batch composition -- kernel compilation, warm-up -- is not timed, and a graph's capture
         time is left out of its step), ``decode_seconds``, ``timed_steps``, ``graph_capture_seconds``,
-        ``prefill_seconds``, ``steps`` (per decode step: ``batch``, ``seconds``, ``mode`` -- ``"eager"``,
-        ``"capture"`` or ``"replay"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
+        ``prefill_seconds``, ``steps`` (per decode step: ``batch``, ``seconds``, ``mode`` -- ``"warmup"``,
+        ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
         ``reassigned``), ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
         request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
         format over the running requests' pages at the first decode step), ``stored_bits_per_value`` (bits
@@ -652,8 +654,7 @@ class Engine:
             bar.close()
         for r in running + waiting:
             done.setdefault(r.rid, r.out)
-        graphs = self.graphs.enabled or self.graphs.failed is not None
-        timed = [s for s in steps if not (graphs and s["mode"] == "eager")] or steps
+        timed = [s for s in steps if s["mode"] != "warmup"] or steps
         decode_s = sum(s["seconds"] for s in timed)
         stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], stored_bits_per_value=bits,
                      decode_tokens_per_s=sum(s["batch"] for s in timed) / decode_s if decode_s else float("nan"),

@@ -180,13 +180,20 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     res = engine.generate(prompts, new_tokens, prefixes=prefixes, max_decode_steps=steps, progress=False)
     st = res.stats
     del engine
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_device()
     return dict(method=method, batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"],
                 kv_budget_bytes=st["kv_budget_bytes"], frac_compressed_k=st["frac_compressed_k"],
                 frac_compressed_v=st["frac_compressed_v"], stored_bits_per_value=st["stored_bits_per_value"],
                 timed_steps=st["timed_steps"], step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
                 graph_capture_s=st["graph_capture_seconds"], stats=st)
+
+
+def _free_device() -> None:
+    """Free a dropped engine's pool, payloads and graphs now (its step graph refers back to it: a cycle)."""
+    import gc
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def plot_throughput(df, paper: dict, fixed_batch: int = 32):
@@ -266,6 +273,7 @@ def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk
         engine = Engine(model, budget, compress=mode, pages_per_chunk=pages_per_chunk, eos_token_id=None, **kw)
         res = engine.generate(prompts, new_tokens, progress=False)
         del engine
+        _free_device()
         runs[method] = res
         st = res.stats
         rows.append(dict(model=models.EMBEDDED_NAME, method=method, batch=st["max_batch"], max_batch=st["max_batch"],
