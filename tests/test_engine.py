@@ -6,6 +6,7 @@ flips near-tied greedy choices after a few tokens. So ``model.generate`` runs he
 function of the same arithmetic as ``zipkv.kernels.reference`` (registered below): any remaining
 difference is the engine's -- its pages, compression, admission, positions and retraction.
 """
+import math
 import os
 
 import torch
@@ -183,8 +184,9 @@ def test_fused_kernel_greedy_tokens_on_gpu(compress):
     ``"splitzip"``, the restore baseline: Triton decoder into the shared buffer, raw decode kernel -- with each
     batch composition's decode step captured in a CUDA graph, and ``model.generate`` Hugging Face's bf16
     attention: neither is the other's arithmetic, so tokens must be equal up to the first step where
-    generate's own top-2 logits are within bf16 rounding of a tie (then both choices are right); every request
-    must agree for at least its first 8 tokens."""
+    generate's own top-2 logits are within two bf16 steps of a tie, and there the engine must have taken
+    generate's runner-up (both choices are right; the continuations then differ). The H200 run of ee8fe49
+    diverged so at token 2 of one request, top-2 logits 18.875 / 18.75 (one bf16 step)."""
     from zipkv import codecs, data, models
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
     ws = data.windows(tok, data.load_books(limit=4), n=4, context=256, continuation=0)
@@ -195,7 +197,8 @@ def test_fused_kernel_greedy_tokens_on_gpu(compress):
         with torch.no_grad():
             calib = model(torch.tensor([ws[3].context_ids.tolist()], device="cuda"), use_cache=True).past_key_values.layers[2].keys
         kw = dict(compress="prompt", restore=codecs.SplitZip.calibrate(calib), restore_buffer_pages=16)
-    eng = Engine(model, kv_budget_bytes=30 * _page_bytes(model), pages_per_chunk=2, **kw)
+    # 20 pages: not all four requests fit at once (their pages at full length: 3 + 15 + 8 + 4)
+    eng = Engine(model, kv_budget_bytes=20 * _page_bytes(model), pages_per_chunk=2, **kw)
     res = eng.generate(prompts, n)
     assert len(set(res.stats["admitted_at"])) > 1
     assert res.stats["cuda_graphs"] and res.stats["graph_error"] is None
@@ -208,8 +211,10 @@ def test_fused_kernel_greedy_tokens_on_gpu(compress):
         if first is None:
             assert got == want
             continue
-        top2 = g.scores[first][0].float().topk(2).values
-        assert first >= 8 and float(top2[0] - top2[1]) <= 0.125, (first, top2.tolist())
+        top2 = g.scores[first][0].float().topk(2)
+        step = 2.0 ** (math.floor(math.log2(abs(float(top2.values[0])))) - 7)        # bf16 spacing there
+        assert got[first] == int(top2.indices[1]), (first, got[first], top2.indices.tolist())
+        assert float(top2.values[0] - top2.values[1]) <= 2 * step, (first, top2.values.tolist())
 
 
 def test_decode_throughput_fixed_and_largest_batch():
