@@ -1,6 +1,7 @@
 """Property tests of the cross-layer KV memory manager (zipkv.memory, ZipFusion §III-D).
 
-A hypothesis state machine drives long random sequences of admit / append (pages filling) / compress /
+A hypothesis state machine drives long random sequences of admit / admit packed (full pages arriving
+compressed, counted at their packed size) / append (pages filling) / compress /
 reads_done (chunks reassigned to other layers) / finish / retract over several layers and checks after
 every step, against an independent recount: no page lost or owned twice (slots, extents, ids), byte
 accounting exact, admission never promising room a later append cannot get, the bytes of every request
@@ -93,6 +94,33 @@ class MemoryMachine(RuleBasedStateMachine):
         if full:
             self.full_reserve.add(rid)
         self._write(rid, 0, prompt)
+
+    @rule(prompt=st.integers(1, 70), max_new=st.integers(1, 40), wide=st.floats(0, 1))
+    def admit_packed(self, prompt, max_new, wide):
+        """A request whose full pages arrive packed (a pre-compressed prefix): counted at its packed size."""
+        if (prompt + max_new - 1 + 15) // 16 > self.m.max_request_pages:
+            return
+        kv = []
+        for _ in range(L):
+            w = bool(torch.rand((), generator=self.gen) < wide)
+            kv.append((_tokens(self.gen, prompt, w), _tokens(self.gen, prompt, not w)))
+        packed = self.m.pack(kv)
+        expect = self.m.can_admit_packed(packed, max_new)
+        used = self.m.used_bytes()
+        ids = self.m.admit_packed(self.next_rid, packed, max_new)
+        assert (ids is not None) == expect
+        if ids is None:
+            assert self.m.used_bytes() == used
+            return
+        assert self.m.used_bytes() - used == UNIT * sum(map(sum, packed.units)) + L * (prompt % 16 > 0) * self.m.page_bytes
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        self.max_new[rid] = max_new
+        self.full_reserve.add(rid)
+        for l, (k, v) in enumerate(packed.tail):
+            if k.shape[1]:
+                self.m.write(l, rid, packed.n_pages * 16, k, v)
+        for l in range(L):
+            self.kv[rid, l] = kv[l]
 
     @precondition(lambda self: self.m.requests)
     @rule(data=st.data())

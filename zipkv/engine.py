@@ -493,6 +493,8 @@ class Engine:
         remaining = req.max_new - len(req.out)
         if self.restore is not None:
             return self._admit_restore(req, remaining)
+        if self.compress != "none":
+            return self._admit_packed(req, cached, remaining)
         if not self.memory.can_admit(cached, remaining, reserve_ratio=self.reserve_ratio):
             return False
         kv, first = self._prefill(req)
@@ -509,6 +511,27 @@ class Engine:
     def _started(self, req, first):
         req.out.append(first)
         req.position = (req.prefix.position if req.prefix is not None else 0) + len(req.prompt) + len(req.out) - 1
+
+    def _admit_packed(self, req: _Running, cached: int, remaining: int) -> bool:
+        """ZipFusion's admission: prefill, pack the full pages (kept with the waiting request until it fits),
+        admit them at their packed size (:meth:`zipkv.memory.KVMemory.admit_packed`), the last page raw."""
+        mem = self.memory
+        if not mem.can_admit_packed(cached, remaining, reserve_ratio=self.reserve_ratio):
+            return False
+        if req.staged is None:
+            kv, first = self._prefill(req)
+            req.staged = (mem.pack(kv), first)
+        packed, first = req.staged
+        if mem.admit_packed(req.rid, packed, remaining, reserve_ratio=self.reserve_ratio) is None:
+            return False
+        req.staged = None
+        for l, (k, v) in enumerate(packed.tail):
+            if k.shape[1]:
+                mem.write(l, req.rid, packed.n_pages * fmt.PAGE_TOKENS, k, v)
+        self._started(req, first)
+        mem.keep_raw()
+        mem.reads_done()
+        return True
 
     def _admit_restore(self, req: _Running, remaining: int) -> bool:
         """A restore baseline's admission: prefill, encode the full pages (kept with the waiting request
@@ -540,6 +563,9 @@ class Engine:
             return self.restore.fits(n_pages) and self.memory.can_admit(tail, req.max_new - len(req.out),
                                                                         reserve_ratio=self.reserve_ratio)
         cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
+        if self.compress != "none":
+            return req.staged is not None and self.memory.can_admit_packed(req.staged[0], req.max_new - len(req.out),
+                                                                           reserve_ratio=self.reserve_ratio)
         return self.memory.can_admit(cached, req.max_new - len(req.out), reserve_ratio=self.reserve_ratio)
 
     def _free(self, rid):

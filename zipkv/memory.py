@@ -70,7 +70,7 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["KVMemory", "pack_slots_reference", "UNIT"]
+__all__ = ["KVMemory", "Packed", "pack_slots_reference", "UNIT"]
 
 UNIT = 256
 """Address granularity of the descriptors (a compressed block is 3 units, a raw one 4)."""
@@ -99,6 +99,22 @@ class _Request:
     held: list = field(default_factory=list)   # chunks held for the request's bytes kept elsewhere
     ids: torch.Tensor | None = None   # ``pages`` as a device tensor (page_table), rebuilt when pages change
     serial: int = 0                   # admission number: tells a re-admitted request from its earlier self
+
+
+@dataclass
+class Packed:
+    """A request's cached KV with its full pages packed before admission (:meth:`KVMemory.pack`).
+
+    tokens: cached tokens; n_pages: full pages packed; slots: per layer uint8 ``[n_pages, 2, kv_heads,
+    slot_bytes]`` (each page-head packed at the start of its slot); meta: per layer uint8 ``[n_pages, 2,
+    kv_heads, n_blocks]``; units: per layer the pages' sizes in :data:`UNIT` s; tail: per layer ``(k, v)``
+    bf16 ``[kv_heads, tokens - 16 n_pages, head_dim]`` (the last, partial page, written raw)."""
+    tokens: int
+    n_pages: int
+    slots: list
+    meta: list
+    units: list
+    tail: list
 
 
 def _pages_for(tokens: int) -> int:
@@ -444,6 +460,111 @@ class KVMemory:
         self.requests[rid] = _Request(prompt_len, prompt_len + max_new_tokens - 1, ids, prompt_len, reserve,
                                       held=held, serial=self.admitted)
         self._full.extend(ids[: prompt_len // fmt.PAGE_TOKENS])
+        return list(ids)
+
+    def pack(self, kv) -> Packed:
+        """Pack the full pages of a request's KV (per layer ``(k, v)`` bf16 ``[kv_heads, n, head_dim]``, the
+        same ``n`` in every layer) with the memory's packer, outside the pool: the input of
+        :meth:`admit_packed`."""
+        n_tok = kv[0][0].shape[1]
+        n, H, sb = n_tok // fmt.PAGE_TOKENS, self.kv_heads, self.slot_bytes
+        slots, metas, units, tails = [], [], [], []
+        for k, v in kv:
+            if k.shape != (H, n_tok, self.head_dim) or v.shape != k.shape:
+                raise ValueError(f"kv: every layer's k and v must have shape {(H, n_tok, self.head_dim)}, got "
+                                 f"{tuple(k.shape)} and {tuple(v.shape)}")
+            buf = torch.zeros(n * 2 * H * sb + sb, dtype=torch.uint8, device=self.device)   # pad: see self.pool
+            view = buf[: n * 2 * H * sb].view(torch.bfloat16).view(n, 2, H, sb // 2)
+            for i, x in enumerate((k, v)):
+                x = x[:, : n * fmt.PAGE_TOKENS].to(self.device).reshape(H, n, fmt.PAGE_TOKENS * self.head_dim).transpose(0, 1)
+                view[:, i, :, self._write_index[i].reshape(-1)] = x
+            off = (torch.arange(n * 2 * H, device=self.device) * sb).reshape(n, 2, H)
+            meta = torch.stack([self._pack(buf, off[:, i].reshape(-1).contiguous(), self.head_dim, self.layouts[i])
+                                .reshape(n, H, -1) for i in (0, 1)], 1) if n else \
+                torch.zeros(0, 2, H, fmt.n_blocks(self.head_dim), dtype=torch.uint8, device=self.device)
+            comp = (meta >> 7).to(torch.int64).sum(-1)                                         # [n, 2, H]
+            units.append((fmt.n_blocks(self.head_dim) * 4 - comp).reshape(n, 2 * H).sum(-1).tolist())
+            slots.append(buf[: n * 2 * H * sb].view(n, 2, H, sb))
+            metas.append(meta)
+            tails.append((k[:, n * fmt.PAGE_TOKENS:], v[:, n * fmt.PAGE_TOKENS:]))
+        return Packed(n_tok, n, slots, metas, units, tails)
+
+    def _packed_chunks(self, packed: Packed) -> list:
+        """New compressed chunks each layer needs to place ``packed``'s pages first-fit (as :meth:`_comp_alloc`)."""
+        upc, need = self.units_per_chunk, []
+        for l in range(self.num_layers):
+            room = [[list(e) for e in self._chunks[c].extents] for c in self._comp_open[l]]
+            new = 0
+            for u in packed.units[l]:
+                for extents in room:
+                    e = next((e for e in extents if e[1] >= u), None)
+                    if e is not None:
+                        e[0], e[1] = e[0] + u, e[1] - u
+                        break
+                else:
+                    new += 1
+                    room.append([[u, upc - u]])
+            need.append(new)
+        return need
+
+    def can_admit_packed(self, packed: Packed | int, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> bool:
+        """Whether :meth:`admit_packed` would take ``packed`` now. Given only a token count (before packing),
+        a necessary condition: its last page and its reservation fit raw."""
+        tokens = packed if isinstance(packed, int) else packed.tokens
+        prompt_pages, reserve = self._check_new(None, tokens, max_new_tokens, reserve_ratio)
+        n_full = tokens // fmt.PAGE_TOKENS
+        if isinstance(packed, int):
+            return self._fits(prompt_pages - n_full, reserve, 0)
+        free = [self._layer_free_slots(l) for l in range(self.num_layers)]
+        n_free = self._n_free
+        for l, new in enumerate(self._packed_chunks(packed)):
+            own = min(new, len(self._pending[l]))             # _take_chunk takes the layer's pending chunks first
+            free[l] -= own * self.pages_per_chunk
+            n_free -= new - own
+        if n_free < 0:
+            return False
+        return self._capacity(free, n_free) - self.outstanding >= prompt_pages - n_full + reserve
+
+    def admit_packed(self, rid, packed: Packed, max_new_tokens: int, *, reserve_ratio: float = 1.0):
+        """Admit a request whose full pages are already packed (:meth:`pack`; a pre-compressed prefix, §IV-A):
+        they go straight into compressed chunks of each layer, counted at their packed size, and only the last,
+        partial page is raw. Otherwise as :meth:`admit` (reservation, ``None`` when it does not fit now);
+        the caller writes ``packed.tail`` into the last page (:meth:`write`)."""
+        prompt_pages, reserve = self._check_new(rid, packed.tokens, max_new_tokens, reserve_ratio)
+        if not self.can_admit_packed(packed, max_new_tokens, reserve_ratio=reserve_ratio):
+            return None
+        n, H = packed.n_pages, self.kv_heads
+        ids = [self._free_ids.pop() for _ in range(n)]
+        slot_units = self.slot_bytes // UNIT
+        for l in range(self.num_layers):
+            dst = []
+            for p, u in zip(ids, packed.units[l]):
+                where = self._comp_alloc(l, u)
+                if where is None:
+                    raise RuntimeError("KVMemory: no room for a packed page although the check passed (internal error)")
+                c, start = where
+                self._loc[l][p] = (COMP, c, start, u)
+                self._used[l] += u * UNIT
+                dst.append(c * self.units_per_chunk + start)
+            if not n:
+                continue
+            meta = packed.meta[l]
+            hu = (fmt.n_blocks(self.head_dim) * 4 - (meta >> 7).to(torch.int64).sum(-1)).reshape(n, 2 * H).cpu()
+            start = torch.cumsum(hu, -1) - hu                                           # head start in extent
+            u = torch.arange(slot_units)
+            used = u < hu[..., None]                                                   # [n, 2H, slot_units]
+            src_u = ((torch.arange(n)[:, None, None] * 2 * H + torch.arange(2 * H)[None, :, None]) * slot_units + u)[used]
+            dst_u = (torch.tensor(dst)[:, None, None] + start[..., None] + u)[used]
+            units = self.pool[: self.total_bytes].view(-1, UNIT)
+            units[dst_u.to(self.device)] = packed.slots[l].reshape(-1, UNIT)[src_u.to(self.device)]
+            head = ((torch.tensor(dst)[:, None] + start) * UNIT).reshape(n, 2, H, 1).to(self.device)
+            offsets = fmt.PageMeta.from_packed(meta, self.layouts[0], self.head_dim).block_offsets()   # layout-free
+            self.desc[l][torch.tensor(ids, device=self.device)] = ((head + offsets) << 8) | meta.to(torch.int64)
+            self.version[l] += 1
+        ids += self._new_pages(prompt_pages - n)
+        self.admitted += 1
+        self.requests[rid] = _Request(packed.tokens, packed.tokens + max_new_tokens - 1, ids, packed.tokens, reserve,
+                                      serial=self.admitted)
         return list(ids)
 
     def alloc(self, rid, n_tokens: int = 1):
