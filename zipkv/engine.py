@@ -7,13 +7,15 @@ request's greedy tokens and the run's statistics (decode tokens/s, batch and mem
 One step of the loop (:meth:`Engine.generate`):
 
 1. **Admission** (first come, first served, no skipping -- SGLang's default ``fcfs``): the head of the
-   queue is admitted while :meth:`zipkv.memory.KVMemory.can_admit` says its prompt pages plus the
-   reservation for its remaining output fit (``reserve_ratio``, default 1: an admitted request always
-   reaches its output length), and the batch is below ``max_batch``. Each admitted request is prefilled
-   at once with the model's own forward (any correct attention: Hugging Face's, batch 1, on top of its
-   prefix if it has one), its first token taken greedily from the prompt's last logits, its KV written
-   raw into its pages, and its full pages compressed (nothing reads them yet), so the next admission
-   sees the room compression freed.
+   queue is admitted while its prompt pages plus the reservation for its remaining output fit
+   (``reserve_ratio``, default 1: an admitted request always reaches its output length), and the batch is
+   below ``max_batch``. Each admitted request is prefilled with the model's own forward (any correct
+   attention: Hugging Face's, batch 1, on top of its prefix if it has one) and its first token taken
+   greedily from the prompt's last logits. Uncompressed: its KV is written raw
+   (:meth:`zipkv.memory.KVMemory.admit`). Compressed: its full pages are packed first and admitted at their
+   packed size (:meth:`~zipkv.memory.KVMemory.admit_packed`: a pre-compressed prefix never needs its raw
+   size in memory), the last, partial page raw; a request that does not fit yet keeps its packed pages
+   while it waits.
 2. **Decode step** for every running request: a slot for the new token (:meth:`~zipkv.memory.KVMemory.alloc`;
    when there is none, a request is retracted in SGLang's ``retract_decode`` order and requeued with
    the tokens it has, to be prefilled again), then the model layer by layer: projections, RoPE at each

@@ -395,8 +395,7 @@ def verdict(big, fixed_batch: int):
                  f"(paper {pv.ZIPFUSION_VS_BEST_LOSSLESS_BASELINE['Llama-3.1-8B']}×; bar {BARS['vs_restore']}×: "
                  f"{mark('vs_restore')}). ")
     text += (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value ({z.frac_compressed_k:.1%} of K and "
-             f"{z.frac_compressed_v:.1%} of V blocks compressed): admitting requests at that stored size would hold at most "
-             f"about {c['capacity_bound']:.1f} requests, while this engine admits a request at its raw size (its prefix is "
-             f"written raw, then packed); decode step {z.step_ms:.1f} ms at batch {z.batch} vs "
+             f"{z.frac_compressed_v:.1%} of V blocks compressed), so the budget holds at most about "
+             f"{c['capacity_bound']:.1f} such requests; decode step {z.step_ms:.1f} ms at batch {z.batch} vs "
              f"{u.step_ms:.1f} ms for uncompressed at batch {u.batch}.")
     return text, ("tip" if ok else "warning")
