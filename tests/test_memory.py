@@ -275,6 +275,26 @@ def test_compression_frees_chunks_for_other_layers():
     assert any(m._chunks[c].layer == 1 and m._chunks[c].state == OWNED for c in layer0_chunks)
 
 
+def test_packed_admission_counts_the_packed_size():
+    """A budget of 16 raw pages per layer (chunks of 4) holds four 4-page requests written raw; packed first
+    (every block compressible: 3 of its 4 units, so 5 pages to a chunk), their pages go straight into
+    compressed chunks and a fifth request fits -- where raw admission refuses it."""
+    gen = torch.Generator().manual_seed(2)
+    one = lambda: (1 + torch.rand(H, 64, D, generator=gen)).bfloat16()                   # noqa: E731  one exponent
+    kv = lambda: [(one(), one()) for _ in range(2)]                                        # noqa: E731
+    m = KVMemory(2, H, D, 16 * 2 * m_page(), pages_per_chunk=4)
+    for rid in range(4):
+        assert m.admit(rid, 64, 1) is not None
+    assert not m.can_admit(64, 1)
+    p = KVMemory(2, H, D, 16 * 2 * m_page(), pages_per_chunk=4)
+    for rid in range(5):
+        packed = p.pack(kv())
+        assert packed.n_pages == 4 and all(u == [6] * 4 for u in packed.units)
+        assert p.admit_packed(rid, packed, 1) is not None, rid
+    assert p.used_bytes() == 2 * 5 * 4 * 6 * UNIT and p.stats()["chunks_comp"] == [4, 4]
+    assert not p.can_admit_packed(p.pack(kv()), 1) and p.admit_packed(5, p.pack(kv()), 1) is None
+
+
 def m_page():
     return 2 * H * 2 * 16 * D
 
