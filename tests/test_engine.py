@@ -174,6 +174,17 @@ def test_budget_and_model_errors():
         Engine(model, 2 * 2 * 2 * 32 * 32 - 1)
     with pytest.raises(ValueError, match="compress"):
         Engine(model, 10**6, compress="sometimes")
+    from zipkv import codecs
+    with pytest.raises(TypeError, match="restore must be"):
+        Engine(model, 10**6, compress="prompt", restore="splitzip")
+    with pytest.raises(ValueError, match="compress='prompt'"):
+        Engine(model, 10**6, compress="all", restore=codecs.Huffman())
+    with pytest.raises(ValueError, match="restore_buffer_pages"):
+        Engine(model, 10**6, compress="prompt", restore=codecs.Huffman(), restore_buffer_pages=10**6)
+    eng = Engine(model, 10**6, compress="prompt", restore=codecs.Huffman(), restore_buffer_pages=2, attention="reference")
+    with pytest.raises(ValueError, match="restore buffer"):                 # 100 tokens: 6 pages to restore
+        eng.generate([[1, 2], list(range(100))], 4)
+    assert not eng.memory.requests and eng.memory.used_bytes() == 0
 
 
 @pytest.mark.slow
