@@ -1,6 +1,7 @@
 """Property tests of the cross-layer KV memory manager (zipkv.memory, ZipFusion §III-D).
 
-A hypothesis state machine drives long random sequences of admit / append (pages filling) / compress /
+A hypothesis state machine drives long random sequences of admit / admit packed (full pages arriving
+compressed, counted at their packed size) / append (pages filling) / compress /
 reads_done (chunks reassigned to other layers) / finish / retract over several layers and checks after
 every step, against an independent recount: no page lost or owned twice (slots, extents, ids), byte
 accounting exact, admission never promising room a later append cannot get, the bytes of every request
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from zipkv.kernels.decode_attention import PagedKVCache
-from zipkv.memory import COMP, FREE, OWNED, PENDING, RAW, UNIT, KVMemory
+from zipkv.memory import COMP, FREE, HELD, OWNED, PENDING, RAW, UNIT, KVMemory
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -58,26 +59,68 @@ class MemoryMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- rules
 
-    @rule(prompt=st.integers(1, 70), max_new=st.integers(1, 40), full=st.booleans())
-    def admit(self, prompt, max_new, full):
+    @rule(prompt=st.integers(1, 70), max_new=st.integers(1, 40), full=st.booleans(), hold=st.integers(0, 2))
+    def admit(self, prompt, max_new, full, hold):
         ratio = 1.0 if full else 0.5
         if (prompt + max_new - 1 + 15) // 16 > self.m.max_request_pages:
             with pytest.raises(ValueError, match="holds at most"):
-                self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio)
+                self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
             return
-        expect = self.m.can_admit(prompt, max_new, reserve_ratio=ratio)
-        before = self.m.capacity_pages() - self.m.outstanding
-        ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio)
+        expect = self.m.can_admit(prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
+        free_before, held_before = self.m._n_free, self.m.held_bytes()
+        ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
         assert (ids is not None) == expect
         if ids is None:
             prompt_pages = (prompt + 15) // 16
-            assert before < prompt_pages + math.ceil(ratio * ((prompt + max_new + 14) // 16 - prompt_pages))
+            need = prompt_pages + math.ceil(ratio * ((prompt + max_new + 14) // 16 - prompt_pages))
+            # an independent recount: what would be left after holding the chunks, one capacity step at a time
+            left = self.m._n_free - hold
+            slots = [self.m._layer_free_slots(l) for l in range(L)]
+            cap = 0
+            while left >= 0:
+                short = [l for l in range(L) if slots[l] == 0]
+                if len(short) > left:
+                    break
+                left -= len(short)
+                for l in range(L):
+                    slots[l] += self.m.pages_per_chunk if l in short else 0
+                    slots[l] -= 1
+                cap += 1
+            assert hold > free_before or cap - self.m.outstanding < need
             return
+        assert self.m.held_bytes() - held_before == hold * self.m.chunk_bytes
         rid, self.next_rid = self.next_rid, self.next_rid + 1
         self.max_new[rid] = max_new
         if full:
             self.full_reserve.add(rid)
         self._write(rid, 0, prompt)
+
+    @rule(prompt=st.integers(1, 70), max_new=st.integers(1, 40), wide=st.floats(0, 1))
+    def admit_packed(self, prompt, max_new, wide):
+        """A request whose full pages arrive packed (a pre-compressed prefix): counted at its packed size."""
+        if (prompt + max_new - 1 + 15) // 16 > self.m.max_request_pages:
+            return
+        kv = []
+        for _ in range(L):
+            w = bool(torch.rand((), generator=self.gen) < wide)
+            kv.append((_tokens(self.gen, prompt, w), _tokens(self.gen, prompt, not w)))
+        packed = self.m.pack(kv)
+        expect = self.m.can_admit_packed(packed, max_new)
+        used = self.m.used_bytes()
+        ids = self.m.admit_packed(self.next_rid, packed, max_new)
+        assert (ids is not None) == expect
+        if ids is None:
+            assert self.m.used_bytes() == used
+            return
+        assert self.m.used_bytes() - used == UNIT * sum(map(sum, packed.units)) + L * (prompt % 16 > 0) * self.m.page_bytes
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        self.max_new[rid] = max_new
+        self.full_reserve.add(rid)
+        for l, (k, v) in enumerate(packed.tail):
+            if k.shape[1]:
+                self.m.write(l, rid, packed.n_pages * 16, k, v)
+        for l in range(L):
+            self.kv[rid, l] = kv[l]
 
     @precondition(lambda self: self.m.requests)
     @rule(data=st.data())
@@ -164,12 +207,14 @@ class MemoryMachine(RuleBasedStateMachine):
                                          if ch.state == OWNED and ch.layer == l and ch.kind == RAW)
         states = [c.state for c in m._chunks]
         assert states.count(FREE) == m._n_free == sum(map(len, m._free_chunks.values()))
-        assert states.count(PENDING) == sum(map(len, m._pending))
+        assert states.count(PENDING) == sum(map(len, m._pending)) + len(m._held_pending)
+        held = [c for r in m.requests.values() for c in r.held]
+        assert len(held) == len(set(held)) and {c for c, s in enumerate(states) if s == HELD} == set(held)
         for l in range(L):
             assert set(m._comp[l]) == {c for c, ch in enumerate(m._chunks) if ch.state == OWNED and ch.layer == l and ch.kind == COMP}
             assert set(m._comp_open[l]) == {c for c in m._comp[l]
                                             if max((n for _, n in m._chunks[c].extents), default=0) >= m._min_page_units}
-        assert m.free_bytes() + m.used_bytes() == m.total_bytes
+        assert m.free_bytes() + m.used_bytes() + len(held) * m.chunk_bytes == m.total_bytes
 
     @invariant()
     def chunks_change_layer_only_after_reads_done(self):
@@ -228,6 +273,26 @@ def test_compression_frees_chunks_for_other_layers():
     m.admit("b", 16, 1)                                                    # layer 1 needs one of them
     assert m.reassigned == 1
     assert any(m._chunks[c].layer == 1 and m._chunks[c].state == OWNED for c in layer0_chunks)
+
+
+def test_packed_admission_counts_the_packed_size():
+    """A budget of 16 raw pages per layer (chunks of 4) holds four 4-page requests written raw; packed first
+    (every block compressible: 3 of its 4 units, so 5 pages to a chunk), their pages go straight into
+    compressed chunks and a fifth request fits -- where raw admission refuses it."""
+    gen = torch.Generator().manual_seed(2)
+    one = lambda: (1 + torch.rand(H, 64, D, generator=gen)).bfloat16()                   # noqa: E731  one exponent
+    kv = lambda: [(one(), one()) for _ in range(2)]                                        # noqa: E731
+    m = KVMemory(2, H, D, 16 * 2 * m_page(), pages_per_chunk=4)
+    for rid in range(4):
+        assert m.admit(rid, 64, 1) is not None
+    assert not m.can_admit(64, 1)
+    p = KVMemory(2, H, D, 16 * 2 * m_page(), pages_per_chunk=4)
+    for rid in range(5):
+        packed = p.pack(kv())
+        assert packed.n_pages == 4 and all(u == [6] * 4 for u in packed.units)
+        assert p.admit_packed(rid, packed, 1) is not None, rid
+    assert p.used_bytes() == 2 * 5 * 4 * 6 * UNIT and p.stats()["chunks_comp"] == [4, 4]
+    assert not p.can_admit_packed(p.pack(kv()), 1) and p.admit_packed(5, p.pack(kv()), 1) is None
 
 
 def m_page():

@@ -7,13 +7,15 @@ request's greedy tokens and the run's statistics (decode tokens/s, batch and mem
 One step of the loop (:meth:`Engine.generate`):
 
 1. **Admission** (first come, first served, no skipping -- SGLang's default ``fcfs``): the head of the
-   queue is admitted while :meth:`zipkv.memory.KVMemory.can_admit` says its prompt pages plus the
-   reservation for its remaining output fit (``reserve_ratio``, default 1: an admitted request always
-   reaches its output length), and the batch is below ``max_batch``. Each admitted request is prefilled
-   at once with the model's own forward (any correct attention: Hugging Face's, batch 1, on top of its
-   prefix if it has one), its first token taken greedily from the prompt's last logits, its KV written
-   raw into its pages, and its full pages compressed (nothing reads them yet), so the next admission
-   sees the room compression freed.
+   queue is admitted while its prompt pages plus the reservation for its remaining output fit
+   (``reserve_ratio``, default 1: an admitted request always reaches its output length), and the batch is
+   below ``max_batch``. Each admitted request is prefilled with the model's own forward (any correct
+   attention: Hugging Face's, batch 1, on top of its prefix if it has one) and its first token taken
+   greedily from the prompt's last logits. Uncompressed: its KV is written raw
+   (:meth:`zipkv.memory.KVMemory.admit`). Compressed: its full pages are packed first and admitted at their
+   packed size (:meth:`~zipkv.memory.KVMemory.admit_packed`: a pre-compressed prefix never needs its raw
+   size in memory), the last, partial page raw; a request that does not fit yet keeps its packed pages
+   while it waits.
 2. **Decode step** for every running request: a slot for the new token (:meth:`~zipkv.memory.KVMemory.alloc`;
    when there is none, a request is retracted in SGLang's ``retract_decode`` order and requeued with
    the tokens it has, to be prefilled again), then the model layer by layer: projections, RoPE at each
@@ -27,12 +29,16 @@ a :class:`Prefix` distilled by KVSculpt holds ``k + m`` pairs for ``N`` tokens; 
 continue at position ``N``.
 
 :class:`_Attention` is the only place that calls into ``zipkv.kernels``: the plan/run API of
-``zipkv.kernels.decode_attention`` (a plan per layer, kept while the batch's pages stay the same),
-``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
-the torch reference (``attention="reference"``). CUDA graphs: not captured yet. What a capture needs is
-in place for attention (``DecodePlan.run`` neither syncs nor allocates with ``out`` given, and stays valid
-as pages fill and compress); the step around it is not yet static -- token slots, positions and the page
-table are rebuilt on the host per step, and the batch changes as requests come and go.
+``zipkv.kernels.decode_attention`` (a plan per layer and batch composition, over a static page table updated in
+place), ``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
+the torch reference (``attention="reference"``). **CUDA graphs** (:class:`_StepGraph`): the whole decode step --
+embeddings, every layer's projections, KV writes, (restores,) attention and MLP, the greedy argmax -- reads its
+per-step inputs from one static device buffer and is captured once per batch composition, then replayed; the host
+only copies tokens, positions and slots in, updates the page table in place and reads the tokens back.
+
+**Restore-before-attention baselines** (``restore=codec``, :class:`_Restore`): the same loop, with each
+request's prefix pages kept as a :mod:`zipkv.codecs` payload and decoded per layer into one shared restore buffer
+before attention (ZipFusion §II-B's setting), its bytes counted in the same budget.
 """
 from __future__ import annotations
 
@@ -84,24 +90,126 @@ class _Running:
     max_new: int
     out: list = field(default_factory=list)
     position: int = 0                 # position of the next token to feed
+    staged: tuple | None = None       # restore baseline: (payload, raw tail KV, first token) of a waiting request
+
+
+class _Restore:
+    """Restore-before-attention baseline (ZipFusion §II-B, §IV-C): the rows of Fig. 5 whose codecs restore
+    the cache before attention. A request's prefix -- every full page of its cached tokens at admission,
+    "pre-compressed" as in §IV-A -- is kept as one payload per layer and K/V of ``codec``
+    (:mod:`zipkv.codecs`: SplitZip-style or Huffman); what it generates stays in raw pages of the memory.
+    Before each layer's attention, every running request's payload of that layer is decoded
+    (:func:`zipkv.codecs.decode_into`; the torch reference on the CPU) into **one restore buffer shared by
+    all layers**, laid out as raw token-layout pages, and the raw decode kernel reads those pages and the raw
+    ones through one page table (buffer page ``j`` has descriptor row ``memory.max_pages + j``).
+
+    Memory: the buffer takes ``buffer_pages`` raw pages of *one* layer out of the budget (it is
+    ``memory``'s extra region); a request's payload bytes are held as whole chunks of the memory's pool
+    (``admit(hold_chunks=...)``), so every method's bytes come out of one budget. The payload tensors
+    themselves are torch allocations beside the pool (same bytes, counted by those held chunks).
+    A request's buffer pages are one contiguous run (first fit)."""
+
+    def __init__(self, memory: KVMemory, codec, buffer_pages: int, reference: bool):
+        self.memory, self.codec, self.reference = memory, codec, reference
+        self.buffer_pages, self.extents, self.entries = buffer_pages, [[0, buffer_pages]], {}
+        self.slot_positions = memory._write_index                                   # [2, 16, D]
+
+    def fits(self, n_pages: int) -> bool:
+        return n_pages == 0 or any(n >= n_pages for _, n in self.extents)
+
+    def encode(self, kv, n_pages: int):
+        """Payloads ``[(K, V)]`` per layer of the first ``n_pages`` pages of ``kv`` (per layer ``(k, v)`` bf16
+        ``[H, n, D]``), each encoding raw page-head slots ``[n_pages, H, slot values]`` in the kernel's order."""
+        m = self.memory
+        out = []
+        for k, v in (kv if n_pages else []):
+            pair = []
+            for i, x in enumerate((k, v)):
+                x = x[:, : n_pages * fmt.PAGE_TOKENS].reshape(m.kv_heads, n_pages, -1).transpose(0, 1)
+                slots = torch.empty(n_pages, m.kv_heads, m.slot_bytes // 2, dtype=torch.bfloat16, device=x.device)
+                slots[..., self.slot_positions[i].reshape(-1)] = x
+                pair.append(self.codec.encode(slots))
+            out.append(tuple(pair))
+        return out
+
+    @staticmethod
+    def payload_bytes(payload) -> int:
+        return sum(e.nbytes for pair in payload for e in pair)
+
+    def place(self, rid, payload, n_pages: int):
+        """Give request ``rid`` ``n_pages`` contiguous buffer pages and point their descriptors (every layer)
+        there; returns their descriptor rows."""
+        m = self.memory
+        if n_pages == 0:                                # a short prompt: nothing was encoded
+            return None
+        ext = next(e for e in self.extents if e[1] >= n_pages)
+        start = ext[0]
+        ext[0] += n_pages
+        ext[1] -= n_pages
+        self.extents = [e for e in self.extents if e[1]]
+        base = m.extra_offset + start * m.page_bytes
+        head = m.slot_bytes * (torch.arange(n_pages)[:, None] * m.kv_heads + torch.arange(m.kv_heads))    # [n, H]
+        addr = torch.stack([base + head, base + n_pages * m.kv_heads * m.slot_bytes + head], 1)          # [n, 2, H]
+        d = ((addr[..., None] + fmt.RAW_BLOCK_BYTES * torch.arange(fmt.n_blocks(m.head_dim))) << 8).to(m.device)
+        rows = torch.arange(m.max_pages + start, m.max_pages + start + n_pages, device=m.device)
+        for l in range(m.num_layers):
+            m.desc[l][rows] = d
+            m.version[l] += 1
+        pool = m.pool
+        half = n_pages * m.kv_heads * m.slot_bytes
+        views = (pool[base: base + half].view(torch.bfloat16), pool[base + half: base + 2 * half].view(torch.bfloat16))
+        self.entries[rid] = dict(start=start, n=n_pages, payload=payload, views=views,
+                                 rows=rows.to(torch.int32), bytes=self.payload_bytes(payload))
+        return rows
+
+    def release(self, rid) -> None:
+        e = self.entries.pop(rid, None)
+        if e is None:
+            return
+        ext = sorted(self.extents + [[e["start"], e["n"]]])
+        merged = [ext[0]]
+        for s, n in ext[1:]:
+            if merged[-1][0] + merged[-1][1] == s:
+                merged[-1][1] += n
+            else:
+                merged.append([s, n])
+        self.extents = merged
+
+    def restore(self, layer: int, rids) -> None:
+        """Decode layer ``layer``'s payloads of ``rids`` into the shared buffer (no sync on the GPU)."""
+        from zipkv import codecs
+        for rid in rids:
+            e = self.entries[rid]
+            for enc, view in zip(e["payload"][layer], e["views"]):
+                if self.reference:
+                    view.copy_(codecs.decode_reference(enc).reshape(-1))
+                else:
+                    codecs.decode_into(enc, view, validate=False)
 
 
 class _Attention:
     """The engine's one adapter onto ``zipkv.kernels``: per-layer caches over the memory's pool, the kernels'
-    plan/run split -- one :func:`zipkv.kernels.decode_attention.plan` per layer, made again only when the
-    batch's page table changes (a new token in a request's last page only raises ``last_page_len``, in
-    place) -- and the pack kernel. Pages compressed between steps keep the plans valid: their descriptors
-    and page kinds change in place and the plans route on the device (``routing="device"``); a cache that
-    is never compressed (``static_kinds``) keeps the kernels' single specialised launch."""
+    plan/run split and the pack kernel.
 
-    def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool):
+    A **static page table per batch composition** (the running requests, in order): ``indptr``,
+    ``indices`` (room for every request's pages at its output length) and ``last_page_len`` are device
+    buffers updated in place -- a new token raises ``last_page_len``, a new page rewrites ``indptr`` and
+    ``indices`` -- so one :func:`zipkv.kernels.decode_attention.plan` per layer serves the composition's
+    every step, and a CUDA graph of the step stays valid. Pages compressed between steps keep the plans
+    valid too: their descriptors and page kinds change in place and the plans route on the device
+    (``routing="device"``); a cache that is never compressed (``static_kinds``) keeps the kernels' single
+    specialised launch."""
+
+    def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool,
+                 restore: _Restore | None = None):
         from zipkv.paged import PagedKVCache
-        self.memory, self.backend, self.q_heads, self.scale = memory, backend, q_heads, scale
-        pool = memory.pool[: memory.total_bytes]
+        self.memory, self.backend, self.q_heads, self.scale, self.restore = memory, backend, q_heads, scale, restore
+        pool = memory.pool if restore is not None else memory.pool[: memory.total_bytes]
         self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts) for d in memory.desc]
         self.static_kinds = static_kinds
         self.versions = [-1] * memory.num_layers
-        self.key = self.table = self.plans = None
+        self.key = self.pages_key = self.plans_key = self.table = self.plans = None
+        self.rids = []
 
     @staticmethod
     def pack_slots(backend):
@@ -115,32 +223,114 @@ class _Attention:
             return pack_into(pool, off, pool, off, head_dim, layout, src_packed=True, validate=False)
         return pack
 
-    def plan(self, rids):
+    def _host_table(self, rids):
+        """The batch's page table (new tensors): a restored request's buffer pages first, then its raw ones."""
+        indptr, indices, last = self.memory.page_table(rids)
+        if self.restore is None:
+            return indptr, indices, last
+        parts, counts = [], []
+        ip = indptr.tolist()
+        for i, r in enumerate(rids):
+            own = indices[ip[i]: ip[i + 1]]
+            e = self.restore.entries.get(r)
+            parts += [e["rows"], own] if e is not None else [own]
+            counts.append(own.numel() + (e["n"] if e is not None else 0))
+        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(indices.device)
+        return indptr, torch.cat(parts), last
+
+    def plan(self, rids) -> tuple:
+        """Bring the static page table up to date for ``rids``; plan again when the composition changed.
+        Returns the composition's key (what a captured step graph depends on)."""
         for l, c in enumerate(self.caches):
             if self.versions[l] != self.memory.version[l]:
                 if not self.static_kinds:
                     c.refresh()                                     # page kinds recomputed in place
                 self.versions[l] = self.memory.version[l]
-        lens = [self.memory.cache_len(r) for r in rids]
-        key = (tuple(self.memory.requests[r].serial for r in rids),            # a re-admitted request is new
-               tuple((n + fmt.PAGE_TOKENS - 1) // fmt.PAGE_TOKENS for n in lens))
-        if key == self.key:                                         # same pages: only last_page_len moves
-            last = [n - fmt.PAGE_TOKENS * (p - 1) for n, p in zip(lens, key[1])]
+        mem = self.memory
+        key = tuple(mem.requests[r].serial for r in rids)           # a re-admitted request is new
+        lens = [mem.cache_len(r) for r in rids]
+        pages_key = tuple((n + fmt.PAGE_TOKENS - 1) // fmt.PAGE_TOKENS for n in lens)
+        if key == self.key and pages_key == self.pages_key:          # same pages: only last_page_len moves
+            last = [n - fmt.PAGE_TOKENS * (p - 1) for n, p in zip(lens, pages_key)]
             self.table[2].copy_(torch.tensor(last, dtype=torch.int32))
-            return
-        self.key, self.table = key, self.memory.page_table(rids)
-        if self.backend == "kernel":
-            from zipkv.kernels.decode_attention import plan
-            routing = "auto" if self.static_kinds else "device"
-            self.plans = [plan(*self.table, c, self.q_heads, softmax_scale=self.scale, validate=False, routing=routing)
-                          for c in self.caches]
+            return key
+        indptr, indices, last = self._host_table(rids)
+        if key != self.key:
+            extra = [self.restore.entries[r]["n"] if self.restore and r in self.restore.entries else 0 for r in rids]
+            room = sum(-(-mem.requests[r].max_len // fmt.PAGE_TOKENS) + x for r, x in zip(rids, extra))
+            self.table = (torch.zeros_like(indptr), torch.zeros(max(room, indices.numel()), dtype=torch.int32,
+                                                                device=indices.device), torch.zeros_like(last))
+            self.key, self.rids = key, list(rids)
+        self.table[0].copy_(indptr)
+        self.table[1][: indices.numel()].copy_(indices)
+        self.table[2].copy_(last)
+        if key != self.plans_key:
+            self.plans_key = key
+            if self.backend == "kernel":
+                from zipkv.kernels.decode_attention import plan
+                routing = "auto" if self.static_kinds else "device"
+                self.plans = [plan(*self.table, c, self.q_heads, softmax_scale=self.scale, validate=False, routing=routing)
+                              for c in self.caches]
+        self.pages_key = pages_key
+        return key
 
     def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q bf16 ``[batch, q_heads, head_dim]`` -> bf16 attention output, same shape."""
+        """q bf16 ``[batch, q_heads, head_dim]`` -> bf16 attention output, same shape (restoring the layer's
+        payloads into the shared buffer first, for a restore baseline)."""
+        if self.restore is not None:
+            self.restore.restore(layer, [r for r in self.rids if r in self.restore.entries])
         if self.backend == "reference":
             from zipkv.kernels.reference import decode_attention_reference
             return decode_attention_reference(q, self.caches[layer], *self.table, softmax_scale=self.scale).to(q.dtype)
         return self.plans[layer].run(q.contiguous())
+
+
+class _StepGraph:
+    """The whole decode step captured in a CUDA graph, one per batch composition (ZipFusion §IV-A: the
+    framework runs use CUDA graphs). The step reads its inputs from a static buffer ``[4, batch]`` (tokens,
+    positions, page and in-page offset of the new token) and writes the next tokens into a static output;
+    everything else it reads -- pool, descriptors, page kinds, the static page table, restore payloads and
+    buffer -- stays in place for the composition. The composition's first step runs eagerly (it compiles
+    the kernels and warms up the allocator), the second is captured and replayed, the rest replayed.
+    Without CUDA (or ``enabled=False``) every step runs eagerly through the same function."""
+
+    def __init__(self, step, device, enabled: bool):
+        self.step, self.device, self.enabled = step, device, enabled and device.type == "cuda"
+        self.key = self.graph = self.failed = None
+
+    def run(self, key, host_inputs: torch.Tensor):
+        """Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"warmup"`` (a composition's
+        first step, eager, before its capture), ``"capture"``, ``"replay"`` or ``"eager"`` (no graphs)."""
+        if key != self.key:
+            self.key, self.graph, self.warm = key, None, False
+            self.inp = torch.empty(host_inputs.shape, dtype=torch.int64, device=self.device)
+            self.out = torch.empty(host_inputs.shape[1], dtype=torch.int64, device=self.device)
+        self.inp.copy_(host_inputs)
+        if not self.enabled or not self.warm:
+            mode = "eager" if not self.enabled else "warmup"
+            self.warm = True
+            self.out.copy_(self.step(self.inp))
+            return self.out, mode, 0.0
+        mode, capture_s = "replay", 0.0
+        if self.graph is None:
+            t0 = time.perf_counter()
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.out.copy_(self.step(self.inp))
+            except Exception as err:         # a step that cannot be captured still runs, eagerly, and says so
+                import warnings
+                failed_s = time.perf_counter() - t0
+                warnings.warn(f"CUDA graph capture of the decode step failed ({type(err).__name__}: {err}); "
+                              f"running eagerly from now on")
+                torch.cuda.synchronize(self.device)
+                self.enabled, self.failed = False, f"{type(err).__name__}: {err}"
+                self.out.copy_(self.step(self.inp))
+                return self.out, "warmup", failed_s
+            self.graph, mode, capture_s = graph, "capture", time.perf_counter() - t0
+        self.graph.replay()
+        return self.out, mode, capture_s
 
 
 def _eos_ids(model, eos_token_id):
@@ -157,17 +347,24 @@ class Engine:
 
     compress: ``"all"`` (or True: prompt pages after prefill and every page the decode fills, after the
     reads of its step), ``"prompt"`` (prompt and prefix pages only, new KV stays raw: ZipFusion's
-    throughput setup, §IV-A) or ``"none"`` (or False: the uncompressed baseline). attention:
-    ``"kernel"`` (fused decode kernel), ``"reference"`` (fp32 torch reference) or ``"auto"`` (kernel on
-    CUDA, reference elsewhere). k_layout / v_layout: block arrangements of the cache (``zipkv.format``).
-    pages_per_chunk, reserve_ratio: see :class:`zipkv.memory.KVMemory`. max_batch: cap on running
-    requests. eos_token_id: stop token(s), ``"model"`` (the model's generation config, like
-    ``model.generate``) or None (always ``max_new_tokens``).
+    throughput setup, §IV-A) or ``"none"`` (or False: the uncompressed baseline). restore: a codec of
+    :mod:`zipkv.codecs` (``SplitZip`` / ``Huffman`` instance): the restore-before-attention baseline
+    (:class:`_Restore`; needs ``compress="prompt"``, the codec compressing the prefix, the token layouts);
+    restore_buffer_pages: raw pages of one layer in its shared restore buffer, taken out of the budget
+    (default: ``budget / (num_layers + 1)``, what a batch of raw prefixes would need). attention:
+    ``"kernel"`` (fused decode kernel), ``"reference"`` (fp32 torch reference; restore baselines then use
+    the codecs' torch decoders) or ``"auto"`` (kernel on CUDA, reference elsewhere). cuda_graphs: capture
+    each batch composition's decode step in a CUDA graph (:class:`_StepGraph`; on CUDA only). k_layout /
+    v_layout: block arrangements of the cache (``zipkv.format``). pages_per_chunk, reserve_ratio: see
+    :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. eos_token_id: stop token(s),
+    ``"model"`` (the model's generation config, like ``model.generate``) or None (always
+    ``max_new_tokens``).
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
                  k_layout: str = "token", v_layout: str = "token", pages_per_chunk: int = 16,
-                 reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model"):
+                 reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
+                 restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True):
         cfg = model.config
         self.model, self.inner = model, model.model
         self.device = next(model.parameters()).device
@@ -186,12 +383,35 @@ class Engine:
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.memory = KVMemory(cfg.num_hidden_layers, self.kv_heads, self.head_dim, kv_budget_bytes,
+        L = cfg.num_hidden_layers
+        buffer_pages, budget = 0, kv_budget_bytes
+        if restore is not None:
+            if not (hasattr(restore, "encode") and getattr(restore, "name", None) in ("splitzip", "huffman")):
+                raise TypeError(f"restore must be a zipkv.codecs.SplitZip or Huffman codec, got {type(restore).__name__}")
+            if compress != "prompt" or (k_layout, v_layout) != ("token", "token"):
+                raise ValueError(f"restore: the codec compresses the prefix and restores raw token-layout pages; "
+                                 f"use compress='prompt' and the token layouts, got compress={compress!r}, "
+                                 f"layouts {(k_layout, v_layout)}")
+            page = 2 * self.kv_heads * fmt.page_bytes(self.head_dim)
+            if not isinstance(kv_budget_bytes, int) or isinstance(kv_budget_bytes, bool):
+                raise TypeError(f"kv_budget_bytes must be an int, got {type(kv_budget_bytes).__name__}")
+            buffer_pages = kv_budget_bytes // ((L + 1) * page) if restore_buffer_pages is None else restore_buffer_pages
+            if not isinstance(buffer_pages, int) or buffer_pages < 1 or buffer_pages * page >= kv_budget_bytes:
+                raise ValueError(f"restore_buffer_pages must be an int >= 1 whose pages ({page} bytes each) leave "
+                                 f"room in kv_budget_bytes={kv_budget_bytes}, got {restore_buffer_pages!r}")
+            budget = kv_budget_bytes - buffer_pages * page
+        self.kv_budget_bytes = kv_budget_bytes
+        self.memory = KVMemory(L, self.kv_heads, self.head_dim, budget,
                                pages_per_chunk=pages_per_chunk, k_layout=k_layout, v_layout=v_layout,
-                               device=self.device, pack_slots=_Attention.pack_slots(attention))
+                               device=self.device, pack_slots=_Attention.pack_slots(attention),
+                               extra_bytes=buffer_pages * 2 * self.kv_heads * fmt.page_bytes(self.head_dim),
+                               extra_pages=buffer_pages)
+        self.restore = None if restore is None else _Restore(self.memory, restore, buffer_pages, attention == "reference")
         self.attention = _Attention(self.memory, attention, self.q_heads, model.model.layers[0].self_attn.scaling,
-                                    static_kinds=compress == "none")
-        self.compress, self.reserve_ratio, self.max_batch = compress, reserve_ratio, max_batch
+                                    static_kinds=compress == "none" or restore is not None, restore=self.restore)
+        self.graphs = _StepGraph(self._decode_forward, self.device, cuda_graphs)
+        self.compress = "none" if restore is not None else compress
+        self.reserve_ratio, self.max_batch = reserve_ratio, max_batch
         self.eos = _eos_ids(model, eos_token_id)
 
     # ------------------------------------------------------------------ model pieces
@@ -215,9 +435,12 @@ class Engine:
         kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
         return kv, int(out.logits[0, -1].argmax())
 
-    def _decode_forward(self, tokens, positions, pages, offsets):
-        """One new token per running request through every layer: logits' argmax ``[batch]``."""
+    def _decode_forward(self, inp):
+        """One new token per running request through every layer. inp int64 ``[4, batch]``: tokens,
+        positions, page ids and in-page offsets of the new tokens. Returns the logits' argmax ``[batch]``.
+        Neither syncs nor allocates on the host: it is the step a CUDA graph captures."""
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        tokens, positions, pages, offsets = inp
         B = tokens.shape[0]
         h = self.inner.embed_tokens(tokens[:, None])                          # [B, 1, hidden]
         cos, sin = self.inner.rotary_emb(h, position_ids=positions[:, None])
@@ -255,29 +478,113 @@ class Engine:
             pre = prefixes[i] if prefixes is not None else None
             cached = len(ids) + (pre.length if pre is not None else 0)
             self.memory._check_new(None, cached, max_new_tokens, self.reserve_ratio)   # never fits: ValueError
+            if self.restore is not None and (cached - 1) // fmt.PAGE_TOKENS > self.restore.buffer_pages:
+                raise ValueError(f"prompts[{i}]: its {cached} cached tokens need {(cached - 1) // fmt.PAGE_TOKENS} pages "
+                                 f"of the restore buffer, which holds {self.restore.buffer_pages}")
             out.append(_Running(i, ids, pre, max_new_tokens))
         return out
+
+    def _restore_split(self, req: _Running):
+        """(pages kept as the codec's payload, raw tokens after them) for a restore baseline's request."""
+        cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
+        n = (cached - 1) // fmt.PAGE_TOKENS                  # every full page but one token stays raw
+        return n, cached - n * fmt.PAGE_TOKENS
 
     def _admit(self, req: _Running) -> bool:
         cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
         remaining = req.max_new - len(req.out)
+        if self.restore is not None:
+            return self._admit_restore(req, remaining)
+        if self.compress != "none":
+            return self._admit_packed(req, cached, remaining)
         if not self.memory.can_admit(cached, remaining, reserve_ratio=self.reserve_ratio):
             return False
         kv, first = self._prefill(req)
         self.memory.admit(req.rid, cached, remaining, reserve_ratio=self.reserve_ratio)
         for l, (k, v) in enumerate(kv):
             self.memory.write(l, req.rid, 0, k, v)
-        req.out.append(first)
-        req.position = (req.prefix.position if req.prefix is not None else 0) + len(req.prompt) + len(req.out) - 1
+        self._started(req, first)
         if self.compress != "none":
             self.memory.compress()                            # nothing reads the prompt's pages yet
         self.memory.keep_raw()
         self.memory.reads_done()
         return True
 
+    def _started(self, req, first):
+        req.out.append(first)
+        req.position = (req.prefix.position if req.prefix is not None else 0) + len(req.prompt) + len(req.out) - 1
+
+    def _admit_packed(self, req: _Running, cached: int, remaining: int) -> bool:
+        """ZipFusion's admission: prefill, pack the full pages (kept with the waiting request until it fits),
+        admit them at their packed size (:meth:`zipkv.memory.KVMemory.admit_packed`), the last page raw."""
+        mem = self.memory
+        if not mem.can_admit_packed(cached, remaining, reserve_ratio=self.reserve_ratio):
+            return False
+        if req.staged is None:
+            kv, first = self._prefill(req)
+            req.staged = (mem.pack(kv), first)
+        packed, first = req.staged
+        if mem.admit_packed(req.rid, packed, remaining, reserve_ratio=self.reserve_ratio) is None:
+            return False
+        req.staged = None
+        for l, (k, v) in enumerate(packed.tail):
+            if k.shape[1]:
+                mem.write(l, req.rid, packed.n_pages * fmt.PAGE_TOKENS, k, v)
+        self._started(req, first)
+        mem.keep_raw()
+        mem.reads_done()
+        return True
+
+    def _admit_restore(self, req: _Running, remaining: int) -> bool:
+        """A restore baseline's admission: prefill, encode the full pages (kept with the waiting request
+        until it fits), then hold chunks for the payload, take buffer pages and admit the raw tail."""
+        n_pages, tail = self._restore_split(req)
+        rs, mem = self.restore, self.memory
+        if not rs.fits(n_pages) or not mem.can_admit(tail, remaining, reserve_ratio=self.reserve_ratio):
+            return False
+        if req.staged is None:
+            kv, first = self._prefill(req)
+            req.staged = (rs.encode(kv, n_pages), [(k[:, n_pages * fmt.PAGE_TOKENS:], v[:, n_pages * fmt.PAGE_TOKENS:])
+                                                   for k, v in kv], first)
+        payload, raw, first = req.staged
+        hold = -(-rs.payload_bytes(payload) // mem.chunk_bytes)
+        if mem.admit(req.rid, tail, remaining, reserve_ratio=self.reserve_ratio, hold_chunks=hold) is None:
+            return False
+        req.staged = None
+        rs.place(req.rid, payload, n_pages)
+        for l, (k, v) in enumerate(raw):
+            mem.write(l, req.rid, 0, k, v)
+        self._started(req, first)
+        mem.keep_raw()
+        mem.reads_done()
+        return True
+
     def _admit_possible(self, req: _Running) -> bool:
+        if self.restore is not None:
+            n_pages, tail = self._restore_split(req)
+            return self.restore.fits(n_pages) and self.memory.can_admit(tail, req.max_new - len(req.out),
+                                                                        reserve_ratio=self.reserve_ratio)
         cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
+        if self.compress != "none":
+            return req.staged is not None and self.memory.can_admit_packed(req.staged[0], req.max_new - len(req.out),
+                                                                           reserve_ratio=self.reserve_ratio)
         return self.memory.can_admit(cached, req.max_new - len(req.out), reserve_ratio=self.reserve_ratio)
+
+    def _free(self, rid):
+        self.memory.free(rid)
+        if self.restore is not None:
+            self.restore.release(rid)
+
+    def _stored_bits(self, rids) -> float:
+        """Bits stored per cached K/V value of ``rids`` (pages' bytes, plus payload bytes for a restore baseline)."""
+        mem = self.memory
+        values = sum(mem.cache_len(r) for r in rids) * mem.num_layers * 2 * mem.kv_heads * mem.head_dim
+        used = mem.used_bytes()
+        if self.restore is not None:
+            used += sum(self.restore.entries[r]["bytes"] for r in rids if r in self.restore.entries)
+            values += sum(self.restore.entries[r]["n"] for r in rids if r in self.restore.entries) \
+                * fmt.PAGE_TOKENS * mem.num_layers * 2 * mem.kv_heads * mem.head_dim
+        return 8 * used / values
 
     def generate(self, prompts, max_new_tokens: int, *, prefixes=None, max_decode_steps: int | None = None,
                  progress: bool | None = None) -> GenerateResult:
@@ -287,26 +594,32 @@ class Engine:
         many decode steps (benchmarks; unfinished requests keep the tokens they have). progress: tqdm bar
         (default: on for runs of more than 64 steps' worth of tokens).
         Returns :class:`GenerateResult`: ``outputs`` (list of token lists, in prompt order) and ``stats``:
-        ``decode_tokens_per_s`` (tokens produced by decode steps / their wall time; the first token of
-        each request comes from its prefill and is not counted), ``decode_seconds``, ``prefill_seconds``,
-        ``steps`` (per decode step: ``batch``, ``seconds``, ``used_bytes`` per layer, ``chunks_free``,
+        ``decode_tokens_per_s`` (tokens produced by the timed decode steps / their wall time; the first
+        token of each request comes from its prefill and is not counted; with CUDA graphs the first, eager
+        step of each batch composition -- kernel compilation, warm-up -- is not timed, and a graph's capture
+        time is left out of its step), ``decode_seconds``, ``timed_steps``, ``graph_capture_seconds``,
+        ``prefill_seconds``, ``steps`` (per decode step: ``batch``, ``seconds``, ``mode`` -- ``"warmup"``,
+        ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
         ``reassigned``), ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
-        request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored
-        compressed over the running requests' pages at the first decode step), ``kv_budget_bytes``, ``memory`` (final
+        request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
+        format over the running requests' pages at the first decode step), ``stored_bits_per_value`` (bits
+        stored per cached value then, payloads included), ``kv_budget_bytes``, ``memory`` (final
         :meth:`KVMemory.stats`).
         """
         waiting = self._validate(prompts, max_new_tokens, prefixes)
         running, done, steps, admitted_at = [], {}, [], {}
-        retracted = prefill_s = decode_s = 0.0
+        retracted = prefill_s = 0.0
+        frac, bits = (float("nan"), float("nan")), float("nan")
         bar = None
         if progress or (progress is None and len(waiting) * max_new_tokens > 64 * 64):
             from tqdm.auto import tqdm
             bar = tqdm(total=len(waiting) * max_new_tokens, desc="generate", unit="tok")
+
         def retire():
             for r in [r for r in running if len(r.out) >= r.max_new or r.out[-1] in self.eos]:
                 running.remove(r)
                 done[r.rid] = r.out
-                self.memory.free(r.rid)
+                self._free(r.rid)
             self.memory.reads_done()                       # one stream: every read issued so far is ordered
 
         while waiting or running:
@@ -330,6 +643,8 @@ class Engine:
                     continue
                 while self.memory.alloc(r.rid, 1) is None:             # no room: retract by policy
                     victim = self.memory.retract([x.rid for x in running])
+                    if self.restore is not None:
+                        self.restore.release(victim)
                     vr = next(x for x in running if x.rid == victim)
                     running.remove(vr)
                     waiting.insert(0, vr)
@@ -340,16 +655,15 @@ class Engine:
                 continue
             rids = [r.rid for r in running]
             if not steps:
-                frac = self.memory.compressed_fraction(rids)
+                frac, bits = self.memory.compressed_fraction(rids), self._stored_bits(rids)
             last = [self.memory.cache_len(rid) - 1 for rid in rids]         # the new token's slot
-            pages = torch.tensor([self.memory.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
-                                 device=self.device)
-            offsets = torch.tensor([t % fmt.PAGE_TOKENS for t in last], device=self.device)
-            self.attention.plan(rids)
-            tokens = torch.tensor([r.out[-1] for r in running], device=self.device)
-            positions = torch.tensor([r.position for r in running], device=self.device)
+            key = self.attention.plan(rids)
+            inp = torch.tensor([[r.out[-1] for r in running], [r.position for r in running],
+                                [self.memory.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
+                                [t % fmt.PAGE_TOKENS for t in last]], dtype=torch.int64)
             with torch.no_grad():
-                nxt = self._decode_forward(tokens, positions, pages, offsets).tolist()
+                out, mode, capture_s = self.graphs.run(key, inp)
+                nxt = out.tolist()
             for r, t in zip(running, nxt):
                 r.out.append(t)
                 r.position += 1
@@ -357,25 +671,28 @@ class Engine:
                 self.memory.compress()                      # the pages this step filled: its reads are done
             self.memory.keep_raw()
             batch = len(running)
-            dt = time.perf_counter() - t0                   # the step ends with its tokens on the host
-            decode_s += dt
+            dt = time.perf_counter() - t0 - capture_s       # the step ends with its tokens on the host
             st = self.memory.snapshot()                     # during the step, before finished requests leave
             retire()
-            steps.append(dict(batch=batch, seconds=dt, used_bytes=st["used_bytes"],
-                              chunks_free=st["chunks_free"], reassigned=st["reassigned"]))
+            steps.append(dict(batch=batch, seconds=dt, mode=mode, capture_seconds=capture_s, used_bytes=st["used_bytes"],
+                              chunks_free=st["chunks_free"], chunks_held=st["chunks_held"], reassigned=st["reassigned"]))
             if bar:
                 bar.update(batch)
         if bar:
             bar.close()
         for r in running + waiting:
             done.setdefault(r.rid, r.out)
-        n_decoded = sum(s["batch"] for s in steps)
-        frac = frac if steps else (float("nan"), float("nan"))
-        stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], decode_tokens_per_s=n_decoded / decode_s if decode_s else float("nan"),
-                     decode_seconds=decode_s, prefill_seconds=prefill_s, steps=steps,
+        timed = [s for s in steps if s["mode"] != "warmup"] or steps
+        decode_s = sum(s["seconds"] for s in timed)
+        stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], stored_bits_per_value=bits,
+                     decode_tokens_per_s=sum(s["batch"] for s in timed) / decode_s if decode_s else float("nan"),
+                     decode_seconds=decode_s, timed_steps=len(timed), cuda_graphs=self.graphs.enabled,
+                     graph_error=self.graphs.failed,
+                     graph_capture_seconds=sum(s["capture_seconds"] for s in steps),
+                     prefill_seconds=prefill_s, steps=steps,
                      max_batch=max((s["batch"] for s in steps), default=0), retracted=int(retracted),
                      admitted_at=[admitted_at.get(i) for i in range(len(prompts))],
-                     kv_budget_bytes=self.memory.total_bytes, memory=self.memory.stats())
+                     kv_budget_bytes=self.kv_budget_bytes, memory=self.memory.stats())
         return GenerateResult([done[i] for i in range(len(prompts))], stats)
 
     def page_bytes(self) -> int:

@@ -26,12 +26,20 @@ Memory model
   :meth:`compress` moves it when room appears). A compressed chunk is taken from the pool only for at
   least a chunk's worth of pages to move (their raw slots give back what the chunk takes in that layer) and
   only when the capacity left still covers every reservation.
+* A request may also **hold** whole chunks of the pool (``admit(..., hold_chunks=n)``) for bytes kept on its
+  behalf outside the pages -- the engine's restore-before-attention baselines keep a compressed prefix as a
+  codec payload -- so that one budget counts every method's bytes. They return to the pool with the request
+  (after :meth:`reads_done`).
 
 Admission and capacity (SGLang vocabulary)
 ------------------------------------------
 Capacity is counted in **uncompressed pages across all layers** (:meth:`capacity_pages`): the number of
 new logical pages that could be written raw now, each needing a raw slot in *every* layer -- from the
 layer's raw chunks, its pending chunks, or the shared pool. It grows as compression empties raw chunks.
+A request whose full pages arrive already packed (a pre-compressed prefix: :meth:`pack`,
+:meth:`admit_packed`) is counted at their packed size: they go first-fit into compressed chunks of each
+layer, and admission checks that the capacity left after the chunks they need still covers its raw last
+page, its reservation and every outstanding one.
 :meth:`admit` (SGLang's ``PrefillAdder.add_one_req`` + ``alloc``) takes a request only if
 ``capacity_pages() - outstanding`` covers its prompt pages plus a *reservation* of
 ``ceil(reserve_ratio * pages it can still grow by)``; ``outstanding`` is the sum of running requests'
@@ -66,12 +74,12 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["KVMemory", "pack_slots_reference", "UNIT"]
+__all__ = ["KVMemory", "Packed", "pack_slots_reference", "UNIT"]
 
 UNIT = 256
 """Address granularity of the descriptors (a compressed block is 3 units, a raw one 4)."""
 
-FREE, OWNED, PENDING = "free", "owned", "pending"
+FREE, OWNED, PENDING, HELD = "free", "owned", "pending", "held"
 RAW, COMP = "raw", "comp"
 
 
@@ -92,8 +100,25 @@ class _Request:
     pages: list
     cache_len: int
     reserved: int                     # pages promised and not yet allocated
+    held: list = field(default_factory=list)   # chunks held for the request's bytes kept elsewhere
     ids: torch.Tensor | None = None   # ``pages`` as a device tensor (page_table), rebuilt when pages change
     serial: int = 0                   # admission number: tells a re-admitted request from its earlier self
+
+
+@dataclass
+class Packed:
+    """A request's cached KV with its full pages packed before admission (:meth:`KVMemory.pack`).
+
+    tokens: cached tokens; n_pages: full pages packed; slots: per layer uint8 ``[n_pages, 2, kv_heads,
+    slot_bytes]`` (each page-head packed at the start of its slot); meta: per layer uint8 ``[n_pages, 2,
+    kv_heads, n_blocks]``; units: per layer the pages' sizes in :data:`UNIT` s; tail: per layer ``(k, v)``
+    bf16 ``[kv_heads, tokens - 16 n_pages, head_dim]`` (the last, partial page, written raw)."""
+    tokens: int
+    n_pages: int
+    slots: list
+    meta: list
+    units: list
+    tail: list
 
 
 def _pages_for(tokens: int) -> int:
@@ -119,12 +144,16 @@ class KVMemory:
     chunks are used; the rest is left out). pages_per_chunk: raw pages per chunk (lowered when the budget
     holds fewer than one chunk per layer). k_layout / v_layout: block arrangements (``zipkv.format``).
     pack_slots: ``f(pool, offsets, head_dim, layout) -> meta`` compressing raw slots in place (default
-    :func:`pack_slots_reference`; the engine passes the Triton pack kernel on the GPU).
+    :func:`pack_slots_reference`; the engine passes the Triton pack kernel on the GPU). extra_bytes,
+    extra_pages: a region of ``extra_bytes`` after the budget's chunks (at :attr:`extra_offset` of
+    ``pool``) and ``extra_pages`` descriptor rows after the ``max_pages`` the memory allocates, both for
+    the caller (the engine's restore buffer, whose pages the kernel reads through the same ``desc``);
+    they are not part of ``kv_budget_bytes``.
     """
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, kv_budget_bytes: int, *,
                  pages_per_chunk: int = 16, k_layout: str = "token", v_layout: str = "token",
-                 device="cpu", pack_slots=None):
+                 device="cpu", pack_slots=None, extra_bytes: int = 0, extra_pages: int = 0):
         for name, x in (("num_layers", num_layers), ("kv_heads", kv_heads), ("pages_per_chunk", pages_per_chunk)):
             if not isinstance(x, int) or isinstance(x, bool) or x < 1:
                 raise ValueError(f"{name} must be a positive int, got {x!r}")
@@ -134,6 +163,9 @@ class KVMemory:
             fmt._check_layout_head_dim(lay, head_dim, name)
         if not isinstance(kv_budget_bytes, int) or isinstance(kv_budget_bytes, bool):
             raise TypeError(f"kv_budget_bytes must be an int, got {type(kv_budget_bytes).__name__}")
+        for name, x in (("extra_bytes", extra_bytes), ("extra_pages", extra_pages)):
+            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {x!r}")
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.layouts = (k_layout, v_layout)
         self.slot_bytes = fmt.page_bytes(head_dim)                       # one page-head
@@ -152,8 +184,9 @@ class KVMemory:
         min_page_units = 2 * kv_heads * nb * fmt.PACKED_BLOCK_BYTES // UNIT
         self.max_pages = self.total_bytes // UNIT // (num_layers * min_page_units) + 1
         # pad: the pack kernel checks a whole slot fits after each offset
-        self.pool = torch.zeros(self.total_bytes + self.slot_bytes, dtype=torch.uint8, device=self.device)
-        self.desc = [torch.zeros(self.max_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
+        self.extra_offset = self.total_bytes + self.slot_bytes
+        self.pool = torch.zeros(self.extra_offset + extra_bytes, dtype=torch.uint8, device=self.device)
+        self.desc = [torch.zeros(self.max_pages + extra_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
                      for _ in range(num_layers)]
         self.version = [0] * num_layers                                   # bumped when desc[layer] changes
         self._pack = pack_slots or pack_slots_reference
@@ -165,6 +198,7 @@ class KVMemory:
         self._comp_open = [dict() for _ in range(num_layers)]              # ... with room for a page
         self._min_page_units = 2 * kv_heads * fmt.n_blocks(head_dim) * fmt.PACKED_BLOCK_BYTES // UNIT
         self._pending = [[] for _ in range(num_layers)]
+        self._held_pending = []                                            # held chunks let go, before reads_done
         self._raw_free = [0] * num_layers                                 # free slots in owned raw chunks
         self._used = [0] * num_layers
         self._loc = [dict() for _ in range(num_layers)]                   # page id -> location
@@ -335,6 +369,11 @@ class KVMemory:
                 self._free_chunks.setdefault(l, []).append(c)
             self._n_free += len(self._pending[l])
             self._pending[l] = []
+        for c in self._held_pending:
+            self._chunks[c].state = FREE
+            self._free_chunks.setdefault(-1, []).append(c)
+        self._n_free += len(self._held_pending)
+        self._held_pending = []
 
     # ------------------------------------------------------------------ pages
 
@@ -386,24 +425,150 @@ class KVMemory:
         prompt_pages = _pages_for(prompt_len)
         return prompt_pages, math.ceil(reserve_ratio * (need - prompt_pages))
 
-    def can_admit(self, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> bool:
+    def _fits(self, prompt_pages, reserve, hold_chunks):
+        if not isinstance(hold_chunks, int) or isinstance(hold_chunks, bool) or hold_chunks < 0:
+            raise ValueError(f"hold_chunks must be an int >= 0, got {hold_chunks!r}")
+        if hold_chunks > self._n_free:
+            return False
+        free = [self._layer_free_slots(l) for l in range(self.num_layers)]
+        return self._capacity(free, self._n_free - hold_chunks) - self.outstanding >= prompt_pages + reserve
+
+    def can_admit(self, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0,
+                  hold_chunks: int = 0) -> bool:
         """Whether :meth:`admit` would take this request now (SGLang ``PrefillAdder``'s budget check)."""
         prompt_pages, reserve = self._check_new(None, prompt_len, max_new_tokens, reserve_ratio)
-        return self.capacity_pages() - self.outstanding >= prompt_pages + reserve
+        return self._fits(prompt_pages, reserve, hold_chunks)
 
-    def admit(self, rid, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0):
+    def admit(self, rid, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0, hold_chunks: int = 0):
         """Admit request ``rid``: allocate raw pages for its ``prompt_len`` cached tokens (in every layer)
         and reserve ``ceil(reserve_ratio * remaining pages)`` for its growth to ``prompt_len +
         max_new_tokens - 1`` cached tokens. Returns the prompt's page ids, or ``None`` (nothing changed)
-        when it does not fit now. Raises ``ValueError`` for input it could never take."""
+        when it does not fit now. Raises ``ValueError`` for input it could never take.
+
+        hold_chunks: whole chunks of the shared pool the request also holds until it is freed, for bytes
+        the caller keeps on its behalf outside the pages (a restore-before-attention codec's payload of a
+        compressed prefix: the budget counts it, rounded up to chunks)."""
         prompt_pages, reserve = self._check_new(rid, prompt_len, max_new_tokens, reserve_ratio)
-        if self.capacity_pages() - self.outstanding < prompt_pages + reserve:
+        if not self._fits(prompt_pages, reserve, hold_chunks):
             return None
+        held = []
+        for _ in range(hold_chunks):                   # from the pool; the pages below then fit in what is left
+            owner = next(o for o in (-1, *self._free_chunks) if self._free_chunks.get(o))
+            c = self._free_chunks[owner].pop()
+            self._n_free -= 1
+            ch = self._chunks[c]
+            ch.state, ch.layer, ch.kind, ch.live, ch.free_slots, ch.extents = HELD, -1, "", 0, [], []
+            held.append(c)
         ids = self._new_pages(prompt_pages)
         self.admitted += 1
         self.requests[rid] = _Request(prompt_len, prompt_len + max_new_tokens - 1, ids, prompt_len, reserve,
-                                      serial=self.admitted)
+                                      held=held, serial=self.admitted)
         self._full.extend(ids[: prompt_len // fmt.PAGE_TOKENS])
+        return list(ids)
+
+    def pack(self, kv) -> Packed:
+        """Pack the full pages of a request's KV (per layer ``(k, v)`` bf16 ``[kv_heads, n, head_dim]``, the
+        same ``n`` in every layer) with the memory's packer, outside the pool: the input of
+        :meth:`admit_packed`."""
+        n_tok = kv[0][0].shape[1]
+        n, H, sb = n_tok // fmt.PAGE_TOKENS, self.kv_heads, self.slot_bytes
+        slots, metas, units, tails = [], [], [], []
+        for k, v in kv:
+            if k.shape != (H, n_tok, self.head_dim) or v.shape != k.shape:
+                raise ValueError(f"kv: every layer's k and v must have shape {(H, n_tok, self.head_dim)}, got "
+                                 f"{tuple(k.shape)} and {tuple(v.shape)}")
+            buf = torch.zeros(n * 2 * H * sb + sb, dtype=torch.uint8, device=self.device)   # pad: see self.pool
+            view = buf[: n * 2 * H * sb].view(torch.bfloat16).view(n, 2, H, sb // 2)
+            for i, x in enumerate((k, v)):
+                x = x[:, : n * fmt.PAGE_TOKENS].to(self.device).reshape(H, n, fmt.PAGE_TOKENS * self.head_dim).transpose(0, 1)
+                view[:, i, :, self._write_index[i].reshape(-1)] = x
+            off = (torch.arange(n * 2 * H, device=self.device) * sb).reshape(n, 2, H)
+            meta = torch.stack([self._pack(buf, off[:, i].reshape(-1).contiguous(), self.head_dim, self.layouts[i])
+                                .reshape(n, H, -1) for i in (0, 1)], 1) if n else \
+                torch.zeros(0, 2, H, fmt.n_blocks(self.head_dim), dtype=torch.uint8, device=self.device)
+            comp = (meta >> 7).to(torch.int64).sum(-1)                                         # [n, 2, H]
+            units.append((fmt.n_blocks(self.head_dim) * 4 - comp).reshape(n, 2 * H).sum(-1).tolist())
+            slots.append(buf[: n * 2 * H * sb].view(n, 2, H, sb))
+            metas.append(meta)
+            tails.append((k[:, n * fmt.PAGE_TOKENS:], v[:, n * fmt.PAGE_TOKENS:]))
+        return Packed(n_tok, n, slots, metas, units, tails)
+
+    def _packed_chunks(self, packed: Packed) -> list:
+        """New compressed chunks each layer needs to place ``packed``'s pages first-fit (as :meth:`_comp_alloc`)."""
+        upc, need = self.units_per_chunk, []
+        for l in range(self.num_layers):
+            room = [[list(e) for e in self._chunks[c].extents] for c in self._comp_open[l]]
+            new = 0
+            for u in packed.units[l]:
+                for extents in room:
+                    e = next((e for e in extents if e[1] >= u), None)
+                    if e is not None:
+                        e[0], e[1] = e[0] + u, e[1] - u
+                        break
+                else:
+                    new += 1
+                    room.append([[u, upc - u]])
+            need.append(new)
+        return need
+
+    def can_admit_packed(self, packed: Packed | int, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> bool:
+        """Whether :meth:`admit_packed` would take ``packed`` now. Given only a token count (before packing),
+        a necessary condition: its last page and its reservation fit raw."""
+        tokens = packed if isinstance(packed, int) else packed.tokens
+        prompt_pages, reserve = self._check_new(None, tokens, max_new_tokens, reserve_ratio)
+        n_full = tokens // fmt.PAGE_TOKENS
+        if isinstance(packed, int):
+            return self._fits(prompt_pages - n_full, reserve, 0)
+        free = [self._layer_free_slots(l) for l in range(self.num_layers)]
+        n_free = self._n_free
+        for l, new in enumerate(self._packed_chunks(packed)):
+            own = min(new, len(self._pending[l]))             # _take_chunk takes the layer's pending chunks first
+            free[l] -= own * self.pages_per_chunk
+            n_free -= new - own
+        if n_free < 0:
+            return False
+        return self._capacity(free, n_free) - self.outstanding >= prompt_pages - n_full + reserve
+
+    def admit_packed(self, rid, packed: Packed, max_new_tokens: int, *, reserve_ratio: float = 1.0):
+        """Admit a request whose full pages are already packed (:meth:`pack`; a pre-compressed prefix, §IV-A):
+        they go straight into compressed chunks of each layer, counted at their packed size, and only the last,
+        partial page is raw. Otherwise as :meth:`admit` (reservation, ``None`` when it does not fit now);
+        the caller writes ``packed.tail`` into the last page (:meth:`write`)."""
+        prompt_pages, reserve = self._check_new(rid, packed.tokens, max_new_tokens, reserve_ratio)
+        if not self.can_admit_packed(packed, max_new_tokens, reserve_ratio=reserve_ratio):
+            return None
+        n, H = packed.n_pages, self.kv_heads
+        ids = [self._free_ids.pop() for _ in range(n)]
+        slot_units = self.slot_bytes // UNIT
+        for l in range(self.num_layers):
+            dst = []
+            for p, u in zip(ids, packed.units[l]):
+                where = self._comp_alloc(l, u)
+                if where is None:
+                    raise RuntimeError("KVMemory: no room for a packed page although the check passed (internal error)")
+                c, start = where
+                self._loc[l][p] = (COMP, c, start, u)
+                self._used[l] += u * UNIT
+                dst.append(c * self.units_per_chunk + start)
+            if not n:
+                continue
+            meta = packed.meta[l]
+            hu = (fmt.n_blocks(self.head_dim) * 4 - (meta >> 7).to(torch.int64).sum(-1)).reshape(n, 2 * H).cpu()
+            start = torch.cumsum(hu, -1) - hu                                           # head start in extent
+            u = torch.arange(slot_units)
+            used = u < hu[..., None]                                                   # [n, 2H, slot_units]
+            src_u = ((torch.arange(n)[:, None, None] * 2 * H + torch.arange(2 * H)[None, :, None]) * slot_units + u)[used]
+            dst_u = (torch.tensor(dst)[:, None, None] + start[..., None] + u)[used]
+            units = self.pool[: self.total_bytes].view(-1, UNIT)
+            units[dst_u.to(self.device)] = packed.slots[l].reshape(-1, UNIT)[src_u.to(self.device)]
+            head = ((torch.tensor(dst)[:, None] + start) * UNIT).reshape(n, 2, H, 1).to(self.device)
+            offsets = fmt.PageMeta.from_packed(meta, self.layouts[0], self.head_dim).block_offsets()   # layout-free
+            self.desc[l][torch.tensor(ids, device=self.device)] = ((head + offsets) << 8) | meta.to(torch.int64)
+            self.version[l] += 1
+        ids += self._new_pages(prompt_pages - n)
+        self.admitted += 1
+        self.requests[rid] = _Request(packed.tokens, packed.tokens + max_new_tokens - 1, ids, packed.tokens, reserve,
+                                      serial=self.admitted)
         return list(ids)
 
     def alloc(self, rid, n_tokens: int = 1):
@@ -431,6 +596,9 @@ class KVMemory:
         self._full = [p for p in self._full if p not in gone]
         for p in r.pages:
             self._free_page(p)
+        for c in r.held:                               # back to the pool once the reads using them are done
+            self._chunks[c].state = PENDING
+        self._held_pending.extend(r.held)
 
     def retract(self, candidates=None):
         """Retract one running request (SGLang ``retract_decode`` order: fewest tokens decoded since admission, then the
@@ -600,14 +768,21 @@ class KVMemory:
         (all layers by default)."""
         return sum(self._used) if layer is None else self._used[layer]
 
+    def held_bytes(self) -> int:
+        """Bytes of the whole chunks running requests hold for bytes kept outside the pages (``hold_chunks``)."""
+        return self.chunk_bytes * sum(len(r.held) for r in self.requests.values())
+
     def free_bytes(self) -> int:
-        """Bytes not held by any page: free and pending chunks, free slots and free extents."""
-        return self.total_bytes - self.used_bytes()
+        """Bytes neither held by a page nor by a request's held chunks: free and pending chunks, free slots
+        and free extents."""
+        return self.total_bytes - self.used_bytes() - self.held_bytes()
 
     def snapshot(self) -> dict:
         """Cheap per-step counters: bytes in use per layer, free and pending chunks, chunks reassigned so far."""
         return dict(used_bytes=list(self._used), chunks_free=self._n_free,
-                    chunks_pending=sum(map(len, self._pending)), reassigned=self.reassigned, running=len(self.requests))
+                    chunks_pending=sum(map(len, self._pending)) + len(self._held_pending),
+                    chunks_held=sum(len(r.held) for r in self.requests.values()),
+                    reassigned=self.reassigned, running=len(self.requests))
 
     def stats(self) -> dict:
         """A full snapshot (walks every page and chunk): :meth:`snapshot` plus chunks per layer and kind,
