@@ -294,3 +294,23 @@ def test_compare_runs_the_bars_ratio_everywhere_first_and_picks_attention_matchi
     cut, _ = beyond.compare(model, windows, [0.3], methods=["select_fit", "zipkv"], m=M, probe_tokens=4,
                             time_budget_s=0.0, progress=False)
     assert len(cut) == 0  # nothing fits in no time
+
+
+def test_chapter_verdict_names_ratios_a_time_budget_left_out_and_compares_equal_window_sets():
+    import pandas as pd
+
+    from zipkv.chapters import beyond as chapter
+    from zipkv.distill import beyond
+
+    rows = [dict(model="m", window=w, ratio=r, method=x, kl=kl, seconds=1.0, choice="am_omp" * (x == "attention_matching"))
+            for r, windows in ((0.3, range(4)), (0.5, range(2)))
+            for w in windows for x, kl in zip(beyond.METHODS, (0.09, 0.05, 0.04, 0.045, 0.001, 0.03, 0.02, 0.025, 0.02, 0.01))
+            if x != "kvsculpt" or (r == 0.3 and w == 0)]
+    table = pd.DataFrame(rows)
+    stats = chapter.kl_stats(table)
+    assert "kvsculpt" not in chapter.comparable(stats, 0.3)  # one window against four: not compared by its mean
+    text, kind = chapter.verdict(stats, table, [0.2, 0.3, 0.5], model="m", n_windows=4, scaled=False)
+    assert "not run (time budget): r = 0.2" in text and "**not all met**" in text and kind == "warning"
+    assert "4.00× below the best Select+Fit" in text and "lower on 4 of 4 windows" in text
+    met, _ = chapter.verdict(stats, table, [0.3, 0.5], model="m", n_windows=4, scaled=False)
+    assert met.endswith("are met.")
