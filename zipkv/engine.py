@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zipkv import format as fmt
-from zipkv.memory import KVMemory
+from zipkv.memory import KVMemory, free_extent
 
 __all__ = ["Engine", "Prefix", "GenerateResult"]
 
@@ -166,14 +166,7 @@ class _Restore:
         e = self.entries.pop(rid, None)
         if e is None:
             return
-        ext = sorted(self.extents + [[e["start"], e["n"]]])
-        merged = [ext[0]]
-        for s, n in ext[1:]:
-            if merged[-1][0] + merged[-1][1] == s:
-                merged[-1][1] += n
-            else:
-                merged.append([s, n])
-        self.extents = merged
+        self.extents = free_extent(self.extents, e["start"], e["n"])
 
     def restore(self, layer: int, rids) -> None:
         """Decode layer ``layer``'s payloads of ``rids`` into the shared buffer (no sync on the GPU)."""

@@ -74,7 +74,7 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["KVMemory", "Packed", "pack_slots_reference", "UNIT"]
+__all__ = ["KVMemory", "Packed", "free_extent", "pack_slots_reference", "UNIT"]
 
 UNIT = 256
 """Address granularity of the descriptors (a compressed block is 3 units, a raw one 4)."""
@@ -119,6 +119,18 @@ class Packed:
     meta: list
     units: list
     tail: list
+
+
+def free_extent(extents: list[list[int]], start: int, n: int) -> list[list[int]]:
+    """Free list ``extents`` (``[start, length]`` runs) with ``[start, n]`` returned to it, adjacent runs merged."""
+    ext = sorted(extents + [[start, n]])
+    merged = [ext[0]]
+    for s, k in ext[1:]:
+        if merged[-1][0] + merged[-1][1] == s:
+            merged[-1][1] += k
+        else:
+            merged.append([s, k])
+    return merged
 
 
 def _pages_for(tokens: int) -> int:
@@ -347,14 +359,7 @@ class KVMemory:
         ch = self._chunks[c]
         ch.live -= 1
         self._used[layer] -= units * UNIT
-        ext = sorted(ch.extents + [[start, units]])
-        merged = [ext[0]]
-        for s, n in ext[1:]:
-            if merged[-1][0] + merged[-1][1] == s:
-                merged[-1][1] += n
-            else:
-                merged.append([s, n])
-        ch.extents = merged
+        ch.extents = merged = free_extent(ch.extents, start, units)
         if max(n for _, n in merged) >= self._min_page_units:
             self._comp_open[layer][c] = None
         if ch.live == 0:
