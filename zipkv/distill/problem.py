@@ -208,7 +208,15 @@ def ridge_solve(a_c: torch.Tensor, residual: torch.Tensor, lam: float,
     return (v if mask is None else v * mask[..., None]), ok
 
 
-class Prepared:
+class _Objective:
+    """The objective (§3.2) from a subclass's ``terms``: output MSE + LSE MSE (0-d, or ``[P]`` batched)."""
+
+    def loss(self, k_c: torch.Tensor, v_c: torch.Tensor) -> torch.Tensor:
+        out, lse = self.terms(k_c, v_c)
+        return out + lse
+
+
+class Prepared(_Objective):
     """A problem's fixed tensors in the solver dtype: scaled queries, full-cache targets, retain scores.
 
     Attributes:
@@ -248,11 +256,6 @@ class Prepared:
         k = k_c.shape[0]
         y_hat = a[:, :k] @ v_c + a[:, k:] @ self.v_ret
         return objective(y_hat, lse, self.y, self.lse)
-
-    def loss(self, k_c: torch.Tensor, v_c: torch.Tensor) -> torch.Tensor:
-        """Objective (§3.2): output MSE + LSE MSE, a 0-d tensor."""
-        out, lse = self.terms(k_c, v_c)
-        return out + lse
 
     def ridge(self, k_c: torch.Tensor, lam: float = RIDGE) -> torch.Tensor:
         """V-step (§3.4): ridge-regression values ``[k, d]`` for keys ``k_c`` ``[k, d]`` (solved in float64)."""
@@ -323,7 +326,7 @@ def problem_groups(problems: Sequence[Problem], chunk_elements: int | None = Non
     return out
 
 
-class PreparedBatch:
+class PreparedBatch(_Objective):
     """:class:`Prepared` for ``P`` problems of one shape at once (each with its own ``k`` and scale).
 
     Attributes (batched versions of :class:`Prepared`'s):
@@ -414,10 +417,6 @@ class PreparedBatch:
         k = self.kmax
         y_hat = torch.bmm(a[..., :k], v_c) + torch.bmm(a[..., k:], self.v_ret)
         return objective(y_hat, lse, self.y, self.lse)
-
-    def loss(self, k_c: torch.Tensor, v_c: torch.Tensor) -> torch.Tensor:
-        out, lse = self.terms(k_c, v_c)
-        return out + lse
 
     def ridge(self, k_c: torch.Tensor, lam: float = RIDGE) -> torch.Tensor:
         """V-step for all problems: ``[P, k_max, d]`` ridge values (float64 solve), zero on padding."""

@@ -74,7 +74,14 @@ def _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_pt
     """Program ``pid``'s escapes (its G chunks'): value chunk*CHUNK + pos gets exponent esc_exp."""
     chunk0 = pid * G
     starts, e0, e1 = _escape_range(chunk0, esc_indptr_ptr, n_chunks, G)
-    e = e0
+    _patch_escape_blocks(e0, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values,
+                         G, CHUNK, ESC_BLOCK, LOG_G)
+
+
+@triton.jit
+def _patch_escape_blocks(e, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values,
+                         G: tl.constexpr, CHUNK: tl.constexpr, ESC_BLOCK: tl.constexpr, LOG_G: tl.constexpr):
+    """Store escapes e .. e1-1, ESC_BLOCK at a time."""
     while e < e1:                               # (a while loop: the interpreter's range() takes no tensor bounds)
         v, bits, live = _escape_block(e, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, n_values,
                                       G, CHUNK, ESC_BLOCK, LOG_G)
@@ -133,12 +140,8 @@ def _splitzip_words_kernel(sm32_ptr, code16_ptr, sm_ptr, book_lo, book_hi, esc_i
     tl.debug_barrier()
     if EARLY:
         tl.store(out_ptr + v, bits, mask=live)
-        e = e0 + ESC_BLOCK
-        while e < e1:
-            v, bits, live = _escape_block(e, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, n_values,
-                                          G, CHUNK, ESC_BLOCK, LOG_G)
-            tl.store(out_ptr + v, bits, mask=live)
-            e += ESC_BLOCK
+        _patch_escape_blocks(e0 + ESC_BLOCK, e1, chunk0, starts, sm_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr,
+                             n_values, G, CHUNK, ESC_BLOCK, LOG_G)
     else:
         _patch_escapes(pid, sm_ptr, esc_indptr_ptr, esc_pos_ptr, esc_exp_ptr, out_ptr, n_values, n_chunks,
                        G, CHUNK, ESC_BLOCK, LOG_G)
