@@ -193,10 +193,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
 
 
-# GPU launch options from the H200 sweep (results/paper/zipfusion_restore_launch_sweep.csv, a515a67): SplitZip on
-# 32-bit words, 4 chunks x 2 warps (2.06 TB/s there, the sweep's best; per value 4 x 4 gave 1.84), Huffman 16 chunks
-# x 4 warps with the table read through L1 (the shared-memory gather was 3-4x slower).
-SPLITZIP_LAUNCH = dict(chunks_per_program=4, num_warps=2, words=True, early_escapes=False)
+# GPU launch options from the H200 sweep (results/paper/zipfusion_restore_launch_sweep.csv, 8b5f44b): SplitZip on
+# 32-bit words with the first escapes loaded before the barrier, 8 chunks x 4 warps: the launch whose slower tensor is
+# fastest (K 2.07, V 2.01 TB/s; without early escapes 4 x 2 gave K 2.11, V 1.98). Huffman 16 chunks x 4 warps with the
+# table read through L1 (the shared-memory gather was 2-7x slower).
+SPLITZIP_LAUNCH = dict(chunks_per_program=8, num_warps=4, words=True, early_escapes=True)
 """``words``: the 32-bit-word SplitZip kernel where it applies, else the per-value one (both bit-exact; the sweep
 of :func:`zipkv.restore_baselines.decode_launch_sweep` times both)."""
 HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=False)
