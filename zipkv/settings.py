@@ -41,6 +41,10 @@ class ZipFusionBenchmark:
 
 ZIPFUSION_PAPER = ZipFusionBenchmark()
 
+THROUGHPUT_PAPER_MODEL = "Llama-3.1-8B shapes (random weights)"
+"""``model`` of the rows of ``zipfusion_throughput.csv`` in the paper's Fig. 5 setting (§IV-A); the chapter's other
+rows are the embedded model end to end (a smaller budget, every full page compressed as it fills)."""
+
 
 @dataclass(frozen=True)
 class ProjectTargets:

@@ -16,6 +16,7 @@ import torch
 
 from zipkv import format as fmt
 from zipkv.engine import Engine, Prefix, kv_budget_for
+from zipkv.settings import THROUGHPUT_PAPER_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "GPU_LAYOUTS", "random_llama", "real_kv_blocks", "real_prefix",
            "make_codec", "restore_buffer_pages", "decode_throughput", "largest_batch_budget", "figure5", "verdict",
@@ -332,7 +333,7 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
             largest = decode_throughput(model, m, codec=codec, timed_steps=steps, **common)
             fixed = decode_throughput(model, m, codec=codec, batch=fixed_batch, timed_steps=steps, **common)
             for r in (fixed, largest):
-                big.append({"model": "Llama-3.1-8B shapes (random weights)", **{k: v for k, v in r.items() if k != "stats"},
+                big.append({"model": THROUGHPUT_PAPER_MODEL, **{k: v for k, v in r.items() if k != "stats"},
                             "max_batch": largest["batch"]})
             done(big + rows)
         rows = big + rows
