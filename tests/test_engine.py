@@ -257,3 +257,11 @@ def test_decode_throughput_fixed_and_largest_batch():
     assert {s["batch"] for s in fixed["stats"]["steps"]} == {2}
     with pytest.raises(ValueError, match="codec"):
         tp.decode_throughput(model, "splitzip", kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6)
+
+
+def test_token_agreement_counts_requests_and_first_differences():
+    from zipkv.throughput import agreement_text, token_agreement
+
+    a = token_agreement([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 0]])
+    assert a == dict(identical=1, requests=3, first_difference=[1, 2])
+    assert "zipfusion 1 of 3 (the others first differ at new token 1, 2)" in agreement_text({"zipfusion": a})

@@ -19,8 +19,8 @@ from zipkv.engine import Engine, Prefix, kv_budget_for
 from zipkv.settings import THROUGHPUT_PAPER_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "GPU_LAYOUTS", "random_llama", "real_kv_blocks", "real_prefix",
-           "make_codec", "restore_buffer_pages", "decode_throughput", "largest_batch_budget", "figure5", "verdict",
-           "plot_throughput", "plot_memory_timeline"]
+           "make_codec", "restore_buffer_pages", "token_agreement", "agreement_text", "decode_throughput",
+           "largest_batch_budget", "figure5", "verdict", "plot_throughput", "plot_memory_timeline"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
@@ -281,15 +281,36 @@ def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk
                          tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],
                          frac_compressed_k=st["frac_compressed_k"], frac_compressed_v=st["frac_compressed_v"],
                          stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"]))
-    same = all(r.outputs == runs["uncompressed"].outputs for r in runs.values())
+    same = {method: token_agreement(r.outputs, runs["uncompressed"].outputs) for method, r in runs.items()
+            if method != "uncompressed"}
     return rows, runs, same, (model, tok)
+
+
+def token_agreement(outputs, reference) -> dict:
+    """How far greedy outputs agree with the uncompressed engine's: ``identical`` requests of ``requests``, and for
+    the others the index of the first differing token (``first_difference``)."""
+    first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+             for o, r in zip(outputs, reference) if o != r]
+    return dict(identical=len(outputs) - len(first), requests=len(outputs), first_difference=first)
+
+
+def agreement_text(same: dict) -> str:
+    """One sentence from :func:`_e2e`'s ``same``: per method, requests whose greedy tokens equal uncompressed's."""
+    parts = []
+    for method, a in same.items():
+        part = f"{method} {a['identical']} of {a['requests']}"
+        if a["first_difference"]:
+            part += f" (the others first differ at new token {', '.join(map(str, sorted(a['first_difference'])))})"
+        parts.append(part)
+    return "requests whose greedy tokens equal the uncompressed engine's: " + "; ".join(parts)
 
 
 def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256, timed_steps=None, restore_timed_steps=None,
             fixed_batch=32, uncompressed_max_batch=46, kv_windows=2, kv_window_context=2048, e2e_requests=12,
             e2e_context=1024, e2e_new_tokens=64, e2e_budget_requests=4, e2e_pages_per_chunk=16, pages_per_chunk=16,
             seed=0, progress_csv=None):
-    """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens)``.
+    """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens)`` (``e2e_same_tokens``: per method,
+    :func:`token_agreement` with the uncompressed run).
 
     ``table`` (one row per model, method and batch; columns of ``results/paper/zipfusion_throughput.csv``
     plus ``stored_bits_per_value``, ``timed_steps``, ``step_ms``): with ``shape="llama3.1-8b"`` (GPU)
