@@ -8,6 +8,27 @@ import pandas as pd
 from zipkv.distill import beyond
 
 
+def with_table1_kvsculpt(table: pd.DataFrame, table1_csv) -> tuple[pd.DataFrame, str]:
+    """(table, sentence): where this run has no KVSculpt rows, KVSculpt's (paper setting) from Table 1's committed
+    table ``table1_csv`` on the windows both ran, if they are the same windows under the same evaluation
+    (:func:`zipkv.findings.table1_kvsculpt`); the sentence says where KVSculpt's rows come from."""
+    from pathlib import Path
+
+    from zipkv.findings import table1_kvsculpt
+
+    if (table.method == "kvsculpt").any() or table1_csv is None:
+        return table, ""
+    if not Path(table1_csv).is_file():
+        return table, f"KVSculpt (paper) did not run here, and Table 1's table `{table1_csv}` is absent."
+    rows = table1_kvsculpt(table, pd.read_csv(table1_csv))
+    if rows.empty:
+        return table, (f"KVSculpt (paper) did not run here; Table 1's run (`{table1_csv}`) is not on these windows "
+                       "(its Select+Fit KLs differ), so its KVSculpt rows are not shown.")
+    return pd.concat([table, rows], ignore_index=True), (
+        f"KVSculpt (paper) rows: Table 1's run (`{table1_csv}`) on the {rows.window.nunique()} windows both ran, "
+        "the same windows under the same evaluation (Select+Fit's KLs agree to 1e-4).")
+
+
 def kl_stats(table: pd.DataFrame) -> pd.DataFrame:
     """Mean, median, quartiles and number of windows of the KL per (method, ratio)."""
     return table.groupby(["method", "ratio"]).kl.agg(
