@@ -76,7 +76,7 @@ def qwen_shaped_problems(capture, ratio: float = 0.3, *, m: int = 256, n_synthet
         pairs = [(i, (i + s) % g) for s in range(-(-group // g)) for i in range(g)][:group]
         for j in range(kv_heads):
             a, b = (2 * j) % H, (2 * j + 1) % H
-            halves = [training_queries(lc.queries[h * g:(h + 1) * g], capture.positions, capture.rope, m,
+            halves = [training_queries(lc.queries[h * g:(h + 1) * g], capture.positions, capture.rope_of(layer), m,
                                        n_synthetic, strategy=strategy, seed=seed + 7919 * layer + j)
                       for h in (a, b)]  # [g, m + n_s, d] each, same sampled positions
             queries = torch.stack([torch.cat([halves[0][i], halves[1][i2]], dim=-1) for i, i2 in pairs])

@@ -291,9 +291,11 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
             raise ValueError(f"layer {layer}: queries {tuple(lc.queries.shape)}, expected [q_heads, {N}, {d}] "
                              f"with q_heads a multiple of kv_heads={H}")
     # "uniform" sampling draws no random numbers, so the per-head seeds do not matter and every query head
-    # of every layer goes through one training_queries call (elementwise the same as one call per head)
+    # of every layer goes through one training_queries call (elementwise the same as one call per head;
+    # only where every layer shares one RoPE)
     together = None
-    if strategy in DETERMINISTIC_STRATEGIES and len({lc.queries.shape[0] for lc in capture.layers}) == 1:
+    if (strategy in DETERMINISTIC_STRATEGIES and len({lc.queries.shape[0] for lc in capture.layers}) == 1
+            and capture.rope is not None):
         stacked = torch.stack([lc.queries for lc in capture.layers])  # [L, Hq, N, d]
         Hq = stacked.shape[1]
         together = training_queries(stacked.flatten(0, 1), capture.positions, capture.rope, m, n_synthetic,
@@ -305,7 +307,7 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
             if together is not None:
                 q = together[layer, head]
             else:
-                q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, capture.rope, m,
+                q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, capture.rope_of(layer), m,
                                      n_synthetic, strategy=strategy, seed=seed + 7919 * layer + head)
             problems.append(Problem(keys=lc.keys[head], values=lc.values[head], queries=q, m=m,
                                     k=int(ks[layer, head]), scale=scale, layer=layer, head=head))
