@@ -413,6 +413,13 @@ class Capture:
         window = self.layers[layer].window
         return N if window is None else min(N, window - 1)
 
+    def kept_pairs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[kv_heads, P, head_dim]`` of layer ``layer``'s last ``P =`` :meth:`window_pairs`
+        context positions: what a layer that is not compressed keeps."""
+        lc = self.layers[layer]
+        P = self.window_pairs(layer)
+        return lc.keys[:, lc.keys.shape[1] - P:], lc.values[:, lc.values.shape[1] - P:]
+
     def prefix(self, n: int) -> "Capture":
         """The first ``n`` positions: with causal attention, the capture of ``input_ids[:n]``
         (equal up to float rounding), without a second forward pass."""

@@ -64,10 +64,12 @@ def _future_problems(capture, m: int, horizon: int, validation_every: int):
 
 
 def objective_on(capture, cache: bias.BiasedCache, m: int, queries: Sequence[torch.Tensor]) -> float:
-    """Mean over layers and heads of KVSculpt's §3.2 objective of ``cache`` on ``queries[l]`` ``[H, n, d]``
-    (post-RoPE), against the full cache of ``capture`` (the context)."""
+    """Mean over the compressed layers' heads of KVSculpt's §3.2 objective of ``cache`` on ``queries[l]``
+    ``[H, n, d]`` (post-RoPE), against the full cache of ``capture`` (the context)."""
     total, count = 0.0, 0
     for layer, (lc, q) in enumerate(zip(capture.layers, queries)):
+        if getattr(lc, "window", None) is not None:
+            continue  # a sliding-window layer is not compressed (zipkv.models.Capture.compressed_layers)
         H, N, d = lc.keys.shape
         t = generalise.HeadTargets.of(q.float(), lc.keys.float(), lc.values.float(), m, 1.0 / math.sqrt(d))
         k = cache.keys[layer][0].shape[0] - m

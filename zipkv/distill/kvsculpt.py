@@ -239,6 +239,14 @@ class CompressedCache:
                                ratio=self.ratio, bias=bias)
 
 
+def compressed_layers(capture) -> list[int]:
+    """The layers of ``capture`` a distiller compresses (:attr:`zipkv.models.Capture.compressed_layers`: every
+    layer of a Llama-family model; Gemma 3's global layers, its sliding-window layers kept as the model keeps
+    them, :meth:`zipkv.models.Capture.kept_pairs`)."""
+    layers = getattr(capture, "compressed_layers", None)
+    return list(range(len(capture.layers))) if layers is None else list(layers)
+
+
 def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
     """Compressed pairs per head ``k = round(r·N) − m`` for ratio ``r = (k + m)/N`` (§3.1).
 
@@ -369,7 +377,9 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
             across ratios and methods; their ``k`` is replaced by the budget.
 
     Returns:
-        A :class:`CompressedCache` with ``k_lh + m`` pairs per layer and KV head.
+        A :class:`CompressedCache` with ``k_lh + m`` pairs per layer and KV head; a layer that is not
+        compressed (:func:`compressed_layers`: Gemma 3's sliding-window layers) keeps its window
+        (:meth:`zipkv.models.Capture.kept_pairs`) with ``k_lh = 0``, its losses and seconds NaN.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
@@ -390,14 +400,18 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
             raise ValueError(f"problems: expected {L * H} problems (layer-major) with N={N} and m={m}, as "
                              "build_problems makes for this capture")
         problems = [replace(p, k=k) for p in problems]
+    kept = compressed_layers(capture)
+    if len(kept) < L:
+        problems = [p for p in problems if p.layer in set(kept)]
     if isinstance(budget, str):
         if budget not in BUDGETS:
             raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)} or an [L, H] tensor of ints")
         if budget != "uniform":
             pilot = (solver or solve)(problems, replace(cfg, steps=pilot_steps))
-            signal = _grid(problems, pilot, "loss", L, H)
-            ks = budget_mod.allocate(signal, k * L * H, alpha=alpha, per_head=budget == "pilot",
-                                     k_min=1, k_max=N - m)
+            signal = _grid(problems, pilot, "loss", L, H)[kept]
+            ks = torch.zeros(L, H, dtype=torch.long)
+            ks[kept] = budget_mod.allocate(signal, k * len(kept) * H, alpha=alpha, per_head=budget == "pilot",
+                                           k_min=1, k_max=N - m)
             problems = [replace(p, k=int(ks[p.layer, p.head])) for p in problems]
     else:
         ks = torch.as_tensor(budget)
@@ -414,8 +428,14 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
                                f"expected [{p.k}, {p.head_dim}]")
         keys[p.layer][p.head] = torch.cat([s.keys.to(p.keys.dtype).to(p.keys.device), p.keys[N - m:]])
         values[p.layer][p.head] = torch.cat([s.values.to(p.values.dtype).to(p.values.device), p.values[N - m:]])
+    ks = torch.zeros(L, H, dtype=torch.long)
+    for p in problems:
+        ks[p.layer, p.head] = p.k
+    for layer in sorted(set(range(L)) - set(kept)):
+        window_keys, window_values = capture.kept_pairs(layer)
+        keys[layer], values[layer] = list(window_keys.unbind(0)), list(window_values.unbind(0))
     return CompressedCache(keys, values, n_context=int(capture.positions[-1]) + 1, method=method, ratio=ratio,
-                           budget=torch.tensor([[p.k for p in problems[l * H:(l + 1) * H]] for l in range(L)]),
+                           budget=ks,
                            loss=_grid(problems, solutions, "loss", L, H),
                            initial_loss=_grid(problems, solutions, "initial_loss", L, H),
                            seconds=_grid(problems, solutions, "seconds", L, H))
