@@ -70,6 +70,7 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
     settings = dict(context=context, continuation=continuation, m=m, n_synthetic=n_synthetic, steps=steps,
                     probe_tokens=probe_tokens, **shape)
     out = Path(out)
+    commit = book._git_commit(book.REPO_ROOT)  # the code that runs: taken once, before any window
     written = []
     for w in range(first_window, n_windows):
         started = time.perf_counter()
@@ -82,7 +83,7 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
             table[key] = value
         table["kv_fraction"] = [kv_fraction(r, context, **shape) for r in table.ratio]
         table["device"] = book.device_name()
-        table["commit"] = book._git_commit(book.REPO_ROOT)
+        table["commit"] = commit
         table["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
         table = table[COLUMNS]
         table.to_csv(out, mode="a", header=not out.exists(), index=False)
