@@ -387,7 +387,8 @@ class Capture:
                 raise ValueError("Capture needs rope= (one RoPE for every layer) or ropes= (one per layer)")
             self.ropes = [self.rope] * len(self.layers)
         if len(self.ropes) != len(self.layers):
-            raise ValueError(f"ropes has {len(self.ropes)} entries for {len(self.layers)} layers: expected one per layer")
+            raise ValueError(f"ropes has {len(self.ropes)} entries for {len(self.layers)} layers: expected one "
+                             "per layer")
 
     def rope_of(self, layer: int) -> Rope:
         """Layer ``layer``'s RoPE."""
@@ -428,6 +429,13 @@ class Capture:
         layers = [LayerCapture(keys=x.keys[:, :n], values=x.values[:, :n], queries=x.queries[:, :n], window=x.window)
                   for x in self.layers]
         return Capture(layers=layers, positions=self.positions[:n], rope=self.rope, shape=self.shape, ropes=self.ropes)
+
+
+def rope_of(capture, layer: int):
+    """Layer ``layer``'s RoPE of a :class:`Capture` (:meth:`Capture.rope_of`), or the ``rope`` of any object
+    shaped like one (one RoPE for all layers)."""
+    per_layer = getattr(capture, "rope_of", None)
+    return per_layer(layer) if per_layer is not None else capture.rope
 
 
 _CAPTURE_ATTENTION = "zipkv_capture"

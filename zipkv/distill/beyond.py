@@ -29,6 +29,8 @@ from typing import Sequence
 
 import torch
 
+from zipkv.models import rope_of
+
 from . import attention_matching, bias, generalise
 
 METHODS = ("attention_score", "select_fit", "select_fit_dense", "select_fit_future", "kvsculpt",
@@ -56,7 +58,8 @@ def _future_problems(capture, m: int, horizon: int, validation_every: int):
     problems = []
     for layer, lc in enumerate(capture.layers):
         H, N, d = lc.keys.shape
-        train, _ = generalise.future_queries(lc.queries.view(H, -1, N, d), capture.positions, capture.rope_of(layer), m,
+        train, _ = generalise.future_queries(lc.queries.view(H, -1, N, d), capture.positions,
+                                             rope_of(capture, layer), m,
                                              horizon=horizon, validation_every=validation_every)
         problems += [Problem(keys=lc.keys[h], values=lc.values[h], queries=train[h], m=m, k=1, layer=layer, head=h)
                      for h in range(H)]

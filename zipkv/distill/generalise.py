@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zipkv.models import rope_of
+
 from .bias import BiasedCache
 
 INF = math.inf
@@ -327,7 +329,7 @@ def _layer_inputs(capture, layer: int, m: int, cfg: ZipkvConfig):
     lc = capture.layers[layer]
     H, N, d = lc.keys.shape
     g = lc.queries.shape[0] // H
-    train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, capture.rope_of(layer), m,
+    train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, rope_of(capture, layer), m,
                                        horizon=cfg.horizon, validation_every=cfg.validation_every)
     return lc, train, validation
 

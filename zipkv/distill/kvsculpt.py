@@ -35,6 +35,8 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from zipkv.models import rope_of
+
 from . import baselines, batched, budget as budget_mod
 from .baselines import JointConfig
 from .problem import Prepared, Problem, SculptConfig, Solution, Solver
@@ -315,7 +317,7 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
             if together is not None:
                 q = together[layer, head]
             else:
-                q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, capture.rope_of(layer), m,
+                q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, rope_of(capture, layer), m,
                                      n_synthetic, strategy=strategy, seed=seed + 7919 * layer + head)
             problems.append(Problem(keys=lc.keys[head], values=lc.values[head], queries=q, m=m,
                                     k=int(ks[layer, head]), scale=scale, layer=layer, head=head))
