@@ -74,3 +74,35 @@ def test_probe_budget_splits_the_global_layers_total_only(setup):
     k = kvsculpt.budget_for_ratio(0.5, N, M)
     assert int(cache.budget.sum()) == 2 * k and int(cache.budget[[0, 2]].abs().sum()) == 0
     assert float(cache.info["signal"][[0, 2]].abs().sum()) == 0.0, "no forwards spent on layers kept as they are"
+
+
+def test_kv_fraction_counts_what_the_model_itself_holds():
+    from zipkv.distill.second_model import kv_fraction
+
+    assert kv_fraction(0.3, 2048, 30, 0, None) == round(0.3 * 2048) / 2048  # a Llama-family model: r
+    # Gemma-3-270M's shape: 3 global layers at r·N, 15 sliding layers keeping their 511 pairs in both caches
+    assert kv_fraction(0.3, 2048, 18, 15, 512) == (3 * 614 + 15 * 511) / (3 * 2048 + 15 * 511)
+    assert kv_fraction(1.0, 2048, 18, 15, 512) == 1.0
+    # a context inside the window: the sliding layers hold all N pairs, uncompressed
+    assert kv_fraction(0.5, 256, 18, 15, 512) == (3 * 128 + 15 * 256) / (18 * 256)
+
+
+def test_second_model_verdict_says_when_the_bars_do_not_hold():
+    import pandas as pd
+
+    from zipkv.chapters import beyond as chapter
+
+    shape = dict(model="m", ratio=0.3, seconds=1.0, choice="", pg_id=1, context=2048, continuation=128, m=256,
+                 n_synthetic=128, steps=100, probe_tokens=64, layers=18, sliding_layers=15, sliding_window=512,
+                 kv_fraction=0.69, device="cpu", commit="abc", date="2026-12-01")
+    def rows(zipkv):
+        kl = {"select_fit": 0.2, "select_fit_dense": 0.1, "select_fit_future": 0.12, "attention_matching": 0.15,
+              "zipkv": zipkv}
+        return pd.DataFrame([dict(shape, window=w, method=x, kl=v * (1 + w / 10)) for w in range(3)
+                             for x, v in kl.items()])
+    _, worse = chapter.second_model_text(rows(0.09))
+    _, better = chapter.second_model_text(rows(0.04))
+    assert "1.11× below the best Select+Fit" in worse and "do not hold" in worse
+    assert "2.50× below the best Select+Fit" in better and "hold here too" in better
+    assert "0.0 s" not in chapter.second_model_text(rows(0.04))[0] and "69 %" in chapter.second_model_text(rows(0.04))[0]
+    assert chapter.second_model_table(rows(0.09)).loc[(0.3, "zipkv"), "mean KL / zipkv's"] == 1.0
