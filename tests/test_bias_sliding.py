@@ -106,3 +106,24 @@ def test_second_model_verdict_says_when_the_bars_do_not_hold():
     assert "2.50× below the best Select+Fit" in better and "hold here too" in better
     assert "0.0 s" not in chapter.second_model_text(rows(0.04))[0] and "69 %" in chapter.second_model_text(rows(0.04))[0]
     assert chapter.second_model_table(rows(0.09)).loc[(0.3, "zipkv"), "mean KL / zipkv's"] == 1.0
+
+
+def test_memory_ratio_counts_sliding_layers_as_the_model_holds_them(setup):
+    from zipkv.distill.second_model import kv_fraction
+
+    model, ids, cap, reference, probe = setup
+    for ratio in (0.5, 1.0):
+        cache = generalise.compress(cap, ratio, m=M)
+        assert cache.memory_ratio == pytest.approx(kv_fraction(ratio, N, 3, 2, WINDOW))
+    assert bias.BiasedCache.from_capture(cap).memory_ratio == 1.0
+
+
+def test_zipkv_compress_on_gemma_generates(setup):
+    import zipkv
+
+    model, ids, cap, reference, probe = setup
+    cache = zipkv.compress(model, ids[:N], ratio=0.5, m=M, n_synthetic=8, steps=1)
+    assert torch.equal(cache.lengths[[0, 2]], torch.full((2, 2), WINDOW - 1))
+    assert torch.equal(cache.lengths[1], torch.full((2,), round(0.5 * N)))
+    out = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=2 * WINDOW, do_sample=False)
+    assert out.shape == (1, 1 + 2 * WINDOW)

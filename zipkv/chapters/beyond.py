@@ -277,6 +277,13 @@ def second_model_text(rows: pd.DataFrame, ratio: float = 0.3) -> tuple[str, str]
            + ("hold here too." if sf / z >= 2 and z < am else "**do not hold on this model**.")
            + f" Lowest mean KL: {beyond.LABELS[ranked.index[0]]} ({ranked.iloc[0]:.3g}).")
         + (" Few windows: a spread, not a distribution." if len(pivot) < 5 else ""))
+    for other in sorted(r for r in rows.ratio.unique() if not np.isclose(r, ratio)):
+        there = rows[np.isclose(rows.ratio, other)].groupby("method").kl.mean()
+        baselines = there.drop(index=[x for x in ("zipkv", *beyond.AM_VARIANTS) if x in there.index])
+        n = rows[np.isclose(rows.ratio, other)].window.nunique()
+        verdict += (f" At r = {other:g} ({n} window(s)): zipkv {there['zipkv']:.3g}, the best baseline "
+                    f"{baselines.min():.3g} ({beyond.LABELS[baselines.idxmin()]})"
+                    + ("" if there["zipkv"] <= baselines.min() else ", **below zipkv**") + ".")
     timed = rows[rows.method != "attention_matching"]  # its seconds are its three variants' again
     per_window = timed.groupby(["window", "ratio"]).seconds.sum()
     sculpt = timed[timed.method == "kvsculpt"].seconds.sum()

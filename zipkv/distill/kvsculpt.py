@@ -182,8 +182,16 @@ class CompressedCache:
 
     @property
     def memory_ratio(self) -> float:
-        """Cached pairs over the full cache's ``L·H·N``."""
-        return float(self.lengths.sum()) / (self.num_layers * self.num_heads * self.n_context)
+        """Cached pairs over the pairs the model itself holds: the full cache's ``L·H·N``, except that a layer
+        with no compressed pairs (a ``budget`` row of zeros: a sliding-window layer kept as the model keeps it,
+        :func:`compressed_layers`) counts its own pairs, so that pairs the model drops by itself are not
+        counted as compressed away."""
+        lengths = self.lengths
+        held = torch.full((self.num_layers,), self.num_heads * self.n_context, dtype=torch.long)
+        if self.budget is not None:
+            kept = (torch.as_tensor(self.budget) == 0).all(dim=1)
+            held[kept] = lengths[kept].sum(dim=1)
+        return float(lengths.sum()) / int(held.sum())
 
     def padded(self, layer: int, dtype=None, device=None):
         """One layer padded to its longest head.
