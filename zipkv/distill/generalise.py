@@ -383,7 +383,8 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
             of the future queries alone.
 
     Returns:
-        A :class:`~zipkv.distill.bias.BiasedCache` with ``k_lh + m`` pairs per head (β on the first ``k_lh``);
+        A :class:`~zipkv.distill.bias.BiasedCache` with ``k_lh + m`` pairs per head (β on the first ``k_lh``; a
+        sliding-window layer keeps its window, ``k_lh = 0``, :func:`zipkv.distill.kvsculpt.compressed_layers`);
         ``info`` holds ``[L, H]`` tensors ``train``, ``validation`` (objectives), ``ridge`` (chosen ``λ₀``)
         and, with a non-uniform budget, ``signal``.
     """
@@ -501,7 +502,10 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
         model: the model the capture came from.
         capture, ratio, m, config: as :func:`compress`.
         probe: :func:`sample_probe` of this context.
-        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``); default uniform ``k``.
+        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``), summing to ``k·H`` per
+            compressed layer; default uniform ``k``. Layers that are not compressed (Gemma 3's sliding-window
+            layers, :func:`zipkv.distill.kvsculpt.compressed_layers`) have ``0``, keep their window and attend as
+            the model does.
         fit: ``fit(keys, values, train, validation, m, ks)`` → the layer's fitted pairs (``keys``, ``values``,
             ``bias`` indexable per head, plus per-head ``train``/``validation`` objectives); default
             :func:`per_head_fit` of ``config`` (Attention Matching passes its own, same queries).
