@@ -223,6 +223,15 @@ def _one(rows: pd.DataFrame, column: str):
     return values[0] if len(values) == 1 else ", ".join(map(str, values))
 
 
+def _coverage(rows: pd.DataFrame) -> str:
+    """Which ratios ran on how many windows, and where KVSculpt did not run."""
+    parts = []
+    for r, part in rows.groupby("ratio"):
+        n = part.window.nunique()
+        parts.append(f"r = {r:g} on {n} window(s)" + ("" if "kvsculpt" in set(part.method) else " without KVSculpt"))
+    return "; ".join(parts)
+
+
 def _times(other: float, ours: float) -> str:
     """``other`` against ``ours`` as "x× below" (ours lower) or "x× above"."""
     return f"{other / ours:.2f}× below" if ours <= other else f"{ours / other:.2f}× above"
@@ -245,8 +254,7 @@ def second_model_text(rows: pd.DataFrame, ratio: float = 0.3) -> tuple[str, str]
         f"Substitutions against this chapter's main run: the model is {_one(rows, 'model')} (Gemma-3-270M as a Q4_K_M "
         f"GGUF, de-quantized to float32 by `zipkv.models.load_model(path)`), a CPU instead of the H200, "
         f"{len(windows)} PG19 window(s) (books {', '.join(str(int(x)) for x in windows.pg_id)}; `zipkv.data.windows`, "
-        f"seed 0) instead of 20, r = {', '.join(f'{r:g}' for r in sorted(rows.ratio.unique()))} only; otherwise the "
-        f"same settings: N = {N}, continuation {int(_one(rows, 'continuation'))} tokens, m = {int(_one(rows, 'm'))}, "
+        f"seed 0) instead of 20, {_coverage(rows)}; otherwise the same settings: N = {N}, continuation {int(_one(rows, 'continuation'))} tokens, m = {int(_one(rows, 'm'))}, "
         f"n_s = {int(_one(rows, 'n_synthetic'))}, {int(_one(rows, 'steps'))} L-BFGS steps for KVSculpt, a "
         f"{int(_one(rows, 'probe_tokens'))}-token probe (its sampling seed is the same for every window here).\n\n"
         f"**Sliding-window layers.** {sliding} of the model's {layers} layers attend only to the last {window} "
@@ -284,11 +292,19 @@ def second_model_text(rows: pd.DataFrame, ratio: float = 0.3) -> tuple[str, str]
         verdict += (f" At r = {other:g} ({n} window(s)): zipkv {there['zipkv']:.3g}, the best baseline "
                     f"{baselines.min():.3g} ({beyond.LABELS[baselines.idxmin()]})"
                     + ("" if there["zipkv"] <= baselines.min() else ", **below zipkv**") + ".")
-    timed = rows[rows.method != "attention_matching"]  # its seconds are its three variants' again
-    per_window = timed.groupby(["window", "ratio"]).seconds.sum()
+    timed = at[at.method != "attention_matching"]  # its seconds are its three variants' again
+    per_window = timed.groupby("window").seconds.sum()
     sculpt = timed[timed.method == "kvsculpt"].seconds.sum()
-    setup += (f" All methods' seconds together: {per_window.mean():.0f} s per window and ratio (mean; the probe's "
-              f"sampling counted in each method that uses it), KVSculpt's {100 * sculpt / per_window.sum():.0f} %.")
+    setup += (f" At r = {ratio:g} all methods' seconds together: {per_window.mean():.0f} s per window (mean; the "
+              f"probe's sampling counted in each method that uses it), KVSculpt's {100 * sculpt / per_window.sum():.0f} %.")
+    am_rows = at[(at.method == "attention_matching") & at.choice.isin(beyond.AM_VARIANTS)]
+    if len(am_rows):
+        picks = am_rows.choice.value_counts()
+        best_am = mean[[x for x in beyond.AM_VARIANTS if x in mean.index]].idxmin()
+        verdict += (" Attention Matching's validation objective picked " + ", ".join(
+            f"{beyond.LABELS[x].split(', ')[1]} {int(n)}×" for x, n in picks.items())
+            + f" of {len(am_rows)}; its best construction by mean KL, {beyond.LABELS[best_am].split(', ')[1]}, "
+            f"reaches {mean[best_am]:.3g}; zipkv's mean is {_times(mean[best_am], z)} it.")
     return setup, verdict
 
 
