@@ -502,8 +502,8 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
         model: the model the capture came from.
         capture, ratio, m, config: as :func:`compress`.
         probe: :func:`sample_probe` of this context.
-        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``), summing to ``k·H`` per
-            compressed layer; default uniform ``k``. Layers that are not compressed (Gemma 3's sliding-window
+        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``), summing to ``k·H`` times
+            the number of compressed layers; default uniform ``k``. Layers that are not compressed (Gemma 3's sliding-window
             layers, :func:`zipkv.distill.kvsculpt.compressed_layers`) have ``0``, keep their window and attend as
             the model does.
         fit: ``fit(keys, values, train, validation, m, ks)`` → the layer's fitted pairs (``keys``, ``values``,
