@@ -200,7 +200,7 @@ def second_model_rows(path: str | Path = SECOND_MODEL_CSV) -> pd.DataFrame | Non
 
     try:
         return committed.read_committed_csv(path)
-    except ValueError:
+    except (ValueError, OSError):  # not committed, or not inside a git checkout
         return None
 
 
@@ -317,3 +317,15 @@ def second_model_markdown(rows: pd.DataFrame | None) -> str:
                 "`python -m zipkv.distill.second_model` (below).")
     setup, verdict = second_model_text(rows)
     return verdict + "\n\n" + setup
+
+
+def second_model_section(path: str | Path = SECOND_MODEL_CSV) -> list:
+    """What the chapter's second-model section displays: the Markdown of :func:`second_model_markdown` and, when
+    rows are committed, :func:`second_model_table` styled (for ``IPython.display.display(*...)``)."""
+    from IPython.display import Markdown
+
+    rows = second_model_rows(path)
+    shown = [Markdown(second_model_markdown(rows))]
+    if rows is not None and not rows.empty:
+        shown.append(second_model_table(rows).style.format(precision=3))
+    return shown
