@@ -244,3 +244,84 @@ def test_kvsculpt_cache_generates_and_its_kl_is_the_books(embedded, window):
     assert kl_generate > 0
     print(f"KL through generate {kl_generate:.6g}, book evaluation {book.kl:.6g}")
     assert kl_generate == pytest.approx(book.kl, rel=1e-3)
+
+
+# --- Gemma 3's sliding-window layers (a tiny random model: window 16, contexts longer than it) -----------------
+
+GN, GC = 40, 16  # context and continuation: both sliding layers drop keys during the continuation
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from tiny_gemma import tiny_gemma
+
+    return tiny_gemma()
+
+
+@pytest.fixture(scope="module")
+def gemma_ids():
+    return torch.randint(0, 97, (GN + GC,), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def gemma_cap(gemma, gemma_ids):
+    from zipkv.models import capture
+
+    return capture(gemma, gemma_ids[:GN])
+
+
+def test_gemma_uncompressed_cache_reproduces_the_forward_beyond_the_window(gemma, gemma_ids, gemma_cap):
+    """The evaluation path (DistilledCache, teacher forcing) on a 40-token context of a model with a 16-token
+    window gives the plain forward's logits: each sliding layer sees only keys at positions > p − 16."""
+    with torch.no_grad():
+        plain = gemma(gemma_ids[None]).logits[0, GN:]
+    forced = E.teacher_force(gemma, K.CompressedCache.from_capture(gemma_cap), gemma_ids[GN:])
+    torch.testing.assert_close(forced.logits, plain, atol=1e-5, rtol=1e-5)
+    # the same pairs under one global mask (the window ignored) are a different model: the test can fail
+    windowless = C.DistilledLayer.additive_mask
+    try:
+        C.DistilledLayer.additive_mask = lambda self, T, g, dtype, **kw: windowless(self, T, g, dtype)
+        wrong = E.teacher_force(gemma, K.CompressedCache.from_capture(gemma_cap), gemma_ids[GN:])
+    finally:
+        C.DistilledLayer.additive_mask = windowless
+    assert (wrong.logits - plain).abs().max() > 1e-2
+
+
+def test_gemma_cache_decodes_and_generates_like_the_model(gemma, gemma_ids, gemma_cap):
+    """Appended tokens fall out of the window too: chunked decoding and greedy generate from the cache follow
+    the model's own forward and generate."""
+    with torch.no_grad():
+        plain = gemma(gemma_ids[None]).logits[0, GN:]
+        cache = C.DistilledCache.from_compressed(K.CompressedCache.from_capture(gemma_cap), gemma)
+        chunks, at = [], GN
+        for size in (5, 1, 7, 3):
+            chunks.append(gemma(gemma_ids[None, at:at + size], past_key_values=cache).logits[0])
+            at += size
+    torch.testing.assert_close(torch.cat(chunks), plain, atol=1e-5, rtol=1e-5)
+    new = 24  # generation runs past N + 16: the window slides over appended tokens as well
+    expected = gemma.generate(gemma_ids[None, :GN + 1], max_new_tokens=new, do_sample=False)[0, -new:]
+    cache = C.DistilledCache.from_compressed(K.CompressedCache.from_capture(gemma_cap), gemma)
+    ours = gemma.generate(gemma_ids[None, GN:GN + 1], past_key_values=cache, max_new_tokens=new, do_sample=False)
+    assert torch.equal(ours[0, -new:], expected)
+
+
+def test_gemma_window_pairs_alone_give_the_same_logits(gemma, gemma_ids, gemma_cap):
+    """A sliding layer that keeps only its last W − 1 context pairs (what the distillers keep) is exactly the
+    layer with every pair: the older ones are never attended by a continuation query."""
+    from tiny_gemma import WINDOW
+
+    full = K.CompressedCache.from_capture(gemma_cap)
+    keys = [ks if w is None else [k[GN - (WINDOW - 1):] for k in ks] for ks, w in zip(full.keys, gemma_cap.windows)]
+    values = [vs if w is None else [v[GN - (WINDOW - 1):] for v in vs] for vs, w in zip(full.values, gemma_cap.windows)]
+    windowed = K.CompressedCache(keys, values, n_context=GN)
+    a = E.teacher_force(gemma, full, gemma_ids[GN:]).logits
+    b = E.teacher_force(gemma, windowed, gemma_ids[GN:]).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for layer in (0, 2):  # Capture.kept_pairs is that window
+        k, v = gemma_cap.kept_pairs(layer)
+        assert torch.equal(k, torch.stack(keys[layer])) and torch.equal(v, torch.stack(values[layer]))
+    # one pair fewer (W − 2) drops a key the first continuation query sees: not the same
+    short = [ks if w is None else [k[1:] for k in ks] for ks, w in zip(keys, gemma_cap.windows)]
+    shortv = [vs if w is None else [v[1:] for v in vs] for vs, w in zip(values, gemma_cap.windows)]
+    c = E.teacher_force(gemma, K.CompressedCache(short, shortv, n_context=GN), gemma_ids[GN:]).logits
+    assert (c - a).abs().max() > 1e-4

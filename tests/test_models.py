@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -174,3 +176,122 @@ def test_hub_offline_mode_is_seen_without_the_network(monkeypatch):
 def test_a_local_folder_without_config_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="is a local path without config.json"):
         models.load_model(tmp_path)
+
+
+# --- Gemma 3: one RoPE per layer type, sliding-window layers, query scaling (a tiny random model) ----------------
+
+@pytest.fixture(scope="module")
+def gemma():
+    from tiny_gemma import tiny_gemma
+
+    return tiny_gemma()
+
+
+def _model_attention(model, ids):
+    """Per layer, the model's own attention output (the input of o_proj) ``[T, q_heads·d]``."""
+    seen = {}
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0][0]))
+             for i, layer in enumerate(model.model.layers)]
+    try:
+        with torch.no_grad():
+            model(ids[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    return [seen[i] for i in range(len(model.model.layers))]
+
+
+def test_gemma_capture_reproduces_its_attention_beyond_the_window(gemma):
+    """softmax(q·k/√d) over the keys a sliding layer sees (positions > p − W), times the values, is the
+    model's attention output on every layer: capture keeps post-norm post-RoPE q/k, scales the queries by
+    query_pre_attn_scalar and, on a 40-token context (window 16), runs the sliding layers' own masks."""
+    from tiny_gemma import WINDOW
+
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(3))
+    cap = models.capture(gemma, ids)
+    assert cap.windows == [WINDOW, None, WINDOW] and cap.compressed_layers == [1]
+    outputs = _model_attention(gemma, ids)
+    T = ids.shape[0]
+    p = torch.arange(T)
+    for layer, (lc, out) in enumerate(zip(cap.layers, outputs)):
+        H, _, d = lc.keys.shape
+        g = lc.queries.shape[0] // H
+        seen = p[None, :] <= p[:, None]
+        if lc.window is not None:
+            seen &= p[None, :] > p[:, None] - lc.window
+        k, v = lc.keys.repeat_interleave(g, 0), lc.values.repeat_interleave(g, 0)
+        s = (lc.queries @ k.transpose(1, 2) / d ** 0.5).masked_fill(~seen, float("-inf"))
+        mine = (torch.softmax(s, dim=-1) @ v).transpose(0, 1).reshape(T, -1)
+        torch.testing.assert_close(mine, out, atol=1e-5, rtol=1e-4, msg=f"layer {layer}")
+
+
+def test_gemma_rope_is_per_layer_type_and_the_shared_one_is_refused(gemma, embedded):
+    ids = torch.randint(0, 97, (24,), generator=torch.Generator().manual_seed(4))
+    cap = models.capture(gemma, ids)
+    assert cap.rope is None and [r.layer_type for r in cap.ropes] == ["sliding_attention", "full_attention",
+                                                                      "sliding_attention"]
+    with pytest.raises(ValueError, match="Rope.of\\(model, layer\\)"):
+        models.Rope.of(gemma)
+    x = torch.randn(24, 16, generator=torch.Generator().manual_seed(5))
+    local, glob = models.Rope.of(gemma, 0), models.Rope.of(gemma, 1)
+    for rope, base in ((local, 1e4), (glob, 1e6)):  # the model's own bases: rotation of pair i by p·base^(−2i/d)
+        angle = cap.positions[:, None].double() * base ** (-torch.arange(0, 16, 2).double() / 16)
+        cos = torch.cat([angle.cos(), angle.cos()], dim=-1).float()
+        sin = torch.cat([angle.sin(), angle.sin()], dim=-1).float()
+        expected = x * cos + torch.cat([-x[:, 8:], x[:, :8]], dim=-1) * sin
+        torch.testing.assert_close(rope.apply(x, cap.positions), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rope.invert(rope.apply(x, cap.positions), cap.positions), x, atol=1e-5, rtol=1e-5)
+    # each layer's captured keys are its own RoPE applied to the model's pre-RoPE (post-norm) keys
+    pre = {}
+    hooks = [layer.self_attn.k_norm.register_forward_hook(lambda mod, args, out, i=i: pre.__setitem__(i, out[0]))
+             for i, layer in enumerate(gemma.model.layers)]
+    try:
+        with torch.no_grad():
+            gemma(ids[None])
+    finally:
+        for h in hooks:
+            h.remove()
+    for layer in range(3):
+        keys = pre[layer]  # [kv_heads, T, d] post-norm, pre-RoPE
+        torch.testing.assert_close(cap.rope_of(layer).apply(keys, cap.positions), cap.layers[layer].keys,
+                                   atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(cap.rope_of(1 - layer % 2).apply(keys, cap.positions), cap.layers[layer].keys,
+                                  atol=1e-3)
+    # Llama-family: one RoPE, the same object for every layer
+    model, _ = embedded
+    assert models.Rope.of(model, 3).layer_type is None and models.sliding_windows(model) == [None] * 30
+
+
+def test_soft_capped_attention_is_refused(gemma):
+    gemma.config.attn_logit_softcapping = 50.0
+    try:
+        with pytest.raises(ValueError, match="attn_logit_softcapping"):
+            models.capture(gemma, torch.arange(5))
+    finally:
+        gemma.config.attn_logit_softcapping = None
+
+
+def test_load_model_takes_a_gguf_path(embedded):
+    """A .gguf path is converted once (here the embedded SmolLM2 GGUF, whose conversion is cached) and loads
+    without any download; a path that is not a .gguf file is a ValueError naming it."""
+    model, _ = models.load_model(str(models.embedded_gguf_path()))
+    reference, _ = embedded
+    assert model.config.name_or_path == models.embedded_gguf_path().stem
+    for (name, a), (_, b) in zip(model.state_dict().items(), reference.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="gguf="):
+        models.load_model("/nonexistent/model.gguf")
+
+
+GEMMA_GGUF = os.environ.get("ZIPKV_GEMMA_GGUF", "/tmp/gemma_dl/gemma-3-270m-q4_k_m.gguf")
+
+
+@pytest.mark.skipif(not os.path.isfile(GEMMA_GGUF), reason="the Gemma-3-270M GGUF is not on this machine "
+                    "(set ZIPKV_GEMMA_GGUF); it is never downloaded by the tests")
+def test_real_gemma_3_270m_loads_from_its_gguf():
+    model, tokenizer = models.load_model(GEMMA_GGUF)
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    windows = models.sliding_windows(model)
+    assert windows.count(None) == 3 and windows.count(512) == 15
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "tied embeddings"
+    assert model.config.final_logit_softcapping is None and model.config.attn_logit_softcapping is None

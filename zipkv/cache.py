@@ -13,6 +13,10 @@
   context length), not at the number of cached pairs.
 * **A per-key logit bias** ``β`` ``[H, P]`` per layer (zero by default) is added to the attention
   logits of the cached pairs: pairs that stand for several tokens (Attention Matching) need it.
+* **Sliding-window layers** (Gemma 3's: the attention module's ``sliding_window`` ``W``) keep the model's
+  own rule: a query at position ``p`` sees only the keys at positions ``> p − W``, the cached pairs taken
+  as the context's last positions (:meth:`DistilledLayer.additive_mask`), so the uncompressed cache
+  reproduces the model's own forward on contexts longer than the window.
 
 The masks and positions come from two forward pre-hooks that :func:`attach` registers on the model
 (once; :func:`compress` and :mod:`zipkv.distill.evaluate` call it): one on the decoder sets the
@@ -116,19 +120,39 @@ class DistilledLayer(DynamicLayer):
         self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
         self.values = self.values.index_select(0, beam_idx.to(self.values.device))
 
-    def additive_mask(self, query_length: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def additive_mask(self, query_length: int, group: int, dtype: torch.dtype, *, window: int | None = None,
+                      n_context: int | None = None) -> torch.Tensor:
         """``[1, H·group, T, P + appended + T]`` additive attention mask for ``T`` new tokens.
 
         Cached pairs: ``β`` where valid, ``−inf`` on padding (per KV head, repeated over its ``group``
         query heads, as ``repeat_kv``); appended tokens: ``0``; the new tokens: causal.
+
+        ``window`` ``W`` (a sliding-window layer, Gemma 3's): the model's own rule on top, a query at position
+        ``p`` sees only keys at positions ``> p − W`` (transformers' ``sliding_window_overlay``). It needs
+        ``n_context`` ``N`` (the new tokens run at ``N + appended + t``) and the cached pairs' original
+        positions: on such a layer each head's valid pairs are taken as the context's last ``n_h`` positions
+        ``N − n_h … N − 1``, in order (the uncompressed cache, or the window that zipkv's distillers keep on
+        sliding layers: they never compress one, :attr:`zipkv.models.Capture.compressed_layers`).
         """
         H, T, past = self.valid.shape[0], query_length, self.get_seq_length()
-        cached = self.bias.masked_fill(~self.valid, float("-inf")).repeat_interleave(group, dim=0)  # [Hq, P]
+        cached = self.bias.masked_fill(~self.valid, float("-inf"))  # [H, P]
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        new = torch.zeros(T, past + T, device=self.device).masked_fill_(
-            torch.cat([torch.ones(T, past, dtype=torch.bool, device=self.device), causal], dim=1).logical_not(),
-            float("-inf"))
-        mask = torch.cat([cached[:, None, :].expand(-1, T, -1), new[None].expand(H * group, -1, -1)], dim=-1)
+        visible = torch.cat([torch.ones(T, past, dtype=torch.bool, device=self.device), causal], dim=1)  # [T, past+T]
+        if window is not None:
+            if n_context is None:
+                raise ValueError("window= needs n_context= (the original context length N)")
+            rank = self.valid.long().cumsum(dim=1) - 1  # [H, P] index among the head's valid pairs
+            position = n_context - self.valid.sum(dim=1, keepdim=True) + rank  # [H, P] original positions
+            query = n_context + past + torch.arange(T, device=self.device)  # [T]
+            seen = position[:, None, :] > query[None, :, None] - window  # [H, T, P]
+            cached = cached[:, None, :].masked_fill(~seen, float("-inf"))  # [H, T, P]
+            later = n_context + torch.arange(past + T, device=self.device)
+            visible = visible & (later[None, :] > query[:, None] - window)
+        else:
+            cached = cached[:, None, :].expand(-1, T, -1)
+        cached = cached.repeat_interleave(group, dim=0)  # [Hq, T, P]
+        new = torch.zeros(T, past + T, device=self.device).masked_fill_(visible.logical_not(), float("-inf"))
+        mask = torch.cat([cached, new[None].expand(H * group, -1, -1)], dim=-1)
         return mask[None].to(dtype)
 
 
@@ -260,7 +284,9 @@ def _mask_hook(module, args, kwargs):
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     layer = cache.layers[module.layer_idx]
     group = module.config.num_attention_heads // layer.valid.shape[0]
-    kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype)
+    kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype,
+                                                   window=getattr(module, "sliding_window", None),
+                                                   n_context=cache.n_context)
     layer.armed = True
     return args, kwargs
 

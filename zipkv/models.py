@@ -8,6 +8,7 @@ queries and the rotary embedding to build training queries (§3.3).
 from __future__ import annotations
 
 import hashlib
+import math
 import importlib.util
 import os
 import sys
@@ -49,6 +50,8 @@ class ModelShape:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         rope = getattr(config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        if theta is None and isinstance(rope, dict) and isinstance(rope.get("full_attention"), dict):
+            theta = rope["full_attention"].get("rope_theta")  # one RoPE per layer type (Gemma 3): the global layers'
         if theta is None:
             theta = getattr(config, "rope_theta", None)
         return cls(
@@ -104,8 +107,16 @@ def cache_dir() -> Path:
 
 
 def _converted_embedded_model() -> Path:
-    """A safetensors copy of the GGUF model, converted once (~45 s on 2 cores) and reused."""
-    gguf = embedded_gguf_path()
+    """A safetensors copy of the embedded GGUF model, converted once (~45 s on 2 cores) and reused."""
+    return converted_gguf(embedded_gguf_path())
+
+
+def converted_gguf(gguf: str | os.PathLike) -> Path:
+    """A safetensors model folder made from the GGUF file ``gguf`` once (de-quantized to float32, kept
+    under :func:`cache_dir`, keyed by the file's path, size and mtime) and reused by later loads."""
+    gguf = Path(gguf).expanduser()
+    if not gguf.is_file() or gguf.suffix != ".gguf":
+        raise ValueError(f"gguf={str(gguf)!r}: expected the path of an existing .gguf model file")
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_dir() / f"{gguf.stem}-{key}"
@@ -191,10 +202,12 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     """Load a causal LM and its tokenizer, in eval mode.
 
     Args:
-        name: ``None`` for the embedded SmolLM2-135M-Instruct; else a local model folder or a
-            Hugging Face model id (any Llama-family model with RoPE and GQA: Qwen2.5, Llama 3.1,
-            Qwen3 …), read from the local Hugging Face cache when there, else downloaded. A name that
-            is neither a local path nor cached, without a reachable Hub, is a ``ValueError`` at once.
+        name: ``None`` for the embedded SmolLM2-135M-Instruct; the path of a ``.gguf`` file (e.g.
+            ``"/path/to/gemma-3-270m-q4_k_m.gguf"``: converted once to a safetensors folder under
+            :func:`cache_dir`, no download); else a local model folder or a Hugging Face model id (any
+            RoPE + GQA causal LM: Qwen2.5, Llama 3.1, Qwen3, Gemma 3 …), read from the local Hugging Face
+            cache when there, else downloaded. A name that is neither a local path nor cached, without a
+            reachable Hub, is a ``ValueError`` at once.
         dtype: weight and activation dtype (``torch.bfloat16`` reproduces a BF16 KV cache).
         device: where the model runs.
 
@@ -206,7 +219,12 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    source, local_only = (_converted_embedded_model(), True) if name is None else _resolve_model_name(name)
+    if name is None:
+        source, local_only = _converted_embedded_model(), True
+    elif str(name).endswith(".gguf"):
+        source, local_only = converted_gguf(name), True
+    else:
+        source, local_only = _resolve_model_name(name)
     tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=local_only)
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar on every load is noise
@@ -218,6 +236,8 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     model.to(device).eval()
     if name is None:
         model.config.name_or_path = EMBEDDED_NAME
+    elif str(name).endswith(".gguf"):
+        model.config.name_or_path = Path(name).stem
     return model, tokenizer
 
 
@@ -236,18 +256,35 @@ class Rope:
 
     Uses the model's ``rotary_emb`` module, so RoPE scaling (Llama 3.1's, YaRN, …) is exactly
     the model's. KVSculpt (§3.3) undoes RoPE on content vectors and re-applies it at future
-    positions to make synthetic queries.
+    positions to make synthetic queries. Models whose layers differ in RoPE (Gemma 3: base 10,000 on
+    its sliding-window layers, 1,000,000 on its global ones) have one ``Rope`` per layer type:
+    ``layer_type`` is passed to ``rotary_emb`` (``None`` for one RoPE shared by all layers).
     """
 
-    def __init__(self, rotary_emb: torch.nn.Module):
+    def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None = None):
         self.rotary_emb = rotary_emb
+        self.layer_type = layer_type
 
     @classmethod
-    def of(cls, model) -> "Rope":
+    def of(cls, model, layer: int | None = None) -> "Rope":
+        """The RoPE of ``model``'s decoder layer ``layer`` (``None``: the one shared by every layer;
+        a ``ValueError`` for a model whose layers differ, which needs ``layer``)."""
         for name, module in model.named_modules():
             if name.endswith("rotary_emb"):
-                return cls(module)
-        raise ValueError(f"model {type(model).__name__} has no rotary_emb module: expected a RoPE model")
+                break
+        else:
+            raise ValueError(f"model {type(model).__name__} has no rotary_emb module: expected a RoPE model")
+        types = _rope_layer_types(model, module)
+        if types is None:
+            return cls(module)
+        if layer is None:
+            if len(set(types)) == 1:
+                return cls(module, types[0])
+            raise ValueError(f"model {type(model).__name__} has a RoPE per layer type {sorted(set(types))}: "
+                             "expected Rope.of(model, layer) with a layer index")
+        if not 0 <= layer < len(types):
+            raise ValueError(f"layer={layer}: expected 0 <= layer < {len(types)} (the model's layers)")
+        return cls(module, types[layer])
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor):
         if positions.ndim != 1 or positions.shape[0] != x.shape[-2]:
@@ -255,7 +292,10 @@ class Rope:
                              f"(x has shape {tuple(x.shape)}, [..., T, head_dim])")
         position_ids = positions.to(device=x.device, dtype=torch.long)[None]
         probe = torch.empty(1, dtype=torch.float32, device=x.device)
-        cos, sin = self.rotary_emb(probe, position_ids)
+        if self.layer_type is None:
+            cos, sin = self.rotary_emb(probe, position_ids)
+        else:
+            cos, sin = self.rotary_emb(probe, position_ids, self.layer_type)
         return cos[0].to(x.dtype), sin[0].to(x.dtype)
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -269,34 +309,148 @@ class Rope:
         return x * cos - _rotate_half(x) * sin
 
 
+def _rope_layer_types(model, rotary_emb) -> list[str] | None:
+    """Per decoder layer, the layer type its RoPE is chosen by (Gemma 3's ``rotary_emb(x, positions, layer_type)``),
+    or ``None`` for a model with one RoPE (``rotary_emb(x, positions)``)."""
+    import inspect
+
+    if "layer_type" not in inspect.signature(rotary_emb.forward).parameters:
+        return None
+    types = getattr(model.config, "layer_types", None)
+    if not types:
+        raise ValueError(f"model {type(model).__name__}: its rotary_emb takes a layer_type but config.layer_types "
+                         "is missing")
+    return list(types)
+
+
+def sliding_windows(model) -> list[int | None]:
+    """Per decoder layer, its sliding attention window ``W`` (a query at position ``p`` sees the keys at
+    positions ``> p − W``, as transformers' ``sliding_window_overlay``), or ``None`` for a global layer.
+    Llama-family models: ``None`` everywhere; Gemma 3: ``config.sliding_window`` on its sliding layers."""
+    config = model.config
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if window is None or not types:
+        return [None] * layers
+    return [int(window) if t == "sliding_attention" else None for t in types[:layers]]
+
+
+def _query_factor(model) -> float:
+    """The factor that makes ``q·k/√d`` the model's attention logit: ``scaling·√d`` (1 for Llama's ``1/√d``;
+    Gemma 3 scales by ``query_pre_attn_scalar^-1/2``). Models that soft-cap attention logits are refused.
+    ``model``: a model or one of its attention modules (both carry ``.config``)."""
+    config = model.config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"model {type(model).__name__} soft-caps its attention logits (attn_logit_softcapping="
+                         f"{config.attn_logit_softcapping}): zipkv's distillers and the SDPA cache path assume "
+                         "softmax(q·k/√d) attention")
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if scalar is None:
+        return 1.0
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return math.sqrt(d / scalar)
+
+
 @dataclass
 class LayerCapture:
-    """One layer's attention inputs for one sequence (post-RoPE, before the GQA repeat)."""
+    """One layer's attention inputs for one sequence (post-norm, post-RoPE, before the GQA repeat).
+
+    ``queries`` are scaled so that ``q·k/√d`` is the model's attention logit (Gemma 3's
+    ``query_pre_attn_scalar``; unchanged for Llama-family models). ``window`` is the layer's sliding
+    attention window (``None``: global attention over the whole context).
+    """
 
     keys: torch.Tensor  # [kv_heads, T, head_dim]
     values: torch.Tensor  # [kv_heads, T, head_dim]
     queries: torch.Tensor  # [q_heads, T, head_dim]
+    window: int | None = None
 
 
 @dataclass
 class Capture:
-    """Per-layer keys, values and queries of one forward pass, and how to undo RoPE."""
+    """Per-layer keys, values and queries of one forward pass, and how to undo RoPE.
+
+    ``rope`` is the model's RoPE when all layers share one (``None`` otherwise); ``ropes[l]`` is layer
+    ``l``'s (what layer ``l``'s training queries are re-rotated with; :meth:`rope_of`).
+    """
 
     layers: list[LayerCapture]
     positions: torch.Tensor  # [T] int64
-    rope: Rope
+    rope: Rope | None
     shape: ModelShape
+    ropes: list[Rope] | None = None
+
+    def __post_init__(self):
+        if self.ropes is None:
+            if self.rope is None:
+                raise ValueError("Capture needs rope= (one RoPE for every layer) or ropes= (one per layer)")
+            self.ropes = [self.rope] * len(self.layers)
+        if len(self.ropes) != len(self.layers):
+            raise ValueError(f"ropes has {len(self.ropes)} entries for {len(self.layers)} layers: expected one "
+                             "per layer")
+
+    def rope_of(self, layer: int) -> Rope:
+        """Layer ``layer``'s RoPE."""
+        return self.ropes[layer]
+
+    @property
+    def windows(self) -> list[int | None]:
+        """Per layer, its sliding window ``W`` or ``None`` (global)."""
+        return [lc.window for lc in self.layers]
+
+    @property
+    def compressed_layers(self) -> list[int]:
+        """The layers a distiller compresses: the global ones. A sliding-window layer (Gemma 3) is kept
+        as the model keeps it, its last ``W − 1`` context pairs (:meth:`window_pairs`): a continuation query
+        at ``p ≥ N`` sees only keys at positions ``> p − W``, so the older pairs are dropped by the model
+        itself and no distiller compresses them away."""
+        return [layer for layer, lc in enumerate(self.layers) if lc.window is None]
+
+    def window_pairs(self, layer: int) -> int:
+        """Context pairs layer ``layer`` keeps: ``N`` on a global layer, ``min(N, W − 1)`` on a sliding one
+        (the keys a query at ``N`` can see: positions ``N − W + 1 … N − 1``)."""
+        N = self.positions.shape[0]
+        window = self.layers[layer].window
+        return N if window is None else min(N, window - 1)
+
+    def kept_pairs(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` ``[kv_heads, P, head_dim]`` of layer ``layer``'s last ``P =`` :meth:`window_pairs`
+        context positions: what a layer that is not compressed keeps."""
+        lc = self.layers[layer]
+        P = self.window_pairs(layer)
+        return lc.keys[:, lc.keys.shape[1] - P:], lc.values[:, lc.values.shape[1] - P:]
 
     def prefix(self, n: int) -> "Capture":
         """The first ``n`` positions: with causal attention, the capture of ``input_ids[:n]``
         (equal up to float rounding), without a second forward pass."""
         if not 1 <= n <= self.positions.shape[0]:
             raise ValueError(f"n={n}: expected 1 <= n <= {self.positions.shape[0]} (captured positions)")
-        layers = [LayerCapture(keys=x.keys[:, :n], values=x.values[:, :n], queries=x.queries[:, :n]) for x in self.layers]
-        return Capture(layers=layers, positions=self.positions[:n], rope=self.rope, shape=self.shape)
+        layers = [LayerCapture(keys=x.keys[:, :n], values=x.values[:, :n], queries=x.queries[:, :n], window=x.window)
+                  for x in self.layers]
+        return Capture(layers=layers, positions=self.positions[:n], rope=self.rope, shape=self.shape, ropes=self.ropes)
+
+
+def rope_of(capture, layer: int):
+    """Layer ``layer``'s RoPE of a :class:`Capture` (:meth:`Capture.rope_of`), or the ``rope`` of any object
+    shaped like one (one RoPE for all layers)."""
+    per_layer = getattr(capture, "rope_of", None)
+    return per_layer(layer) if per_layer is not None else capture.rope
 
 
 _CAPTURE_ATTENTION = "zipkv_capture"
+
+
+def register_attention(name: str, function) -> None:
+    """Register ``function`` as transformers attention implementation ``name``, with SDPA's mask builder:
+    transformers builds no mask at all for an implementation it has no mask function for, so sliding-window
+    layers (Gemma 3) would silently attend to the whole causal past. Llama-family models get what SDPA gets
+    (``None`` where causal attention needs no mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(name, function)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def _capture_attention(module, query, key, value, attention_mask, *, zipkv_capture: list | None = None, **kwargs):
@@ -305,8 +459,10 @@ def _capture_attention(module, query, key, value, attention_mask, *, zipkv_captu
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if zipkv_capture is not None:
+        factor = _query_factor(module)
+        queries = query[0].detach().clone() if factor == 1.0 else query[0].detach() * factor
         zipkv_capture.append(LayerCapture(keys=key[0].detach().clone(), values=value[0].detach().clone(),
-                                          queries=query[0].detach().clone()))
+                                          queries=queries, window=getattr(module, "sliding_window", None)))
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 
@@ -336,15 +492,16 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
     """Run ``input_ids`` [T] (or [1, T]) once and keep every layer's post-RoPE Q, K and V.
 
     Only the last position's logits are computed (``logits_to_keep=1``): no [T, vocab] tensor.
-    Tensors keep the model's dtype; keys/values equal the model's own KV cache entries.
+    Tensors keep the model's dtype; keys/values equal the model's own KV cache entries (after the
+    model's q/k norms and RoPE, Gemma 3's included). Queries are scaled so that ``q·k/√d`` is the model's
+    logit (:class:`LayerCapture`); a model that soft-caps attention logits is a ``ValueError``.
     """
-    from transformers import AttentionInterface
-
     input_ids = _check_input_ids(model, input_ids)
+    _query_factor(model)
     device = next(model.parameters()).device
     if positions is None:
         positions = torch.arange(input_ids.shape[0], device=device)
-    AttentionInterface.register(_CAPTURE_ATTENTION, _capture_attention)
+    register_attention(_CAPTURE_ATTENTION, _capture_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(_CAPTURE_ATTENTION)
     layers: list[LayerCapture] = []
@@ -353,4 +510,6 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
               logits_to_keep=1, zipkv_capture=layers)
     finally:
         model.set_attn_implementation(previous)
-    return Capture(layers=layers, positions=positions.cpu(), rope=Rope.of(model), shape=model_shape(model))
+    ropes = [Rope.of(model, layer) for layer in range(len(layers))]
+    shared = Rope.of(model) if len({r.layer_type for r in ropes}) == 1 else None
+    return Capture(layers=layers, positions=positions.cpu(), rope=shared, shape=model_shape(model), ropes=ropes)

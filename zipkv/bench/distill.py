@@ -19,7 +19,7 @@ from zipkv.distill.kvsculpt import budget_for_ratio, build_problems
 from zipkv.distill.kvsculpt import solve as reference_solve
 from zipkv.distill.problem import Problem, SculptConfig, Solution, Solver
 from zipkv.distill.queries import training_queries
-from zipkv.models import PAPER_MODELS
+from zipkv.models import PAPER_MODELS, rope_of
 
 
 def sync(device) -> None:
@@ -76,7 +76,7 @@ def qwen_shaped_problems(capture, ratio: float = 0.3, *, m: int = 256, n_synthet
         pairs = [(i, (i + s) % g) for s in range(-(-group // g)) for i in range(g)][:group]
         for j in range(kv_heads):
             a, b = (2 * j) % H, (2 * j + 1) % H
-            halves = [training_queries(lc.queries[h * g:(h + 1) * g], capture.positions, capture.rope, m,
+            halves = [training_queries(lc.queries[h * g:(h + 1) * g], capture.positions, rope_of(capture, layer), m,
                                        n_synthetic, strategy=strategy, seed=seed + 7919 * layer + j)
                       for h in (a, b)]  # [g, m + n_s, d] each, same sampled positions
             queries = torch.stack([torch.cat([halves[0][i], halves[1][i2]], dim=-1) for i, i2 in pairs])

@@ -2,6 +2,8 @@
 computed from :func:`zipkv.distill.beyond.compare`'s table (``model, window, ratio, method, kl, seconds``)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
@@ -206,3 +208,147 @@ def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, conte
         text += f"Run on fewer than all {n_windows} windows (params: ratio_windows, kvsculpt_windows, time_budget_s): " \
                 + "; ".join(short) + "."
     return text
+
+
+# --- the second model (issue 17, item 4): Gemma-3-270M, from the committed rows of zipkv.distill.second_model -----
+
+SECOND_MODEL_CSV = Path(__file__).resolve().parents[2] / "results" / "paper" / "kvsculpt_beyond_gemma.csv"
+"""The committed rows of ``python -m zipkv.distill.second_model`` (one row per window, ratio and method)."""
+
+
+def second_model_rows(path: str | Path = SECOND_MODEL_CSV) -> pd.DataFrame | None:
+    """The second model's rows as committed at ``HEAD`` (:func:`zipkv.committed.read_committed_csv`), or ``None``
+    where none are committed."""
+    from zipkv import committed
+
+    try:
+        return committed.read_committed_csv(path)
+    except (ValueError, OSError):  # not committed, or not inside a git checkout
+        return None
+
+
+def second_model_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """Per method and ratio: mean, median and range of the KL over the windows, their number, mean seconds per
+    context, and the mean KL over zipkv's at that ratio."""
+    out = []
+    for (ratio, method), part in rows.groupby(["ratio", "method"]):
+        zipkv = rows[(rows.ratio == ratio) & (rows.method == "zipkv")].kl.mean()
+        out.append({"ratio": ratio, "method": beyond.LABELS.get(method, method), "_order": beyond.METHODS.index(method),
+                    "mean KL": part.kl.mean(), "median KL": part.kl.median(),
+                    "KL range": f"{part.kl.min():.3g} – {part.kl.max():.3g}", "windows": part.window.nunique(),
+                    "seconds per context": part.seconds.mean(), "mean KL / zipkv's": part.kl.mean() / zipkv})
+    table = pd.DataFrame(out).sort_values(["ratio", "_order"]).drop(columns="_order")
+    return table.set_index(["ratio", "method"])
+
+
+def _one(rows: pd.DataFrame, column: str):
+    values = rows[column].dropna().unique()
+    return values[0] if len(values) == 1 else ", ".join(map(str, values))
+
+
+def _coverage(rows: pd.DataFrame) -> str:
+    """Which ratios ran on how many windows, and where KVSculpt did not run."""
+    parts = []
+    for r, part in rows.groupby("ratio"):
+        n = part.window.nunique()
+        parts.append(f"r = {r:g} on {n} window(s)" + ("" if "kvsculpt" in set(part.method) else " without KVSculpt"))
+    return "; ".join(parts)
+
+
+def _times(other: float, ours: float) -> str:
+    """``other`` against ``ours`` as "x× below" (ours lower) or "x× above"."""
+    return f"{other / ours:.2f}× below" if ours <= other else f"{ours / other:.2f}× above"
+
+
+def second_model_text(rows: pd.DataFrame, ratio: float = 0.3) -> tuple[str, str]:
+    """(substitutions, verdict) for the second model: what ran where, how its sliding-window layers were treated
+    and what the cache holds against what the model itself holds, then zipkv's mean KL at ``ratio`` beside the
+    best Select+Fit variant and Attention Matching (all from ``rows``)."""
+    from zipkv.distill.second_model import kv_fraction
+
+    layers, sliding, window = int(_one(rows, "layers")), int(_one(rows, "sliding_layers")), _one(rows, "sliding_window")
+    N = int(_one(rows, "context"))
+    windows = rows.drop_duplicates("window").sort_values("window")
+    held = kv_fraction(ratio, N, layers, sliding, window)
+    naive = ((layers - sliding) * round(ratio * N) + sliding * min(N, int(window) - 1)) / (layers * N)
+    setup = (
+        f"Measured on {_one(rows, 'device')} on {_one(rows, 'date')} at commit {_one(rows, 'commit')} by "
+        f"`python -m zipkv.distill.second_model` (`zipkv.distill.beyond.compare`, one window at a time). "
+        f"Substitutions against this chapter's main run: the model is {_one(rows, 'model')} (Gemma-3-270M as a Q4_K_M "
+        f"GGUF, de-quantized to float32 by `zipkv.models.load_model(path)`), a CPU instead of the H200, "
+        f"{len(windows)} PG19 window(s) (books {', '.join(str(int(x)) for x in windows.pg_id)}; `zipkv.data.windows`, "
+        f"seed 0) instead of 20, {_coverage(rows)}; otherwise the same settings: N = {N}, continuation {int(_one(rows, 'continuation'))} tokens, m = {int(_one(rows, 'm'))}, "
+        f"n_s = {int(_one(rows, 'n_synthetic'))}, {int(_one(rows, 'steps'))} L-BFGS steps for KVSculpt, a "
+        f"{int(_one(rows, 'probe_tokens'))}-token probe (its sampling seed is the same for every window here). "
+        f"Seconds are wall time on a small CPU shared with other jobs: compare methods within one window and ratio, "
+        f"not across runs.\n\n"
+        f"**Sliding-window layers.** {sliding} of the model's {layers} layers attend only to the last {window} "
+        f"positions (a query at p sees keys at positions > p − {window}); {layers - sliding} are global. zipkv runs "
+        f"them as the model does (`zipkv.cache.DistilledCache` masks by the pairs' original positions; the "
+        f"uncompressed cache reproduces a plain forward beyond the window, tests/test_cache.py) and **no method "
+        f"compresses a sliding layer**: each keeps the model's own window, its last {int(window) - 1} context pairs, "
+        f"which is exactly what the model keeps (the older pairs no continuation query can see). Those pairs are "
+        f"dropped by the model itself, so they are not counted as compressed away: r = (k + m)/N is the ratio of each "
+        f"global layer, and at r = {ratio:g} the compressed cache holds {100 * held:.0f} % of the KV the model itself "
+        f"holds for an N = {N} context ({layers - sliding} × {round(ratio * N)} + {sliding} × {int(window) - 1} pairs "
+        f"per KV head against {layers - sliding} × {N} + {sliding} × {int(window) - 1}). Counted against "
+        f"{layers} × N, as if the sliding layers held the whole context, it would read {100 * naive:.0f} %.")
+    at = rows[np.isclose(rows.ratio, ratio)]
+    mean = at.groupby("method").kl.mean()
+    variants = [x for x in beyond.SELECT_FIT_VARIANTS if x in mean.index]
+    best = mean[variants].idxmin()
+    z, sf = mean["zipkv"], mean[best]
+    am = mean.get("attention_matching", np.nan)
+    pivot = at.pivot(index="window", columns="method", values="kl")
+    won = int((pivot.zipkv < pivot[best]).sum())
+    ranked = mean.sort_values()
+    verdict = (
+        f"On {_one(rows, 'model')} at r = {ratio:g} ({len(pivot)} window(s)), zipkv's mean KL is {z:.3g}: "
+        f"{_times(sf, z)} the best Select+Fit ({beyond.LABELS[best]}, {sf:.3g}; lower on {won} of {len(pivot)} "
+        f"windows) and {_times(am, z)} Attention Matching ({am:.3g}). "
+        + ("The embedded model's bars (≥ 2× below the best Select+Fit, below Attention Matching) "
+           + ("hold here too." if sf / z >= 2 and z < am else "**do not hold on this model**.")
+           + f" Lowest mean KL: {beyond.LABELS[ranked.index[0]]} ({ranked.iloc[0]:.3g}).")
+        + (" Few windows: a spread, not a distribution." if len(pivot) < 5 else ""))
+    am_rows = at[(at.method == "attention_matching") & at.choice.isin(beyond.AM_VARIANTS)]
+    if len(am_rows):
+        picks = am_rows.choice.value_counts()
+        best_am = mean[[x for x in beyond.AM_VARIANTS if x in mean.index]].idxmin()
+        verdict += (f" At r = {ratio:g} Attention Matching's validation objective picked " + ", ".join(
+            f"{beyond.LABELS[x].split(', ')[1]} {int(n)}×" for x, n in picks.items())
+            + f" of {len(am_rows)}; its best construction by mean KL, {beyond.LABELS[best_am].split(', ')[1]}, "
+            f"reaches {mean[best_am]:.3g}; zipkv's mean is {_times(mean[best_am], z)} it.")
+    for other in sorted(r for r in rows.ratio.unique() if not np.isclose(r, ratio)):
+        there = rows[np.isclose(rows.ratio, other)].groupby("method").kl.mean()
+        baselines = there.drop(index="zipkv")  # Attention Matching's three constructions count, as in the verdict above
+        n = rows[np.isclose(rows.ratio, other)].window.nunique()
+        verdict += (f" At r = {other:g} ({n} window(s)): zipkv {there['zipkv']:.3g}, the best baseline "
+                    f"{baselines.min():.3g} ({beyond.LABELS[baselines.idxmin()]})"
+                    + ("" if there["zipkv"] <= baselines.min() else ", **below zipkv**") + ".")
+    timed = at[at.method != "attention_matching"]  # its seconds are its three variants' again
+    per_window = timed.groupby("window").seconds.sum()
+    sculpt = timed[timed.method == "kvsculpt"].seconds.sum()
+    setup += (f" At r = {ratio:g} all methods' seconds together: {per_window.mean():.0f} s per window (mean; the "
+              f"probe's sampling counted in each method that uses it), KVSculpt's {100 * sculpt / per_window.sum():.0f} %.")
+    return setup, verdict
+
+
+def second_model_markdown(rows: pd.DataFrame | None) -> str:
+    """The second model's verdict and substitutions (:func:`second_model_text`), or why there are none."""
+    if rows is None or rows.empty:
+        return (f"No second-model rows are committed yet ({SECOND_MODEL_CSV.name}): run "
+                "`python -m zipkv.distill.second_model` (below).")
+    setup, verdict = second_model_text(rows)
+    return verdict + "\n\n" + setup
+
+
+def second_model_section(path: str | Path = SECOND_MODEL_CSV) -> list:
+    """What the chapter's second-model section displays: the Markdown of :func:`second_model_markdown` and, when
+    rows are committed, :func:`second_model_table` styled (for ``IPython.display.display(*...)``)."""
+    from IPython.display import Markdown
+
+    rows = second_model_rows(path)
+    shown = [Markdown(second_model_markdown(rows))]
+    if rows is not None and not rows.empty:
+        shown.append(second_model_table(rows).style.format(precision=3))
+    return shown

@@ -28,6 +28,8 @@ from typing import Sequence
 
 import torch
 
+from zipkv.models import rope_of
+
 from . import budget as budget_mod
 from .baselines import Problem, PreparedBatch, Solution, problem_loss
 from .batched import solve_batched
@@ -332,7 +334,7 @@ def content_statistics(ctx: Context, *, near: int, variance: float = 0.9):
     T = ctx.whole.positions.shape[0]
     rows = []
     for layer, lc in enumerate(ctx.whole.layers):
-        content = ctx.whole.rope.invert(lc.queries.float(), ctx.whole.positions).double()  # [H_q, T, d]
+        content = rope_of(ctx.whole, layer).invert(lc.queries.float(), ctx.whole.positions).double()  # [H_q, T, d]
         past = content[:, :N]
         cos = torch.nn.functional.cosine_similarity(past[:, 1:], past[:, :-1], dim=-1).mean(dim=1)
         mean = past.mean(dim=1, keepdim=True)

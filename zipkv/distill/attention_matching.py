@@ -210,7 +210,7 @@ def compress(capture, ratio: float, *, m: int = 256, config: AttentionMatchingCo
     Returns a :class:`~zipkv.distill.bias.BiasedCache` (``k + m`` pairs per head, β on the first ``k``) whose
     ``info`` holds ``[L, H]`` ``train`` and ``validation`` objectives; ``method`` is ``"am_" + keys``.
     """
-    from .generalise import _assemble, _layer_inputs, compress_cascade
+    from .generalise import _assemble, _compressed_inputs, compress_cascade
     from .kvsculpt import budget_for_ratio
 
     cfg = config or AttentionMatchingConfig()
@@ -229,9 +229,11 @@ def compress(capture, ratio: float, *, m: int = 256, config: AttentionMatchingCo
 
     if probe is not None:
         return compress_cascade(model, capture, ratio, probe, m=m, config=cfg, fit=fit, method=method)
-    ks = torch.full((L, H), k)
-    inputs = [_layer_inputs(capture, layer, m, cfg) for layer in range(L)]
-    solved = [fit(lc.keys, lc.values, tr, va, m, ks[layer]) for lc, tr, va in inputs]
+    inputs = _compressed_inputs(capture, m, cfg)
+    ks = torch.zeros(L, H, dtype=torch.long)
+    ks[[layer for layer, inp in enumerate(inputs) if inp is not None]] = k
+    solved = [None if inp is None else fit(inp[0].keys, inp[0].values, inp[1], inp[2], m, ks[layer])
+              for layer, inp in enumerate(inputs)]
     cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
     cache.method = method
     return cache

@@ -29,6 +29,8 @@ from typing import Sequence
 
 import torch
 
+from zipkv.models import rope_of
+
 from . import attention_matching, bias, generalise
 
 METHODS = ("attention_score", "select_fit", "select_fit_dense", "select_fit_future", "kvsculpt",
@@ -56,7 +58,8 @@ def _future_problems(capture, m: int, horizon: int, validation_every: int):
     problems = []
     for layer, lc in enumerate(capture.layers):
         H, N, d = lc.keys.shape
-        train, _ = generalise.future_queries(lc.queries.view(H, -1, N, d), capture.positions, capture.rope, m,
+        train, _ = generalise.future_queries(lc.queries.view(H, -1, N, d), capture.positions,
+                                             rope_of(capture, layer), m,
                                              horizon=horizon, validation_every=validation_every)
         problems += [Problem(keys=lc.keys[h], values=lc.values[h], queries=train[h], m=m, k=1, layer=layer, head=h)
                      for h in range(H)]
@@ -64,10 +67,12 @@ def _future_problems(capture, m: int, horizon: int, validation_every: int):
 
 
 def objective_on(capture, cache: bias.BiasedCache, m: int, queries: Sequence[torch.Tensor]) -> float:
-    """Mean over layers and heads of KVSculpt's §3.2 objective of ``cache`` on ``queries[l]`` ``[H, n, d]``
-    (post-RoPE), against the full cache of ``capture`` (the context)."""
+    """Mean over the compressed layers' heads of KVSculpt's §3.2 objective of ``cache`` on ``queries[l]``
+    ``[H, n, d]`` (post-RoPE), against the full cache of ``capture`` (the context)."""
     total, count = 0.0, 0
     for layer, (lc, q) in enumerate(zip(capture.layers, queries)):
+        if getattr(lc, "window", None) is not None:
+            continue  # a sliding-window layer is not compressed (zipkv.models.Capture.compressed_layers)
         H, N, d = lc.keys.shape
         t = generalise.HeadTargets.of(q.float(), lc.keys.float(), lc.values.float(), m, 1.0 / math.sqrt(d))
         k = cache.keys[layer][0].shape[0] - m

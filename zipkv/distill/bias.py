@@ -66,8 +66,8 @@ class BiasedCache(CompressedCache):
         bias = cache.bias or [[torch.zeros(k.shape[0], dtype=torch.float32, device=k.device) for k in ks]
                               for ks in cache.keys]
         seconds = cache.seconds
-        if isinstance(seconds, torch.Tensor):
-            seconds = float(seconds.sum())
+        if isinstance(seconds, torch.Tensor):  # NaN on layers that were not compressed
+            seconds = float(seconds.nansum())
         return cls(cache.keys, cache.values, bias, n_context=cache.n_context, method=cache.method, ratio=cache.ratio,
                    budget=cache.budget, seconds=seconds or 0.0)
 

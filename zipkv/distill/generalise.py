@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zipkv.models import rope_of
+
 from .bias import BiasedCache
 
 INF = math.inf
@@ -291,14 +293,15 @@ def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *,
     return Probe(ids=ids, reference=teacher_force(model, full, ids))
 
 
-def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe) -> torch.Tensor:
-    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs (``L·H``
-    forwards through :func:`zipkv.distill.bias.evaluate`)."""
+def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe,
+                     layers: list[int] | None = None) -> torch.Tensor:
+    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs (one forward
+    per head of ``layers``, default all, through :func:`zipkv.distill.bias.evaluate`; 0 on the other layers)."""
     from .bias import evaluate
 
     L, H = full.num_layers, full.num_heads
     kl = torch.zeros(L, H, dtype=torch.float64)
-    for layer in range(L):
+    for layer in (range(L) if layers is None else layers):
         for h in range(H):
             keys = [list(x) for x in full.keys]
             values = [list(x) for x in full.values]
@@ -326,17 +329,34 @@ def _layer_inputs(capture, layer: int, m: int, cfg: ZipkvConfig):
     lc = capture.layers[layer]
     H, N, d = lc.keys.shape
     g = lc.queries.shape[0] // H
-    train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, capture.rope, m,
+    train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, rope_of(capture, layer), m,
                                        horizon=cfg.horizon, validation_every=cfg.validation_every)
     return lc, train, validation
+
+
+def _compressed_inputs(capture, m: int, cfg) -> list:
+    """Per layer, :func:`_layer_inputs` for the layers a distiller compresses, ``None`` for the others
+    (:func:`zipkv.distill.kvsculpt.compressed_layers`: Gemma 3's sliding-window layers keep their window)."""
+    from .kvsculpt import compressed_layers
+
+    kept = set(compressed_layers(capture))
+    return [_layer_inputs(capture, layer, m, cfg) if layer in kept else None for layer in range(len(capture.layers))]
 
 
 def _assemble(capture, inputs, solved, ks, m, ratio, seconds) -> BiasedCache:
     L = len(inputs)
     H, N, _ = capture.layers[0].keys.shape
     keys, values, bias = [], [], []
-    info = {name: torch.zeros(L, H, dtype=torch.float64) for name in ("train", "validation", "ridge") if name in solved[0]}
-    for layer, ((lc, _, _), out) in enumerate(zip(inputs, solved)):
+    first = next(out for out in solved if out is not None)
+    info = {name: torch.zeros(L, H, dtype=torch.float64) for name in ("train", "validation", "ridge") if name in first}
+    for layer, (inp, out) in enumerate(zip(inputs, solved)):
+        if inp is None:  # not compressed: the layer's window, β = 0
+            window_keys, window_values = capture.kept_pairs(layer)
+            keys.append(list(window_keys.unbind(0)))
+            values.append(list(window_values.unbind(0)))
+            bias.append([torch.zeros(window_keys.shape[1], device=window_keys.device) for _ in range(H)])
+            continue
+        lc = inp[0]
         keys.append([torch.cat([out["keys"][h].to(lc.keys), lc.keys[h, N - m:]]) for h in range(H)])
         values.append([torch.cat([out["values"][h].to(lc.values), lc.values[h, N - m:]]) for h in range(H)])
         bias.append([torch.cat([out["bias"][h].float().cpu(), torch.zeros(m)]).to(lc.keys.device) for h in range(H)])
@@ -363,7 +383,8 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
             of the future queries alone.
 
     Returns:
-        A :class:`~zipkv.distill.bias.BiasedCache` with ``k_lh + m`` pairs per head (β on the first ``k_lh``);
+        A :class:`~zipkv.distill.bias.BiasedCache` with ``k_lh + m`` pairs per head (β on the first ``k_lh``; a
+        sliding-window layer keeps its window, ``k_lh = 0``, :func:`zipkv.distill.kvsculpt.compressed_layers`);
         ``info`` holds ``[L, H]`` tensors ``train``, ``validation`` (objectives), ``ridge`` (chosen ``λ₀``)
         and, with a non-uniform budget, ``signal``.
     """
@@ -381,26 +402,32 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
     L = len(capture.layers)
     H, N, d = capture.layers[0].keys.shape
     k = budget_for_ratio(ratio, N, m)
-    inputs = [_layer_inputs(capture, layer, m, cfg) for layer in range(L)]
-    solved = [distil_layer(lc.keys, lc.values, tr, va, m, k, cfg)
-              for lc, tr, va in tqdm(inputs, desc="zipkv", disable=not progress, leave=False)]
-    ks = torch.full((L, H), k)
+    inputs = _compressed_inputs(capture, m, cfg)
+    kept = [layer for layer, inp in enumerate(inputs) if inp is not None]
+    solved = [None if inp is None else distil_layer(inp[0].keys, inp[0].values, inp[1], inp[2], m, k, cfg)
+              for inp in tqdm(inputs, desc="zipkv", disable=not progress, leave=False)]
+    ks = torch.zeros(L, H, dtype=torch.long)
+    ks[kept] = k
     if budget == "uniform" or k == N - m:
         if cascade:
             return compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
         return _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
     if budget == "pilot":
-        signal = torch.stack([out["validation"].double().cpu() for out in solved])
+        signal = torch.stack([torch.zeros(H, dtype=torch.float64) if out is None else out["validation"].double().cpu()
+                              for out in solved])
     else:
         uniform = _assemble(capture, inputs, solved, ks, m, ratio, 0.0)
-        signal = head_sensitivity(model, BiasedCache.from_capture(capture), uniform, probe)
-    ks = allocate(signal.clamp_min(1e-12), k * L * H, alpha=alpha, per_head=True, k_min=1, k_max=N - m)
+        signal = head_sensitivity(model, BiasedCache.from_capture(capture), uniform, probe, layers=kept)
+    ks = torch.zeros(L, H, dtype=torch.long)
+    ks[kept] = allocate(signal[kept].clamp_min(1e-12), k * len(kept) * H, alpha=alpha, per_head=True, k_min=1,
+                        k_max=N - m)
     if cascade:
         cache = compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
         cache.seconds = time.perf_counter() - started
         cache.info["signal"] = signal
         return cache
-    for layer, (lc, tr, va) in enumerate(inputs):
+    for layer in kept:
+        lc, tr, va = inputs[layer]
         heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], tr[h:h + 1], va[h:h + 1], m, int(ks[layer, h]), cfg)
                  for h in range(H)]
         solved[layer] = {name: [out[name][0] for out in heads] for name in heads[0]}
@@ -425,6 +452,8 @@ def _cascade_attention(module, query, key, value, attention_mask, scaling, dropo
 
     state = _cascade
     layer = module.layer_idx
+    if state["inputs"][layer] is None:  # a layer that is not compressed attends as the model does
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     lc, tr, va = state["inputs"][layer]
     H, N, d = lc.keys.shape
     m = state["m"]
@@ -473,7 +502,10 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
         model: the model the capture came from.
         capture, ratio, m, config: as :func:`compress`.
         probe: :func:`sample_probe` of this context.
-        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``); default uniform ``k``.
+        budget: ``[L, H]`` pairs per head (e.g. a probe-budget cache's ``budget``), summing to ``k·H`` times
+            the number of compressed layers; default uniform ``k``. Layers that are not compressed (Gemma 3's sliding-window
+            layers, :func:`zipkv.distill.kvsculpt.compressed_layers`) have ``0``, keep their window and attend as
+            the model does.
         fit: ``fit(keys, values, train, validation, m, ks)`` → the layer's fitted pairs (``keys``, ``values``,
             ``bias`` indexable per head, plus per-head ``train``/``validation`` objectives); default
             :func:`per_head_fit` of ``config`` (Attention Matching passes its own, same queries).
@@ -481,25 +513,32 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
 
     An uncompressed budget (``k = N − m``) keeps every pair and changes nothing (the tests check KL 0).
     """
-    from transformers import AttentionInterface, DynamicCache
+    from transformers import DynamicCache
 
-    from .kvsculpt import budget_for_ratio
+    from zipkv.models import register_attention
+
+    from .kvsculpt import budget_for_ratio, compressed_layers
 
     cfg = config or ZipkvConfig()
     started = time.perf_counter()
     L = len(capture.layers)
     H, N, d = capture.layers[0].keys.shape
     k = budget_for_ratio(ratio, N, m)
-    ks = torch.full((L, H), k) if budget is None else torch.as_tensor(budget)
-    if tuple(ks.shape) != (L, H) or int(ks.sum()) != k * L * H:
+    kept = compressed_layers(capture)
+    if budget is None:
+        ks = torch.zeros(L, H, dtype=torch.long)
+        ks[kept] = k
+    else:
+        ks = torch.as_tensor(budget)
+    if tuple(ks.shape) != (L, H) or int(ks.sum()) != k * len(kept) * H:
         raise ValueError(f"budget has shape {tuple(ks.shape)} and total {int(ks.sum())}: expected [{L}, {H}] summing "
-                         f"to k·L·H = {k * L * H}")
-    inputs = [_layer_inputs(capture, layer, m, cfg) for layer in range(L)]
+                         f"to k·L·H = {k * len(kept) * H} over the {len(kept)} compressed layers")
+    inputs = _compressed_inputs(capture, m, cfg)
     param = next(model.parameters())
     past = DynamicCache([(lc.keys[None].to(param), lc.values[None].to(param)) for lc in capture.layers],
                         config=model.config)
     _cascade.update(inputs=inputs, m=m, ks=ks, solved=[None] * L, fit=fit or per_head_fit(cfg))
-    AttentionInterface.register(CASCADE_ATTENTION, _cascade_attention)
+    register_attention(CASCADE_ATTENTION, _cascade_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(CASCADE_ATTENTION)
     try:
@@ -529,6 +568,8 @@ def heldout_objective(capture_whole, n_context: int, cache: BiasedCache, m: int)
     H = capture_whole.layers[0].keys.shape[0]
     out = torch.zeros(L, H, dtype=torch.float64)
     for layer, lc in enumerate(capture_whole.layers):
+        if getattr(lc, "window", None) is not None:
+            continue  # a sliding-window layer is not compressed (its window kept): no objective
         g = lc.queries.shape[0] // H
         d = lc.keys.shape[-1]
         q = lc.queries[:, n_context:].float().reshape(H, g * (lc.queries.shape[1] - n_context), d)

@@ -35,6 +35,8 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from zipkv.models import rope_of
+
 from . import baselines, batched, budget as budget_mod
 from .baselines import JointConfig
 from .problem import Prepared, Problem, SculptConfig, Solution, Solver
@@ -180,8 +182,16 @@ class CompressedCache:
 
     @property
     def memory_ratio(self) -> float:
-        """Cached pairs over the full cache's ``L·H·N``."""
-        return float(self.lengths.sum()) / (self.num_layers * self.num_heads * self.n_context)
+        """Cached pairs over the pairs the model itself holds: the full cache's ``L·H·N``, except that a layer
+        with no compressed pairs (a ``budget`` row of zeros: a sliding-window layer kept as the model keeps it,
+        :func:`compressed_layers`) counts its own pairs, so that pairs the model drops by itself are not
+        counted as compressed away."""
+        lengths = self.lengths
+        held = torch.full((self.num_layers,), self.num_heads * self.n_context, dtype=torch.long)
+        if self.budget is not None:
+            kept = (torch.as_tensor(self.budget) == 0).all(dim=1)
+            held[kept] = lengths[kept].sum(dim=1)
+        return float(lengths.sum()) / int(held.sum())
 
     def padded(self, layer: int, dtype=None, device=None):
         """One layer padded to its longest head.
@@ -239,6 +249,14 @@ class CompressedCache:
                                ratio=self.ratio, bias=bias)
 
 
+def compressed_layers(capture) -> list[int]:
+    """The layers of ``capture`` a distiller compresses (:attr:`zipkv.models.Capture.compressed_layers`: every
+    layer of a Llama-family model; Gemma 3's global layers, its sliding-window layers kept as the model keeps
+    them, :meth:`zipkv.models.Capture.kept_pairs`)."""
+    layers = getattr(capture, "compressed_layers", None)
+    return list(range(len(capture.layers))) if layers is None else list(layers)
+
+
 def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
     """Compressed pairs per head ``k = round(r·N) − m`` for ratio ``r = (k + m)/N`` (§3.1).
 
@@ -291,9 +309,11 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
             raise ValueError(f"layer {layer}: queries {tuple(lc.queries.shape)}, expected [q_heads, {N}, {d}] "
                              f"with q_heads a multiple of kv_heads={H}")
     # "uniform" sampling draws no random numbers, so the per-head seeds do not matter and every query head
-    # of every layer goes through one training_queries call (elementwise the same as one call per head)
+    # of every layer goes through one training_queries call (elementwise the same as one call per head;
+    # only where every layer shares one RoPE)
     together = None
-    if strategy in DETERMINISTIC_STRATEGIES and len({lc.queries.shape[0] for lc in capture.layers}) == 1:
+    if (strategy in DETERMINISTIC_STRATEGIES and len({lc.queries.shape[0] for lc in capture.layers}) == 1
+            and capture.rope is not None):
         stacked = torch.stack([lc.queries for lc in capture.layers])  # [L, Hq, N, d]
         Hq = stacked.shape[1]
         together = training_queries(stacked.flatten(0, 1), capture.positions, capture.rope, m, n_synthetic,
@@ -305,7 +325,7 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
             if together is not None:
                 q = together[layer, head]
             else:
-                q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, capture.rope, m,
+                q = training_queries(lc.queries[head * g:(head + 1) * g], capture.positions, rope_of(capture, layer), m,
                                      n_synthetic, strategy=strategy, seed=seed + 7919 * layer + head)
             problems.append(Problem(keys=lc.keys[head], values=lc.values[head], queries=q, m=m,
                                     k=int(ks[layer, head]), scale=scale, layer=layer, head=head))
@@ -367,7 +387,9 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
             across ratios and methods; their ``k`` is replaced by the budget.
 
     Returns:
-        A :class:`CompressedCache` with ``k_lh + m`` pairs per layer and KV head.
+        A :class:`CompressedCache` with ``k_lh + m`` pairs per layer and KV head; a layer that is not
+        compressed (:func:`compressed_layers`: Gemma 3's sliding-window layers) keeps its window
+        (:meth:`zipkv.models.Capture.kept_pairs`) with ``k_lh = 0``, its losses and seconds NaN.
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
@@ -388,14 +410,18 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
             raise ValueError(f"problems: expected {L * H} problems (layer-major) with N={N} and m={m}, as "
                              "build_problems makes for this capture")
         problems = [replace(p, k=k) for p in problems]
+    kept = compressed_layers(capture)
+    if len(kept) < L:
+        problems = [p for p in problems if p.layer in set(kept)]
     if isinstance(budget, str):
         if budget not in BUDGETS:
             raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)} or an [L, H] tensor of ints")
         if budget != "uniform":
             pilot = (solver or solve)(problems, replace(cfg, steps=pilot_steps))
-            signal = _grid(problems, pilot, "loss", L, H)
-            ks = budget_mod.allocate(signal, k * L * H, alpha=alpha, per_head=budget == "pilot",
-                                     k_min=1, k_max=N - m)
+            signal = _grid(problems, pilot, "loss", L, H)[kept]
+            ks = torch.zeros(L, H, dtype=torch.long)
+            ks[kept] = budget_mod.allocate(signal, k * len(kept) * H, alpha=alpha, per_head=budget == "pilot",
+                                           k_min=1, k_max=N - m)
             problems = [replace(p, k=int(ks[p.layer, p.head])) for p in problems]
     else:
         ks = torch.as_tensor(budget)
@@ -412,8 +438,14 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
                                f"expected [{p.k}, {p.head_dim}]")
         keys[p.layer][p.head] = torch.cat([s.keys.to(p.keys.dtype).to(p.keys.device), p.keys[N - m:]])
         values[p.layer][p.head] = torch.cat([s.values.to(p.values.dtype).to(p.values.device), p.values[N - m:]])
+    ks = torch.zeros(L, H, dtype=torch.long)
+    for p in problems:
+        ks[p.layer, p.head] = p.k
+    for layer in sorted(set(range(L)) - set(kept)):
+        window_keys, window_values = capture.kept_pairs(layer)
+        keys[layer], values[layer] = list(window_keys.unbind(0)), list(window_values.unbind(0))
     return CompressedCache(keys, values, n_context=int(capture.positions[-1]) + 1, method=method, ratio=ratio,
-                           budget=torch.tensor([[p.k for p in problems[l * H:(l + 1) * H]] for l in range(L)]),
+                           budget=ks,
                            loss=_grid(problems, solutions, "loss", L, H),
                            initial_loss=_grid(problems, solutions, "initial_loss", L, H),
                            seconds=_grid(problems, solutions, "seconds", L, H))
