@@ -417,6 +417,24 @@ def _beyond(res: Results):
     return Measured(None, text)
 
 
+def _second_model(res: Results):
+    """The beyond chapter's second model (``kvsculpt_beyond_gemma.csv``) at r = 0.3: zipkv against the best
+    Select+Fit variant and Attention Matching; None while that table is absent."""
+    if not res.has("kvsculpt_beyond_gemma"):
+        return None
+    t = res["kvsculpt_beyond_gemma"]
+    t = t[t.ratio == 0.3]
+    kl = t.groupby("method").kl.mean()
+    best = min((x for x in ("select_fit", "select_fit_dense", "select_fit_future") if x in kl), key=kl.get)
+    per = t.pivot_table(index="window", columns="method", values="kl")
+    text = (f"{t.model.iloc[0]}, r = 0.3, {per.shape[0]} windows ({t.device.iloc[0]}): zipkv mean KL {kl['zipkv']:.3g}, "
+            f"{kl[best] / kl['zipkv']:.2f}× below the best Select+Fit ({best}, {kl[best]:.3g}; lower on "
+            f"{int((per.zipkv < per[best]).sum())} of {per.shape[0]} windows)")
+    if "attention_matching" in kl:
+        text += f", {kl['attention_matching'] / kl['zipkv']:.2f}× below Attention Matching"
+    return Measured(None, text)
+
+
 # ---------------------------------------------------------------- the claims
 
 Z, K = "ZipFusion", "KVSculpt"
@@ -540,6 +558,8 @@ CLAIMS: list[Claim] = [
           _solver_agreement),
     Claim(K, "beyond", "this project's own method and Attention Matching against KVSculpt", "kvsculpt_beyond", None,
           _beyond),
+    Claim(K, "beyond", "the same comparison on a second model (sliding-window layers kept as the model keeps them)",
+          "kvsculpt_beyond", None, _second_model),
 ]
 
 
