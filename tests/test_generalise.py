@@ -294,6 +294,12 @@ def test_compare_runs_the_bars_ratio_everywhere_first_and_picks_attention_matchi
     cut, _ = beyond.compare(model, windows, [0.3], methods=["select_fit", "zipkv"], m=M, probe_tokens=4,
                             time_budget_s=0.0, progress=False)
     assert len(cut) == 0  # nothing fits in no time
+    # a run over windows[1:] (window_offset=1) gives the rows a whole run gives there: the same probe, the same labels
+    whole = table[(table.window == 1) & table.method.isin(["select_fit", "zipkv"]) & (table.ratio == 0.3)]
+    part, _ = beyond.compare(model, windows[1:], [0.3], methods=["select_fit", "zipkv"], m=M, n_synthetic=8, steps=2,
+                             probe_tokens=4, window_offset=1, progress=False)
+    assert part.window.tolist() == [1, 1]
+    assert part.set_index("method").kl.to_dict() == whole.set_index("method").kl.to_dict()
 
 
 def test_chapter_verdict_names_ratios_a_time_budget_left_out_and_compares_equal_window_sets():

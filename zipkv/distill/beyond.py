@@ -135,7 +135,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
             am_config: attention_matching.AttentionMatchingConfig | None = None,
             main_ratio: float = 0.3, kvsculpt_ratios: Sequence[float] | None = None,
             kvsculpt_windows: int | None = None, ratio_windows: int | None = None, time_budget_s: float | None = None,
-            device=None, seed: int = 0, progress: bool = True):
+            device=None, seed: int = 0, window_offset: int = 0, progress: bool = True):
     """KL and seconds of every method at every ratio on every window (module docstring).
 
     The work runs in order of what the chapter's bars need, so that a ``time_budget_s`` cuts the least needed:
@@ -159,6 +159,9 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
             (default: all).
         time_budget_s: wall-clock seconds within which the passes stop (default: none).
         device: solver device for every method.
+        window_offset: the index of ``windows[0]`` among the study's windows: window ``i``'s probe is sampled with
+            seed ``seed + window_offset + i`` and labelled ``window_offset + i``, so a run over the study's windows
+            ``[j:]`` gives the rows that one run over all of them gives there.
 
     Returns:
         ``(table, objectives)``: ``table`` rows ``model, window, ratio, method, kl, seconds`` (and ``choice``, the
@@ -192,7 +195,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
 
     def state(w):
         if w not in states:
-            st = _Window(model, windows[w], methods, m, n_synthetic, probe_tokens, zcfg, seed, w)
+            st = _Window(model, windows[w], methods, m, n_synthetic, probe_tokens, zcfg, seed, w + window_offset)
             if progress:
                 print(f"window {w}: capture, reference, queries and probe ({st.seconds:.1f} s)", flush=True)
             if w < n_keep:
@@ -276,8 +279,10 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
     timed((w, ratio, ["kvsculpt"]) for ratio in [main_ratio] + others for w in range(len(windows))  # 3: KVSculpt
           if kvsculpt_at(w, ratio) and (math.isclose(ratio, main_ratio) or w < n_other))
     table = pd.DataFrame(rows, columns=["model", "window", "ratio", "method", "kl", "seconds", "choice"])
-    return (table.sort_values(["window", "ratio"], kind="stable").reset_index(drop=True),
-            pd.DataFrame(objective_rows, columns=["window", "method", "train", "heldout"]))
+    objectives = pd.DataFrame(objective_rows, columns=["window", "method", "train", "heldout"])
+    table["window"] += window_offset
+    objectives["window"] += window_offset
+    return table.sort_values(["window", "ratio"], kind="stable").reset_index(drop=True), objectives
 
 
 def layer_kl(model, window, ratio: float = 0.3, *, m: int = 256, probe_tokens: int = 64, device=None, seed: int = 0):

@@ -48,8 +48,8 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
         n_synthetic: int = 128, steps: int = 100, probe_tokens: int = 64, seed: int = 0, device: str = "cpu",
         first_window: int = 0, books_dir=None, progress: bool = True):
     """Run :func:`zipkv.distill.beyond.compare` on windows ``first_window … n_windows − 1`` of
-    :func:`zipkv.data.windows` (``seed``), one window per call (each with ``seed``: the probe's sampling seed
-    is the same for every window), appending each window's rows to ``out`` (created with a header when absent).
+    :func:`zipkv.data.windows` (``seed``), one window per call (``window_offset``: window ``w``'s probe is sampled
+    as a whole-study run samples it), appending each window's rows to ``out`` (created with a header when absent).
 
     Returns the ``pandas.DataFrame`` of the rows written by this call.
     """
@@ -76,8 +76,7 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
         started = time.perf_counter()
         table, _ = beyond.compare(model, [windows[w]], list(ratios), list(methods), m=m, n_synthetic=n_synthetic,
                                   steps=steps, probe_tokens=probe_tokens, main_ratio=ratios[0], device=device,
-                                  seed=seed, progress=progress)
-        table["window"] = w
+                                  seed=seed, window_offset=w, progress=progress)
         table["pg_id"] = windows[w].pg_id
         for key, value in settings.items():
             table[key] = value
