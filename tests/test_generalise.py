@@ -321,3 +321,21 @@ def test_chapter_verdict_names_ratios_a_time_budget_left_out_and_compares_equal_
     assert "at r = 0.5 (2 windows) it is 0.5× the best baseline's" in text
     met, _ = chapter.verdict(stats, table, [0.3, 0.5], model="m", n_windows=4, scaled=False)
     assert met.endswith(": met.")
+
+
+def test_extra_rows_join_only_this_model_and_settings_and_what_the_run_lacks(tmp_path):
+    import pandas as pd
+
+    from zipkv.chapters import beyond as chapter
+
+    table = pd.DataFrame({"model": ["m"] * 2, "window": [0, 0], "ratio": [0.3, 0.3], "method": ["zipkv", "select_fit"],
+                          "kl": [0.01, 0.05], "seconds": [1.0, 1.0], "choice": ["", ""]})
+    extra = pd.DataFrame({"model": ["m", "m", "other", "m"], "window": [0, 1, 1, 1], "ratio": [0.3, 0.5, 0.5, 0.5],
+                          "method": ["zipkv", "zipkv", "zipkv", "select_fit"], "kl": [0.9, 0.02, 0.03, 0.04],
+                          "seconds": [2.0] * 4, "choice": [""] * 4, "context": [2048, 2048, 2048, 1024],
+                          "device": ["H200"] * 4, "commit": ["abc"] * 4, "date": ["2026-12-01"] * 4})
+    extra.to_csv(tmp_path / "x.csv", index=False)
+    out, text = chapter.with_extra_rows(table, tmp_path / "x.csv", context=2048)
+    assert out[["window", "ratio", "method", "kl"]].values.tolist()[-1] == [1, 0.5, "zipkv", 0.02] and len(out) == 3
+    assert "H200, commit abc" in text and "r = 0.5 on 1 windows" in text
+    assert chapter.with_extra_rows(table, None)[1] == "" and "absent" in chapter.with_extra_rows(table, tmp_path / "y")[1]

@@ -10,6 +10,30 @@ import pandas as pd
 from zipkv.distill import beyond
 
 
+def with_extra_rows(table: pd.DataFrame, extra_csv, **settings) -> tuple[pd.DataFrame, str]:
+    """(table, sentence): ``table`` plus the rows of ``extra_csv`` (written by ``python -m zipkv.distill.second_model``
+    for this chapter's model) that it lacks, where their settings (``context``, ``m``, ``n_synthetic``, ``steps``,
+    ``probe_tokens``) equal ``settings``; the sentence names their source, device, commit and date. Rows for a
+    (window, ratio, method) that ``table`` has are not taken."""
+    from pathlib import Path
+
+    if extra_csv is None:
+        return table, ""
+    if not Path(extra_csv).is_file():
+        return table, f"No rows from a separate run: `{extra_csv}` is absent."
+    extra = pd.read_csv(extra_csv)
+    extra = extra[(extra.model == table.model.iloc[0])
+                  & np.logical_and.reduce([extra[k] == v for k, v in settings.items()])]
+    have = pd.MultiIndex.from_frame(table[["window", "ratio", "method"]])
+    extra = extra[~pd.MultiIndex.from_frame(extra[["window", "ratio", "method"]]).isin(have)]
+    if extra.empty:
+        return table, f"No rows of `{extra_csv}` add to this run's (same model and settings)."
+    runs = "; ".join(f"{d}, commit {c}, {day}" for (d, c, day), _ in extra.groupby(["device", "commit", "date"]))
+    ratios = ", ".join(f"r = {r:g} on {g.window.nunique()} windows" for r, g in extra.groupby("ratio"))
+    return (pd.concat([table, extra[list(table.columns)]], ignore_index=True),
+            f"Rows from a separate run of `python -m zipkv.distill.second_model` (`{extra_csv}`: {runs}): {ratios}.")
+
+
 def with_table1_kvsculpt(table: pd.DataFrame, table1_csv) -> tuple[pd.DataFrame, str]:
     """(table, sentence): where this run has no KVSculpt rows, KVSculpt's (paper setting) from Table 1's committed
     table ``table1_csv`` on the windows both ran, if they are the same windows under the same evaluation
@@ -29,6 +53,21 @@ def with_table1_kvsculpt(table: pd.DataFrame, table1_csv) -> tuple[pd.DataFrame,
     return pd.concat([table, rows], ignore_index=True), (
         f"KVSculpt (paper) rows: Table 1's run (`{table1_csv}`) on the {rows.window.nunique()} windows both ran, "
         "the same windows under the same evaluation (Select+Fit's KLs agree to 1e-4).")
+
+
+def extended(table: pd.DataFrame, extra_csv, table1_csv, **settings) -> tuple[pd.DataFrame, str]:
+    """(table, sentence): :func:`with_extra_rows`, then :func:`with_table1_kvsculpt`; the sentence names both sources."""
+    table, extra = with_extra_rows(table, extra_csv, **settings)
+    table, kvsculpt = with_table1_kvsculpt(table, table1_csv)
+    return table, " ".join(x for x in (extra, kvsculpt) if x)
+
+
+def best_select_fit_note(stats: pd.DataFrame, device: str) -> str:
+    """The device and, per ratio, which Select+Fit variant is the best (the one the verdict compares against)."""
+    return (f"Device: {device}. Best Select+Fit per ratio: "
+            + ", ".join(f"r = {r}: {beyond.LABELS[x]}" for r, x in best_select_fit(stats).items())
+            + ". The paper reports no numbers for Attention Matching or zipkv; its KVSculpt and Select+Fit numbers are "
+            "in the chapter on Table 1.")
 
 
 def kl_stats(table: pd.DataFrame) -> pd.DataFrame:

@@ -94,7 +94,8 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m zipkv.distill.second_model", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", required=True, help="a .gguf file, a model folder or a Hugging Face id")
+    parser.add_argument("--gguf", default=None, help="a .gguf file, a model folder or a Hugging Face id (default: the "
+                        "embedded SmolLM2-135M-Instruct, e.g. to extend the chapter's own table: --first-window, --ratios)")
     parser.add_argument("--out", required=True, help="CSV the rows are appended to")
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--first-window", type=int, default=0, help="resume: the first window to run")
