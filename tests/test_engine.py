@@ -265,3 +265,19 @@ def test_token_agreement_counts_requests_and_first_differences():
     a = token_agreement([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 0]])
     assert a == dict(identical=1, requests=3, first_difference=[1, 2])
     assert "zipfusion 1 of 3 (the others first differ at new token 1, 2)" in agreement_text({"zipfusion": a})
+
+
+def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
+    import pandas as pd
+
+    from zipkv import throughput
+
+    big = pd.DataFrame({"method": ["uncompressed", "uncompressed", "zipfusion", "zipfusion"], "batch": [32, 40, 32, 50],
+                        "max_batch": [40, 40, 50, 50], "tokens_per_s": [1000.0, 1200.0, 900.0, 1400.0],
+                        "kv_budget_bytes": [2**30] * 4, "frac_compressed_k": [0, 0, 0.8, 0.8],
+                        "frac_compressed_v": [0, 0, 0.9, 0.9], "stored_bits_per_value": [16.0, 16.0, 12.8, 12.8],
+                        "step_ms": [20.0, 25.0, 21.0, 30.0]})
+    c = throughput.bar_checks(big, 32)
+    assert c["kv_requests"] == 50 * 12.8 / 16 and c["step_needed_ms"] == 25.0 * 50 / (40 * 1.25)
+    text, kind = throughput.verdict(big, 32)
+    assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in text and kind == "warning"

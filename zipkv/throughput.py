@@ -386,7 +386,11 @@ def bar_checks(big, fixed_batch: int) -> dict:
                fixed=at_fixed("zipfusion").tokens_per_s / at_fixed("uncompressed").tokens_per_s,
                vs_restore=z.tokens_per_s / at_max(best).tokens_per_s if best else float("nan"),
                # the largest batch if admission counted a request at its stored size (prefix compressed)
-               capacity_bound=u.batch * u.stored_bits_per_value / z.stored_bits_per_value)
+               capacity_bound=u.batch * u.stored_bits_per_value / z.stored_bits_per_value,
+               # ZipFusion's KV at its largest batch in uncompressed requests' worth of bytes, and the step time
+               # at that batch that the tokens/s bar needs
+               kv_requests=z.batch * z.stored_bits_per_value / u.stored_bits_per_value,
+               step_needed_ms=u.step_ms * z.batch / (u.batch * BARS["tokens_per_s"]))
     return out
 
 
@@ -418,6 +422,8 @@ def verdict(big, fixed_batch: int):
                  f"{mark('vs_restore')}). ")
     text += (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value ({z.frac_compressed_k:.1%} of K and "
              f"{z.frac_compressed_v:.1%} of V blocks compressed), so the budget holds at most about "
-             f"{c['capacity_bound']:.1f} such requests; decode step {z.step_ms:.1f} ms at batch {z.batch} vs "
-             f"{u.step_ms:.1f} ms for uncompressed at batch {u.batch}.")
+             f"{c['capacity_bound']:.1f} such requests. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
+             f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
+             f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
+             f"batch {u.batch}.")
     return text, ("tip" if ok else "warning")
