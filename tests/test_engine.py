@@ -281,3 +281,20 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     assert c["kv_requests"] == 50 * 12.8 / 16 and c["step_needed_ms"] == 25.0 * 50 / (40 * 1.25)
     text, kind = throughput.verdict(big, 32)
     assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in text and kind == "warning"
+
+
+def test_paper_rows_fall_back_to_the_committed_gpu_table(tmp_path):
+    import pandas as pd
+
+    from zipkv import throughput
+    from zipkv.settings import THROUGHPUT_PAPER_MODEL
+
+    e2e = pd.DataFrame({"model": ["SmolLM2"], "method": ["zipfusion"], "kv_budget_bytes": [2**20]})
+    gpu = pd.DataFrame({"model": [THROUGHPUT_PAPER_MODEL, "SmolLM2"], "method": ["zipfusion", "zipfusion"]})
+    gpu.to_csv(tmp_path / "t.csv", index=False)
+    rows, note = throughput.paper_rows(e2e, tmp_path / "t.csv")
+    assert rows.model.tolist() == [THROUGHPUT_PAPER_MODEL] and "committed GPU run" in note
+    rows, note = throughput.paper_rows(pd.concat([gpu, e2e]), tmp_path / "t.csv")
+    assert len(rows) == 1 and note == ""
+    assert "SmolLM2, 3 PG19 windows" in throughput.e2e_text(
+        e2e, {"zipfusion": dict(identical=3, requests=3, first_difference=[])}, requests=3, context=64, new_tokens=8)

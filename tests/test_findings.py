@@ -154,15 +154,3 @@ def test_bad_results_dir_is_a_clear_error(tmp_path, bad):
     with pytest.raises((ValueError, TypeError)):
         findings.findings(tmp_path / "missing" if bad else bad)
 
-
-def test_table1_kvsculpt_joins_only_the_same_windows_under_the_same_evaluation():
-    beyond = pd.DataFrame({"model": ["m"] * 4, "window": [0, 0, 1, 1], "ratio": [0.3] * 4,
-                           "method": ["select_fit", "zipkv"] * 2, "kl": [0.05, 0.01, 0.04, 0.02],
-                           "seconds": [1.0] * 4, "choice": [""] * 4})
-    main = pd.DataFrame({"window": [0, 0, 2, 2], "ratio": [0.3] * 4, "method": ["select_fit", "kvsculpt"] * 2,
-                         "kl": [0.05, 0.06, 0.03, 0.07], "seconds": [2.0] * 4})
-    rows = findings.table1_kvsculpt(beyond, main)
-    assert list(rows.columns) == list(beyond.columns)
-    assert rows[["window", "method", "kl"]].values.tolist() == [[0, "kvsculpt", 0.06]]
-    other = main.assign(kl=main.kl.where(main.method != "select_fit", 0.051))  # another evaluation or window
-    assert findings.table1_kvsculpt(beyond, other).empty

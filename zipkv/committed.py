@@ -5,6 +5,7 @@ main table (parameter ``from_results = True``): :func:`read_committed_csv` reads
 holds it at ``HEAD`` (the pipeline clears the working copy before a run), and :func:`origin` names
 the commit that last changed it and the run that measured it: the table's own ``device``, ``date`` and
 ``commit`` columns where it has them, else the provenance of the executed notebook committed with it.
+:func:`table1_kvsculpt` takes one chapter's rows from another's committed table where both ran the same windows.
 """
 from __future__ import annotations
 
@@ -60,3 +61,15 @@ def origin(path: str | Path) -> dict:
                 return run["results_from"]
             record.update({f"run_{k}": run[k] for k in ("device", "date", "commit") if k in run})
     return record
+
+
+def table1_kvsculpt(beyond: pd.DataFrame, main: pd.DataFrame) -> pd.DataFrame:
+    """KVSculpt's rows (paper setting) from Table 1's table ``main`` on the (window, ratio) pairs that the beyond
+    chapter's table ``beyond`` also ran, in ``beyond``'s columns, provided the two runs are the same windows under the
+    same evaluation: both tables' Select+Fit (paper's queries) KLs agree there to 1e-4 relative. Empty otherwise."""
+    keys = ["window", "ratio"]
+    sf = beyond[beyond.method == "select_fit"].merge(main[main.method == "select_fit"], on=keys, suffixes=("", "_t1"))
+    if sf.empty or not ((sf.kl - sf.kl_t1).abs() <= 1e-4 * sf.kl_t1.abs()).all():
+        return beyond.iloc[:0]
+    rows = main[main.method == "kvsculpt"].merge(sf[keys], on=keys)
+    return rows.assign(model=beyond.model.iloc[0], choice="")[list(beyond.columns)]

@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple
 import pandas as pd
 
 from zipkv import paper_values as pv
+from zipkv.committed import table1_kvsculpt
 from zipkv.settings import PROJECT_TARGETS, THROUGHPUT_PAPER_MODEL, ZIPFUSION_PAPER
 
 COLUMNS = ["paper", "item", "claim", "paper_value", "our_value", "verdict", "chapter"]
@@ -377,16 +378,22 @@ def _solver_agreement(res: Results):
                           f"(project target within {100 * PROJECT_TARGETS.solver_loss_within:g} %)")
 
 
-def table1_kvsculpt(beyond: pd.DataFrame, main: pd.DataFrame) -> pd.DataFrame:
-    """KVSculpt's rows (paper setting) from Table 1's table ``main`` on the (window, ratio) pairs that the beyond
-    chapter's table ``beyond`` also ran, in ``beyond``'s columns, provided the two runs are the same windows under the
-    same evaluation: both tables' Select+Fit (paper's queries) KLs agree there to 1e-4 relative. Empty otherwise."""
-    keys = ["window", "ratio"]
-    sf = beyond[beyond.method == "select_fit"].merge(main[main.method == "select_fit"], on=keys, suffixes=("", "_t1"))
-    if sf.empty or not ((sf.kl - sf.kl_t1).abs() <= 1e-4 * sf.kl_t1.abs()).all():
-        return beyond.iloc[:0]
-    rows = main[main.method == "kvsculpt"].merge(sf[keys], on=keys)
-    return rows.assign(model=beyond.model.iloc[0], choice="")[list(beyond.columns)]
+_SELECT_FIT = ("select_fit", "select_fit_dense", "select_fit_future")
+"""The beyond chapter's Select+Fit variants (``zipkv.distill.beyond.SELECT_FIT_VARIANTS``, not imported: no torch here)."""
+
+
+def _zipkv_against_baselines(t: pd.DataFrame) -> str:
+    """zipkv's mean KL in ``t`` (one ratio) against the best Select+Fit variant and Attention Matching."""
+    kl, per = t.groupby("method").kl.mean(), t.pivot_table(index="window", columns="method", values="kl")
+    text = f"zipkv mean KL {kl['zipkv']:.3g}"
+    sf = [x for x in _SELECT_FIT if x in kl]
+    if sf:
+        best = min(sf, key=kl.get)
+        text += (f", {kl[best] / kl['zipkv']:.2f}× below the best Select+Fit ({best}, {kl[best]:.3g}; lower on "
+                 f"{int((per.zipkv < per[best]).sum())} of {per[[best, 'zipkv']].dropna().shape[0]} windows)")
+    if "attention_matching" in kl:
+        text += f", {kl['attention_matching'] / kl['zipkv']:.2f}× below Attention Matching"
+    return text
 
 
 def _beyond(res: Results):
@@ -398,14 +405,7 @@ def _beyond(res: Results):
     if "zipkv" not in kl:
         best = kl.idxmin()
         return Measured(None, f"r = {r:g}: best {best} (mean KL {kl[best]:.3g})")
-    z = kl["zipkv"]
-    text = f"r = {r:g}, {t[t.method == 'zipkv'].window.nunique()} windows: zipkv mean KL {z:.3g}"
-    sf = [x for x in ("select_fit", "select_fit_dense", "select_fit_future") if x in kl]
-    if sf:
-        best = min(sf, key=kl.get)
-        text += f", {kl[best] / z:.2f}× below the best Select+Fit ({best}, {kl[best]:.3g})"
-    if "attention_matching" in kl:
-        text += f", {kl['attention_matching'] / z:.2f}× below Attention Matching"
+    text = f"r = {r:g}, {t[t.method == 'zipkv'].window.nunique()} windows: " + _zipkv_against_baselines(t)
     source = ""
     if "kvsculpt" not in kl and res.has("kvsculpt_main"):
         t, source = pd.concat([t, table1_kvsculpt(t, res["kvsculpt_main"])]), " of Table 1's run"
@@ -424,15 +424,8 @@ def _second_model(res: Results):
         return None
     t = res["kvsculpt_beyond_gemma"]
     t = t[t.ratio == 0.3]
-    kl = t.groupby("method").kl.mean()
-    best = min((x for x in ("select_fit", "select_fit_dense", "select_fit_future") if x in kl), key=kl.get)
-    per = t.pivot_table(index="window", columns="method", values="kl")
-    text = (f"{t.model.iloc[0]}, r = 0.3, {per.shape[0]} windows ({t.device.iloc[0]}): zipkv mean KL {kl['zipkv']:.3g}, "
-            f"{kl[best] / kl['zipkv']:.2f}× below the best Select+Fit ({best}, {kl[best]:.3g}; lower on "
-            f"{int((per.zipkv < per[best]).sum())} of {per.shape[0]} windows)")
-    if "attention_matching" in kl:
-        text += f", {kl['attention_matching'] / kl['zipkv']:.2f}× below Attention Matching"
-    return Measured(None, text)
+    return Measured(None, f"{t.model.iloc[0]}, r = 0.3, {t.window.nunique()} windows ({t.device.iloc[0]}): "
+                          + _zipkv_against_baselines(t))
 
 
 # ---------------------------------------------------------------- the claims

@@ -19,7 +19,7 @@ from zipkv.engine import Engine, Prefix, kv_budget_for
 from zipkv.settings import THROUGHPUT_PAPER_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "GPU_LAYOUTS", "random_llama", "real_kv_blocks", "real_prefix",
-           "make_codec", "restore_buffer_pages", "token_agreement", "agreement_text", "decode_throughput",
+           "make_codec", "restore_buffer_pages", "token_agreement", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
            "largest_batch_budget", "figure5", "verdict", "plot_throughput", "plot_memory_timeline"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -292,6 +292,32 @@ def token_agreement(outputs, reference) -> dict:
     first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
              for o, r in zip(outputs, reference) if o != r]
     return dict(identical=len(outputs) - len(first), requests=len(outputs), first_difference=first)
+
+
+def paper_rows(table, committed_csv=None):
+    """``(rows, note)``: the Fig. 5-setting rows of ``table`` (``model`` = :data:`THROUGHPUT_PAPER_MODEL`), else --
+    a run without them, e.g. the CPU profile -- those of the committed GPU table ``committed_csv``, with a note
+    saying so."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    rows = table[table.model == THROUGHPUT_PAPER_MODEL]
+    if rows.empty and committed_csv is not None and Path(committed_csv).exists():
+        committed = pd.read_csv(committed_csv)
+        return (committed[committed.model == THROUGHPUT_PAPER_MODEL],
+                f"Llama-8B-shape rows: the committed GPU run (`{committed_csv}`).")
+    return rows, ""
+
+
+def e2e_text(table, same: dict, *, requests: int, context: int, new_tokens: int) -> str:
+    """The end-to-end paragraph: the embedded model's run (``table``'s rows outside the Fig. 5 setting) and how
+    far each method's greedy tokens agree with uncompressed's (:func:`agreement_text`)."""
+    e2e = table[table.model != THROUGHPUT_PAPER_MODEL]
+    return (f"End to end ({e2e.model.iloc[0]}, {requests} PG19 windows of {context} tokens, {new_tokens} new tokens, "
+            f"budget {e2e.kv_budget_bytes.iloc[0] / 2**20:.1f} MiB), {agreement_text(same)}. The stored KV is "
+            "bit-exact for every method; on a GPU each method reads it through another attention kernel (another "
+            "summation order), so near-ties in a bf16 model's logits may break differently.")
 
 
 def agreement_text(same: dict) -> str:

@@ -37,10 +37,10 @@ def with_extra_rows(table: pd.DataFrame, extra_csv, **settings) -> tuple[pd.Data
 def with_table1_kvsculpt(table: pd.DataFrame, table1_csv) -> tuple[pd.DataFrame, str]:
     """(table, sentence): where this run has no KVSculpt rows, KVSculpt's (paper setting) from Table 1's committed
     table ``table1_csv`` on the windows both ran, if they are the same windows under the same evaluation
-    (:func:`zipkv.findings.table1_kvsculpt`); the sentence says where KVSculpt's rows come from."""
+    (:func:`zipkv.committed.table1_kvsculpt`); the sentence says where KVSculpt's rows come from."""
     from pathlib import Path
 
-    from zipkv.findings import table1_kvsculpt
+    from zipkv.committed import table1_kvsculpt
 
     if (table.method == "kvsculpt").any() or table1_csv is None:
         return table, ""

@@ -24,7 +24,7 @@ from typing import Sequence
 
 from . import beyond
 
-DEFAULT_METHODS = tuple(x for x in beyond.METHODS)
+DEFAULT_METHODS = beyond.METHODS
 """Every method of :func:`zipkv.distill.beyond.compare` (KVSculpt last: its L-BFGS steps dominate)."""
 
 COLUMNS = ["model", "window", "ratio", "method", "kl", "seconds", "choice", "pg_id", "context", "continuation", "m",
