@@ -141,7 +141,8 @@ def largest_batch_budget(config, batch: int, tokens: int, *, pages_per_chunk: in
 
 def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, context: int = 8192,
                       new_tokens: int = 256, batch: int | None = None, submit: int | None = None,
-                      timed_steps: int | None = None, seed: int = 0, codec=None, **engine_kw) -> dict:
+                      timed_steps: int | None = None, seed: int = 0, codec=None, profile: bool = False,
+                      **engine_kw) -> dict:
     """Decode tokens/s of ``method`` (a key of :data:`METHODS`) for requests of ``context`` input tokens (a
     real-KV prefix of ``context - 1`` tokens + one prompt token) and ``new_tokens`` outputs, under
     ``kv_budget_bytes``.
@@ -152,8 +153,10 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     default ``new_tokens - 1``: every step after the first token); with CUDA graphs the first of them runs
     eagerly as the warm-up and is not timed. codec: a restore baseline's codec (:func:`make_codec`); its
     shared buffer holds ``batch`` requests' prefixes, or, for the largest batch, what
-    :func:`restore_buffer_pages` finds on a sample of the prefixes. Returns a row of the chapter's table
-    plus the run's ``stats``."""
+    :func:`restore_buffer_pages` finds on a sample of the prefixes. profile: after the run, time replays of
+    the last captured step graph and split its GPU time by kernel kind (:func:`zipkv.bench.engine.step_breakdown`;
+    columns ``replay_ms``, ``host_ms`` = ``step_ms - replay_ms``, ``<kind>_ms``; CUDA graphs only).
+    Returns a row of the chapter's table plus the run's ``stats``."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     if (method in RESTORE) != (codec is not None):
@@ -180,13 +183,20 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     steps = new_tokens - 1 if timed_steps is None else timed_steps
     res = engine.generate(prompts, new_tokens, prefixes=prefixes, max_decode_steps=steps, progress=False)
     st = res.stats
+    row = dict(method=method, batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"],
+               kv_budget_bytes=st["kv_budget_bytes"], frac_compressed_k=st["frac_compressed_k"],
+               frac_compressed_v=st["frac_compressed_v"], stored_bits_per_value=st["stored_bits_per_value"],
+               timed_steps=st["timed_steps"], step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
+               graph_capture_s=st["graph_capture_seconds"])
+    if profile and engine.graphs.graph is not None:
+        from zipkv.bench.engine import step_breakdown
+        br = step_breakdown(engine.graphs.graph)
+        row.update(replay_ms=br["replay_ms"], host_ms=row["step_ms"] - br["replay_ms"],
+                   **{f"{k}_ms": v for k, v in br["kernel_ms"].items()})
+        st["top_kernels"] = br["top_kernels"]
     del engine
     _free_device()
-    return dict(method=method, batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"],
-                kv_budget_bytes=st["kv_budget_bytes"], frac_compressed_k=st["frac_compressed_k"],
-                frac_compressed_v=st["frac_compressed_v"], stored_bits_per_value=st["stored_bits_per_value"],
-                timed_steps=st["timed_steps"], step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
-                graph_capture_s=st["graph_capture_seconds"], stats=st)
+    return dict(row, stats=st)
 
 
 def _free_device() -> None:
