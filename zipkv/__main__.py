@@ -6,6 +6,7 @@
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 ``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).
 ``python -m zipkv bench format [--out CSV]`` — the plain-torch format reference (eligible, pack, unpack) vs a plain scan.
+``python -m zipkv bench engine [--out CSV]`` — where the throughput chapter's decode steps go (zipkv.throughput.step_profile).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 
-GPU_BENCHMARKS = ("attention", "pack", "tune", "ncu", "ncu-targets")
+GPU_BENCHMARKS = ("attention", "pack", "tune", "ncu", "ncu-targets", "engine")
 """Benchmarks that time GPU kernels (``distill`` and ``format`` also run on the CPU)."""
 
 
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--force", action="store_true",
                       help="replace executed notebooks in book/ that another profile made")
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
-    bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format"])
+    bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format", "engine"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
     bench.add_argument("--contexts", type=int, nargs="+", default=None,
                        help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
@@ -81,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             table = pd.concat([format_benchmark(head_dim=d, device=device) for d in (64, 128)], ignore_index=True)
+        elif args.what == "engine":
+            from zipkv.throughput import step_profile
+
+            table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}))
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:

@@ -191,12 +191,108 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     if profile and engine.graphs.graph is not None:
         from zipkv.bench.engine import step_breakdown
         br = step_breakdown(engine.graphs.graph)
+        plan = (engine.attention.plans or [None])[0]
         row.update(replay_ms=br["replay_ms"], host_ms=row["step_ms"] - br["replay_ms"],
-                   **{f"{k}_ms": v for k, v in br["kernel_ms"].items()})
+                   **{f"{k}_ms": v for k, v in br["kernel_ms"].items()},
+                   num_splits=plan.num_splits if plan is not None else None)
         st["top_kernels"] = br["top_kernels"]
     del engine
     _free_device()
     return dict(row, stats=st)
+
+
+def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24, fixed_batch=32,
+                 uncompressed_max_batch=46, methods=("uncompressed", "zipfusion"), kv_windows=2, kv_window_context=2048,
+                 pages_per_chunk=16, seed=0):
+    """Decode-step breakdowns (``decode_throughput(profile=True)``) of ``methods`` at ``fixed_batch`` and at each
+    one's largest batch, in :func:`figure5`'s Llama-3.1-8B-shape setting (random weights, real-KV prefixes, the
+    budget of ``uncompressed_max_batch`` uncompressed requests), ``timed_steps`` decode steps each: a shorter
+    run than the chapter's, for the "where the step goes" table (``results/paper/zipfusion_engine_profile.csv``),
+    with the run's ``device``, ``commit`` and ``date``."""
+    import pandas as pd
+    from zipkv import data, models
+    small, tok = models.load_model(dtype=torch.bfloat16, device=device)
+    blocks = real_kv_blocks(small, tok, data.load_books(), windows=kv_windows, context=kv_window_context, seed=seed)
+    del small
+    model = random_llama(device)
+    budget = largest_batch_budget(model.config, uncompressed_max_batch, context + new_tokens - 1,
+                                  pages_per_chunk=pages_per_chunk)
+    rows = []
+    for method in methods:
+        for batch in (fixed_batch, None):
+            r = decode_throughput(model, method, kv_budget_bytes=budget, blocks=blocks, context=context,
+                                  new_tokens=new_tokens, batch=batch, timed_steps=timed_steps, seed=seed,
+                                  pages_per_chunk=pages_per_chunk, profile=True)
+            r.pop("stats")
+            rows.append({"model": THROUGHPUT_PAPER_MODEL, **r})
+    import datetime as dt
+    from zipkv import book
+    return pd.DataFrame(rows).assign(device=book.device_name(), commit=book._git_commit(book.REPO_ROOT),
+                                     date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"))
+
+
+STEP_PARTS = {"attention_ms": "attention kernels", "gemm_ms": "matrix products", "restore_ms": "restore kernels",
+              "kv_write_ms": "KV writes", "other_ms": "other kernels", "host_ms": "host (scheduling, page tables, tokens back)"}
+"""The parts of a decode step in :func:`step_table` (GPU kernel time by kind, then the host's share; the
+table adds ``gaps_ms``, the GPU's idle time between kernels of the replayed graph)."""
+
+
+def step_table(big, profile_csv=None):
+    """``(table, note)``: where each Llama-8B-shape decode step goes (ms per step by :data:`STEP_PARTS`, the
+    attention kernels' microseconds per request and layer) from ``big``'s profiled rows, else -- a run without
+    ``profile`` -- from the separate run ``profile_csv`` (note says which)."""
+    from pathlib import Path
+
+    import pandas as pd
+    src, note = big, ""
+    if "replay_ms" not in big.columns or big.replay_ms.isna().all():
+        if profile_csv is None or not Path(profile_csv).exists():
+            return pd.DataFrame(), "No decode-step breakdown: this run was not profiled and no profile CSV is committed."
+        src = pd.read_csv(profile_csv)
+        r = src.iloc[0]
+        note = (f"Step breakdown from a separate, shorter run (`{profile_csv}`: {r.device}, commit {r.commit}, {r.date}; "
+                f"{int(r.timed_steps)} timed steps per row): its step times differ a little from the table's.")
+    layers = LLAMA_8B["num_hidden_layers"]
+    cols = ["method", "batch", "step_ms", "replay_ms"] + [c for c in STEP_PARTS if c in src.columns]
+    t = src[cols].copy()
+    kernels = [c for c in STEP_PARTS if c in t.columns and c != "host_ms"]
+    t.insert(len(t.columns) - 1, "gaps_ms", t.replay_ms - t[kernels].sum(axis=1))   # GPU idle inside the graph
+    t["attention_us_per_request_layer"] = 1e3 * t.attention_ms / (t.batch * layers)
+    return t.reset_index(drop=True), note
+
+
+def step_text(steps) -> str:
+    """Why the tokens/s ratio at the largest batches is what it is, from :func:`step_table`'s rows."""
+    def row(method, largest):
+        rows = steps[steps.method == method].sort_values("batch")
+        return rows.iloc[-1 if largest else 0]
+    u, z, u32, z32 = row("uncompressed", True), row("zipfusion", True), row("uncompressed", False), row("zipfusion", False)
+    rest = lambda r: r.step_ms - r.attention_ms                                               # noqa: E731
+    per = lambda r: r.attention_us_per_request_layer                                          # noqa: E731
+    return (f"At the largest batches ({u.batch} uncompressed, {z.batch} ZipFusion) the attention kernels take "
+            f"{per(u):.2f} vs {per(z):.2f} µs per request and layer ({per(u) / per(z):.2f}×), while the rest of the step -- "
+            f"matrix products {z.gemm_ms:.1f} ms, other kernels {z.other_ms + z.kv_write_ms:.1f} ms, host {z.host_ms:.1f} ms "
+            f"for ZipFusion; {rest(u):.1f} ms in all for uncompressed -- is paid once per step by every method. "
+            f"Tokens/s at the largest batches is the batch ratio times the step-time ratio: {z.batch / u.batch:.3f} × "
+            f"{u.step_ms:.1f}/{z.step_ms:.1f} = {z.batch / u.batch * u.step_ms / z.step_ms:.3f}×, so above the batch ratio "
+            "only if ZipFusion's larger batch takes a shorter step. At batch "
+            f"{u32.batch} the attention kernels take {per(u32):.2f} (uncompressed) and {per(z32):.2f} µs (ZipFusion) per request "
+            f"and layer: the uncompressed kernel's per-request time grows {per(u) / per(u32):.2f}× from batch {u32.batch} to "
+            f"{u.batch}, ZipFusion's {per(z) / per(z32):.2f}× from {z32.batch} to {z.batch}. Two costs outside the kernels "
+            f"grow with the batch: the host's share ({u32.host_ms:.1f} → {u.host_ms:.1f} ms uncompressed, {z32.host_ms:.1f} → "
+            f"{z.host_ms:.1f} ms ZipFusion) and the GPU's idle time between the graph's kernels (replay minus kernel time: "
+            f"{u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, {z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion).")
+
+
+def step_section(big, profile_csv=None) -> list:
+    """The chapter's "where a decode step goes" displayables: a paragraph (:func:`step_text`, the source) and the
+    :func:`step_table`; one line saying why there is none when neither ``big`` nor ``profile_csv`` has a breakdown."""
+    from IPython.display import Markdown
+    steps, note = step_table(big, profile_csv)
+    if steps.empty:
+        return [Markdown(note)]
+    return [Markdown(f"**Where a decode step goes.** {step_text(steps)} {note}"),
+            steps.style.format(precision=2).hide(axis="index")]
 
 
 def _free_device() -> None:
@@ -344,7 +440,7 @@ def agreement_text(same: dict) -> str:
 def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256, timed_steps=None, restore_timed_steps=None,
             fixed_batch=32, uncompressed_max_batch=46, kv_windows=2, kv_window_context=2048, e2e_requests=12,
             e2e_context=1024, e2e_new_tokens=64, e2e_budget_requests=4, e2e_pages_per_chunk=16, pages_per_chunk=16,
-            seed=0, progress_csv=None):
+            seed=0, progress_csv=None, profile=False):
     """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens)`` (``e2e_same_tokens``: per method,
     :func:`token_agreement` with the uncompressed run).
 
@@ -356,7 +452,8 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
     baselines, default ``timed_steps``); always the embedded model end to end on PG19 windows (``e2e_*``).
     SplitZip's codebook is calibrated on captured KV of windows the prefixes do not use (seed + 1).
     ``shape=None`` runs the end-to-end part only (the CPU quick profile). progress_csv: rows are appended
-    there as they are measured (a long GPU run keeps what it measured)."""
+    there as they are measured (a long GPU run keeps what it measured). profile: each Llama-shape row also gets its
+    decode-step breakdown (``decode_throughput(profile=True)``; :func:`step_table`)."""
     import pandas as pd
     from zipkv import data
     if shape not in ("llama3.1-8b", None):
@@ -387,8 +484,8 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
         for m in METHODS:
             codec = make_codec(m, calibration) if m in RESTORE else None
             steps = restore_timed_steps if m in RESTORE and restore_timed_steps is not None else timed_steps
-            largest = decode_throughput(model, m, codec=codec, timed_steps=steps, **common)
-            fixed = decode_throughput(model, m, codec=codec, batch=fixed_batch, timed_steps=steps, **common)
+            largest = decode_throughput(model, m, codec=codec, timed_steps=steps, profile=profile, **common)
+            fixed = decode_throughput(model, m, codec=codec, batch=fixed_batch, timed_steps=steps, profile=profile, **common)
             for r in (fixed, largest):
                 big.append({"model": THROUGHPUT_PAPER_MODEL, **{k: v for k, v in r.items() if k != "stats"},
                             "max_batch": largest["batch"]})
