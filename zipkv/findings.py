@@ -417,6 +417,46 @@ def _beyond(res: Results):
     return Measured(None, text)
 
 
+def _beyond_other_ratios(res: Results):
+    """zipkv's distiller at the ratios other than 0.3 against the best baseline (any method but zipkv, by mean KL),
+    over the chapter's rows and those of the separate runs in ``kvsculpt_beyond_extra.csv`` (the same model and
+    settings; rows the chapter has are not taken)."""
+    t = res["kvsculpt_beyond"]
+    if res.has("kvsculpt_beyond_extra"):
+        extra = res["kvsculpt_beyond_extra"]
+        extra = extra[extra.model == t.model.iloc[0]]
+        have = pd.MultiIndex.from_frame(t[["window", "ratio", "method"]])
+        extra = extra[~pd.MultiIndex.from_frame(extra[["window", "ratio", "method"]]).isin(have)]
+        t = pd.concat([t, extra[list(t.columns)]], ignore_index=True)
+    parts = []
+    for r, g in t[t.ratio != 0.3].groupby("ratio"):
+        per = g.pivot_table(index="window", columns="method", values="kl")
+        if "zipkv" not in per:
+            continue
+        per = per.dropna()
+        base = per.drop(columns="zipkv").mean()
+        best = base.idxmin()
+        parts.append(f"r = {r:g}, {len(per)} windows: zipkv {per.zipkv.mean():.3g}, {base[best] / per.zipkv.mean():.1f}× "
+                     f"below the best baseline ({best}, {base[best]:.3g}; zipkv lower than every baseline on "
+                     f"{int((per.zipkv < per.drop(columns='zipkv').min(axis=1)).sum())} of {len(per)} windows)")
+    return Measured(None, "; ".join(parts)) if parts else None
+
+
+def _step_breakdown(res: Results):
+    """Where the throughput chapter's decode step goes at the largest batches (``zipfusion_engine_profile.csv``,
+    as :func:`zipkv.throughput.step_table` shows it)."""
+    if not res.has("zipfusion_engine_profile"):
+        return None
+    t = res["zipfusion_engine_profile"]
+    last = lambda m: t[t.method == m].sort_values("batch").iloc[-1]                          # noqa: E731
+    u, z = last("uncompressed"), last("zipfusion")
+    per = lambda x: x.attention_ms / x.batch                                                  # noqa: E731
+    return Measured(None, f"attention {per(u) / per(z):.2f}× faster per request (batch {z.batch} vs {u.batch}); "
+                          f"the step's other {z.step_ms - z.attention_ms:.1f} ms (matrix products, other kernels, GPU idle, "
+                          f"host) is paid per step: tokens/s {z.batch / u.batch:.3f} × {u.step_ms:.1f}/{z.step_ms:.1f} ms = "
+                          f"{z.batch / u.batch * u.step_ms / z.step_ms:.3f}× ({u.device}, commit {u.commit})")
+
+
 def _second_model(res: Results):
     """The beyond chapter's second model (``kvsculpt_beyond_gemma.csv``) at r = 0.3: zipkv against the best
     Select+Fit variant and Attention Matching; None while that table is absent."""
@@ -465,6 +505,8 @@ CLAIMS: list[Claim] = [
           _throughput_ratio(("splitzip",), False, batch=32), slack=1.1),
     Claim(Z, "beyond", "real KV cache: share of compressible blocks", "model_data_kv_cache", None, _compressible),
     Claim(Z, "beyond", "packed size of the real KV cache", "zipfusion_lossless_format", None, _cache_fraction),
+    Claim(Z, "beyond", "where a decode step goes at the largest batches (why the tokens/s ratio is what it is)",
+          "zipfusion_throughput", None, _step_breakdown),
     Claim(Z, "beyond", "pack kernel throughput (compress full pages on the GPU)", "zipfusion_pack_throughput", None,
           _pack),
     Claim(Z, "beyond", "compiled decode kernels: registers and spills", "zipfusion_kernel_resources", None,
@@ -551,6 +593,8 @@ CLAIMS: list[Claim] = [
           _solver_agreement),
     Claim(K, "beyond", "this project's own method and Attention Matching against KVSculpt", "kvsculpt_beyond", None,
           _beyond),
+    Claim(K, "beyond", "the same at r = 0.5, 0.7 and 0.2, against the best baseline", "kvsculpt_beyond", None,
+          _beyond_other_ratios),
     Claim(K, "beyond", "the same comparison on a second model (sliding-window layers kept as the model keeps them)",
           "kvsculpt_beyond", None, _second_model),
 ]
