@@ -361,3 +361,30 @@ def test_compression_keeps_room_for_reserved_pages():
     assert result == dict(moved=0, in_place=9)
     for _ in range(64):
         assert m.alloc("b", 1) is not None
+
+
+def test_new_pages_descriptors_are_written_once_per_step_and_equal_one_at_a_time_writes():
+    """A step's new pages get their descriptors in one write per layer (flush_pages); reading desc flushes, and the
+    descriptors equal those of flushing after every allocation (the old one-write-per-page path)."""
+    from zipkv.memory import KVMemory
+
+    def run(flush_each):
+        m = KVMemory(3, 2, 64, 3 * 64 * 2 * 2 * 2048, pages_per_chunk=4, device="cpu")
+        for r in range(3):
+            m.admit(r, 20, 40)
+        m.flush_pages()
+        for step in range(30):
+            for r in list(m.requests):
+                m.alloc(r, 1)
+                if flush_each:
+                    m.flush_pages()
+            if step == 11:
+                m.free(1)                           # a page freed, its id taken again by the next allocation
+        return m
+    a, b = run(True), run(False)
+    assert b._new_rows                               # deferred until someone reads the descriptors
+    ids = [p for r in a.requests.values() for p in r.pages]
+    assert [p for r in b.requests.values() for p in r.pages] == ids
+    for da, db in zip(a.desc, b.desc):
+        assert torch.equal(da[ids], db[ids])
+    assert not b._new_rows

@@ -234,6 +234,7 @@ class _Attention:
     def plan(self, rids) -> tuple:
         """Bring the static page table up to date for ``rids``; plan again when the composition changed.
         Returns the composition's key (what a captured step graph depends on)."""
+        self.memory.flush_pages()                                    # this step's new pages, one write per layer
         for l, c in enumerate(self.caches):
             if self.versions[l] != self.memory.version[l]:
                 if not self.static_kinds:

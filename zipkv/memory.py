@@ -101,7 +101,6 @@ class _Request:
     cache_len: int
     reserved: int                     # pages promised and not yet allocated
     held: list = field(default_factory=list)   # chunks held for the request's bytes kept elsewhere
-    ids: torch.Tensor | None = None   # ``pages`` as a device tensor (page_table), rebuilt when pages change
     serial: int = 0                   # admission number: tells a re-admitted request from its earlier self
 
 
@@ -198,8 +197,9 @@ class KVMemory:
         # pad: the pack kernel checks a whole slot fits after each offset
         self.extra_offset = self.total_bytes + self.slot_bytes
         self.pool = torch.zeros(self.extra_offset + extra_bytes, dtype=torch.uint8, device=self.device)
-        self.desc = [torch.zeros(self.max_pages + extra_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
-                     for _ in range(num_layers)]
+        self._desc = [torch.zeros(self.max_pages + extra_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
+                      for _ in range(num_layers)]
+        self._new_rows: list = []                                         # (page id, raw slot address per layer)
         self.version = [0] * num_layers                                   # bumped when desc[layer] changes
         self._pack = pack_slots or pack_slots_reference
         self._chunks = [_Chunk() for _ in range(self.num_chunks)]
@@ -386,20 +386,37 @@ class KVMemory:
         return c * self.chunk_bytes + s * self.page_bytes
 
     def _new_pages(self, n):
+        """Take ``n`` page ids with a raw slot in every layer. Their descriptors are written later, all of a
+        step's new pages at once (:meth:`flush_pages`): one write per layer instead of one per page and layer."""
         ids = [self._free_ids.pop() for _ in range(n)]
-        addr = []
-        for l in range(self.num_layers):
-            for p in ids:
+        for p in ids:
+            addr = []
+            for l in range(self.num_layers):
                 c, s = self._raw_alloc(l)
                 self._loc[l][p] = (RAW, c, s)
                 addr.append(self._slot_address(c, s))
-        if n:
-            addr = torch.tensor(addr, dtype=torch.int64).reshape(self.num_layers, n).to(self.device)
-            idx = torch.tensor(ids, dtype=torch.int64, device=self.device)
-            for l in range(self.num_layers):
-                self.desc[l][idx] = (addr[l][:, None, None, None] + self._raw_offsets) << 8
-                self.version[l] += 1
+            self._new_rows.append((p, addr))
         return ids
+
+    def flush_pages(self) -> None:
+        """Write the descriptors of the pages allocated since the last flush (raw slots), one indexed write per
+        layer. Reading :attr:`desc` flushes first; the engine flushes once per step, after its allocations."""
+        if not self._new_rows:
+            return
+        rows = dict(self._new_rows)               # a page id freed and taken again since: its latest slot
+        self._new_rows = []
+        idx = torch.tensor(list(rows), dtype=torch.int64).to(self.device)
+        addr = torch.tensor(list(rows.values()), dtype=torch.int64).T.contiguous().to(self.device)   # [L, n]
+        for l in range(self.num_layers):
+            self._desc[l][idx] = (addr[l][:, None, None, None] + self._raw_offsets) << 8
+            self.version[l] += 1
+
+    @property
+    def desc(self) -> list:
+        """Per layer the block descriptors ``int64 [pages, 2, kv_heads, blocks]`` (``zipkv.format``), shared with
+        the kernels' caches; pending new pages are written first (:meth:`flush_pages`)."""
+        self.flush_pages()
+        return self._desc
 
     def _free_page(self, p):
         for l in range(self.num_layers):
@@ -661,16 +678,13 @@ class KVMemory:
         """FlashInfer CSR page table of requests ``rids`` (the same for every layer): ``indptr``,
         ``indices``, ``last_page_len``, int32 on the pool's device."""
         reqs = [self._request(r) for r in rids]
-        indptr = [0]
+        indptr, indices = [0], []
         for r in reqs:
             indptr.append(indptr[-1] + _pages_for(r.cache_len))
-            if r.ids is None or r.ids.numel() != len(r.pages):
-                r.ids = torch.tensor(r.pages, dtype=torch.int32, device=self.device)
-        used = [r.ids[: _pages_for(r.cache_len)] for r in reqs]
-        indices = torch.cat(used) if used else torch.zeros(0, dtype=torch.int32, device=self.device)
+            indices += r.pages[: _pages_for(r.cache_len)]
         last = [r.cache_len - fmt.PAGE_TOKENS * (_pages_for(r.cache_len) - 1) for r in reqs]
-        t = lambda x: torch.tensor(x, dtype=torch.int32, device=self.device)      # noqa: E731
-        return t(indptr), indices, t(last)
+        t = lambda x: torch.tensor(x, dtype=torch.int32).to(self.device)          # noqa: E731  (one copy each)
+        return t(indptr), t(indices), t(last)
 
     # ------------------------------------------------------------------ compression
 

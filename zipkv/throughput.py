@@ -10,7 +10,9 @@ of SGLang; an H200 instead of the H100.
 """
 from __future__ import annotations
 
+import json
 import math
+import statistics
 
 import torch
 
@@ -187,6 +189,7 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
                kv_budget_bytes=st["kv_budget_bytes"], frac_compressed_k=st["frac_compressed_k"],
                frac_compressed_v=st["frac_compressed_v"], stored_bits_per_value=st["stored_bits_per_value"],
                timed_steps=st["timed_steps"], step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
+               step_ms_each=json.dumps([round(1e3 * x["seconds"], 3) for x in st["steps"]]),
                graph_capture_s=st["graph_capture_seconds"])
     if profile and engine.graphs.graph is not None:
         from zipkv.bench.engine import step_breakdown
@@ -255,14 +258,20 @@ def step_table(big, profile_csv=None):
     layers = LLAMA_8B["num_hidden_layers"]
     cols = ["method", "batch", "step_ms", "replay_ms"] + [c for c in STEP_PARTS if c in src.columns]
     t = src[cols].copy()
+    if "step_ms_each" in src.columns:                 # the decode steps after the warm-up: median and slowest
+        each = [json.loads(x)[1:] for x in src.step_ms_each]
+        t.insert(3, "step_ms_median", [statistics.median(e) for e in each])
+        t.insert(4, "step_ms_max", [max(e) for e in each])
+        t.insert(5, "slowest_step", [1 + max(range(len(e)), key=e.__getitem__) for e in each])
     kernels = [c for c in STEP_PARTS if c in t.columns and c != "host_ms"]
     t.insert(len(t.columns) - 1, "gaps_ms", t.replay_ms - t[kernels].sum(axis=1))   # GPU idle inside the graph
     t["attention_us_per_request_layer"] = 1e3 * t.attention_ms / (t.batch * layers)
     return t.reset_index(drop=True), note
 
 
-def step_text(steps) -> str:
-    """Why the tokens/s ratio at the largest batches is what it is, from :func:`step_table`'s rows."""
+def step_text(steps, context: int = 8192) -> str:
+    """Why the tokens/s ratio at the largest batches is what it is, from :func:`step_table`'s rows (``context``:
+    tokens per request before the first decode step)."""
     def row(method, largest):
         rows = steps[steps.method == method].sort_values("batch")
         return rows.iloc[-1 if largest else 0]
@@ -281,17 +290,28 @@ def step_text(steps) -> str:
             f"{u.batch}, ZipFusion's {per(z) / per(z32):.2f}× from {z32.batch} to {z.batch}. Two costs outside the kernels "
             f"grow with the batch: the host's share ({u32.host_ms:.1f} → {u.host_ms:.1f} ms uncompressed, {z32.host_ms:.1f} → "
             f"{z.host_ms:.1f} ms ZipFusion) and the GPU's idle time between the graph's kernels (replay minus kernel time: "
-            f"{u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, {z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion).")
+            f"{u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, {z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion)."
+            + (_slow_steps(u, context) if "step_ms_median" in steps else ""))
 
 
-def step_section(big, profile_csv=None) -> list:
+def _slow_steps(r, context: int) -> str:
+    """One sentence on a profiled row's slowest decode step against its median step (``context``: tokens cached
+    before the first decode step, so that step ``s`` writes token ``context + s``)."""
+    at = int(r.slowest_step)
+    why = (f", one of the steps where every request's new token opens a page: token {context + at} = "
+           f"{(context + at) // fmt.PAGE_TOKENS} × {fmt.PAGE_TOKENS}" if (context + at) % fmt.PAGE_TOKENS == 0 else "")
+    return (f" The mean step hides slow ones: {r.method} at batch {r.batch} has a median step of {r.step_ms_median:.1f} ms "
+            f"and a slowest of {r.step_ms_max:.1f} ms (decode step {at}{why}).")
+
+
+def step_section(big, profile_csv=None, context: int = 8192) -> list:
     """The chapter's "where a decode step goes" displayables: a paragraph (:func:`step_text`, the source) and the
     :func:`step_table`; one line saying why there is none when neither ``big`` nor ``profile_csv`` has a breakdown."""
     from IPython.display import Markdown
     steps, note = step_table(big, profile_csv)
     if steps.empty:
         return [Markdown(note)]
-    return [Markdown(f"**Where a decode step goes.** {step_text(steps)} {note}"),
+    return [Markdown(f"**Where a decode step goes.** {step_text(steps, context)} {note}"),
             steps.style.format(precision=2).hide(axis="index")]
 
 
