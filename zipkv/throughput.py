@@ -526,20 +526,27 @@ def paper_bars() -> dict:
             ("fixed", "splitzip"): ours / pv.ZIPFUSION_VS_SPLITZIP_BATCH32['Llama-3.1-8B']}
 
 
-def bar_checks(big, fixed_batch: int) -> dict:
-    """The chapter's numbers from the Llama-8B-shape rows ``big``: per bar of :data:`BARS` the measured
-    ratio, and what explains a shortfall (step times, stored bits, the capacity bound)."""
+def bar_checks(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256) -> dict:
+    """The chapter's numbers from the Llama-8B-shape rows ``big`` (requests of ``context`` input and ``new_tokens``
+    output tokens): per bar of :data:`BARS` the measured ratio, and what explains a shortfall (step times, stored
+    bits, the capacity bound and the bits per prefix value the batch bar needs)."""
     at_max = lambda m: big[(big.method == m) & (big.batch == big.max_batch)].iloc[0]       # noqa: E731
     at_fixed = lambda m: big[(big.method == m) & (big.batch == fixed_batch)].iloc[0]       # noqa: E731
     z, u = at_max("zipfusion"), at_max("uncompressed")
+    token_bytes = 2 * 2 * LLAMA_8B["num_hidden_layers"] * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
+    out_tokens = fmt.PAGE_TOKENS * math.ceil((new_tokens - 1) / fmt.PAGE_TOKENS)      # the output's raw pages
+    needed = math.ceil(BARS["max_batch"] * u.batch)
     restores = [m for m in RESTORE if (big.method == m).any()]
     best = max(restores, key=lambda m: at_max(m).tokens_per_s) if restores else None
     out = dict(z=z, u=u, best=best, best_row=at_max(best) if best else None,
                max_batch=z.batch / u.batch, tokens_per_s=z.tokens_per_s / u.tokens_per_s,
                fixed=at_fixed("zipfusion").tokens_per_s / at_fixed("uncompressed").tokens_per_s,
                vs_restore=z.tokens_per_s / at_max(best).tokens_per_s if best else float("nan"),
-               # the largest batch if admission counted a request at its stored size (prefix compressed)
-               capacity_bound=u.batch * u.stored_bits_per_value / z.stored_bits_per_value,
+               # the most requests the budget holds with the prefix at the measured bits per value and the output's
+               # pages raw (new KV stays uncompressed, §IV-A), and the bits per prefix value the batch bar needs
+               capacity_bound=u.kv_budget_bytes / (token_bytes * (context * z.stored_bits_per_value / 16 + out_tokens)),
+               bits_needed=16 * (u.kv_budget_bytes / (needed * token_bytes) - out_tokens) / context,
+               batch_needed=needed,
                # ZipFusion's KV at its largest batch in uncompressed requests' worth of bytes, and the step time
                # at that batch that the tokens/s bar needs
                kv_requests=z.batch * z.stored_bits_per_value / u.stored_bits_per_value,
@@ -547,10 +554,10 @@ def bar_checks(big, fixed_batch: int) -> dict:
     return out
 
 
-def verdict(big, fixed_batch: int):
+def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256):
     """The chapter's verdict from the Llama-8B-shape rows ``big``: ``(markdown, kind)``."""
     from zipkv import paper_values as pv
-    c = bar_checks(big, fixed_batch)
+    c = bar_checks(big, fixed_batch, context, new_tokens)
     z, u, b = c["z"], c["u"], c["best_row"]
     ok = all(c[k] >= BARS[k] for k in BARS)
 
@@ -575,7 +582,8 @@ def verdict(big, fixed_batch: int):
                  f"{mark('vs_restore')}). ")
     text += (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value ({z.frac_compressed_k:.1%} of K and "
              f"{z.frac_compressed_v:.1%} of V blocks compressed), so the budget holds at most about "
-             f"{c['capacity_bound']:.1f} such requests. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
+             f"{c['capacity_bound']:.1f} such requests (the {new_tokens} output tokens' pages stay raw); "
+             f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
              f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
              f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
              f"batch {u.batch}.")
