@@ -339,3 +339,10 @@ def test_extra_rows_join_only_this_model_and_settings_and_what_the_run_lacks(tmp
     assert out[["window", "ratio", "method", "kl"]].values.tolist()[-1] == [1, 0.5, "zipkv", 0.02] and len(out) == 3
     assert "H200, commit abc" in text and "r = 0.5 on 1 windows" in text
     assert chapter.with_extra_rows(table, None)[1] == "" and "absent" in chapter.with_extra_rows(table, tmp_path / "y")[1]
+
+
+@pytest.mark.parametrize("ratios", ["[0.3, 0.5]", [], [0.3, 1.5], [0.3, True], 0.3])
+def test_compare_refuses_ratios_that_are_not_a_list_of_fractions_before_any_work(model, ratios):
+    from zipkv.distill import beyond
+    with pytest.raises(TypeError, match="ratios must be a non-empty list of numbers in"):
+        beyond.compare(model, [], ratios, progress=False)

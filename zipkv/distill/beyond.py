@@ -24,6 +24,7 @@ objective on the paper's training queries and on the continuation's real queries
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from typing import Sequence
 
@@ -182,6 +183,9 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
         raise ValueError(f"methods {unknown} are not compared here: expected names from {list(METHODS)}")
     if "attention_matching" in methods and not set(AM_VARIANTS) <= set(methods):
         raise ValueError(f"methods has attention_matching without all of {list(AM_VARIANTS)}: its pick needs the three")
+    if (isinstance(ratios, (str, bytes)) or not hasattr(ratios, "__len__") or not len(ratios)
+            or any(isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 < r < 1 for r in ratios)):
+        raise TypeError(f"ratios must be a non-empty list of numbers in (0, 1), got {ratios!r}")
     if not any(math.isclose(r, main_ratio) for r in ratios):
         raise ValueError(f"ratios={list(ratios)} lacks main_ratio={main_ratio}")
     zcfg = zipkv_config or generalise.ZipkvConfig(device=device)
