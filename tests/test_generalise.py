@@ -316,7 +316,7 @@ def test_chapter_verdict_names_ratios_a_time_budget_left_out_and_compares_equal_
     stats = chapter.kl_stats(table)
     assert "kvsculpt" not in chapter.comparable(stats, 0.3)  # one window against four: not compared by its mean
     text, kind = chapter.verdict(stats, table, [0.2, 0.3, 0.5], model="m", n_windows=4, scaled=False)
-    assert "not run (time budget): r = 0.2" in text and "**not all met**" in text and kind == "warning"
+    assert "not run here (params ratio_windows, time_budget_s; no rows from extra_csv): r = 0.2" in text and "**not all met**" in text and kind == "warning"
     assert "**4.00× below the best Select+Fit**" in text and "lower on 4 of 4 windows" in text
     assert "at r = 0.5 (2 windows) it is 0.5× the best baseline's" in text
     met, _ = chapter.verdict(stats, table, [0.3, 0.5], model="m", n_windows=4, scaled=False)

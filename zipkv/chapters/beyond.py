@@ -128,7 +128,8 @@ def verdict(stats: pd.DataFrame, table: pd.DataFrame, ratios, *, model: str, n_w
                      f"windows) it is {' / '.join(f'{q:.2g}×' for _, _, q in others)} the best baseline's mean KL")
     if missing:
         met = False
-        lines.append(f"not run (time budget): r = {', '.join(f'{r:g}' for r in missing)}")
+        lines.append("not run here (params ratio_windows, time_budget_s; no rows from extra_csv): r = "
+                     + ", ".join(f"{r:g}" for r in missing))
     text = (f"On {model}, {n_windows} window(s): " + "; ".join(lines) + ". "
             + ("Bars (≥ 2× below the best Select+Fit at r = 0.3, below Attention Matching, never above the best "
                "baseline elsewhere): " + ("met." if met else "**not all met**.")
