@@ -148,6 +148,9 @@ def test_fused_kernel_engine_equals_reference_engine(restore):
     got = Engine(model, budget, attention="kernel", **kw).generate(prompts, 6)
     assert got.outputs == ref.outputs
     assert (got.stats["frac_compressed_k"] > 0) == (restore is None)
+    if restore is None:                          # a fixed split-KV factor reaches the kernel's plans (the merge path)
+        split = Engine(model, budget, attention="kernel", num_splits=2, **kw)
+        assert split.generate(prompts, 6).outputs == ref.outputs and split.attention.plans[0].num_splits == 2
 
 
 @pytest.mark.parametrize("call, match", [
@@ -174,6 +177,9 @@ def test_budget_and_model_errors():
         Engine(model, 2 * 2 * 2 * 32 * 32 - 1)
     with pytest.raises(ValueError, match="compress"):
         Engine(model, 10**6, compress="sometimes")
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="num_splits must be a positive int"):
+            Engine(model, 10**6, num_splits=bad)
     from zipkv import codecs
     with pytest.raises(TypeError, match="restore must be"):
         Engine(model, 10**6, compress="prompt", restore="splitzip")

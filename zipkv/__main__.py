@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="distill: problems the reference solver runs per timed context (scaled to the context)")
     bench.add_argument("--write", action="store_true",
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
+    bench.add_argument("--splits", type=int, nargs="+", default=None,
+                       help="engine: the decode kernel's split-KV factors to run each row with (default: the plan's)")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what in GPU_BENCHMARKS:
@@ -85,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.what == "engine":
             from zipkv.throughput import step_profile
 
-            table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}))
+            table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}),
+                                 splits=args.splits or (None,))
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:

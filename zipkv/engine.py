@@ -194,9 +194,10 @@ class _Attention:
     specialised launch."""
 
     def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool,
-                 restore: _Restore | None = None):
+                 restore: _Restore | None = None, num_splits: int | None = None):
         from zipkv.paged import PagedKVCache
         self.memory, self.backend, self.q_heads, self.scale, self.restore = memory, backend, q_heads, scale, restore
+        self.num_splits = num_splits
         pool = memory.pool if restore is not None else memory.pool[: memory.total_bytes]
         self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts) for d in memory.desc]
         self.static_kinds = static_kinds
@@ -263,8 +264,8 @@ class _Attention:
             if self.backend == "kernel":
                 from zipkv.kernels.decode_attention import plan
                 routing = "auto" if self.static_kinds else "device"
-                self.plans = [plan(*self.table, c, self.q_heads, softmax_scale=self.scale, validate=False, routing=routing)
-                              for c in self.caches]
+                self.plans = [plan(*self.table, c, self.q_heads, softmax_scale=self.scale, validate=False, routing=routing,
+                                   num_splits=self.num_splits) for c in self.caches]
         self.pages_key = pages_key
         return key
 
@@ -350,7 +351,8 @@ class Engine:
     the codecs' torch decoders) or ``"auto"`` (kernel on CUDA, reference elsewhere). cuda_graphs: capture
     each batch composition's decode step in a CUDA graph (:class:`_StepGraph`; on CUDA only). k_layout /
     v_layout: block arrangements of the cache (``zipkv.format``). pages_per_chunk, reserve_ratio: see
-    :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. eos_token_id: stop token(s),
+    :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. num_splits: the decode kernel's split-KV
+    factor (default: its plan's choice, :func:`zipkv.kernels.decode_attention.plan`). eos_token_id: stop token(s),
     ``"model"`` (the model's generation config, like ``model.generate``) or None (always
     ``max_new_tokens``).
     """
@@ -358,7 +360,8 @@ class Engine:
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
                  k_layout: str = "token", v_layout: str = "token", pages_per_chunk: int = 16,
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
-                 restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True):
+                 restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
+                 num_splits: int | None = None):
         cfg = model.config
         self.model, self.inner = model, model.model
         self.device = next(model.parameters()).device
@@ -375,6 +378,8 @@ class Engine:
             raise ValueError(f"compress must be 'all', 'prompt', 'none' or a bool, got {compress!r}")
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
+        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+            raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         L = cfg.num_hidden_layers
@@ -402,7 +407,8 @@ class Engine:
                                extra_pages=buffer_pages)
         self.restore = None if restore is None else _Restore(self.memory, restore, buffer_pages, attention == "reference")
         self.attention = _Attention(self.memory, attention, self.q_heads, model.model.layers[0].self_attn.scaling,
-                                    static_kinds=compress == "none" or restore is not None, restore=self.restore)
+                                    static_kinds=compress == "none" or restore is not None, restore=self.restore,
+                                    num_splits=num_splits)
         self.graphs = _StepGraph(self._decode_forward, self.device, cuda_graphs)
         self.compress = "none" if restore is not None else compress
         self.reserve_ratio, self.max_batch = reserve_ratio, max_batch

@@ -206,12 +206,13 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
 
 def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24, fixed_batch=32,
                  uncompressed_max_batch=46, methods=("uncompressed", "zipfusion"), kv_windows=2, kv_window_context=2048,
-                 pages_per_chunk=16, seed=0):
+                 pages_per_chunk=16, seed=0, splits=(None,)):
     """Decode-step breakdowns (``decode_throughput(profile=True)``) of ``methods`` at ``fixed_batch`` and at each
     one's largest batch, in :func:`figure5`'s Llama-3.1-8B-shape setting (random weights, real-KV prefixes, the
     budget of ``uncompressed_max_batch`` uncompressed requests), ``timed_steps`` decode steps each: a shorter
     run than the chapter's, for the "where the step goes" table (``results/paper/zipfusion_engine_profile.csv``),
-    with the run's ``device``, ``commit`` and ``date``."""
+    with the run's ``device``, ``commit`` and ``date``. splits: the decode kernel's split-KV factors to run each
+    row with (None: the plan's choice; the column ``num_splits`` says which ran)."""
     import pandas as pd
     from zipkv import data, models
     small, tok = models.load_model(dtype=torch.bfloat16, device=device)
@@ -222,10 +223,10 @@ def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24,
                                   pages_per_chunk=pages_per_chunk)
     rows = []
     for method in methods:
-        for batch in (fixed_batch, None):
+        for batch, split in ((b, x) for b in (fixed_batch, None) for x in splits):
             r = decode_throughput(model, method, kv_budget_bytes=budget, blocks=blocks, context=context,
                                   new_tokens=new_tokens, batch=batch, timed_steps=timed_steps, seed=seed,
-                                  pages_per_chunk=pages_per_chunk, profile=True)
+                                  pages_per_chunk=pages_per_chunk, profile=True, num_splits=split)
             r.pop("stats")
             rows.append({"model": THROUGHPUT_PAPER_MODEL, **r})
     import datetime as dt
