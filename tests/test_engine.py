@@ -286,8 +286,11 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     c = throughput.bar_checks(big, 32)
     assert c["kv_requests"] == 50 * 12.8 / 16 and c["step_needed_ms"] == 25.0 * 50 / (40 * 1.25)
     # the bits per prefix value the batch bar needs are those at which the budget holds exactly that batch
-    at_needed = throughput.bar_checks(big.assign(stored_bits_per_value=[16.0, 16.0] + [c["bits_needed"]] * 2), 32)
-    assert c["batch_needed"] == 50 and abs(at_needed["capacity_bound"] - 50) < 1e-9
+    # (8192-token context: at the first decode step the 512 packed pages and one raw page of 16 slots for 8193 tokens)
+    stored = (c["bits_needed"] * 8192 + 16 * 16) / 8193
+    at_needed = throughput.bar_checks(big.assign(stored_bits_per_value=[16.0, 16.0, stored, stored]), 32)
+    assert c["batch_needed"] == 50 and abs(at_needed["prefix_bits"] - c["bits_needed"]) < 1e-9
+    assert abs(at_needed["capacity_bound"] - 50) < 1e-9
     text, kind = throughput.verdict(big, 32)
     assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in text and kind == "warning"
 

@@ -535,7 +535,13 @@ def bar_checks(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256
     at_fixed = lambda m: big[(big.method == m) & (big.batch == fixed_batch)].iloc[0]       # noqa: E731
     z, u = at_max("zipfusion"), at_max("uncompressed")
     token_bytes = 2 * 2 * LLAMA_8B["num_hidden_layers"] * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
-    out_tokens = fmt.PAGE_TOKENS * math.ceil((new_tokens - 1) / fmt.PAGE_TOKENS)      # the output's raw pages
+    # stored_bits_per_value is measured at the first decode step: the full prompt pages packed, the rest of the
+    # context + 1 cached tokens in raw pages; every raw slot of a request's last page counts from the start
+    P = fmt.PAGE_TOKENS
+    prefix = P * (context // P)
+    raw_then = P * math.ceil((context + 1 - prefix) / P)
+    prefix_bits = (z.stored_bits_per_value * (context + 1) - 16 * raw_then) / prefix
+    out_tokens = P * math.ceil((context + new_tokens - 1 - prefix) / P)           # raw slots to the end of the output
     needed = math.ceil(BARS["max_batch"] * u.batch)
     restores = [m for m in RESTORE if (big.method == m).any()]
     best = max(restores, key=lambda m: at_max(m).tokens_per_s) if restores else None
@@ -545,8 +551,9 @@ def bar_checks(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256
                vs_restore=z.tokens_per_s / at_max(best).tokens_per_s if best else float("nan"),
                # the most requests the budget holds with the prefix at the measured bits per value and the output's
                # pages raw (new KV stays uncompressed, §IV-A), and the bits per prefix value the batch bar needs
-               capacity_bound=u.kv_budget_bytes / (token_bytes * (context * z.stored_bits_per_value / 16 + out_tokens)),
-               bits_needed=16 * (u.kv_budget_bytes / (needed * token_bytes) - out_tokens) / context,
+               prefix_bits=prefix_bits,
+               capacity_bound=u.kv_budget_bytes / (token_bytes * (prefix * prefix_bits / 16 + out_tokens)),
+               bits_needed=16 * (u.kv_budget_bytes / (needed * token_bytes) - out_tokens) / prefix,
                batch_needed=needed,
                # ZipFusion's KV at its largest batch in uncompressed requests' worth of bytes, and the step time
                # at that batch that the tokens/s bar needs
@@ -581,9 +588,10 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256):
                  f"{b.batch}, {b.tokens_per_s:.0f} tokens/s, {b.step_ms:.1f} ms per step): **{c['vs_restore']:.2f}×** "
                  f"(paper {pv.ZIPFUSION_VS_BEST_LOSSLESS_BASELINE['Llama-3.1-8B']}×; bar {BARS['vs_restore']}×: "
                  f"{mark('vs_restore')}). ")
-    text += (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value ({z.frac_compressed_k:.1%} of K and "
-             f"{z.frac_compressed_v:.1%} of V blocks compressed), so the budget holds at most about "
-             f"{c['capacity_bound']:.1f} such requests (the {new_tokens} output tokens' pages stay raw); "
+    text += (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value at the first decode step, "
+             f"{c['prefix_bits']:.3f} per value of the packed prefix ({z.frac_compressed_k:.1%} of K and "
+             f"{z.frac_compressed_v:.1%} of V blocks compressed); with the output's pages raw the budget holds at most "
+             f"{c['capacity_bound']:.2f} such requests (before the room lost at the ends of chunks), and "
              f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
              f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
              f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
