@@ -187,10 +187,12 @@ def gemma():
     return tiny_gemma()
 
 
-def _model_attention(model, ids):
-    """Per layer, the model's own attention output (the input of o_proj) ``[T, q_heads·d]``."""
+def _per_layer(model, ids, module, *, before: bool):
+    """Per layer, what ``module(layer)`` takes (``before``: its first input) or gives (its output) in one forward
+    of ``ids``, batch element 0."""
     seen = {}
-    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0][0]))
+    hooks = [module(layer).register_forward_pre_hook(lambda mod, args, i=i: seen.__setitem__(i, args[0][0])) if before
+             else module(layer).register_forward_hook(lambda mod, args, out, i=i: seen.__setitem__(i, out[0]))
              for i, layer in enumerate(model.model.layers)]
     try:
         with torch.no_grad():
@@ -199,6 +201,11 @@ def _model_attention(model, ids):
         for h in hooks:
             h.remove()
     return [seen[i] for i in range(len(model.model.layers))]
+
+
+def _model_attention(model, ids):
+    """Per layer, the model's own attention output (the input of o_proj) ``[T, q_heads·d]``."""
+    return _per_layer(model, ids, lambda layer: layer.self_attn.o_proj, before=True)
 
 
 def test_gemma_capture_reproduces_its_attention_beyond_the_window(gemma):
@@ -242,15 +249,7 @@ def test_gemma_rope_is_per_layer_type_and_the_shared_one_is_refused(gemma, embed
         torch.testing.assert_close(rope.apply(x, cap.positions), expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(rope.invert(rope.apply(x, cap.positions), cap.positions), x, atol=1e-5, rtol=1e-5)
     # each layer's captured keys are its own RoPE applied to the model's pre-RoPE (post-norm) keys
-    pre = {}
-    hooks = [layer.self_attn.k_norm.register_forward_hook(lambda mod, args, out, i=i: pre.__setitem__(i, out[0]))
-             for i, layer in enumerate(gemma.model.layers)]
-    try:
-        with torch.no_grad():
-            gemma(ids[None])
-    finally:
-        for h in hooks:
-            h.remove()
+    pre = _per_layer(gemma, ids, lambda layer: layer.self_attn.k_norm, before=False)
     for layer in range(3):
         keys = pre[layer]  # [kv_heads, T, d] post-norm, pre-RoPE
         torch.testing.assert_close(cap.rope_of(layer).apply(keys, cap.positions), cap.layers[layer].keys,

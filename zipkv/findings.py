@@ -420,14 +420,10 @@ def _beyond(res: Results):
 def _beyond_other_ratios(res: Results):
     """zipkv's distiller at the ratios other than 0.3 against the best baseline (any method but zipkv, by mean KL),
     over the chapter's rows and those of the separate runs in ``kvsculpt_beyond_extra.csv`` (the same model and
-    settings; rows the chapter has are not taken)."""
-    t = res["kvsculpt_beyond"]
-    if res.has("kvsculpt_beyond_extra"):
-        extra = res["kvsculpt_beyond_extra"]
-        extra = extra[extra.model == t.model.iloc[0]]
-        have = pd.MultiIndex.from_frame(t[["window", "ratio", "method"]])
-        extra = extra[~pd.MultiIndex.from_frame(extra[["window", "ratio", "method"]]).isin(have)]
-        t = pd.concat([t, extra[list(t.columns)]], ignore_index=True)
+    settings; rows the chapter has are not taken: :func:`zipkv.chapters.beyond.with_extra_rows`)."""
+    from zipkv.chapters.beyond import with_extra_rows
+
+    t, _ = with_extra_rows(res["kvsculpt_beyond"], res.directory / "kvsculpt_beyond_extra.csv")
     parts = []
     for r, g in t[t.ratio != 0.3].groupby("ratio"):
         per = g.pivot_table(index="window", columns="method", values="kl")
@@ -444,17 +440,20 @@ def _beyond_other_ratios(res: Results):
 
 def _step_breakdown(res: Results):
     """Where the throughput chapter's decode step goes at the largest batches (``zipfusion_engine_profile.csv``,
-    as :func:`zipkv.throughput.step_table` shows it)."""
+    :func:`zipkv.throughput.step_table`)."""
     if not res.has("zipfusion_engine_profile"):
         return None
-    t = res["zipfusion_engine_profile"]
-    last = lambda m: t[t.method == m].sort_values("batch").iloc[-1]                          # noqa: E731
+    from zipkv.throughput import step_table
+
+    run = res["zipfusion_engine_profile"].iloc[0]
+    steps, _ = step_table(res["zipfusion_engine_profile"])
+    last = lambda m: steps[steps.method == m].sort_values("batch").iloc[-1]                  # noqa: E731
     u, z = last("uncompressed"), last("zipfusion")
-    per = lambda x: x.attention_ms / x.batch                                                  # noqa: E731
+    per = lambda x: x.attention_us_per_request_layer                                         # noqa: E731
     return Measured(None, f"attention {per(u) / per(z):.2f}× faster per request (batch {z.batch} vs {u.batch}); "
                           f"the step's other {z.step_ms - z.attention_ms:.1f} ms (matrix products, other kernels, GPU idle, "
                           f"host) is paid per step: tokens/s {z.batch / u.batch:.3f} × {u.step_ms:.1f}/{z.step_ms:.1f} ms = "
-                          f"{z.batch / u.batch * u.step_ms / z.step_ms:.3f}× ({u.device}, commit {u.commit})")
+                          f"{z.batch / u.batch * u.step_ms / z.step_ms:.3f}× ({run.device}, commit {run.commit})")
 
 
 def _second_model(res: Results):

@@ -214,25 +214,34 @@ def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24,
     with the run's ``device``, ``commit`` and ``date``. splits: the decode kernel's split-KV factors to run each
     row with (None: the plan's choice; the column ``num_splits`` says which ran)."""
     import pandas as pd
-    from zipkv import data, models
+    from zipkv import book, data, models
     small, tok = models.load_model(dtype=torch.bfloat16, device=device)
-    blocks = real_kv_blocks(small, tok, data.load_books(), windows=kv_windows, context=kv_window_context, seed=seed)
+    model, common = _llama_setting(small, tok, data.load_books(), device=device, context=context, new_tokens=new_tokens,
+                                   uncompressed_max_batch=uncompressed_max_batch, kv_windows=kv_windows,
+                                   kv_window_context=kv_window_context, pages_per_chunk=pages_per_chunk, seed=seed)
     del small
-    model = random_llama(device)
-    budget = largest_batch_budget(model.config, uncompressed_max_batch, context + new_tokens - 1,
-                                  pages_per_chunk=pages_per_chunk)
     rows = []
     for method in methods:
         for batch, split in ((b, x) for b in (fixed_batch, None) for x in splits):
-            r = decode_throughput(model, method, kv_budget_bytes=budget, blocks=blocks, context=context,
-                                  new_tokens=new_tokens, batch=batch, timed_steps=timed_steps, seed=seed,
-                                  pages_per_chunk=pages_per_chunk, profile=True, num_splits=split)
+            r = decode_throughput(model, method, batch=batch, timed_steps=timed_steps, profile=True, num_splits=split,
+                                  **common)
             r.pop("stats")
             rows.append({"model": THROUGHPUT_PAPER_MODEL, **r})
-    import datetime as dt
-    from zipkv import book
-    return pd.DataFrame(rows).assign(device=book.device_name(), commit=book._git_commit(book.REPO_ROOT),
-                                     date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d"))
+    run = book.provenance("bench")
+    return pd.DataFrame(rows).assign(device=run["device"], commit=run["commit"], date=run["date"])
+
+
+def _llama_setting(small, tokenizer, books, *, device, context, new_tokens, uncompressed_max_batch, kv_windows,
+                   kv_window_context, pages_per_chunk, seed):
+    """Fig. 5's Llama-3.1-8B-shape setting: ``(model, common)``, the random-weight model and the
+    :func:`decode_throughput` arguments every method shares (real-KV blocks captured with ``small``, the budget
+    of ``uncompressed_max_batch`` uncompressed requests)."""
+    blocks = real_kv_blocks(small, tokenizer, books, windows=kv_windows, context=kv_window_context, seed=seed)
+    model = random_llama(device)
+    budget = largest_batch_budget(model.config, uncompressed_max_batch, context + new_tokens - 1,
+                                  pages_per_chunk=pages_per_chunk)
+    return model, dict(kv_budget_bytes=budget, blocks=blocks, context=context, new_tokens=new_tokens, seed=seed,
+                       pages_per_chunk=pages_per_chunk)
 
 
 STEP_PARTS = {"attention_ms": "attention kernels", "gemm_ms": "matrix products", "restore_ms": "restore kernels",
@@ -493,14 +502,11 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
     done(rows)
     if shape is not None:
         books = data.load_books()
-        blocks = real_kv_blocks(small, tok, books, windows=kv_windows, context=kv_window_context, seed=seed)
         calibration = real_kv_blocks(small, tok, books, windows=1, context=kv_window_context, seed=seed + 1)
+        model, common = _llama_setting(small, tok, books, device=device, context=context, new_tokens=new_tokens,
+                                       uncompressed_max_batch=uncompressed_max_batch, kv_windows=kv_windows,
+                                       kv_window_context=kv_window_context, pages_per_chunk=pages_per_chunk, seed=seed)
         del small
-        model = random_llama(device)
-        budget = largest_batch_budget(model.config, uncompressed_max_batch, context + new_tokens - 1,
-                                      pages_per_chunk=pages_per_chunk)
-        common = dict(kv_budget_bytes=budget, blocks=blocks, context=context, new_tokens=new_tokens, seed=seed,
-                      pages_per_chunk=pages_per_chunk)
         big = []
         for m in METHODS:
             codec = make_codec(m, calibration) if m in RESTORE else None

@@ -58,11 +58,8 @@ def step_breakdown(graph: "torch.cuda.CUDAGraph", *, reps: int = 20, profiled: i
         torch.cuda.synchronize()
     per_name: dict[str, float] = {}
     for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None)
-        if us is None:
-            us = getattr(ev, "cuda_time_total", 0.0)
-        if us and ev.key not in ("cudaGraphLaunch",):
-            per_name[ev.key] = per_name.get(ev.key, 0.0) + us / 1e3 / profiled
+        if ev.device_time_total and ev.key != "cudaGraphLaunch":      # kernels only, not the launch call
+            per_name[ev.key] = per_name.get(ev.key, 0.0) + ev.device_time_total / 1e3 / profiled
     kinds = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
     for name, ms in per_name.items():
         kinds[kernel_kind(name)] += ms

@@ -13,10 +13,8 @@ from zipkv.distill import beyond
 def with_extra_rows(table: pd.DataFrame, extra_csv, **settings) -> tuple[pd.DataFrame, str]:
     """(table, sentence): ``table`` plus the rows of ``extra_csv`` (written by ``python -m zipkv.distill.second_model``
     for this chapter's model) that it lacks, where their settings (``context``, ``m``, ``n_synthetic``, ``steps``,
-    ``probe_tokens``) equal ``settings``; the sentence names their source, device, commit and date. Rows for a
-    (window, ratio, method) that ``table`` has are not taken."""
-    from pathlib import Path
-
+    ``probe_tokens``) equal ``settings`` (none given: the model alone); the sentence names their source, device,
+    commit and date. Rows for a (window, ratio, method) that ``table`` has are not taken."""
     if extra_csv is None:
         return table, ""
     if not Path(extra_csv).is_file():
@@ -38,8 +36,6 @@ def with_table1_kvsculpt(table: pd.DataFrame, table1_csv) -> tuple[pd.DataFrame,
     """(table, sentence): where this run has no KVSculpt rows, KVSculpt's (paper setting) from Table 1's committed
     table ``table1_csv`` on the windows both ran, if they are the same windows under the same evaluation
     (:func:`zipkv.committed.table1_kvsculpt`); the sentence says where KVSculpt's rows come from."""
-    from pathlib import Path
-
     from zipkv.committed import table1_kvsculpt
 
     if (table.method == "kvsculpt").any() or table1_csv is None:
