@@ -76,6 +76,32 @@ def test_probe_budget_splits_the_global_layers_total_only(setup):
     assert float(cache.info["signal"][[0, 2]].abs().sum()) == 0.0, "no forwards spent on layers kept as they are"
 
 
+def test_head_sensitivity_batched_equals_the_loop_on_sliding_layers(setup):
+    """Variants of sliding-window layers too (the window's rule on per-sequence pairs): each sliding head holds
+    its window less its 3 oldest pairs with a random β, the global layer its zipkv pairs; batched forwards that
+    mix sliding and global layers give the per-head loop's KL."""
+    from test_generalise import reference_head_sensitivity
+
+    model, ids, cap, reference, probe = setup
+    zipkv = generalise.compress(cap, 0.5, m=M)
+    gen = torch.Generator().manual_seed(4)
+    keys, values, biases = [], [], []
+    for layer in range(3):
+        if layer in cap.compressed_layers:
+            keys.append(zipkv.keys[layer]), values.append(zipkv.values[layer]), biases.append(zipkv.bias[layer])
+            continue
+        window_keys, window_values = cap.kept_pairs(layer)
+        keys.append(list(window_keys[:, 3:])), values.append(list(window_values[:, 3:]))
+        biases.append([torch.randn(WINDOW - 4, generator=gen) for _ in range(2)])
+    compressed = bias.BiasedCache(keys, values, biases, N)
+    full = bias.BiasedCache.from_capture(cap)
+    want = reference_head_sensitivity(model, full, compressed, probe, range(3))
+    assert bool((want > 1e-6).all())
+    for batch in (4, None):
+        got = generalise.head_sensitivity(model, full, compressed, probe, batch=batch)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"batch={batch}")
+
+
 def test_kv_fraction_counts_what_the_model_itself_holds():
     from zipkv.distill.second_model import kv_fraction
 

@@ -177,6 +177,75 @@ def test_other_caches_are_untouched_by_the_hooks(model, ids):
     C.attach(model)
 
 
+def _stacked(caches):
+    """Per layer, the padded (keys, values, valid, bias) of each of ``caches``, padded to one length and stacked:
+    ``[B, H, P, d]`` twice and ``[B, H, P]`` twice."""
+    layers = []
+    for layer in range(caches[0].num_layers):
+        parts = [c.padded(layer) + (c.padded_bias(layer),) for c in caches]
+        P = max(p[0].shape[1] for p in parts)
+        def pad(x, fill=0):
+            return torch.nn.functional.pad(x, (0, 0, 0, P - x.shape[1]) if x.ndim == 3 else (0, P - x.shape[1]),
+                                           value=fill)
+        layers.append(tuple(torch.stack([pad(p[i], False if i == 2 else 0) for p in parts]) for i in range(4)))
+    return layers
+
+
+def test_per_sequence_layers_give_each_sequence_its_own_cache(model, ids, cap):
+    """A cache whose layers hold B different compressed contexts ([B, H, P, d]) runs them as the B rows of one
+    forward: row b's logits are those of cache b alone; a layer shared by every row (3-D keys) mixes with them."""
+    full = K.CompressedCache.from_capture(cap)
+    gen = torch.Generator().manual_seed(2)
+    biased = with_bias(full, [[torch.randn(k.shape[0], generator=gen) for k in ks] for ks in full.keys])
+    short = K.compress(cap, 0.5, "select_fit", m=M, n_synthetic=8, budget=torch.tensor([[2, 17], [9, 3]]),
+                       config=K.SculptConfig(progress=False))
+    caches = [full, biased, short]
+    cache = C.DistilledCache([C.DistilledLayer(*layer) for layer in _stacked(caches)], N)
+    assert torch.equal(cache.lengths, torch.stack([torch.stack([c.lengths[l] for c in caches]) for l in range(2)]))
+    logits = E.teacher_force_batch(model, cache, ids[N:])
+    assert logits.shape == (3, T, model.config.vocab_size)
+    alone = [E.teacher_force(model, c, ids[N:]).logits for c in caches]
+    for row, want in enumerate(alone):  # (to rounding: the rows are padded to the longest cache)
+        assert (logits[row].float() - want).abs().max() < 1e-5 * want.abs().max(), row
+    assert (alone[0] - alone[1]).abs().max() > 1e-2 and (alone[0] - alone[2]).abs().max() > 1e-2, "rows differ"
+    # layer 0 shared (one context, broadcast to the rows), layer 1 per sequence
+    k0, v0, valid0 = full.padded(0)
+    mixed = C.DistilledCache([C.DistilledLayer(k0, v0, valid0), C.DistilledLayer(*_stacked(caches)[1])], N)
+    again = E.teacher_force_batch(model, mixed, ids[N:])
+    for row, c in enumerate(caches):
+        want = E.teacher_force(model, full.with_layers(c, [1]), ids[N:]).logits
+        assert (again[row].float() - want).abs().max() < 1e-5 * want.abs().max(), row
+    # greedy generate continues each row from its own cache
+    attached = C.DistilledCache([C.DistilledLayer(*layer) for layer in _stacked(caches)], N)
+    C.attach(model)
+    out = model.generate(ids[None, N:N + 1].expand(3, -1), past_key_values=attached, max_new_tokens=T,
+                         do_sample=False)[:, -T:]
+    for row, c in enumerate(caches):
+        one = model.generate(ids[None, N:N + 1], past_key_values=C.DistilledCache.from_compressed(c, model),
+                             max_new_tokens=T, do_sample=False)[0, -T:]
+        assert torch.equal(out[row], one), row
+
+
+def test_per_sequence_shapes_are_checked(model, ids, cap):
+    full = K.CompressedCache.from_capture(cap)
+    k, v, valid = full.padded(0)
+    two = [k[None].expand(2, -1, -1, -1), v[None].expand(2, -1, -1, -1)]
+    with pytest.raises(ValueError, match=r"valid has shape \(2, 30\).*expected \[2, 2, 30\]"):
+        C.DistilledLayer(*two, valid)
+    with pytest.raises(ValueError, match=r"bias has shape \(2, 30\).*expected \[2, 2, 30\]"):
+        C.DistilledLayer(*two, valid[None].expand(2, -1, -1), torch.zeros(2, 30))
+    with pytest.raises(ValueError, match=r"\[B, H, P, d\]"):
+        C.DistilledLayer(k[None, None], v[None, None])
+    three = C.DistilledLayer(k[None].expand(3, -1, -1, -1), v[None].expand(3, -1, -1, -1))
+    with pytest.raises(ValueError, match=r"\[2, 3\] sequences"):
+        C.DistilledCache([C.DistilledLayer(*two), three], N)
+    with pytest.raises(ValueError, match="per-sequence"):
+        E.teacher_force_batch(model, C.DistilledCache.from_compressed(full, model), ids[N:])
+    cache = C.DistilledCache([C.DistilledLayer(*two), C.DistilledLayer(*two)], N)
+    with pytest.raises(ValueError, match="a batch of 1 sequences after a cache of 2"):
+        E.teacher_force(model, cache, ids[N:])
+
+
 # --- the embedded model on a PG19 window (the bars of issue 18) ---------------------------------------------
 
 CTX, NEW = 320, 16

@@ -169,6 +169,56 @@ def test_probe_budget_moves_pairs_to_the_heads_that_move_the_probe_kl(model, cap
     assert cache.budget.flatten()[most] >= cache.budget.flatten()[least]
 
 
+def reference_head_sensitivity(model, full, compressed, probe, layers):
+    """The per-head loop head_sensitivity batches: one teacher-forced forward per (layer, head), each over a
+    BiasedCache in which only that head holds its compressed pairs."""
+    kl = torch.zeros(full.num_layers, full.num_heads, dtype=torch.float64)
+    for layer in layers:
+        for h in range(full.num_heads):
+            keys, values, b = ([list(x) for x in cache] for cache in (full.keys, full.values, full.bias))
+            keys[layer][h] = compressed.keys[layer][h]
+            values[layer][h] = compressed.values[layer][h]
+            b[layer][h] = compressed.bias[layer][h]
+            kl[layer, h] = bias.evaluate(model, bias.BiasedCache(keys, values, b, full.n_context), probe.ids,
+                                         probe.reference)
+    return kl
+
+
+def test_head_sensitivity_batched_equals_one_forward_per_head(model, cap, full, ids):
+    probe = generalise.sample_probe(model, cap, ids[:N], 8)
+    compressed = generalise.compress(cap, 0.5, m=M)
+    want = reference_head_sensitivity(model, full, compressed, probe, [0, 1])
+    assert bool((want > 1e-4).all()) and want.unique().numel() == want.numel()
+    for batch in (1, 3, 4, None):  # one per forward, forwards that split a layer's heads, all in one
+        got = generalise.head_sensitivity(model, full, compressed, probe, batch=batch)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, msg=f"batch={batch}")
+    one = generalise.head_sensitivity(model, full, compressed, probe, layers=[1], batch=2)
+    assert float(one[0].abs().sum()) == 0 and torch.equal(one[1], generalise.head_sensitivity(
+        model, full, compressed, probe, layers=[1], batch=1)[1])
+    for batch in (0, 2.0, True):
+        with pytest.raises(ValueError, match="batch"):
+            generalise.head_sensitivity(model, full, compressed, probe, batch=batch)
+
+
+@pytest.mark.slow
+def test_head_sensitivity_batched_equals_the_loop_on_the_embedded_model(embedded):
+    """SmolLM2-135M on a 256-token PG19 context, three layers' heads in batches of 4 (forwards that cross
+    layers): the KL per (layer, head) is the per-head loop's to 1e-6 relative."""
+    from zipkv import data
+
+    model, tokenizer = embedded
+    (window,) = data.windows(tokenizer, data.load_books(), 1, context=256, continuation=16, seed=3)
+    cap = capture(model, window.context_ids)
+    probe = generalise.sample_probe(model, cap, window.context_ids, 16)
+    full = bias.BiasedCache.from_capture(cap)
+    compressed = generalise.compress(cap, 0.3, m=32)
+    layers = [0, 13, 29]
+    want = reference_head_sensitivity(model, full, compressed, probe, layers)
+    got = generalise.head_sensitivity(model, full, compressed, probe, layers=layers, batch=4)
+    assert bool((want[layers] > 0).all())
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 def test_cascade_on_an_uncompressed_budget_is_a_no_op(model, cap, ids, reference):
     probe = generalise.sample_probe(model, cap, ids[:N], 6)
     cache = generalise.compress_cascade(model, cap, 1.0, probe, m=M)
@@ -205,6 +255,10 @@ def test_probe_budget_with_cascade_keeps_the_allocation(model, cap, ids, referen
     cascade = generalise.compress(cap, 0.5, m=M, budget="probe", model=model, probe=probe, cascade=True)
     assert torch.equal(plain.budget, cascade.budget)
     assert cascade.method == "zipkv_cascade"
+    for cache, last in ((plain, "refit"), (cascade, "cascade")):
+        phases = cache.info["phase_seconds"]
+        assert list(phases) == ["distil", "head_sensitivity", "allocation", last]
+        assert all(t > 0 for t in phases.values()) and sum(phases.values()) <= cache.seconds
     assert 0 < bias.evaluate(model, cascade, ids[N:], reference) < 10
 
 

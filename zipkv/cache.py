@@ -9,6 +9,10 @@
 * **Exact per-head lengths.** Adaptive budgets (§3.5) give every KV head its own ``k``. A layer is
   stored padded to its longest head, ``[1, H, P, d]``, with ``valid`` ``[H, P]`` marking real pairs;
   the padding is masked per head, so attention equals attention over each head's own pairs.
+* **Per-sequence pairs** (optional): a layer may hold ``B`` different compressed contexts at once, keys
+  ``[B, H, P, d]`` with ``valid``/``bias`` ``[B, H, P]``, one per sequence of a ``B``-row forward (e.g. the
+  ``(layer, head)`` variants of :func:`zipkv.distill.generalise.head_sensitivity`, one forward for many); the
+  other layers of the same cache may hold one context shared by all ``B`` sequences.
 * **Positions continue at N.** The continuation runs at positions ``N, N+1, …`` (``N`` the original
   context length), not at the number of cached pairs.
 * **A per-key logit bias** ``β`` ``[H, P]`` per layer (zero by default) is added to the attention
@@ -51,33 +55,46 @@ class DistilledLayer(DynamicLayer):
     Attributes:
         keys, values: ``[B, H, P + appended, d]`` (``B = 1`` until several sequences continue the context).
         cached: ``P``, the padded number of cached pairs.
-        valid: ``[H, P]`` bool, True on real pairs.
-        bias: ``[H, P]`` float32 logit bias of the cached pairs (``0`` where none was given).
+        valid: ``[H, P]`` bool, True on real pairs (one compressed context for every sequence), or ``[B, H, P]``
+            (each of the ``B`` sequences its own cached pairs: the layer was made from ``[B, H, P, d]`` keys).
+        bias: float32 logit bias of the cached pairs (``0`` where none was given), shaped like ``valid``.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None):
         super().__init__()
-        if keys.ndim != 3 or values.shape != keys.shape:
-            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)}: expected equal [H, P, d]")
-        H, P, _ = keys.shape
-        valid = torch.ones(H, P, dtype=torch.bool) if valid is None else torch.as_tensor(valid)
-        if tuple(valid.shape) != (H, P) or valid.dtype != torch.bool:
-            raise ValueError(f"valid has shape {tuple(valid.shape)} and dtype {valid.dtype}: expected [{H}, {P}] bool")
-        if not bool(valid.any(dim=1).all()):
+        if keys.ndim not in (3, 4) or values.shape != keys.shape:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)}: expected equal [H, P, d] "
+                             "(one context) or [B, H, P, d] (one per sequence)")
+        pairs = tuple(keys.shape[:-1])  # (H, P) or (B, H, P)
+        wanted = ", ".join(map(str, pairs))
+        valid = torch.ones(pairs, dtype=torch.bool) if valid is None else torch.as_tensor(valid)
+        if tuple(valid.shape) != pairs or valid.dtype != torch.bool:
+            raise ValueError(f"valid has shape {tuple(valid.shape)} and dtype {valid.dtype}: expected [{wanted}] bool")
+        if not bool(valid.any(dim=-1).all()):
             raise ValueError("valid: every head needs at least one cached pair")
-        bias = torch.zeros(H, P) if bias is None else torch.as_tensor(bias)
-        if (tuple(bias.shape) != (H, P) or not bias.is_floating_point()
+        bias = torch.zeros(pairs) if bias is None else torch.as_tensor(bias)
+        if (tuple(bias.shape) != pairs or not bias.is_floating_point()
                 or bool((torch.isnan(bias) | (bias == float("inf"))).any())):
-            raise ValueError(f"bias has shape {tuple(bias.shape)} and dtype {bias.dtype}: expected [{H}, {P}] floats, "
+            raise ValueError(f"bias has shape {tuple(bias.shape)} and dtype {bias.dtype}: expected [{wanted}] floats, "
                              "finite or −inf (a −inf pair is never attended)")
-        self.keys, self.values = keys[None], values[None]
+        self.keys, self.values = (keys[None], values[None]) if keys.ndim == 3 else (keys, values)
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self.cached = P
+        self.cached = pairs[-1]
         self.valid = valid.to(keys.device)
         self.bias = bias.to(device=keys.device, dtype=torch.float32)
         self.armed = False
+
+    @property
+    def heads(self) -> int:
+        """``H``, the KV heads."""
+        return self.valid.shape[-2]
+
+    @property
+    def per_sequence(self) -> bool:
+        """Whether each sequence holds its own cached pairs (``valid`` ``[B, H, P]``)."""
+        return self.valid.ndim == 3
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.armed:
@@ -88,8 +105,9 @@ class DistilledLayer(DynamicLayer):
         if self.keys.shape[0] != B:  # several sequences (beams, samples) continue the one compressed context
             if self.keys.shape[0] != 1:
                 raise ValueError(f"a batch of {B} sequences after a cache of {self.keys.shape[0]}: expected equal")
-            self.keys = self.keys.expand(B, -1, -1, -1).contiguous()
-            self.values = self.values.expand(B, -1, -1, -1).contiguous()
+            # a view: DynamicLayer.update's torch.cat writes the one [B, H, P + T, d] copy
+            self.keys = self.keys.expand(B, -1, -1, -1)
+            self.values = self.values.expand(B, -1, -1, -1)
         return super().update(key_states, value_states, *args, **kwargs)
 
     def get_seq_length(self) -> int:
@@ -108,21 +126,26 @@ class DistilledLayer(DynamicLayer):
             self.keys = self.keys[..., :-tokens_to_remove, :]
             self.values = self.values[..., :-tokens_to_remove, :]
 
+    def _select(self, pick) -> None:
+        """``pick`` (a function of a tensor with the sequences on dim 0) on the keys, values and per-sequence masks."""
+        self.keys, self.values = pick(self.keys), pick(self.values)
+        if self.per_sequence:
+            self.valid, self.bias = pick(self.valid), pick(self.bias)
+
     # DynamicLayer skips these while get_seq_length() is 0; here the cached pairs are there from the start
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.keys = self.keys.repeat_interleave(repeats, dim=0)
-        self.values = self.values.repeat_interleave(repeats, dim=0)
+        self._select(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
+        self._select(lambda x: x[indices, ...])
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.keys = self.keys.index_select(0, beam_idx.to(self.keys.device))
-        self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+        self._select(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
     def additive_mask(self, query_length: int, group: int, dtype: torch.dtype, *, window: int | None = None,
                       n_context: int | None = None) -> torch.Tensor:
-        """``[1, H·group, T, P + appended + T]`` additive attention mask for ``T`` new tokens.
+        """``[B', H·group, T, P + appended + T]`` additive attention mask for ``T`` new tokens (``B' = 1``, broadcast
+        over the sequences, unless the layer holds per-sequence pairs: then ``B' = B``).
 
         Cached pairs: ``β`` where valid, ``−inf`` on padding (per KV head, repeated over its ``group``
         query heads, as ``repeat_kv``); appended tokens: ``0``; the new tokens: causal.
@@ -134,26 +157,28 @@ class DistilledLayer(DynamicLayer):
         ``N − n_h … N − 1``, in order (the uncompressed cache, or the window that zipkv's distillers keep on
         sliding layers: they never compress one, :attr:`zipkv.models.Capture.compressed_layers`).
         """
-        H, T, past = self.valid.shape[0], query_length, self.get_seq_length()
-        cached = self.bias.masked_fill(~self.valid, float("-inf"))  # [H, P]
+        H, T, past = self.heads, query_length, self.get_seq_length()
+        valid = self.valid if self.per_sequence else self.valid[None]  # [B', H, P]
+        bias = self.bias if self.per_sequence else self.bias[None]
+        cached = bias.masked_fill(~valid, float("-inf"))  # [B', H, P]
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
         visible = torch.cat([torch.ones(T, past, dtype=torch.bool, device=self.device), causal], dim=1)  # [T, past+T]
         if window is not None:
             if n_context is None:
                 raise ValueError("window= needs n_context= (the original context length N)")
-            rank = self.valid.long().cumsum(dim=1) - 1  # [H, P] index among the head's valid pairs
-            position = n_context - self.valid.sum(dim=1, keepdim=True) + rank  # [H, P] original positions
+            rank = valid.long().cumsum(dim=-1) - 1  # [B', H, P] index among the head's valid pairs
+            position = n_context - valid.sum(dim=-1, keepdim=True) + rank  # [B', H, P] original positions
             query = n_context + past + torch.arange(T, device=self.device)  # [T]
-            seen = position[:, None, :] > query[None, :, None] - window  # [H, T, P]
-            cached = cached[:, None, :].masked_fill(~seen, float("-inf"))  # [H, T, P]
+            seen = position[:, :, None, :] > query[None, None, :, None] - window  # [B', H, T, P]
+            cached = cached[:, :, None, :].masked_fill(~seen, float("-inf"))  # [B', H, T, P]
             later = n_context + torch.arange(past + T, device=self.device)
             visible = visible & (later[None, :] > query[:, None] - window)
         else:
-            cached = cached[:, None, :].expand(-1, T, -1)
-        cached = cached.repeat_interleave(group, dim=0)  # [Hq, T, P]
+            cached = cached[:, :, None, :].expand(-1, -1, T, -1)
+        cached = cached.repeat_interleave(group, dim=1)  # [B', Hq, T, P]
         new = torch.zeros(T, past + T, device=self.device).masked_fill_(visible.logical_not(), float("-inf"))
-        mask = torch.cat([cached, new[None].expand(H * group, -1, -1)], dim=-1)
-        return mask[None].to(dtype)
+        mask = torch.cat([cached, new[None, None].expand(cached.shape[0], H * group, -1, -1)], dim=-1)
+        return mask.to(dtype)
 
 
 class DistilledCache(Cache):
@@ -173,6 +198,9 @@ class DistilledCache(Cache):
             raise ValueError("a DistilledCache needs at least one layer")
         if not isinstance(n_context, int) or n_context < 1:
             raise ValueError(f"n_context={n_context!r}: expected the original context length N ≥ 1")
+        sequences = sorted({layer.keys.shape[0] for layer in layers if layer.per_sequence})
+        if len(sequences) > 1:
+            raise ValueError(f"layers hold per-sequence pairs for {sequences} sequences: expected one batch size")
         super().__init__(layers=list(layers))
         self.n_context = n_context
         self.context_ids = None if context_ids is None else torch.as_tensor(context_ids).reshape(-1).cpu()
@@ -215,8 +243,9 @@ class DistilledCache(Cache):
 
     @property
     def lengths(self) -> torch.Tensor:
-        """``[L, H]`` int64 cached pairs per layer and KV head (the compressed context, not appended tokens)."""
-        return torch.stack([layer.valid.sum(dim=1).cpu() for layer in self.layers])
+        """``[L, H]`` int64 cached pairs per layer and KV head (the compressed context, not appended tokens);
+        ``[L, B, H]`` when layers hold per-sequence pairs."""
+        return torch.stack(torch.broadcast_tensors(*[layer.valid.sum(dim=-1).cpu() for layer in self.layers]))
 
     @property
     def next_position(self) -> int:
@@ -233,7 +262,8 @@ class DistilledCache(Cache):
         layers = []
         for layer in self.layers:
             P = layer.cached
-            new = DistilledLayer(layer.keys[0, :, :P], layer.values[0, :, :P], layer.valid, layer.bias)
+            first = slice(None) if layer.per_sequence else 0  # one shared context: any row of a batch is it
+            new = DistilledLayer(layer.keys[first, :, :P], layer.values[first, :, :P], layer.valid, layer.bias)
             layers.append(new)
         return DistilledCache(layers, self.n_context, context_ids=self.context_ids, compressed=self.compressed)
 
@@ -262,7 +292,7 @@ def _positions_hook(module, args, kwargs):
     B, T = tokens.shape[:2]
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.bool().all()):
-        raise ValueError("attention_mask has padding: a DistilledCache holds one sequence, without padding")
+        raise ValueError("attention_mask has padding: every sequence after a DistilledCache continues at N, unpadded")
     ctx = cache.context_ids
     if (ids is not None and ctx is not None and cache.get_seq_length() == 0 and T >= ctx.numel()
             and torch.equal(ids[0, :ctx.numel()].cpu(), ctx)):
@@ -283,7 +313,7 @@ def _mask_hook(module, args, kwargs):
                          f"{list(SUPPORTED_ATTENTION)} (per-head masks); model.set_attn_implementation('sdpa')")
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     layer = cache.layers[module.layer_idx]
-    group = module.config.num_attention_heads // layer.valid.shape[0]
+    group = module.config.num_attention_heads // layer.heads
     kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype,
                                                    window=getattr(module, "sliding_window", None),
                                                    n_context=cache.n_context)

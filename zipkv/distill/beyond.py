@@ -115,9 +115,9 @@ class _Window:
             self.problems["future"] = _future_problems(cap, m, zcfg.horizon, zcfg.validation_every)
         self.probe, self.probe_seconds = None, 0.0
         if any(x in methods for x in PROBE_METHODS):
-            t0 = time.perf_counter()
+            t0 = generalise.synchronized_time()
             self.probe = generalise.sample_probe(model, cap, window.context_ids, probe_tokens, seed=seed + w)
-            self.probe_seconds = time.perf_counter() - t0
+            self.probe_seconds = generalise.synchronized_time() - t0
         H = cap.layers[0].keys.shape[0]
         self.heldout_q = [lc.queries[:, N:].reshape(H, -1, lc.keys.shape[-1]) for lc in whole.layers]
         self.paper_q = [torch.stack([p.queries for p in self.problems["paper"][l * H:(l + 1) * H]])
@@ -232,7 +232,9 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
             objective_rows.append(dict(window=w, method=method, train=objective_on(st.cap, cache, m, st.paper_q),
                                        heldout=objective_on(st.cap, cache, m, st.heldout_q)))
         if progress:
-            print(f"window {w} r={ratio} {method:18s} KL={kl:.4g} ({seconds:.1f} s)", flush=True)
+            phases = "".join(f", {name} {t:.2f} s" for name, t in cache.info.get("phase_seconds", {}).items())
+            probe = f", probe {st.probe_seconds:.2f} s" if method in PROBE_METHODS else ""
+            print(f"window {w} r={ratio} {method:18s} KL={kl:.4g} ({seconds:.1f} s{probe}{phases})", flush=True)
         return cache
 
     def run_all(w, ratio, chosen):

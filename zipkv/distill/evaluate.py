@@ -79,10 +79,29 @@ def teacher_force(model, cache, continuation_ids: torch.Tensor) -> TeacherForced
     from zipkv.cache import DistilledCache
 
     if isinstance(cache, DistilledCache):
-        _check_layers(model, len(cache.layers), cache.layers[0].valid.shape[0])
+        _check_layers(model, len(cache.layers), cache.layers[0].heads)
         return _run(model, cache.fresh(), continuation_ids)
     _check_layers(model, cache.num_layers, cache.num_heads)
     return _run(model, DistilledCache.from_compressed(cache, model), continuation_ids)
+
+
+@torch.no_grad()
+def teacher_force_batch(model, cache, continuation_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, C, vocab]`` logits (the model's dtype) of ``continuation_ids`` ``[C]`` fed at positions N … N+C−1 after
+    each of the ``B`` sequences of a :class:`zipkv.cache.DistilledCache` whose layers hold per-sequence pairs, in
+    one forward (row ``b`` is what :func:`teacher_force` gives for sequence ``b``'s cache alone). ``cache`` is
+    appended to; no hidden states are kept."""
+    from zipkv.cache import DistilledCache, attach
+
+    if not isinstance(cache, DistilledCache) or not any(layer.per_sequence for layer in cache.layers):
+        raise ValueError(f"cache is a {type(cache).__name__}: expected a DistilledCache with per-sequence layers "
+                         "(keys [B, H, P, d]); teacher_force takes one compressed context")
+    _check_layers(model, len(cache.layers), cache.layers[0].heads)
+    ids = _as_ids(continuation_ids)
+    B = next(layer.keys.shape[0] for layer in cache.layers if layer.per_sequence)
+    attach(model)
+    device = next(model.parameters()).device
+    return model(input_ids=ids[None].expand(B, -1).to(device), past_key_values=cache, use_cache=True).logits
 
 
 def teacher_force_padded(model, layers: Sequence[tuple], n_context: int,

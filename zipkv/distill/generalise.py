@@ -293,23 +293,93 @@ def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *,
     return Probe(ids=ids, reference=teacher_force(model, full, ids))
 
 
+SENSITIVITY_MEMORY = {"cuda": 8 * 2**30, "cpu": 2**30}
+"""Bytes, by device type, that :func:`head_sensitivity`'s default ``batch`` lets one forward's variants hold."""
+
+
+def _variant_bytes(model, n_pairs: int, tokens: int) -> int:
+    """Memory one variant of :func:`head_sensitivity` holds in its forward: its cache of every layer after the
+    probe tokens are appended, ``2·L·H·(P + T)·d``, its logits ``T·vocab`` (the model's dtype) and one layer's
+    float32 mask with two temporaries, ``3·Hq·T·(P + T)``."""
+    config = model.config
+    item = next(model.parameters()).element_size()
+    q_heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
+    cache = 2 * config.num_hidden_layers * kv_heads * (n_pairs + tokens) * head_dim * item
+    return cache + tokens * config.vocab_size * item + 3 * q_heads * tokens * (n_pairs + tokens) * 4
+
+
+def _head_variants(base: list, compressed: BiasedCache, chunk: list, n_context: int):
+    """A :class:`zipkv.cache.DistilledCache` whose sequence ``b`` is the cache ``base`` (per layer ``(keys, values,
+    valid, bias)``, ``[H, P, d]`` twice and ``[H, P]`` twice) with head ``chunk[b] = (l, h)`` taken from
+    ``compressed`` (its pairs first, padding after, as :meth:`~zipkv.distill.kvsculpt.CompressedCache.padded`
+    lays out a layer): per-sequence ``[B, H, P, …]`` layers where the chunk edits, ``base``'s tensors elsewhere."""
+    from zipkv.cache import DistilledCache, DistilledLayer
+
+    B = len(chunk)
+    edits: dict = {}
+    for row, (layer, h) in enumerate(chunk):
+        edits.setdefault(layer, []).append((row, h))
+    layers = []
+    for layer, (keys, values, valid, bias) in enumerate(base):
+        if layer not in edits:
+            layers.append(DistilledLayer(keys, values, valid, bias))
+            continue
+        keys, values = keys.repeat(B, 1, 1, 1), values.repeat(B, 1, 1, 1)
+        valid, bias = valid.repeat(B, 1, 1), bias.repeat(B, 1, 1)
+        P = keys.shape[2]
+        for row, h in edits[layer]:
+            n = compressed.keys[layer][h].shape[0]
+            if n > P:
+                raise ValueError(f"compressed layer {layer} head {h} holds {n} pairs, the full cache {P}")
+            keys[row, h, :n] = compressed.keys[layer][h].to(keys)
+            values[row, h, :n] = compressed.values[layer][h].to(values)
+            bias[row, h, :n] = compressed.bias[layer][h].to(bias)
+            keys[row, h, n:], values[row, h, n:], bias[row, h, n:] = 0, 0, 0
+            valid[row, h] = torch.arange(P, device=valid.device) < n
+        layers.append(DistilledLayer(keys, values, valid, bias))
+    return DistilledCache(layers, n_context)
+
+
 def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: Probe,
-                     layers: list[int] | None = None) -> torch.Tensor:
-    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs (one forward
-    per head of ``layers``, default all, through :func:`zipkv.distill.bias.evaluate`; 0 on the other layers)."""
-    from .bias import evaluate
+                     layers: list[int] | None = None, *, batch: int | None = None) -> torch.Tensor:
+    """``[L, H]`` KL on the probe continuation when only head ``(l, h)`` holds its compressed pairs, for the heads
+    of ``layers`` (default all; 0 on the other layers).
+
+    The ``(l, h)`` variants run ``batch`` at a time as the rows of one teacher-forced forward of the probe over a
+    :class:`zipkv.cache.DistilledCache` with per-sequence pairs on the layers the chunk edits (the others share the
+    full cache's tensors): the model's own attention with zipkv's mask, so row ``b``'s KL is
+    :func:`zipkv.distill.bias.evaluate`'s for that variant alone (a test checks it against one forward per head).
+    On a GPU one forward per head is launch-bound; a batched forward costs about one of them.
+
+    Memory: one variant holds its own cache of every layer with the ``T`` probe tokens appended,
+    ``2·L·H·(N + T)·d`` values, and its logits ``T·vocab``: ~125 MB for SmolLM2-135M in float32 at N = 2048, T = 64.
+    ``batch=None`` takes as many as fit in :data:`SENSITIVITY_MEMORY` (8 GiB on CUDA: SmolLM2's 90 heads in 2
+    forwards of 45, ~5.6 GB; 1 GiB on the CPU: 8 per forward), spread evenly over the forwards needed.
+    """
+    from .evaluate import kl_divergence, teacher_force_batch
 
     L, H = full.num_layers, full.num_heads
     kl = torch.zeros(L, H, dtype=torch.float64)
-    for layer in (range(L) if layers is None else layers):
-        for h in range(H):
-            keys = [list(x) for x in full.keys]
-            values = [list(x) for x in full.values]
-            bias = [list(x) for x in full.bias]
-            keys[layer][h] = compressed.keys[layer][h]
-            values[layer][h] = compressed.values[layer][h]
-            bias[layer][h] = compressed.bias[layer][h]
-            kl[layer, h] = evaluate(model, BiasedCache(keys, values, bias, full.n_context), probe.ids, probe.reference)
+    variants = [(layer, h) for layer in (range(L) if layers is None else layers) for h in range(H)]
+    if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
+        raise ValueError(f"batch={batch!r}: expected a positive int (variants per forward) or None")
+    if not variants:
+        return kl
+    param = next(model.parameters())
+    base = [full.padded(layer, dtype=param.dtype, device=param.device) + (full.padded_bias(layer, device=param.device),)
+            for layer in range(L)]
+    if batch is None:
+        memory = SENSITIVITY_MEMORY.get(param.device.type, SENSITIVITY_MEMORY["cpu"])
+        batch = max(1, memory // _variant_bytes(model, max(k.shape[1] for k, *_ in base), probe.ids.shape[0]))
+    forwards = -(-len(variants) // batch)
+    size = -(-len(variants) // forwards)
+    for start in range(0, len(variants), size):
+        chunk = variants[start:start + size]
+        logits = teacher_force_batch(model, _head_variants(base, compressed, chunk, full.n_context), probe.ids)
+        for row, (layer, h) in enumerate(chunk):
+            kl[layer, h] = float(kl_divergence(probe.reference.logits, logits[row].float()).mean())
     return kl
 
 
@@ -386,7 +456,10 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
         A :class:`~zipkv.distill.bias.BiasedCache` with ``k_lh + m`` pairs per head (β on the first ``k_lh``; a
         sliding-window layer keeps its window, ``k_lh = 0``, :func:`zipkv.distill.kvsculpt.compressed_layers`);
         ``info`` holds ``[L, H]`` tensors ``train``, ``validation`` (objectives), ``ridge`` (chosen ``λ₀``)
-        and, with a non-uniform budget, ``signal``.
+        and, with a non-uniform budget, ``signal``; ``info["phase_seconds"]`` the wall seconds of each phase that
+        ran (after ``torch.cuda.synchronize()`` where CUDA is in use): ``distil`` (future queries, the uniform fit),
+        ``head_sensitivity`` (the probe signal), ``allocation``, then ``cascade`` or ``refit`` (each head at its
+        budget); ``seconds`` is their total.
     """
     from tqdm.auto import tqdm
 
@@ -398,42 +471,62 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
         raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)}")
     if (budget == "probe" or cascade) and (model is None or probe is None):
         raise ValueError("budget='probe' and cascade=True need model= and probe= (zipkv.distill.generalise.sample_probe)")
-    started = time.perf_counter()
+    phases = {}
+    clock = [synchronized_time()]
+
+    def phase(name):
+        clock.append(synchronized_time())
+        phases[name] = clock[-1] - clock[-2]
+
     L = len(capture.layers)
     H, N, d = capture.layers[0].keys.shape
     k = budget_for_ratio(ratio, N, m)
     inputs = _compressed_inputs(capture, m, cfg)
     kept = [layer for layer, inp in enumerate(inputs) if inp is not None]
-    solved = [None if inp is None else distil_layer(inp[0].keys, inp[0].values, inp[1], inp[2], m, k, cfg)
-              for inp in tqdm(inputs, desc="zipkv", disable=not progress, leave=False)]
     ks = torch.zeros(L, H, dtype=torch.long)
     ks[kept] = k
-    if budget == "uniform" or k == N - m:
-        if cascade:
-            return compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
-        return _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
-    if budget == "pilot":
-        signal = torch.stack([torch.zeros(H, dtype=torch.float64) if out is None else out["validation"].double().cpu()
-                              for out in solved])
-    else:
-        uniform = _assemble(capture, inputs, solved, ks, m, ratio, 0.0)
-        signal = head_sensitivity(model, BiasedCache.from_capture(capture), uniform, probe, layers=kept)
-    ks = torch.zeros(L, H, dtype=torch.long)
-    ks[kept] = allocate(signal[kept].clamp_min(1e-12), k * len(kept) * H, alpha=alpha, per_head=True, k_min=1,
-                        k_max=N - m)
+    signal = None
+    allocated = budget != "uniform" and k < N - m
+    if allocated or not cascade:  # the uniform fit: the cache itself, or the signal's starting point
+        solved = [None if inp is None else distil_layer(inp[0].keys, inp[0].values, inp[1], inp[2], m, k, cfg)
+                  for inp in tqdm(inputs, desc="zipkv", disable=not progress, leave=False)]
+        phase("distil")
+    if allocated:
+        if budget == "pilot":
+            signal = torch.stack([torch.zeros(H, dtype=torch.float64) if out is None
+                                  else out["validation"].double().cpu() for out in solved])
+        else:
+            uniform = _assemble(capture, inputs, solved, ks, m, ratio, 0.0)
+            signal = head_sensitivity(model, BiasedCache.from_capture(capture), uniform, probe, layers=kept)
+            phase("head_sensitivity")
+        ks = torch.zeros(L, H, dtype=torch.long)
+        ks[kept] = allocate(signal[kept].clamp_min(1e-12), k * len(kept) * H, alpha=alpha, per_head=True, k_min=1,
+                            k_max=N - m)
+        phase("allocation")
     if cascade:
         cache = compress_cascade(model, capture, ratio, probe, m=m, config=cfg, budget=ks)
-        cache.seconds = time.perf_counter() - started
+        phase("cascade")
+    else:
+        if signal is not None:  # each head again at its own budget
+            for layer in kept:
+                lc, tr, va = inputs[layer]
+                heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], tr[h:h + 1], va[h:h + 1], m,
+                                      int(ks[layer, h]), cfg) for h in range(H)]
+                solved[layer] = {name: [out[name][0] for out in heads] for name in heads[0]}
+            phase("refit")
+        cache = _assemble(capture, inputs, solved, ks, m, ratio, 0.0)
+    cache.seconds = synchronized_time() - clock[0]
+    if signal is not None:
         cache.info["signal"] = signal
-        return cache
-    for layer in kept:
-        lc, tr, va = inputs[layer]
-        heads = [distil_layer(lc.keys[h:h + 1], lc.values[h:h + 1], tr[h:h + 1], va[h:h + 1], m, int(ks[layer, h]), cfg)
-                 for h in range(H)]
-        solved[layer] = {name: [out[name][0] for out in heads] for name in heads[0]}
-    cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
-    cache.info["signal"] = signal
+    cache.info["phase_seconds"] = phases
     return cache
+
+
+def synchronized_time() -> float:
+    """``time.perf_counter()`` once the queued CUDA work has run (kernels are asynchronous): phase timings."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 CASCADE_ATTENTION = "zipkv_cascade"
