@@ -202,8 +202,9 @@ def test_per_sequence_layers_give_each_sequence_its_own_cache(model, ids, cap):
     caches = [full, biased, short]
     cache = C.DistilledCache([C.DistilledLayer(*layer) for layer in _stacked(caches)], N)
     assert torch.equal(cache.lengths, torch.stack([torch.stack([c.lengths[l] for c in caches]) for l in range(2)]))
-    logits = E.teacher_force_batch(model, cache, ids[N:])
+    logits = E.teacher_force_batch(model, cache.fresh(), ids[N:])
     assert logits.shape == (3, T, model.config.vocab_size)
+    assert torch.equal(E.teacher_force_batch(model, cache, ids[N:]), logits), "fresh: the same pairs, nothing appended"
     alone = [E.teacher_force(model, c, ids[N:]).logits for c in caches]
     for row, want in enumerate(alone):  # (to rounding: the rows are padded to the longest cache)
         assert (logits[row].float() - want).abs().max() < 1e-5 * want.abs().max(), row
@@ -242,8 +243,11 @@ def test_per_sequence_shapes_are_checked(model, ids, cap):
     with pytest.raises(ValueError, match="per-sequence"):
         E.teacher_force_batch(model, C.DistilledCache.from_compressed(full, model), ids[N:])
     cache = C.DistilledCache([C.DistilledLayer(*two), C.DistilledLayer(*two)], N)
-    with pytest.raises(ValueError, match="a batch of 1 sequences after a cache of 2"):
+    with pytest.raises(ValueError, match="teacher_force_batch"):
         E.teacher_force(model, cache, ids[N:])
+    C.attach(model)
+    with pytest.raises(ValueError, match="a batch of 1 sequences after a cache of 2"):
+        model(ids[None, N:], past_key_values=cache)
 
 
 # --- the embedded model on a PG19 window (the bars of issue 18) ---------------------------------------------

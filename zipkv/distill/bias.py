@@ -73,8 +73,9 @@ class BiasedCache(CompressedCache):
 
 
 def teacher_force_many(model, caches: Sequence[CompressedCache], continuation_ids: torch.Tensor) -> list[Forced]:
-    """:func:`teacher_force` of each cache in turn (one forward each: a :class:`zipkv.cache.DistilledCache` holds
-    one sequence's mask, so caches of different lengths and biases are not batched)."""
+    """:func:`teacher_force` of each cache in turn (one forward each, every layer's hidden states kept; for the
+    logits alone, :func:`zipkv.distill.evaluate.teacher_force_batch` runs caches of one padded shape as the rows of
+    one forward)."""
     return [teacher_force(model, cache, continuation_ids) for cache in caches]
 
 

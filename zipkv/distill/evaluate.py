@@ -79,6 +79,8 @@ def teacher_force(model, cache, continuation_ids: torch.Tensor) -> TeacherForced
     from zipkv.cache import DistilledCache
 
     if isinstance(cache, DistilledCache):
+        if any(layer.per_sequence for layer in cache.layers):
+            raise ValueError("cache has per-sequence layers (keys [B, H, P, d]): teacher_force_batch runs them")
         _check_layers(model, len(cache.layers), cache.layers[0].heads)
         return _run(model, cache.fresh(), continuation_ids)
     _check_layers(model, cache.num_layers, cache.num_heads)
@@ -94,8 +96,8 @@ def teacher_force_batch(model, cache, continuation_ids: torch.Tensor) -> torch.T
     from zipkv.cache import DistilledCache, attach
 
     if not isinstance(cache, DistilledCache) or not any(layer.per_sequence for layer in cache.layers):
-        raise ValueError(f"cache is a {type(cache).__name__}: expected a DistilledCache with per-sequence layers "
-                         "(keys [B, H, P, d]); teacher_force takes one compressed context")
+        raise ValueError(f"cache ({type(cache).__name__}) has no per-sequence layers: expected a DistilledCache with "
+                         "keys [B, H, P, d] on some layer (teacher_force takes one compressed context)")
     _check_layers(model, len(cache.layers), cache.layers[0].heads)
     ids = _as_ids(continuation_ids)
     B = next(layer.keys.shape[0] for layer in cache.layers if layer.per_sequence)
