@@ -200,6 +200,22 @@ def test_head_sensitivity_batched_equals_one_forward_per_head(model, cap, full, 
             generalise.head_sensitivity(model, full, compressed, probe, batch=batch)
 
 
+def test_head_sensitivity_default_batch_fits_the_memory_budget(model, cap, full, ids, monkeypatch):
+    """batch=None: as many variants per forward as SENSITIVITY_MEMORY holds by _variant_bytes, spread evenly."""
+    probe = generalise.sample_probe(model, cap, ids[:N], 8)
+    compressed = generalise.compress(cap, 0.5, m=M)
+    rows = []
+    run = evaluate.teacher_force_batch
+    monkeypatch.setattr(evaluate, "teacher_force_batch", lambda m, cache, c: rows.append(max(x.keys.shape[0] for x in cache.layers))
+                        or run(m, cache, c))
+    per_variant = generalise._variant_bytes(model, N, 8)
+    for fit, forwards in ((1, [1, 1, 1, 1]), (3, [2, 2]), (4, [4]), (100, [4])):
+        monkeypatch.setitem(generalise.SENSITIVITY_MEMORY, "cpu", fit * per_variant + per_variant // 2)
+        rows.clear()
+        generalise.head_sensitivity(model, full, compressed, probe)
+        assert rows == forwards, fit
+
+
 @pytest.mark.slow
 def test_head_sensitivity_batched_equals_the_loop_on_the_embedded_model(embedded):
     """SmolLM2-135M on a 256-token PG19 context, three layers' heads in batches of 4 (forwards that cross

@@ -299,15 +299,17 @@ SENSITIVITY_MEMORY = {"cuda": 8 * 2**30, "cpu": 2**30}
 
 def _variant_bytes(model, n_pairs: int, tokens: int) -> int:
     """Memory one variant of :func:`head_sensitivity` holds in its forward: its cache of every layer after the
-    probe tokens are appended, ``2·L·H·(P + T)·d``, its logits ``T·vocab`` (the model's dtype) and one layer's
-    float32 mask with two temporaries, ``3·Hq·T·(P + T)``."""
+    probe tokens are appended, ``2·L·H·(P + T)·d``, its logits ``T·vocab``, one layer's keys and values repeated
+    over the query heads for SDPA (``repeat_kv``: with a mask there is no GQA kernel), ``2·Hq·(P + T)·d`` (the
+    model's dtype), and one layer's float32 mask with two temporaries, ``3·Hq·T·(P + T)``."""
     config = model.config
     item = next(model.parameters()).element_size()
     q_heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
     cache = 2 * config.num_hidden_layers * kv_heads * (n_pairs + tokens) * head_dim * item
-    return cache + tokens * config.vocab_size * item + 3 * q_heads * tokens * (n_pairs + tokens) * 4
+    repeated = 2 * q_heads * (n_pairs + tokens) * head_dim * item
+    return cache + repeated + tokens * config.vocab_size * item + 3 * q_heads * tokens * (n_pairs + tokens) * 4
 
 
 def _head_variants(base: list, compressed: BiasedCache, chunk: list, n_context: int):
@@ -354,9 +356,10 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
     On a GPU one forward per head is launch-bound; a batched forward costs about one of them.
 
     Memory: one variant holds its own cache of every layer with the ``T`` probe tokens appended,
-    ``2·L·H·(N + T)·d`` values, and its logits ``T·vocab``: ~125 MB for SmolLM2-135M in float32 at N = 2048, T = 64.
-    ``batch=None`` takes as many as fit in :data:`SENSITIVITY_MEMORY` (8 GiB on CUDA: SmolLM2's 90 heads in 2
-    forwards of 45, ~5.6 GB; 1 GiB on the CPU: 8 per forward), spread evenly over the forwards needed.
+    ``2·L·H·(N + T)·d`` values, its logits ``T·vocab`` and one layer's attention temporaries
+    (:func:`_variant_bytes`): ~134 MB for SmolLM2-135M in float32 at N = 2048, T = 64. ``batch=None`` takes as
+    many as fit in :data:`SENSITIVITY_MEMORY` (8 GiB on CUDA: SmolLM2's 90 heads in 2 forwards of 45, ~6.0 GB;
+    1 GiB on the CPU: 7 per forward), spread evenly over the forwards needed.
     """
     from .evaluate import kl_divergence, teacher_force_batch
 
