@@ -198,6 +198,13 @@ def test_head_sensitivity_batched_equals_one_forward_per_head(model, cap, full, 
     for batch in (0, 2.0, True):
         with pytest.raises(ValueError, match="batch"):
             generalise.head_sensitivity(model, full, compressed, probe, batch=batch)
+    with pytest.raises(ValueError, match="layers"):
+        generalise.head_sensitivity(model, full, compressed, probe, layers=[2])
+    longer = bias.BiasedCache([[torch.cat([k, k[:1]]) for k in ks] for ks in full.keys],
+                              [[torch.cat([v, v[:1]]) for v in vs] for vs in full.values],
+                              [[torch.zeros(k.shape[0] + 1) for k in ks] for ks in full.keys], N)
+    with pytest.raises(ValueError, match=r"more pairs than the full cache"):
+        generalise.head_sensitivity(model, full, longer, probe)
 
 
 def test_head_sensitivity_default_batch_fits_the_memory_budget(model, cap, full, ids, monkeypatch):

@@ -320,7 +320,7 @@ def _head_variants(base: list, compressed: BiasedCache, chunk: list, n_context: 
     from zipkv.cache import DistilledCache, DistilledLayer
 
     B = len(chunk)
-    edits: dict = {}
+    edits: dict = {}  # layer -> [(row, head)]
     for row, (layer, h) in enumerate(chunk):
         edits.setdefault(layer, []).append((row, h))
     layers = []
@@ -333,8 +333,6 @@ def _head_variants(base: list, compressed: BiasedCache, chunk: list, n_context: 
         P = keys.shape[2]
         for row, h in edits[layer]:
             n = compressed.keys[layer][h].shape[0]
-            if n > P:
-                raise ValueError(f"compressed layer {layer} head {h} holds {n} pairs, the full cache {P}")
             keys[row, h, :n] = compressed.keys[layer][h].to(keys)
             values[row, h, :n] = compressed.values[layer][h].to(values)
             bias[row, h, :n] = compressed.bias[layer][h].to(bias)
@@ -365,9 +363,16 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
 
     L, H = full.num_layers, full.num_heads
     kl = torch.zeros(L, H, dtype=torch.float64)
-    variants = [(layer, h) for layer in (range(L) if layers is None else layers) for h in range(H)]
+    layers = list(range(L) if layers is None else layers)
+    if (compressed.num_layers, compressed.num_heads) != (L, H) or not all(0 <= layer < L for layer in layers):
+        raise ValueError(f"compressed has {compressed.num_layers} × {compressed.num_heads} heads, full {L} × {H}, "
+                         f"layers={layers}: expected equal shapes and layers in [0, {L})")
+    longer = [(l, h) for l in layers for h in range(H) if compressed.keys[l][h].shape[0] > full.keys[l][h].shape[0]]
+    if longer:
+        raise ValueError(f"compressed heads (layer, head) {longer[:4]} hold more pairs than the full cache's")
     if batch is not None and (isinstance(batch, bool) or not isinstance(batch, int) or batch < 1):
         raise ValueError(f"batch={batch!r}: expected a positive int (variants per forward) or None")
+    variants = [(layer, h) for layer in layers for h in range(H)]
     if not variants:
         return kl
     param = next(model.parameters())
