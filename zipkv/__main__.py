@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--write", action="store_true",
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
     bench.add_argument("--splits", type=int, nargs="+", default=None,
-                       help="engine: the decode kernel's split-KV factors to run each row with (default: the plan's)")
+                       help="attention, engine: the decode kernels' split-KV factors to run each row with "
+                            "(default: the plan's)")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what in GPU_BENCHMARKS:
@@ -69,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "attention":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
-                                                  args.batches or [32, 64, 96], fraction, reps=args.reps)
+                                                  args.batches or [32, 64, 96], fraction, reps=args.reps,
+                                                  splits=args.splits or (None,))
         elif args.what == "tune":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             contexts = args.contexts or [8192]
