@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--splits", type=int, nargs="+", default=None,
                        help="attention, engine: the decode kernels' split-KV factors to run each row with "
                             "(default: the plan's)")
+    bench.add_argument("--maxnreg", type=int, nargs="+", default=None,
+                       help="attention: register caps per thread to run zipkv's kernels with (0: none; default: theirs)")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what in GPU_BENCHMARKS:
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
                                                   args.batches or [32, 64, 96], fraction, reps=args.reps,
-                                                  splits=args.splits or (None,))
+                                                  splits=args.splits or (None,), maxnregs=args.maxnreg or (None,))
         elif args.what == "tune":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             contexts = args.contexts or [8192]
