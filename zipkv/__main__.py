@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
     bench.add_argument("--splits", type=int, nargs="+", default=None,
                        help="attention, engine: the decode kernels' split-KV factors to run each row with "
-                            "(default: the plan's)")
+                            "(0: the plan's choice, the default)")
     bench.add_argument("--maxnreg", type=int, nargs="+", default=None,
                        help="attention: register caps per thread to run zipkv's kernels with (0: none; default: theirs)")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
                                                   args.batches or [32, 64, 96], fraction, reps=args.reps,
-                                                  splits=args.splits or (None,), maxnregs=args.maxnreg or (None,))
+                                                  splits=[x or None for x in args.splits or [0]],
+                                                  maxnregs=args.maxnreg or (None,))
         elif args.what == "tune":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             contexts = args.contexts or [8192]
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             from zipkv.throughput import step_profile
 
             table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}),
-                                 splits=args.splits or (None,))
+                                 splits=[x or None for x in args.splits or [0]])
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:
