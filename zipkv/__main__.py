@@ -2,7 +2,7 @@
 
 ``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force]`` — execute the notebooks, build the book.
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput; zipkv.bench).
-``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
+``python -m zipkv bench tune [--kernel gluon] [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 ``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).
 ``python -m zipkv bench format [--out CSV]`` — the plain-torch format reference (eligible, pack, unpack) vs a plain scan.
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--steps", type=int, default=100, help="distill: outer L-BFGS steps (paper: 100)")
     bench.add_argument("--reference-limit", type=int, default=4,
                        help="distill: problems the reference solver runs per timed context (scaled to the context)")
+    bench.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
+                       help="tune: which decode kernel's launch options (gluon: the mma layouts)")
     bench.add_argument("--write", action="store_true",
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
     bench.add_argument("--splits", type=int, nargs="+", default=None,
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             contexts = args.contexts or [8192]
             table = benchmarks.tune_decode_attention(args.shape, contexts[0], (args.batches or [64])[0], fraction,
-                                                   reps=args.reps)
+                                                   reps=args.reps, kernel=args.kernel)
             if args.write:
                 print("stored:", benchmarks.write_tuning(table))
         elif args.what == "format":
