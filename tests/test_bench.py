@@ -45,9 +45,10 @@ def test_unknown_shape_or_method_is_a_clear_error():
 
 def test_tuned_launch_options_are_stored_per_gpu_and_read_back(tmp_path, monkeypatch):
     from zipkv.kernels import decode_triton as da
+    from zipkv.kernels import tuning
 
     file = tmp_path / "tuning.json"
-    monkeypatch.setattr(da, "TUNING_FILE", file)
+    monkeypatch.setattr(tuning, "TUNING_FILE", file)
     assert da.launch_config("compressed", "GPU X") == da.DEFAULT_LAUNCH  # no file yet
     rows = [dict(path=p, pages_per_tile=ppt, num_warps=4, stages=3, maxnreg=0, programs_per_sm=2,
                  latency_us=us, device="GPU X") for p, ppt, us in
@@ -61,6 +62,37 @@ def test_tuned_launch_options_are_stored_per_gpu_and_read_back(tmp_path, monkeyp
     assert da.launch_config("compressed", "GPU Y") == da.DEFAULT_LAUNCH  # another GPU model
     with pytest.raises(ValueError, match="path must be one of"):
         da.launch_config("fast")
+
+
+def test_gluon_options_are_stored_per_head_dim_beside_the_triton_ones(tmp_path, monkeypatch):
+    from zipkv.kernels import decode_mma, decode_triton, tuning
+
+    file = tmp_path / "tuning.json"
+    monkeypatch.setattr(tuning, "TUNING_FILE", file)
+    triton_rows = pd.DataFrame([dict(path="raw", pages_per_tile=8, num_warps=4, stages=4, maxnreg=0, programs_per_sm=2,
+                                     latency_us=1.0, best=True, device="GPU X")])
+    bench.write_tuning(triton_rows, file)
+    gluon_rows = pd.DataFrame([dict(kernel="gluon", path=p, programs_per_sm=8, stages=2, maxnreg=n, latency_us=us,
+                                    best=b, head_dim=128, device="GPU X")
+                               for p, n, us, b in [("mixed", 0, 5.0, False), ("mixed", 200, 4.0, True),
+                                                   ("compressed", 0, 3.0, True)]])
+    stored = bench.write_tuning(gluon_rows, file)
+    assert stored["mixed"] == dict(programs_per_sm=8, stages=2, maxnreg=200)
+    assert decode_mma.launch_config("mixed", "GPU X", 128) == {**decode_mma.MMA_LAUNCH, **stored["mixed"]}
+    assert decode_mma.launch_config("mixed", "GPU X", 64) == decode_mma.MMA_LAUNCH      # not tuned at head_dim 64
+    assert decode_mma.launch_config("raw", "GPU X", 128) == decode_mma.MMA_LAUNCH
+    assert decode_mma.launch_config("mixed", None, 128) == decode_mma.MMA_LAUNCH          # not on a GPU
+    # the Triton kernel's entry survived the Gluon write, and a second Triton write keeps the Gluon one
+    assert decode_triton.launch_config("raw", "GPU X")["pages_per_tile"] == 8
+    bench.write_tuning(triton_rows.assign(pages_per_tile=4), file)
+    assert decode_triton.launch_config("raw", "GPU X")["pages_per_tile"] == 4
+    assert decode_mma.launch_config("mixed", "GPU X", 128)["maxnreg"] == 200
+    with pytest.raises(ValueError, match="head_dim"):
+        tuning.tuned("GPU X", "mixed", kernel="gluon")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        tuning.tuned("GPU X", "mixed", kernel="cuda")
+    with pytest.raises(ValueError, match="path must be one of"):
+        decode_mma.launch_config("fast")
 
 
 def test_attention_shapes_are_the_models_shapes():

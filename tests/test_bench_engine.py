@@ -36,3 +36,32 @@ def test_step_text_states_the_measured_ratio():
     u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
     z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
     assert f"= {z.batch / u.batch * u.step_ms / z.step_ms:.3f}×" in throughput.step_text(steps)
+
+
+def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
+    import pytest
+    from zipkv.bench.engine import idle_gaps
+    # two replays of a 3-kernel graph (ns): gemm, then a 2 µs wait before attention, then argmax overlapping it
+    one = [("nvjet_gemm", 0, 1000), ("_pipelined_kernel", 3000, 9000), ("argmax", 8000, 9500)]
+    kernels = one + [(n, a + 10_000, b + 10_000) for n, a, b in one]       # 500 ns between the replays
+    out = idle_gaps(list(reversed(kernels)), replays=2)                    # any order
+    assert out["gap_ms"]["attention"] == pytest.approx(2e-3)               # 2 µs per replay
+    assert out["gap_ms"]["other"] == 0.0                                   # argmax overlaps: no wait
+    assert out["gap_ms"]["gemm"] == pytest.approx(0.5e-3 / 2)              # the next replay's launch
+    before, after, ms, count = out["top_gaps"][0]
+    assert (before, after, count) == ("nvjet_gemm", "_pipelined_kernel", 1.0) and ms == pytest.approx(2e-3)
+    assert idle_gaps([], replays=1)["top_gaps"] == []
+    with pytest.raises(ValueError, match="replays"):
+        idle_gaps(one, replays=0)
+
+
+def test_step_text_says_where_the_idle_time_sits():
+    from zipkv import throughput
+    rows = _profiled_rows()
+    rows["gap_before_attention_ms"] = [0.1, 0.2, 0.3, 0.9]
+    rows["gap_before_gemm_ms"] = [0.05, 0.05, 0.05, 0.4]
+    steps, _ = throughput.step_table(rows)
+    text = throughput.step_text(steps)
+    z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
+    assert f"ZipFusion at batch {z.batch} 0.90 ms before attention kernels, 0.40 ms before gemm kernels" in text
+    assert "gap_before" not in throughput.step_text(throughput.step_table(_profiled_rows())[0])

@@ -2,7 +2,7 @@
 
 ``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force]`` — execute the notebooks, build the book.
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput; zipkv.bench).
-``python -m zipkv bench tune [--write]`` — time decode-attention launch options per specialisation, keep the best.
+``python -m zipkv bench tune [--kernel gluon] [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
 ``python -m zipkv bench ncu --out TXT`` — the decode and pack kernels under Nsight Compute (needs ``ncu``).
 ``python -m zipkv bench format [--out CSV]`` — the plain-torch format reference (eligible, pack, unpack) vs a plain scan.
@@ -42,10 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--steps", type=int, default=100, help="distill: outer L-BFGS steps (paper: 100)")
     bench.add_argument("--reference-limit", type=int, default=4,
                        help="distill: problems the reference solver runs per timed context (scaled to the context)")
+    bench.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
+                       help="tune: which decode kernel's launch options (gluon: the mma layouts)")
     bench.add_argument("--write", action="store_true",
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
     bench.add_argument("--splits", type=int, nargs="+", default=None,
-                       help="engine: the decode kernel's split-KV factors to run each row with (default: the plan's)")
+                       help="attention, engine: the decode kernels' split-KV factors to run each row with "
+                            "(0: the plan's choice, the default)")
+    bench.add_argument("--maxnreg", type=int, nargs="+", default=None,
+                       help="attention: register caps per thread to run zipkv's kernels with (0: none; default: theirs)")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what in GPU_BENCHMARKS:
@@ -69,12 +74,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "attention":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
-                                                  args.batches or [32, 64, 96], fraction, reps=args.reps)
+                                                  args.batches or [32, 64, 96], fraction, reps=args.reps,
+                                                  splits=[x or None for x in args.splits or [0]],
+                                                  maxnregs=args.maxnreg or (None,))
         elif args.what == "tune":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             contexts = args.contexts or [8192]
             table = benchmarks.tune_decode_attention(args.shape, contexts[0], (args.batches or [64])[0], fraction,
-                                                   reps=args.reps)
+                                                   reps=args.reps, kernel=args.kernel)
             if args.write:
                 print("stored:", benchmarks.write_tuning(table))
         elif args.what == "format":
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             from zipkv.throughput import step_profile
 
             table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}),
-                                 splits=args.splits or (None,))
+                                 splits=[x or None for x in args.splits or [0]])
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:

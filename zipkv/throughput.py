@@ -157,7 +157,8 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     shared buffer holds ``batch`` requests' prefixes, or, for the largest batch, what
     :func:`restore_buffer_pages` finds on a sample of the prefixes. profile: after the run, time replays of
     the last captured step graph and split its GPU time by kernel kind (:func:`zipkv.bench.engine.step_breakdown`;
-    columns ``replay_ms``, ``host_ms`` = ``step_ms - replay_ms``, ``<kind>_ms``; CUDA graphs only).
+    columns ``replay_ms``, ``host_ms`` = ``step_ms - replay_ms``, ``<kind>_ms``, the GPU's idle time by the kind of
+    kernel it waits before, ``gap_before_<kind>_ms``, and the five costliest ``top_gaps`` as JSON; CUDA graphs only).
     Returns a row of the chapter's table plus the run's ``stats``."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
@@ -197,6 +198,8 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
         plan = (engine.attention.plans or [None])[0]
         row.update(replay_ms=br["replay_ms"], host_ms=row["step_ms"] - br["replay_ms"],
                    **{f"{k}_ms": v for k, v in br["kernel_ms"].items()},
+                   **{f"gap_before_{k}_ms": v for k, v in br["gap_ms"].items()},
+                   top_gaps=json.dumps([[b, a, round(ms, 4), n] for b, a, ms, n in br["top_gaps"][:5]]),
                    num_splits=plan.num_splits if plan is not None else None)
         st["top_kernels"] = br["top_kernels"]
     del engine
@@ -275,6 +278,8 @@ def step_table(big, profile_csv=None):
         t.insert(5, "slowest_step", [1 + max(range(len(e)), key=e.__getitem__) for e in each])
     kernels = [c for c in STEP_PARTS if c in t.columns and c != "host_ms"]
     t.insert(len(t.columns) - 1, "gaps_ms", t.replay_ms - t[kernels].sum(axis=1))   # GPU idle inside the graph
+    for c in [c for c in src.columns if c.startswith("gap_before_")]:                # where that idle time sits
+        t[c] = src[c].values
     t["attention_us_per_request_layer"] = 1e3 * t.attention_ms / (t.batch * layers)
     return t.reset_index(drop=True), note
 
@@ -301,7 +306,18 @@ def step_text(steps, context: int = 8192) -> str:
             f"grow with the batch: the host's share ({u32.host_ms:.1f} → {u.host_ms:.1f} ms uncompressed, {z32.host_ms:.1f} → "
             f"{z.host_ms:.1f} ms ZipFusion) and the GPU's idle time between the graph's kernels (replay minus kernel time: "
             f"{u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, {z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion)."
-            + (_slow_steps(u, context) if "step_ms_median" in steps else ""))
+            + (_slow_steps(u, context) if "step_ms_median" in steps else "")
+            + (_gap_places(u, z) if "gap_before_attention_ms" in steps else ""))
+
+
+def _gap_places(u, z) -> str:
+    """One sentence on which kernels the GPU waits before, from two profiled rows' ``gap_before_<kind>_ms``."""
+    def parts(r):
+        gaps = {c[len("gap_before_"):-3].replace("_", " "): r[c] for c in r.index if str(c).startswith("gap_before_")}
+        top = sorted(gaps.items(), key=lambda kv: -kv[1])[:2]
+        return ", ".join(f"{ms:.2f} ms before {kind} kernels" for kind, ms in top)
+    return (f" Where the idle time sits (the kernel the GPU waits before): uncompressed at batch {u.batch} {parts(u)}; "
+            f"ZipFusion at batch {z.batch} {parts(z)}.")
 
 
 def _slow_steps(r, context: int) -> str:

@@ -71,7 +71,7 @@ def kernels_for(head_dim: int) -> list[str]:
 
 def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batches=(32, 64, 96),
                         real_fraction: dict[str, float] | None = None, reps: int = 30,
-                        methods=METHODS, seed: int = 0, progress: bool = True):
+                        methods=METHODS, seed: int = 0, progress: bool = True, splits=(None,), maxnregs=(None,)):
     """Decode-attention latency of every method on the same data, as in ZipFusion Fig. 4.
 
     For each (context, batch): K/V whose blocks are all compressible ("all compressible"), and, when
@@ -83,7 +83,10 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     planned once per configuration and their ``run`` is timed.
 
     zipkv's rows say which kernel ran (``kernel``, ``layout``): every kernel of :func:`kernels_for` the shape's
-    head_dim, on every kind of data.
+    head_dim, on every kind of data, once per split-KV factor of ``splits`` (None: the plan's choice; the column
+    ``num_splits`` says which ran -- a sweep shows how the split count meets the GPU's waves of programs) and of
+    ``maxnregs`` (a register cap per thread, ``launch={"maxnreg": n}``; None: the kernel's default; column ``maxnreg``,
+    0 for none: fewer registers let more programs share an SM, :mod:`zipkv.kernels.kernel_info`).
 
     Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method[, kernel]): latency_us (median of
     ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error, zipkv's compressed
@@ -144,13 +147,17 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     stats = cache.stats()
                     desc_bytes = cache.desc.numel() * cache.desc.element_size()
                     kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
-                    planned = plan(indptr, indices, last, cache, q_heads)
                     out = torch.empty_like(q)
-                    record(method, kv_data, lambda: planned.run(q, out), kv_bytes)
-                    rows[-1].update(kernel=kernel, layout="/".join(layout), frac_compressed_k=stats["frac_k"],
-                                    frac_compressed_v=stats["frac_v"], frac_mixed_pages_k=stats["mixed_k"],
-                                    frac_mixed_pages_v=stats["mixed_v"])
-                    del cache, planned
+                    for split, nreg in ((x, n) for x in splits for n in maxnregs):
+                        planned = plan(indptr, indices, last, cache, q_heads, num_splits=split,
+                                       launch=None if nreg is None else {"maxnreg": nreg})
+                        record(method, kv_data, lambda: planned.run(q, out), kv_bytes)
+                        rows[-1].update(kernel=kernel, layout="/".join(layout), num_splits=planned.num_splits,
+                                        maxnreg=planned.configs[0].get("maxnreg") or 0,
+                                        frac_compressed_k=stats["frac_k"], frac_compressed_v=stats["frac_v"],
+                                        frac_mixed_pages_k=stats["mixed_k"], frac_mixed_pages_v=stats["mixed_v"])
+                        del planned
+                    del cache
         # FlashInfer's NHD pages at the physical ids of zipkv's caches: the same page table for every paged method
         indices = physical_page_ids(batch * ctx // PAGE, seed).to("cuda")
         k_pages, v_pages = (nhd_pages(x, indices) for x in (k, v))

@@ -1,26 +1,32 @@
-"""Launch tuning of the Triton decode kernel (``python -m zipkv bench tune [--write]``): every launch
-configuration of each specialisation timed at one shape, the best stored per GPU model in
-:data:`zipkv.kernels.decode_triton.TUNING_FILE`."""
+"""Launch tuning of the decode kernels (``python -m zipkv bench tune [--kernel gluon] [--write]``): every launch
+configuration of each specialisation timed at one shape, the best stored per GPU model (and, for the Gluon
+kernel, per head_dim) in :data:`zipkv.kernels.tuning.TUNING_FILE`."""
 from __future__ import annotations
 
 import torch
 
-from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs, mix_mask
+from zipkv.bench.attention import ATTENTION_SHAPES, KERNEL_LAYOUTS, attention_inputs, mix_mask
 from zipkv.bench.baselines import error_vs_reference, reference_attention
 from zipkv.bench.timing import ColdTimer
 
-__all__ = ["tune_decode_attention", "write_tuning", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM"]
+__all__ = ["tune_decode_attention", "write_tuning", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "GLUON_TUNE_GRID",
+           "GLUON_TUNE_PROGRAMS_PER_SM"]
 
 TUNE_GRID = dict(pages_per_tile=(2, 4, 8), num_warps=(4, 8), stages=(3, 4), maxnreg=(0, 168))
 """Launch options swept per kernel specialisation by :func:`tune_decode_attention` (``maxnreg`` 0: no
 cap); the best of them is then tried at every ``programs_per_sm`` in :data:`TUNE_PROGRAMS_PER_SM`."""
 TUNE_PROGRAMS_PER_SM = (2, 4, 8)
+GLUON_TUNE_GRID = dict(maxnreg=(0, 216, 200), stages=(2, 3))
+"""The Gluon kernel's options (one warp per program): a register cap (0: none; offline, sm_90a, its mixed
+specialisation takes 239 registers, 8 programs per SM, and has no spills down to 200, 10 per SM:
+:func:`zipkv.kernels.kernel_info.decode_mma_info`) and the ring slots; then its split-KV target."""
+GLUON_TUNE_PROGRAMS_PER_SM = (4, 6, 8, 12)
 
 
 def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64,
                           real_fraction: dict[str, float] | None = None, grid: dict | None = None,
-                          programs_per_sm=TUNE_PROGRAMS_PER_SM, reps: int = 10, seed: int = 0,
-                          progress: bool = True):
+                          programs_per_sm=None, reps: int = 10, seed: int = 0,
+                          progress: bool = True, kernel: str = "triton"):
     """Time every launch configuration of each decode-attention specialisation at one shape.
 
     Specialisations and their data: ``compressed`` on K/V whose blocks are all compressible, ``raw`` on
@@ -29,9 +35,14 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
     it is timed (cold L2, median of ``reps``); one that fails to compile or disagrees is recorded with its
     error and no latency.
 
-    Returns a DataFrame: ``path``, the launch options (:data:`zipkv.kernels.decode_triton.LAUNCH_KEYS`),
-    ``latency_us``, ``rel_rms_error``, ``error``, ``best`` (the fastest configuration of its path) and
-    ``device``; :func:`write_tuning` stores the best ones.
+    kernel: ``"triton"`` (token layouts; grid :data:`TUNE_GRID`, then :data:`TUNE_PROGRAMS_PER_SM`) or ``"gluon"``
+    (the mma layouts; :data:`GLUON_TUNE_GRID`, then :data:`GLUON_TUNE_PROGRAMS_PER_SM`), unless ``grid`` /
+    ``programs_per_sm`` are given.
+
+    Returns a DataFrame: ``kernel``, ``path``, the launch options (:data:`zipkv.kernels.decode_triton.LAUNCH_KEYS`;
+    the Gluon kernel reads ``programs_per_sm``, ``stages`` and ``maxnreg``), ``latency_us``, ``rel_rms_error``,
+    ``error``, ``best`` (the fastest configuration of its path), ``head_dim`` and ``device``; :func:`write_tuning`
+    stores the best ones.
     """
     import itertools
 
@@ -39,12 +50,19 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
     from tqdm.auto import tqdm
 
     from zipkv.kernels.decode_attention import plan
+    from zipkv.kernels.decode_mma import MMA_LAUNCH
     from zipkv.kernels.decode_triton import DEFAULT_LAUNCH
     from zipkv.paged import build_paged_cache
 
+    if kernel not in KERNEL_LAYOUTS:
+        raise ValueError(f"kernel must be one of {sorted(KERNEL_LAYOUTS)}, got {kernel!r}")
     model = ATTENTION_SHAPES[shape]
     kv_heads, head_dim = model.kv_heads, model.head_dim
-    grid = grid or TUNE_GRID
+    gluon = kernel == "gluon"
+    grid = grid or (GLUON_TUNE_GRID if gluon else TUNE_GRID)
+    programs_per_sm = programs_per_sm or (GLUON_TUNE_PROGRAMS_PER_SM if gluon else TUNE_PROGRAMS_PER_SM)
+    base = MMA_LAUNCH if gluon else DEFAULT_LAUNCH
+    k_layout, v_layout = KERNEL_LAYOUTS[kernel]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     k, v, q = attention_inputs(shape, ctx, batch, gen)
     ref = reference_attention(q, k, v)
@@ -55,10 +73,11 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
     rows = []
     names = list(grid)
     for path, compress, route in data:
-        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, seed=seed)
+        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, seed=seed,
+                                                         k_layout=k_layout, v_layout=v_layout)
 
         def trial(launch):
-            row = dict(path=path, **{**DEFAULT_LAUNCH, **launch}, latency_us=float("nan"),
+            row = dict(kernel=kernel, path=path, **{**base, **launch}, latency_us=float("nan"),
                        rel_rms_error=float("nan"), error="")
             try:
                 run = plan(indptr, indices, last, cache, q.shape[1], validate=False, path=route, launch=launch).run
@@ -87,6 +106,7 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
     table = pd.DataFrame(rows)
     fastest = table.dropna(subset=["latency_us"]).groupby("path")["latency_us"].idxmin()
     table["best"] = table.index.isin(fastest.values)
+    table["head_dim"] = head_dim
     table["device"] = torch.cuda.get_device_name()
     table["shape"], table["ctx"], table["batch"] = shape, ctx, batch
     return table
@@ -97,16 +117,14 @@ def _plain(x):
 
 
 def write_tuning(table, path=None) -> dict:
-    """Store the best configuration of each specialisation in ``table`` (from
-    :func:`tune_decode_attention`) for its device in the decode kernel's tuning file; returns the entry."""
-    import json
+    """Store the best configuration of each specialisation in ``table`` (from :func:`tune_decode_attention`) for
+    its device -- and, for the Gluon kernel, its head_dim -- in the tuning file (:func:`zipkv.kernels.tuning.store`:
+    every other entry is kept); returns the stored section."""
+    from zipkv.kernels import decode_mma, decode_triton, tuning
 
-    from zipkv.kernels import decode_triton
-
-    path = path or decode_triton.TUNING_FILE
-    stored = json.loads(path.read_text()) if path.exists() else {}
+    kernel = str(table["kernel"].iloc[0]) if "kernel" in table else "triton"
+    keys = tuple(decode_mma.MMA_LAUNCH) if kernel == "gluon" else decode_triton.LAUNCH_KEYS
     best = table[table["best"]]
-    entry = {row["path"]: {key: _plain(row[key]) for key in decode_triton.LAUNCH_KEYS} for _, row in best.iterrows()}
-    stored[str(table["device"].iloc[0])] = entry
-    path.write_text(json.dumps(stored, indent=2, sort_keys=True) + "\n")
-    return entry
+    entry = {row["path"]: {key: _plain(row[key]) for key in keys} for _, row in best.iterrows()}
+    return tuning.store(str(table["device"].iloc[0]), entry, kernel=kernel,
+                        head_dim=int(table["head_dim"].iloc[0]) if kernel == "gluon" else None, file=path)

@@ -36,7 +36,8 @@ from zipkv import format as fmt
 from zipkv import paged
 from zipkv.kernels import check_launchable, decode_mma, decode_triton
 from zipkv.kernels.decode_mma import MMA_LAUNCH
-from zipkv.kernels.decode_triton import DEFAULT_LAUNCH, LAUNCH_KEYS, TUNING_FILE, launch_config
+from zipkv.kernels.decode_triton import DEFAULT_LAUNCH, LAUNCH_KEYS, launch_config
+from zipkv.kernels.tuning import TUNING_FILE
 from zipkv.paged import PagedKVCache, build_paged_cache, compress_cache_, physical_page_ids
 
 __all__ = ["plan", "DecodePlan", "decode_attention", "KERNELS", "PagedKVCache", "build_paged_cache",
@@ -212,8 +213,9 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     specialisation (any page), the Triton kernel three routed launches. ``"mixed"`` sends everything
     through the mixed specialisation; channel layouts always use it. routing: ``"auto"`` as above,
     ``"device"`` never the single uniform launch (the plan stays valid whatever gets compressed).
-    launch: overrides of the launch options (keys :data:`LAUNCH_KEYS`); the Gluon kernel reads
-    ``programs_per_sm``, ``stages`` (its ring slots) and ``maxnreg`` only, default :data:`MMA_LAUNCH`.
+    launch: overrides of the launch options (keys :data:`LAUNCH_KEYS`) over the GPU's tuned ones
+    (:mod:`zipkv.kernels.tuning`); the Gluon kernel reads ``programs_per_sm``, ``stages`` (its ring slots)
+    and ``maxnreg`` only, default :data:`MMA_LAUNCH` (:func:`zipkv.kernels.decode_mma.launch_config`).
     """
     paged.check_cache(cache)
     D, HKV = cache.head_dim, cache.kv_heads
@@ -241,8 +243,9 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     gpu = device.type == "cuda" and not interp
     launches = _launches(cache, path, routing)
     kernel = kernel_for(cache)
+    gpu_name = torch.cuda.get_device_name(device) if gpu else None
     if kernel == "gluon":
-        configs = [{**MMA_LAUNCH, **(launch or {})}]
+        configs = [{**decode_mma.launch_config(paged.PAGE_KINDS[launches[0][0]], gpu_name, D), **(launch or {})}]
         if not gpu:
             raise ValueError(f"the k_mma/v_mma layouts are decoded by a Gluon kernel that needs a CUDA GPU "
                              f"(the cache is on {device}{', TRITON_INTERPRET=1' if interp else ''}); "
@@ -256,7 +259,6 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
         ppt = 1
     else:
         check_launchable(decode_triton._decode_kernel, device, "the cache")
-        gpu_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         configs = []
         for kind, _ in launches:
             cfg = {**launch_config(paged.PAGE_KINDS[kind], gpu_name), **(launch or {})}

@@ -59,8 +59,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from zipkv import paged
+from zipkv.kernels import tuning
 
-__all__ = ["launch", "workspace", "MMA_LAUNCH"]
+__all__ = ["launch", "launch_config", "workspace", "MMA_LAUNCH"]
 
 MMA_LAUNCH = dict(programs_per_sm=6, stages=2, maxnreg=0)
 """Launch options of this kernel (one warp per program): the split-KV target in programs per SM and
@@ -68,6 +69,15 @@ the pipeline depth (shared-memory ring slots); a plan's ``launch`` overrides the
 H200 at the benchmark's six Llama-shape points: with 2 slots (12.5 KB of shared memory) 12 programs
 fit on an SM, and about 6 per SM as the target (so 6 to 12 resident, one wave) was the fastest or
 within 1 % of it at each point."""
+
+
+def launch_config(path: str, gpu_name: str | None = None, head_dim: int = 128) -> dict:
+    """Launch options of the ``path`` specialisation (a name of :data:`zipkv.paged.PAGE_KINDS`) at ``head_dim`` on
+    the GPU model ``gpu_name``: its entry measured by ``python -m zipkv bench tune --kernel gluon --write``
+    (:func:`zipkv.kernels.tuning.tuned`) over :data:`MMA_LAUNCH`."""
+    if path not in paged.PAGE_KINDS:
+        raise ValueError(f"path must be one of {paged.PAGE_KINDS}, got {path!r}")
+    return {**MMA_LAUNCH, **tuning.tuned(gpu_name, path, kernel="gluon", head_dim=head_dim)}
 MAX_GROUP = {128: 16, 64: 8}
 """Query heads per KV head this kernel takes, per head_dim (the A operand's 16 rows; head_dim 64 uses two
 rows per query head)."""

@@ -61,19 +61,16 @@ bf16 bits << 16) and all dots run in fp32 (``FP32`` constexpr).
 """
 from __future__ import annotations
 
-import functools
-import json
-from pathlib import Path
-
 import torch
 import triton
 import triton.language as tl
 
 from zipkv import format as fmt
 from zipkv import paged
+from zipkv.kernels import tuning
 from zipkv.kernels.merge import merge_splits
 
-__all__ = ["launch", "launch_config", "workspace", "DEFAULT_LAUNCH", "LAUNCH_KEYS", "TUNING_FILE"]
+__all__ = ["launch", "launch_config", "workspace", "DEFAULT_LAUNCH", "LAUNCH_KEYS"]
 
 COMPRESSED = tl.constexpr(paged.COMPRESSED)      # PATH values: the page kinds of zipkv.paged
 RAW = tl.constexpr(paged.RAW)
@@ -491,10 +488,8 @@ def _decode_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr,
 # ----------------------------------------------------------------------------- launch options
 
 # GPU launch options per kernel specialisation: pages per tile, warps, pipeline stages, register
-# cap and the split-KV target (programs per SM). Defaults below; ``decode_tuning.json`` beside this
-# file holds entries measured per GPU model by ``python -m zipkv bench tune --write``
-# (:func:`zipkv.bench.tune.tune_decode_attention`), which take precedence on that GPU.
-TUNING_FILE = Path(__file__).with_name("decode_tuning.json")
+# cap and the split-KV target (programs per SM). Defaults below; entries measured per GPU model by
+# ``python -m zipkv bench tune --write`` (:mod:`zipkv.kernels.tuning`) take precedence on that GPU.
 DEFAULT_LAUNCH = dict(pages_per_tile=4, num_warps=4, stages=4, maxnreg=168, programs_per_sm=4)
 LAUNCH_KEYS = tuple(DEFAULT_LAUNCH)
 
@@ -502,21 +497,11 @@ LAUNCH_KEYS = tuple(DEFAULT_LAUNCH)
 def launch_config(path: str, gpu_name: str | None = None) -> dict:
     """Launch options of the ``path`` specialisation (a name of :data:`zipkv.paged.PAGE_KINDS`:
     ``"compressed"``, ``"raw"`` or ``"mixed"``) on the GPU model ``gpu_name``
-    (``torch.cuda.get_device_name()``): its tuned entry in :data:`TUNING_FILE` if there is one, else
+    (``torch.cuda.get_device_name()``): its tuned entry (:func:`zipkv.kernels.tuning.tuned`) over
     :data:`DEFAULT_LAUNCH`."""
     if path not in paged.PAGE_KINDS:
         raise ValueError(f"path must be one of {paged.PAGE_KINDS}, got {path!r}")
-    config = dict(DEFAULT_LAUNCH)
-    file = TUNING_FILE
-    if gpu_name and file.exists():
-        config.update(_tuned(file, file.stat().st_mtime_ns).get(gpu_name, {}).get(path, {}))
-    return config
-
-
-@functools.lru_cache(maxsize=4)
-def _tuned(file: Path, mtime_ns: int) -> dict:
-    """The tuning file's entries, parsed once per version of the file (not on every call)."""
-    return json.loads(file.read_text())
+    return {**DEFAULT_LAUNCH, **tuning.tuned(gpu_name, path)}
 
 
 # ----------------------------------------------------------------------------- launcher
