@@ -363,6 +363,38 @@ def test_compression_keeps_room_for_reserved_pages():
         assert m.alloc("b", 1) is not None
 
 
+def test_in_place_pages_wait_without_device_work_until_room_appears(monkeypatch):
+    """Pages compressed in place are retried by every compress(); while no compressed chunk could take them (and
+    nothing new is queued) that pass reads and writes no descriptor and bumps no version (so the kernels' plans
+    need no refresh); once room appears they move into compressed chunks and read back bit-exact."""
+    m = KVMemory(2, H, D, 8 * 4 * m_page(), pages_per_chunk=4, k_layout="token", v_layout="channel")
+    gen = torch.Generator().manual_seed(1)
+    m.admit("a", 128, 1)
+    ka, va = _tokens(gen, 128, False), _tokens(gen, 128, False)
+    m.write(0, "a", 0, ka, va)
+    m.write(1, "a", 0, _tokens(gen, 128, True), _tokens(gen, 128, True))
+    m.admit("b", 16, 65)
+    m.write(0, "b", 0, _tokens(gen, 16, False), _tokens(gen, 16, False))
+    m.write(1, "b", 0, _tokens(gen, 16, True), _tokens(gen, 16, True))
+    assert m.compress() == dict(moved=0, in_place=9)
+    versions, reads = list(m.version), []
+    desc = type(m).desc
+    monkeypatch.setattr(type(m), "desc", property(lambda self: reads.append(1) or desc.fget(self)))
+    for _ in range(3):
+        assert m.compress() == dict(moved=0, in_place=0)
+    assert m.version == versions and reads == [], "a pass with nothing to do touched the descriptors"
+    monkeypatch.undo()
+    m.free("b")
+    m.reads_done()
+    moved = m.compress()["moved"]
+    assert moved > 0 and m.version[0] > versions[0]
+    assert moved + len(m._inplace[0]) == 8                  # a's pages: moved, or still waiting in place
+    assert m.used_bytes(0) < 8 * m.page_bytes
+    cache = PagedKVCache(m.pool[: m.total_bytes], m.desc[0], D, "token", "channel")
+    k, v = (x.permute(1, 0, 2, 3).reshape(H, -1, D) for x in cache.read_pages(torch.tensor(m.requests["a"].pages)))
+    assert torch.equal(k.view(torch.int16), ka.view(torch.int16)) and torch.equal(v.view(torch.int16), va.view(torch.int16))
+
+
 def test_new_pages_descriptors_are_written_once_per_step_and_equal_one_at_a_time_writes():
     """A step's new pages get their descriptors in one write per layer (flush_pages); reading desc flushes, and the
     descriptors equal those of flushing after every allocation (the old one-write-per-page path)."""

@@ -216,7 +216,7 @@ class KVMemory:
         self._loc = [dict() for _ in range(num_layers)]                   # page id -> location
         self._free_ids = list(range(self.max_pages - 1, -1, -1))
         self._full: list = []                                             # full raw pages awaiting compress
-        self._inplace = [set() for _ in range(num_layers)]
+        self._inplace = [dict() for _ in range(num_layers)]               # compressed in place: page id -> head units
         self.requests: dict = {}
         self.admitted = 0
         self.reassigned = 0
@@ -343,6 +343,13 @@ class KVMemory:
         c = self._take_chunk(layer, COMP)
         return self._carve(c, self._chunks[c].extents[0], units)
 
+    def _room_for(self, layer, units, pages) -> bool:
+        """Whether :meth:`_comp_alloc` might place a page of ``units`` in ``layer`` during a :meth:`compress` pass
+        over ``pages`` in-place pages and nothing new (a superset of its success: False means it returns None)."""
+        if any(e[1] >= units for c in self._comp_open[layer] for e in self._chunks[c].extents):
+            return True
+        return pages >= self.pages_per_chunk and (self._n_free > 0 or bool(self._pending[layer]))
+
     def _carve(self, c, extent, units):
         start = extent[0]
         extent[0] += units
@@ -424,7 +431,7 @@ class KVMemory:
             if loc[0] == COMP:
                 self._comp_free(l, loc[1], loc[2], loc[3])
             else:
-                self._inplace[l].discard(p)
+                self._inplace[l].pop(p, None)
                 self._raw_free_slot(l, loc[1], loc[2])
         self._free_ids.append(p)
 
@@ -695,21 +702,26 @@ class KVMemory:
         full, self._full = self._full, []
         moved = in_place = 0
         for l in range(self.num_layers):
-            todo = full + sorted(self._inplace[l])
-            if not todo:
-                continue
+            waiting = sorted(self._inplace[l])
             n_new = len(full)
-            idx = torch.tensor(todo, dtype=torch.int64, device=self.device)
-            d = self.desc[l]
+            if not n_new and not (waiting and self._room_for(l, min(self._inplace[l][p][1] for p in waiting),
+                                                              len(waiting))):
+                continue                          # nothing new, and no in-place page could move
+            todo = full + waiting
+            head_units = torch.empty(len(todo), 2, self.kv_heads, dtype=torch.int64)
             if n_new:
-                base = d[idx[:n_new], :, :, 0] >> 8                                 # [n, 2, H]
+                idx = torch.tensor(full, dtype=torch.int64, device=self.device)
+                d = self.desc[l]
+                base = d[idx, :, :, 0] >> 8                                          # [n, 2, H]
                 for kv in (0, 1):
                     meta = self._pack(self.pool, base[:, kv].reshape(-1).contiguous(), self.head_dim, self.layouts[kv])
                     m = fmt.PageMeta.from_packed(meta, self.layouts[kv], self.head_dim)
-                    d[idx[:n_new], kv] = (((base[:, kv].reshape(-1, 1) + m.block_offsets()) << 8)
-                                          | meta.to(torch.int64)).reshape(n_new, self.kv_heads, -1)
-            comp = ((d[idx] >> 7) & 1).sum(-1)                                       # [n, 2, H] compressed blocks
-            head_units = (fmt.n_blocks(self.head_dim) * 4 - comp).cpu()
+                    d[idx, kv] = (((base[:, kv].reshape(-1, 1) + m.block_offsets()) << 8)
+                                  | meta.to(torch.int64)).reshape(n_new, self.kv_heads, -1)
+                comp = ((d[idx] >> 7) & 1).sum(-1)                                   # [n, 2, H] compressed blocks
+                head_units[:n_new] = (fmt.n_blocks(self.head_dim) * 4 - comp).cpu()
+            for i, p in enumerate(waiting):       # an in-place page keeps the units it was packed to: no device read
+                head_units[n_new + i] = self._inplace[l][p][0]
             page_units = head_units.reshape(len(todo), -1).sum(-1).tolist()
             src, dst, rows, released = [], [], [], []
             refused = False                  # a new chunk refused once is refused for the rest of this pass
@@ -727,23 +739,25 @@ class KVMemory:
                     refused = refused or left + 1 >= self.pages_per_chunk
                     if loc[0] == RAW:
                         self._loc[l][p] = ("inplace",) + loc[1:]
-                        self._inplace[l].add(p)
+                        self._inplace[l][p] = (head_units[i].clone(), page_units[i])
                         in_place += 1
                     continue
                 c, start = dest
                 src.append(self._slot_address(loc[1], loc[2]) // UNIT)
                 dst.append(c * self.units_per_chunk + start)
                 rows.append(i)
-                self._inplace[l].discard(p)
+                self._inplace[l].pop(p, None)
                 released.append(loc)
                 self._loc[l][p] = (COMP, c, start, page_units[i])
                 self._used[l] += page_units[i] * UNIT
                 moved += 1
             if rows:
-                self._move(l, idx[rows], head_units[rows], src, dst)
+                self._move(l, torch.tensor([todo[i] for i in rows], dtype=torch.int64, device=self.device),
+                           head_units[rows], src, dst)
             for loc in released:                   # after the copy: an emptied chunk must not be a destination
                 self._raw_free_slot(l, loc[1], loc[2])
-            self.version[l] += 1
+            if n_new or rows:                      # descriptors changed: the kernels' page kinds must follow
+                self.version[l] += 1
         return dict(moved=moved, in_place=in_place)
 
     def keep_raw(self) -> None:
