@@ -273,6 +273,22 @@ def test_token_agreement_counts_requests_and_first_differences():
     assert "zipfusion 1 of 3 (the others first differ at new token 1, 2)" in agreement_text({"zipfusion": a})
 
 
+def test_token_agreement_measures_how_near_a_tie_each_first_difference_was():
+    from conftest import tiny_llama
+    from zipkv.throughput import agreement_text, divergence_gap, token_agreement
+
+    model = tiny_llama()
+    prompts = [[3, 4, 5], [6, 7]]
+    reference = [[10, 11, 12], [20, 21]]
+    outputs = [[10, 99, 12], [20, 21]]
+    a = token_agreement(outputs, reference, model=model, prompts=prompts)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([[3, 4, 5, 10]])).logits[0, -1]
+    assert a["first_difference"] == [1] and a["logit_gap"] == [pytest.approx(float((logits[11] - logits[99]).abs()))]
+    assert divergence_gap(model, [3, 4, 5, 10], 11, 11) == 0.0
+    assert f"{a['logit_gap'][0]:.3g} to {a['logit_gap'][0]:.3g} apart" in agreement_text({"zipfusion": a})
+
+
 def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     import pandas as pd
 

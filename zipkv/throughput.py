@@ -21,7 +21,7 @@ from zipkv.engine import Engine, Prefix, kv_budget_for
 from zipkv.settings import THROUGHPUT_PAPER_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "GPU_LAYOUTS", "random_llama", "real_kv_blocks", "real_prefix",
-           "make_codec", "restore_buffer_pages", "token_agreement", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
+           "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
            "largest_batch_budget", "figure5", "verdict", "plot_throughput", "plot_memory_timeline"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -432,18 +432,38 @@ def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk
         rows.append(dict(model=models.EMBEDDED_NAME, method=method, batch=st["max_batch"], max_batch=st["max_batch"],
                          tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],
                          frac_compressed_k=st["frac_compressed_k"], frac_compressed_v=st["frac_compressed_v"],
-                         stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"]))
-    same = {method: token_agreement(r.outputs, runs["uncompressed"].outputs) for method, r in runs.items()
-            if method != "uncompressed"}
+                         stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"],
+                         step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
+                         cuda_graphs=st["graph_error"] or ("replayed" if st["cuda_graphs"] else "off")))
+    same = {method: token_agreement(r.outputs, runs["uncompressed"].outputs, model=model, prompts=prompts)
+            for method, r in runs.items() if method != "uncompressed"}
     return rows, runs, same, (model, tok)
 
 
-def token_agreement(outputs, reference) -> dict:
+def token_agreement(outputs, reference, *, model=None, prompts=None) -> dict:
     """How far greedy outputs agree with the uncompressed engine's: ``identical`` requests of ``requests``, and for
-    the others the index of the first differing token (``first_difference``)."""
-    first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
-             for o, r in zip(outputs, reference) if o != r]
-    return dict(identical=len(outputs) - len(first), requests=len(outputs), first_difference=first)
+    the others the index of the first differing token (``first_difference``). With ``model`` and ``prompts`` also
+    ``logit_gap``: per differing request, how far apart the model's logits of the two tokens are at that first
+    difference (:func:`divergence_gap`): a near-tie a summation order can break, or a real disagreement."""
+    first, gaps = [], []
+    for prompt, o, r in zip(prompts or [None] * len(outputs), outputs, reference):
+        if o == r:
+            continue
+        i = next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), min(len(o), len(r)))
+        first.append(i)
+        if model is not None and i < min(len(o), len(r)):
+            gaps.append(divergence_gap(model, list(prompt) + list(r[:i]), r[i], o[i]))
+    out = dict(identical=len(outputs) - len(first), requests=len(outputs), first_difference=first)
+    return dict(out, logit_gap=gaps) if model is not None else out
+
+
+@torch.no_grad()
+def divergence_gap(model, ids, reference_token: int, other_token: int) -> float:
+    """``|logit(reference_token) − logit(other_token)|`` of ``model``'s own forward (Hugging Face attention) at the
+    token after ``ids``: how close to a tie the two greedy choices were."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=torch.tensor([ids], device=device), logits_to_keep=1).logits[0, -1].float()
+    return float((logits[reference_token] - logits[other_token]).abs())
 
 
 def paper_rows(table, committed_csv=None):
@@ -478,7 +498,11 @@ def agreement_text(same: dict) -> str:
     for method, a in same.items():
         part = f"{method} {a['identical']} of {a['requests']}"
         if a["first_difference"]:
-            part += f" (the others first differ at new token {', '.join(map(str, sorted(a['first_difference'])))})"
+            part += f" (the others first differ at new token {', '.join(map(str, sorted(a['first_difference'])))}"
+            if a.get("logit_gap"):
+                part += (f", where the model's own forward puts the two tokens' logits {min(a['logit_gap']):.3g} to "
+                         f"{max(a['logit_gap']):.3g} apart")
+            part += ")"
         parts.append(part)
     return "requests whose greedy tokens equal the uncompressed engine's: " + "; ".join(parts)
 
