@@ -434,7 +434,8 @@ def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk
                          frac_compressed_k=st["frac_compressed_k"], frac_compressed_v=st["frac_compressed_v"],
                          stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"],
                          step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
-                         cuda_graphs=st["graph_error"] or ("replayed" if st["cuda_graphs"] else "off")))
+                         mean_batch=sum(x["batch"] for x in st["steps"]) / max(1, len(st["steps"])),
+                         retracted=st["retracted"], cuda_graphs=st["graph_error"] or ("replayed" if st["cuda_graphs"] else "off")))
     same = {method: token_agreement(r.outputs, runs["uncompressed"].outputs, model=model, prompts=prompts)
             for method, r in runs.items() if method != "uncompressed"}
     return rows, runs, same, (model, tok)
