@@ -466,6 +466,12 @@ def test_extra_rows_join_only_this_model_and_settings_and_what_the_run_lacks(tmp
     assert out[["window", "ratio", "method", "kl"]].values.tolist()[-1] == [1, 0.5, "zipkv", 0.02] and len(out) == 3
     assert "H200, commit abc" in text and "r = 0.5 on 1 windows" in text
     assert chapter.with_extra_rows(table, None)[1] == "" and "absent" in chapter.with_extra_rows(table, tmp_path / "y")[1]
+    # seconds compare only within this run: the separate run's rows (2.0 s each) stay out of the speed column
+    assert out.separate.tolist() == [False, False, True] and chapter.own_rows(out).seconds.tolist() == [1.0, 1.0]
+    stats = chapter.kl_stats(out)
+    shown = chapter.summary(out, stats, [0.3, 0.5])
+    from zipkv.distill.beyond import LABELS
+    assert shown.loc[LABELS["zipkv"], "seconds per context (this run, mean over its ratios)"] == 1.0
 
 
 @pytest.mark.parametrize("ratios", ["[0.3, 0.5]", [], [0.3, 1.5], [0.3, True], 0.3])

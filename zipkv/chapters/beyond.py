@@ -28,7 +28,8 @@ def with_extra_rows(table: pd.DataFrame, extra_csv, **settings) -> tuple[pd.Data
         return table, f"No rows of `{extra_csv}` add to this run's (same model and settings)."
     runs = "; ".join(f"{d}, commit {c}, {day}" for (d, c, day), _ in extra.groupby(["device", "commit", "date"]))
     ratios = ", ".join(f"r = {r:g} on {g.window.nunique()} windows" for r, g in extra.groupby("ratio"))
-    return (pd.concat([table, extra[list(table.columns)]], ignore_index=True),
+    cols = [c for c in table.columns if c != "separate"]
+    return (pd.concat([_marked(table), extra[cols].assign(separate=True)], ignore_index=True),
             f"Rows from a separate run of `python -m zipkv.distill.second_model` (`{extra_csv}`: {runs}): {ratios}.")
 
 
@@ -46,13 +47,24 @@ def with_table1_kvsculpt(table: pd.DataFrame, table1_csv) -> tuple[pd.DataFrame,
     if rows.empty:
         return table, (f"KVSculpt (paper) did not run here; Table 1's run (`{table1_csv}`) is not on these windows "
                        "(its Select+Fit KLs differ), so its KVSculpt rows are not shown.")
-    return pd.concat([table, rows], ignore_index=True), (
+    return pd.concat([_marked(table), rows.assign(separate=True)], ignore_index=True), (
         f"KVSculpt (paper) rows: Table 1's run (`{table1_csv}`) on the {rows.window.nunique()} windows both ran, "
         "the same windows under the same evaluation (Select+Fit's KLs agree to 1e-4).")
 
 
+def _marked(table: pd.DataFrame) -> pd.DataFrame:
+    """``table`` with its ``separate`` column (False: rows this run measured), added if missing."""
+    return table if "separate" in table else table.assign(separate=False)
+
+
+def own_rows(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows this run measured (not taken from a separate run's CSV or Table 1's): where seconds compare."""
+    return table[~table.separate.astype(bool)] if "separate" in table else table
+
+
 def extended(table: pd.DataFrame, extra_csv, table1_csv, **settings) -> tuple[pd.DataFrame, str]:
-    """(table, sentence): :func:`with_extra_rows`, then :func:`with_table1_kvsculpt`; the sentence names both sources."""
+    """(table, sentence): :func:`with_extra_rows`, then :func:`with_table1_kvsculpt` (rows they add have
+    ``separate`` True: their seconds were measured elsewhere); the sentence names both sources."""
     table, extra = with_extra_rows(table, extra_csv, **settings)
     table, kvsculpt = with_table1_kvsculpt(table, table1_csv)
     return table, " ".join(x for x in (extra, kvsculpt) if x)
@@ -136,7 +148,8 @@ def verdict(stats: pd.DataFrame, table: pd.DataFrame, ratios, *, model: str, n_w
         lines.append(f"at r = {' / '.join(f'{r:g}' for r, *_ in others)} ({' / '.join(str(n) for _, n, *_ in others)} "
                      f"windows) it is {' / '.join(f'{q:.2g}×' for _, _, q, _ in others)} the best baseline's mean KL, "
                      f"below every baseline on {' / '.join(f'{w} of {m}' for *_, (w, m) in others)} windows")
-    at3 = table[np.isclose(table.ratio, 0.3) & (table.method == "zipkv")].seconds
+    own = own_rows(table)
+    at3 = own[np.isclose(own.ratio, 0.3) & (own.method == "zipkv")].seconds
     timed = bool(device and "H200" in device and len(at3) and not scaled)
     if timed:
         met &= bool(at3.max() <= SECONDS_BAR)
@@ -185,7 +198,9 @@ def summary(table: pd.DataFrame, stats: pd.DataFrame, ratios) -> pd.DataFrame:
                                         f"{stats.loc[(x, r), 'q75']:.2g}]" if (x, r) in stats.index else "–" for x in methods]
     shown["windows per ratio"] = [" / ".join(str(int(stats.loc[(x, r), "windows"])) if (x, r) in stats.index else "0"
                                              for r in ratios) for x in methods]
-    shown["seconds per context (mean over ratios)"] = [table[table.method == x].seconds.mean() for x in methods]
+    own = own_rows(table)                 # seconds only from this run: other runs ran on other (or shared) devices
+    shown["seconds per context (this run, mean over its ratios)"] = [own[own.method == x].seconds.mean()
+                                                                     for x in methods]
     return shown
 
 
@@ -243,7 +258,8 @@ def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, conte
     have reached, an oracle no method has), and which work a time budget left out."""
     from zipkv.distill.attention_matching import KEY_METHODS
 
-    at = table[np.isclose(table.ratio, ratio)]
+    at = own_rows(table)
+    at = at[np.isclose(at.ratio, ratio)]
     z = at[at.method == "zipkv"].seconds
     text = (f"zipkv's distiller took {z.median():.2f} s per {context}-token context at r = {ratio} (median; max "
             f"{z.max():.2f} s; sampling the {probe_tokens}-token probe included) on {device}; the issue's bar is ≤ 10 s per "
