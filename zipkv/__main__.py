@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         import pandas as pd
 
+        splits = [x or None for x in args.splits or [0]]            # 0: the plan's own choice
+
         from zipkv import bench as benchmarks
 
         if args.what == "ncu-targets":                 # what `bench ncu` runs under ncu
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
                                                   args.batches or [32, 64, 96], fraction, reps=args.reps,
-                                                  splits=[x or None for x in args.splits or [0]],
+                                                  splits=splits,
                                                   maxnregs=args.maxnreg or (None,))
         elif args.what == "tune":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             from zipkv.throughput import step_profile
 
             table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}),
-                                 splits=[x or None for x in args.splits or [0]])
+                                 splits=splits)
         elif args.what == "pack":
             table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
         else:

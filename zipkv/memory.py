@@ -216,7 +216,7 @@ class KVMemory:
         self._loc = [dict() for _ in range(num_layers)]                   # page id -> location
         self._free_ids = list(range(self.max_pages - 1, -1, -1))
         self._full: list = []                                             # full raw pages awaiting compress
-        self._inplace = [dict() for _ in range(num_layers)]               # compressed in place: page id -> head units
+        self._inplace = [dict() for _ in range(num_layers)]               # compressed in place: page id -> units [2, H]
         self.requests: dict = {}
         self.admitted = 0
         self.reassigned = 0
@@ -704,7 +704,7 @@ class KVMemory:
         for l in range(self.num_layers):
             waiting = sorted(self._inplace[l])
             n_new = len(full)
-            if not n_new and not (waiting and self._room_for(l, min(self._inplace[l][p][1] for p in waiting),
+            if not n_new and not (waiting and self._room_for(l, min(int(self._inplace[l][p].sum()) for p in waiting),
                                                               len(waiting))):
                 continue                          # nothing new, and no in-place page could move
             todo = full + waiting
@@ -721,7 +721,7 @@ class KVMemory:
                 comp = ((d[idx] >> 7) & 1).sum(-1)                                   # [n, 2, H] compressed blocks
                 head_units[:n_new] = (fmt.n_blocks(self.head_dim) * 4 - comp).cpu()
             for i, p in enumerate(waiting):       # an in-place page keeps the units it was packed to: no device read
-                head_units[n_new + i] = self._inplace[l][p][0]
+                head_units[n_new + i] = self._inplace[l][p]
             page_units = head_units.reshape(len(todo), -1).sum(-1).tolist()
             src, dst, rows, released = [], [], [], []
             refused = False                  # a new chunk refused once is refused for the rest of this pass
@@ -739,7 +739,7 @@ class KVMemory:
                     refused = refused or left + 1 >= self.pages_per_chunk
                     if loc[0] == RAW:
                         self._loc[l][p] = ("inplace",) + loc[1:]
-                        self._inplace[l][p] = (head_units[i].clone(), page_units[i])
+                        self._inplace[l][p] = head_units[i].clone()
                         in_place += 1
                     continue
                 c, start = dest

@@ -186,10 +186,7 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     steps = new_tokens - 1 if timed_steps is None else timed_steps
     res = engine.generate(prompts, new_tokens, prefixes=prefixes, max_decode_steps=steps, progress=False)
     st = res.stats
-    row = dict(method=method, batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"],
-               kv_budget_bytes=st["kv_budget_bytes"], frac_compressed_k=st["frac_compressed_k"],
-               frac_compressed_v=st["frac_compressed_v"], stored_bits_per_value=st["stored_bits_per_value"],
-               timed_steps=st["timed_steps"], step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
+    row = dict(method=method, **_run_columns(st),
                step_ms_each=json.dumps([round(1e3 * x["seconds"], 3) for x in st["steps"]]),
                graph_capture_s=st["graph_capture_seconds"])
     if profile and engine.graphs.graph is not None:
@@ -232,6 +229,14 @@ def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24,
             rows.append({"model": THROUGHPUT_PAPER_MODEL, **r})
     run = book.provenance("bench")
     return pd.DataFrame(rows).assign(device=run["device"], commit=run["commit"], date=run["date"])
+
+
+def _run_columns(st: dict) -> dict:
+    """The table's columns every run has, from :meth:`zipkv.engine.Engine.generate`'s ``stats``."""
+    return dict(batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],
+                frac_compressed_k=st["frac_compressed_k"], frac_compressed_v=st["frac_compressed_v"],
+                stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"],
+                step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]))
 
 
 def _llama_setting(small, tokenizer, books, *, device, context, new_tokens, uncompressed_max_batch, kv_windows,
@@ -429,11 +434,7 @@ def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk
         _free_device()
         runs[method] = res
         st = res.stats
-        rows.append(dict(model=models.EMBEDDED_NAME, method=method, batch=st["max_batch"], max_batch=st["max_batch"],
-                         tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],
-                         frac_compressed_k=st["frac_compressed_k"], frac_compressed_v=st["frac_compressed_v"],
-                         stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"],
-                         step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]),
+        rows.append(dict(model=models.EMBEDDED_NAME, method=method, **_run_columns(st), max_batch=st["max_batch"],
                          mean_batch=sum(x["batch"] for x in st["steps"]) / max(1, len(st["steps"])),
                          retracted=st["retracted"], cuda_graphs=st["graph_error"] or ("replayed" if st["cuda_graphs"] else "off")))
     same = {method: token_agreement(r.outputs, runs["uncompressed"].outputs, model=model, prompts=prompts)

@@ -29,6 +29,11 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pat in KERNEL_KINDS if pat.search(name)), "other")
 
 
+def _per_kind() -> dict:
+    """``{kind: 0.0}`` for every :func:`kernel_kind`, ``other`` last."""
+    return {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+
+
 def idle_gaps(kernels, replays: int) -> dict:
     """Where the GPU idles during ``replays`` back-to-back replays of one graph.
 
@@ -44,7 +49,7 @@ def idle_gaps(kernels, replays: int) -> dict:
     if not isinstance(replays, int) or replays < 1:
         raise ValueError(f"replays must be an int >= 1, got {replays!r}")
     ordered = sorted(kernels, key=lambda k: k[1])
-    by_kind = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    by_kind = _per_kind()
     pairs: dict[tuple, list] = {}
     last_end = ordered[0][2] if ordered else 0
     for (before, _, _), (name, start, end) in zip(ordered, ordered[1:]):
@@ -90,7 +95,7 @@ def step_breakdown(graph: "torch.cuda.CUDAGraph", *, reps: int = 20, profiled: i
     for ev in prof.key_averages():
         if ev.device_time_total and ev.key != "cudaGraphLaunch":      # kernels only, not the launch call
             per_name[ev.key] = per_name.get(ev.key, 0.0) + ev.device_time_total / 1e3 / profiled
-    kinds = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    kinds = _per_kind()
     for name, ms in per_name.items():
         kinds[kernel_kind(name)] += ms
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]

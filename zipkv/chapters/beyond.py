@@ -92,10 +92,13 @@ def comparable(stats: pd.DataFrame, ratio: float) -> list[str]:
     return [x for x in n.index if n[x] == n.get("zipkv", n.max())]
 
 
-def wins(table: pd.DataFrame, ratio: float, method: str, other: str) -> tuple[int, int]:
-    """(windows where ``method``'s KL is below ``other``'s, windows both ran) at ``ratio``."""
-    t = table[np.isclose(table.ratio, ratio)].pivot(index="window", columns="method", values="kl")[[method, other]].dropna()
-    return int((t[method] < t[other]).sum()), len(t)
+def wins(table: pd.DataFrame, ratio: float, method: str, other) -> tuple[int, int]:
+    """(windows where ``method``'s KL is below ``other``'s -- a method, or a list of them: below every one --,
+    windows where all of them ran) at ``ratio``."""
+    others = [other] if isinstance(other, str) else list(other)
+    t = table[np.isclose(table.ratio, ratio)].pivot(index="window", columns="method", values="kl")
+    t = t[[method, *others]].dropna()
+    return int((t[method] < t[others].min(axis=1)).sum()), len(t)
 
 
 def best_select_fit(stats: pd.DataFrame) -> pd.Series:
@@ -107,13 +110,6 @@ def ran(stats: pd.DataFrame, ratios) -> list[float]:
     """The ``ratios`` zipkv's method ran at (a time budget may leave some out)."""
     done = stats.loc["zipkv"].index if "zipkv" in stats.index.get_level_values(0) else []
     return [r for r in ratios if any(np.isclose(r, x) for x in done)]
-
-
-def below_every_baseline(table: pd.DataFrame, ratio: float, baselines) -> tuple[int, int]:
-    """(windows where zipkv's KL is below every one of ``baselines``' KLs, windows where all of them ran) at ``ratio``."""
-    t = table[np.isclose(table.ratio, ratio)].pivot(index="window", columns="method", values="kl")
-    t = t[["zipkv", *baselines]].dropna()
-    return int((t["zipkv"] < t[list(baselines)].min(axis=1)).sum()), len(t)
 
 
 SECONDS_BAR = 10.0
@@ -143,7 +139,7 @@ def verdict(stats: pd.DataFrame, table: pd.DataFrame, ratios, *, model: str, n_w
                          f"{won} of {both} windows) and **{am / z:.2f}×** below Attention Matching ({am:.3g})")
         else:
             met &= bool(z <= best)
-            others.append((r, n, z / best, below_every_baseline(table, r, baselines)))
+            others.append((r, n, z / best, wins(table, r, "zipkv", baselines)))
     if others:
         lines.append(f"at r = {' / '.join(f'{r:g}' for r, *_ in others)} ({' / '.join(str(n) for _, n, *_ in others)} "
                      f"windows) it is {' / '.join(f'{q:.2g}×' for _, _, q, _ in others)} the best baseline's mean KL, "

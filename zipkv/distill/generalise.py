@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zipkv.models import rope_of
+from zipkv.models import model_shape, rope_of
 
 from .bias import BiasedCache
 
@@ -302,14 +302,11 @@ def _variant_bytes(model, n_pairs: int, tokens: int) -> int:
     probe tokens are appended, ``2·L·H·(P + T)·d``, its logits ``T·vocab``, one layer's keys and values repeated
     over the query heads for SDPA (``repeat_kv``: with a mask there is no GQA kernel), ``2·Hq·(P + T)·d`` (the
     model's dtype), and one layer's float32 mask with two temporaries, ``3·Hq·T·(P + T)``."""
-    config = model.config
+    shape = model_shape(model)
     item = next(model.parameters()).element_size()
-    q_heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
-    cache = 2 * config.num_hidden_layers * kv_heads * (n_pairs + tokens) * head_dim * item
-    repeated = 2 * q_heads * (n_pairs + tokens) * head_dim * item
-    return cache + repeated + tokens * config.vocab_size * item + 3 * q_heads * tokens * (n_pairs + tokens) * 4
+    cache = 2 * shape.layers * shape.kv_heads * (n_pairs + tokens) * shape.head_dim * item
+    repeated = 2 * shape.q_heads * (n_pairs + tokens) * shape.head_dim * item
+    return cache + repeated + tokens * model.config.vocab_size * item + 3 * shape.q_heads * tokens * (n_pairs + tokens) * 4
 
 
 def _head_variants(base: list, compressed: BiasedCache, chunk: list, n_context: int):
