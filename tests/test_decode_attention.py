@@ -257,6 +257,26 @@ def test_uniform_cache_single_launch(compress, kind):
         assert (out.float() - out_m.float()).abs().max() <= 1e-2
 
 
+def test_page_kinds_of_stacked_caches_and_refresh_with_given_kinds():
+    """page_kinds_of over several caches' descriptors stacked equals each cache's own kinds; refresh(kinds)
+    takes them in place (the tensor a captured graph reads) and refuses kinds of another shape or dtype."""
+    from zipkv.paged import page_kinds_of
+    caches = []
+    for seed, compress in ((14, "eligible"), (15, "none"), (16, "eligible")):
+        _, k, v = make_inputs(2, 2, 1, 40, 64, seed=seed, outliers=seed == 16)
+        caches.append(build_paged_cache(k, v, [40, 29], compress=compress)[0])
+    stacked = page_kinds_of(torch.stack([c.desc for c in caches]))
+    assert [c.page_kinds().tolist() for c in caches] == stacked.tolist()
+    assert set(torch.unique(stacked).tolist()) >= {1, 2}
+    target, source = caches[1], caches[0]
+    held, version = target.page_kinds(), target.version
+    target.refresh(stacked[0])
+    assert target.page_kinds() is held and torch.equal(held, source.page_kinds()) and target.version == version + 1
+    for bad in (stacked[0][:-1], stacked[0].to(torch.int32)):
+        with pytest.raises(ValueError, match="kinds must be uint8"):
+            target.refresh(bad)
+
+
 def test_kinds_refresh_after_compress_in_place():
     from zipkv.kernels.decode_attention import compress_cache_
     q, k, v = make_inputs(2, 1, 2, 40, 64, seed=13, outliers=False)

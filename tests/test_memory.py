@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zipkv.kernels.decode_attention import PagedKVCache
 from zipkv.memory import COMP, FREE, HELD, OWNED, PENDING, RAW, UNIT, KVMemory
@@ -363,7 +364,54 @@ def test_compression_keeps_room_for_reserved_pages():
         assert m.alloc("b", 1) is not None
 
 
-def test_in_place_pages_wait_without_device_work_until_room_appears(monkeypatch):
+class _TorchOps(TorchDispatchMode):
+    """Counts the torch ops run inside it (each one a kernel launch on a GPU)."""
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_that_fills_pages(layers: int, compressible: bool):
+    """A memory of ``layers`` layers holding 3 requests' pages, each with one more token queued that fills
+    its last page; ``compressible``: every block of those pages fits the rule (else none does)."""
+    gen = torch.Generator().manual_seed(3)
+    m = KVMemory(layers, H, D, layers * 12 * m_page(), pages_per_chunk=1, k_layout="token", v_layout="channel")
+    for r in range(3):
+        m.admit(r, 31, 2)
+        for l in range(layers):
+            m.write(l, r, 0, _tokens(gen, 31, not compressible), _tokens(gen, 31, not compressible))
+    m.compress()
+    m.reads_done()
+    for r in range(3):
+        m.alloc(r, 1)
+        for l in range(layers):
+            m.write(l, r, 31, _tokens(gen, 1, not compressible), _tokens(gen, 1, not compressible))
+    m.flush_pages()
+    return m
+
+
+@pytest.mark.parametrize("compressible", [True, False])
+def test_compress_work_does_not_grow_with_layers(compressible):
+    """The step that fills pages compresses them in every layer with the same torch ops whatever the number of
+    layers (pack twice, one read back, one copy for every move): on a GPU a few launches, not a few per layer."""
+    counts, results = [], []
+    for layers in (2, 6):
+        m = _step_that_fills_pages(layers, compressible)
+        with _TorchOps() as ops:
+            results.append(m.compress())
+        counts.append(ops.n)
+    if compressible:                                            # each layer's 3 filled pages move
+        assert results == [dict(moved=6, in_place=0), dict(moved=18, in_place=0)]
+    else:                                                       # nothing to gain: every page stays raw
+        assert results == [dict(moved=0, in_place=0)] * 2
+    assert counts[0] == counts[1], f"torch ops for 2 and 6 layers: {counts}"
+
+
+def test_in_place_pages_wait_without_device_work_until_room_appears():
     """Pages compressed in place are retried by every compress(); while no compressed chunk could take them (and
     nothing new is queued) that pass reads and writes no descriptor and bumps no version (so the kernels' plans
     need no refresh); once room appears they move into compressed chunks and read back bit-exact."""
@@ -377,13 +425,11 @@ def test_in_place_pages_wait_without_device_work_until_room_appears(monkeypatch)
     m.write(0, "b", 0, _tokens(gen, 16, False), _tokens(gen, 16, False))
     m.write(1, "b", 0, _tokens(gen, 16, True), _tokens(gen, 16, True))
     assert m.compress() == dict(moved=0, in_place=9)
-    versions, reads = list(m.version), []
-    desc = type(m).desc
-    monkeypatch.setattr(type(m), "desc", property(lambda self: reads.append(1) or desc.fget(self)))
-    for _ in range(3):
-        assert m.compress() == dict(moved=0, in_place=0)
-    assert m.version == versions and reads == [], "a pass with nothing to do touched the descriptors"
-    monkeypatch.undo()
+    versions = list(m.version)
+    with _TorchOps() as ops:
+        for _ in range(3):
+            assert m.compress() == dict(moved=0, in_place=0)
+    assert m.version == versions and ops.n == 0, f"a pass with nothing to do ran {ops.n} torch ops"
     m.free("b")
     m.reads_done()
     moved = m.compress()["moved"]

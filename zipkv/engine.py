@@ -235,12 +235,15 @@ class _Attention:
     def plan(self, rids) -> tuple:
         """Bring the static page table up to date for ``rids``; plan again when the composition changed.
         Returns the composition's key (what a captured step graph depends on)."""
-        self.memory.flush_pages()                                    # this step's new pages, one write per layer
-        for l, c in enumerate(self.caches):
-            if self.versions[l] != self.memory.version[l]:
-                if not self.static_kinds:
-                    c.refresh()                                     # page kinds recomputed in place
-                self.versions[l] = self.memory.version[l]
+        self.memory.flush_pages()                                    # this step's new pages, one write for all layers
+        changed = [l for l in range(self.memory.num_layers) if self.versions[l] != self.memory.version[l]]
+        if changed and not self.static_kinds:                        # page kinds recomputed in place, all layers at once
+            from zipkv.paged import page_kinds_of
+            kinds = page_kinds_of(self.memory.desc_all)
+            for l in changed:
+                self.caches[l].refresh(kinds[l])
+        for l in changed:
+            self.versions[l] = self.memory.version[l]
         mem = self.memory
         key = tuple(mem.requests[r].serial for r in rids)           # a re-admitted request is new
         lens = [mem.cache_len(r) for r in rids]

@@ -132,6 +132,11 @@ def free_extent(extents: list[list[int]], start: int, n: int) -> list[list[int]]
     return merged
 
 
+def _units(head_units) -> int:
+    """Units of a page: the sum of its page-heads' ``[2][H]``."""
+    return sum(map(sum, head_units))
+
+
 def _pages_for(tokens: int) -> int:
     return -(-tokens // fmt.PAGE_TOKENS)
 
@@ -197,8 +202,10 @@ class KVMemory:
         # pad: the pack kernel checks a whole slot fits after each offset
         self.extra_offset = self.total_bytes + self.slot_bytes
         self.pool = torch.zeros(self.extra_offset + extra_bytes, dtype=torch.uint8, device=self.device)
-        self._desc = [torch.zeros(self.max_pages + extra_pages, 2, kv_heads, nb, dtype=torch.int64, device=self.device)
-                      for _ in range(num_layers)]
+        # one tensor for every layer's descriptors: a step's compression reads and writes all layers in one op
+        self._desc_all = torch.zeros(num_layers, self.max_pages + extra_pages, 2, kv_heads, nb, dtype=torch.int64,
+                                     device=self.device)
+        self._desc = list(self._desc_all)                                 # per layer views
         self._new_rows: list = []                                         # (page id, raw slot address per layer)
         self.version = [0] * num_layers                                   # bumped when desc[layer] changes
         self._pack = pack_slots or pack_slots_reference
@@ -216,7 +223,7 @@ class KVMemory:
         self._loc = [dict() for _ in range(num_layers)]                   # page id -> location
         self._free_ids = list(range(self.max_pages - 1, -1, -1))
         self._full: list = []                                             # full raw pages awaiting compress
-        self._inplace = [dict() for _ in range(num_layers)]               # compressed in place: page id -> units [2, H]
+        self._inplace = [dict() for _ in range(num_layers)]               # compressed in place: page id -> units [2][H]
         self.requests: dict = {}
         self.admitted = 0
         self.reassigned = 0
@@ -394,7 +401,7 @@ class KVMemory:
 
     def _new_pages(self, n):
         """Take ``n`` page ids with a raw slot in every layer. Their descriptors are written later, all of a
-        step's new pages at once (:meth:`flush_pages`): one write per layer instead of one per page and layer."""
+        step's new pages at once (:meth:`flush_pages`): one write for all layers instead of one per page and layer."""
         ids = [self._free_ids.pop() for _ in range(n)]
         for p in ids:
             addr = []
@@ -406,17 +413,24 @@ class KVMemory:
         return ids
 
     def flush_pages(self) -> None:
-        """Write the descriptors of the pages allocated since the last flush (raw slots), one indexed write per
-        layer. Reading :attr:`desc` flushes first; the engine flushes once per step, after its allocations."""
+        """Write the descriptors of the pages allocated since the last flush (raw slots), one indexed write for
+        all layers. Reading :attr:`desc` flushes first; the engine flushes once per step, after its allocations."""
         if not self._new_rows:
             return
         rows = dict(self._new_rows)               # a page id freed and taken again since: its latest slot
         self._new_rows = []
         idx = torch.tensor(list(rows), dtype=torch.int64).to(self.device)
         addr = torch.tensor(list(rows.values()), dtype=torch.int64).T.contiguous().to(self.device)   # [L, n]
+        self._desc_all[:, idx] = (addr[:, :, None, None, None] + self._raw_offsets) << 8
         for l in range(self.num_layers):
-            self._desc[l][idx] = (addr[l][:, None, None, None] + self._raw_offsets) << 8
             self.version[l] += 1
+
+    @property
+    def desc_all(self) -> torch.Tensor:
+        """Every layer's descriptors in one tensor, int64 ``[layers, pages, 2, kv_heads, blocks]``
+        (:attr:`desc` holds views of it); pending new pages are written first."""
+        self.flush_pages()
+        return self._desc_all
 
     @property
     def desc(self) -> list:
@@ -698,34 +712,27 @@ class KVMemory:
     def compress(self) -> dict:
         """Compress the queued full pages of every layer (call once the reads that used them are done)
         and move in-place compressed pages into compressed chunks where room has appeared. Returns
-        counts ``moved`` and ``in_place``."""
+        counts ``moved`` and ``in_place``.
+
+        Device work is batched over layers -- the pack kernel twice (K, V), one read of the compressed
+        sizes back to the host, one copy for every move -- so a step that fills pages costs a few launches,
+        not a few per layer; the host places pages layer by layer as before."""
         full, self._full = self._full, []
-        moved = in_place = 0
+        new_units = self._pack_full(full) if full else None               # [L][n][2][H] ints
+        moves, moved, in_place = [], 0, 0                                 # (layer, page, head units, src, dst)
         for l in range(self.num_layers):
             waiting = sorted(self._inplace[l])
-            n_new = len(full)
-            if not n_new and not (waiting and self._room_for(l, min(int(self._inplace[l][p].sum()) for p in waiting),
-                                                              len(waiting))):
+            if not full and not (waiting and self._room_for(l, min(map(_units, (self._inplace[l][p] for p in waiting))),
+                                                             len(waiting))):
                 continue                          # nothing new, and no in-place page could move
             todo = full + waiting
-            head_units = torch.empty(len(todo), 2, self.kv_heads, dtype=torch.int64)
-            if n_new:
-                idx = torch.tensor(full, dtype=torch.int64, device=self.device)
-                d = self.desc[l]
-                base = d[idx, :, :, 0] >> 8                                          # [n, 2, H]
-                for kv in (0, 1):
-                    meta = self._pack(self.pool, base[:, kv].reshape(-1).contiguous(), self.head_dim, self.layouts[kv])
-                    m = fmt.PageMeta.from_packed(meta, self.layouts[kv], self.head_dim)
-                    d[idx, kv] = (((base[:, kv].reshape(-1, 1) + m.block_offsets()) << 8)
-                                  | meta.to(torch.int64)).reshape(n_new, self.kv_heads, -1)
-                comp = ((d[idx] >> 7) & 1).sum(-1)                                   # [n, 2, H] compressed blocks
-                head_units[:n_new] = (fmt.n_blocks(self.head_dim) * 4 - comp).cpu()
-            for i, p in enumerate(waiting):       # an in-place page keeps the units it was packed to: no device read
-                head_units[n_new + i] = self._inplace[l][p]
-            page_units = head_units.reshape(len(todo), -1).sum(-1).tolist()
-            src, dst, rows, released = [], [], [], []
+            # an in-place page keeps the units it was packed to: no device read
+            head_units = (new_units[l] if full else []) + [self._inplace[l][p] for p in waiting]
+            page_units = [_units(u) for u in head_units]
+            released = []
             refused = False                  # a new chunk refused once is refused for the rest of this pass
             left = sum(u * UNIT < self.page_bytes for u in page_units)          # pages a move would shrink
+            n_moved = moved
             for i, p in enumerate(todo):
                 loc = self._loc[l][p]
                 if page_units[i] * UNIT == self.page_bytes:        # nothing compressible: stays where it is
@@ -739,26 +746,42 @@ class KVMemory:
                     refused = refused or left + 1 >= self.pages_per_chunk
                     if loc[0] == RAW:
                         self._loc[l][p] = ("inplace",) + loc[1:]
-                        self._inplace[l][p] = head_units[i].clone()
+                        self._inplace[l][p] = head_units[i]
                         in_place += 1
                     continue
                 c, start = dest
-                src.append(self._slot_address(loc[1], loc[2]) // UNIT)
-                dst.append(c * self.units_per_chunk + start)
-                rows.append(i)
+                moves.append((l, p, head_units[i], self._slot_address(loc[1], loc[2]) // UNIT,
+                              c * self.units_per_chunk + start))
                 self._inplace[l].pop(p, None)
                 released.append(loc)
                 self._loc[l][p] = (COMP, c, start, page_units[i])
                 self._used[l] += page_units[i] * UNIT
                 moved += 1
-            if rows:
-                self._move(l, torch.tensor([todo[i] for i in rows], dtype=torch.int64, device=self.device),
-                           head_units[rows], src, dst)
-            for loc in released:                   # after the copy: an emptied chunk must not be a destination
+            # an emptied chunk goes to this layer's pending list: no later layer of this pass can take it, so
+            # the copies can wait for the end of the pass
+            for loc in released:
                 self._raw_free_slot(l, loc[1], loc[2])
-            if n_new or rows:                      # descriptors changed: the kernels' page kinds must follow
+            if full or moved > n_moved:            # descriptors changed: the kernels' page kinds must follow
                 self.version[l] += 1
+        if moves:
+            self._move(moves)
         return dict(moved=moved, in_place=in_place)
+
+    def _pack_full(self, full) -> torch.Tensor:
+        """Compress the raw slots of pages ``full`` in every layer in place and point their descriptors at the
+        packed blocks. Returns the units each page-head now uses, ``[layers][n][2][kv_heads]`` ints (one device read)."""
+        n, H = len(full), self.kv_heads
+        idx = torch.tensor(full, dtype=torch.int64, device=self.device)
+        d = self._desc_all
+        base = d[:, idx, :, :, 0] >> 8                                           # [L, n, 2, H]
+        for kv in (0, 1):
+            off = base[:, :, kv].reshape(-1).contiguous()
+            meta = self._pack(self.pool, off, self.head_dim, self.layouts[kv])
+            m = fmt.PageMeta.from_packed(meta, self.layouts[kv], self.head_dim)
+            d[:, idx, kv] = (((off[:, None] + m.block_offsets()) << 8)
+                             | meta.to(torch.int64)).reshape(self.num_layers, n, H, -1)
+        comp = ((d[:, idx] >> 7) & 1).sum(-1)                                    # [L, n, 2, H] compressed blocks
+        return (fmt.n_blocks(self.head_dim) * 4 - comp).tolist()
 
     def keep_raw(self) -> None:
         """Leave the pages queued so far raw (drop them from the compression queue): new KV stays
@@ -776,23 +799,27 @@ class KVMemory:
         k, v = comp.mean(0).tolist()
         return k, v
 
-    def _move(self, layer, ids, head_units, src, dst):
-        """Copy compressed pages (their page-heads' used prefixes) from their raw slots to extents
-        starting at units ``dst`` and point their descriptors there."""
-        n, H = ids.numel(), self.kv_heads
-        hu = head_units.reshape(n, 2 * H)
+    def _move(self, moves):
+        """Copy compressed pages (their page-heads' used prefixes) from their raw slots to extents and point
+        their descriptors there, all in one copy. moves: ``(layer, page id, head units [2][H], src unit,
+        dst unit)`` per page."""
+        n, H = len(moves), self.kv_heads
+        layers = torch.tensor([m[0] for m in moves], dtype=torch.int64)
+        ids = torch.tensor([m[1] for m in moves], dtype=torch.int64)
+        hu = torch.tensor([m[2] for m in moves], dtype=torch.int64).reshape(n, 2 * H)
+        src, dst = torch.tensor([m[3] for m in moves]), torch.tensor([m[4] for m in moves])
         start = torch.cumsum(hu, -1) - hu                                           # head start in extent
         slot_units = self.slot_bytes // UNIT
         u = torch.arange(slot_units)
         used = u < hu[..., None]                                                   # [n, 2H, slot_units]
-        src_u = (torch.tensor(src)[:, None, None] + torch.arange(2 * H)[None, :, None] * slot_units + u)[used]
-        dst_u = (torch.tensor(dst)[:, None, None] + start[..., None] + u)[used]
+        src_u = (src[:, None, None] + torch.arange(2 * H)[None, :, None] * slot_units + u)[used]
+        dst_u = (dst[:, None, None] + start[..., None] + u)[used]
         units = self.pool[: self.total_bytes].view(-1, UNIT)
         units[dst_u.to(self.device)] = units[src_u.to(self.device)]
-        head_src = torch.tensor(src)[:, None] * UNIT + torch.arange(2 * H) * self.slot_bytes
-        head_dst = (torch.tensor(dst)[:, None] + start) * UNIT
+        head_src = src[:, None] * UNIT + torch.arange(2 * H) * self.slot_bytes
+        head_dst = (dst[:, None] + start) * UNIT
         shift = ((head_dst - head_src).reshape(n, 2, H, 1) << 8).to(self.device)
-        self.desc[layer][ids] += shift
+        self._desc_all[layers.to(self.device), ids.to(self.device)] += shift         # (layer, page) pairs are unique
 
     # ------------------------------------------------------------------ accounting
 

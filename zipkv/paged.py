@@ -29,7 +29,7 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["PagedKVCache", "build_paged_cache", "compress_cache_", "physical_page_ids",
+__all__ = ["PagedKVCache", "build_paged_cache", "compress_cache_", "physical_page_ids", "page_kinds_of",
            "PAGE_KINDS", "MIXED", "COMPRESSED", "RAW",
            "check_cache", "check_layouts", "check_descriptors"]
 
@@ -113,10 +113,14 @@ class PagedKVCache:
         kinds records it and refuses to run once it has changed."""
         return self._version
 
-    def refresh(self) -> "PagedKVCache":
-        """Recompute the cached page kinds (after editing ``desc`` by hand), in place."""
+    def refresh(self, kinds: torch.Tensor | None = None) -> "PagedKVCache":
+        """Recompute the cached page kinds (after editing ``desc`` by hand), in place. kinds: the new kinds,
+        uint8 ``[num_pages, kv_heads]``, where the caller computed them (:func:`page_kinds_of` over several
+        caches' descriptors at once); None: computed here."""
+        if kinds is not None and (kinds.shape != self._kind_shape() or kinds.dtype != torch.uint8):
+            raise ValueError(f"kinds must be uint8 {list(self._kind_shape())}, got {kinds.dtype} {list(kinds.shape)}")
         if self._kinds is not None and self._kinds[0].shape == self._kind_shape():
-            self._kinds[0].copy_(self._compute_kinds())
+            self._kinds[0].copy_(self._compute_kinds() if kinds is None else kinds)
             self._kinds = (self._kinds[0], None)
         else:
             self._kinds = None
@@ -127,10 +131,7 @@ class PagedKVCache:
         return self.desc.shape[:1] + self.desc.shape[2:3]
 
     def _compute_kinds(self) -> torch.Tensor:
-        comp = ((self.desc >> 7) & 1).bool()                          # [P, 2, H, nb]
-        allc = comp.all(-1).all(1)
-        allr = (~comp).all(-1).all(1)
-        return torch.where(allc, COMPRESSED, torch.where(allr, RAW, MIXED)).to(torch.uint8).contiguous()
+        return page_kinds_of(self.desc)
 
     def _kind_info(self):
         if self._kinds is None or self._kinds[0].shape != self._kind_shape():
@@ -150,6 +151,15 @@ class PagedKVCache:
         return dict(pool_bytes=self.pool.numel(), used_bytes=used, raw_bytes=raw,
                     frac_k=float(mk.compressed.float().mean()), frac_v=float(mv.compressed.float().mean()),
                     mixed_k=mixed(mk), mixed_v=mixed(mv))
+
+
+def page_kinds_of(desc: torch.Tensor) -> torch.Tensor:
+    """Page kinds (:meth:`PagedKVCache.page_kinds`) of block descriptors int64 ``[..., num_pages, 2, kv_heads,
+    n_blocks]`` -- one cache's, or several caches' stacked: uint8 ``[..., num_pages, kv_heads]``."""
+    comp = ((desc >> 7) & 1).bool()
+    allc = comp.all(-1).all(-2)
+    allr = (~comp).all(-1).all(-2)
+    return torch.where(allc, COMPRESSED, torch.where(allr, RAW, MIXED)).to(torch.uint8).contiguous()
 
 
 def check_layouts(k_layout, v_layout, head_dim, prefix=""):

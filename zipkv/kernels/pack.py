@@ -38,7 +38,9 @@ from zipkv.kernels import check_launchable
 __all__ = ["pack_pages", "pack_into"]
 
 
-@triton.jit
+# n_pages not specialised (Triton would compile apart for n == 1 and n % 16 == 0): the engine packs a different
+# number of page-heads at every step that fills pages, and each new variant is a compile inside a decode step
+@triton.jit(do_not_specialize=["n_pages"])
 def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
                  D: tl.constexpr, LAYOUT: tl.constexpr, SRC_PACKED: tl.constexpr,
                  PAGES: tl.constexpr):
