@@ -201,7 +201,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
         if w not in states:
             st = _Window(model, windows[w], methods, m, n_synthetic, probe_tokens, zcfg, seed, w + window_offset)
             if progress:
-                print(f"window {w}: capture, reference, queries and probe ({st.seconds:.1f} s)", flush=True)
+                print(f"window {w + window_offset}: capture, reference, queries and probe ({st.seconds:.1f} s)", flush=True)
             if w < n_keep:
                 states[w] = st
             return st
@@ -234,7 +234,7 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
         if progress:
             phases = "".join(f", {name} {t:.2f} s" for name, t in cache.info.get("phase_seconds", {}).items())
             probe = f", probe {st.probe_seconds:.2f} s" if method in PROBE_METHODS else ""
-            print(f"window {w} r={ratio} {method:18s} KL={kl:.4g} ({seconds:.1f} s{probe}{phases})", flush=True)
+            print(f"window {w + window_offset} r={ratio} {method:18s} KL={kl:.4g} ({seconds:.1f} s{probe}{phases})", flush=True)
         return cache
 
     def run_all(w, ratio, chosen):
@@ -267,7 +267,8 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
                 continue
             if time_budget_s is not None and time.perf_counter() - started + slowest[0] > time_budget_s:
                 if progress:
-                    print(f"time budget of {time_budget_s:g} s spent: stopped before window {w}, r={ratio}", flush=True)
+                    print(f"time budget of {time_budget_s:g} s spent: stopped before window {w + window_offset}, "
+                          f"r={ratio}", flush=True)
                 return
             t0 = time.perf_counter()
             run_all(w, ratio, chosen)
