@@ -50,6 +50,7 @@ import torch
 
 from zipkv import format as fmt
 from zipkv.memory import KVMemory, free_extent
+from zipkv.paged import PagedKVCache, page_kinds_of
 
 __all__ = ["Engine", "Prefix", "GenerateResult"]
 
@@ -195,7 +196,6 @@ class _Attention:
 
     def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool,
                  restore: _Restore | None = None, num_splits: int | None = None):
-        from zipkv.paged import PagedKVCache
         self.memory, self.backend, self.q_heads, self.scale, self.restore = memory, backend, q_heads, scale, restore
         self.num_splits = num_splits
         pool = memory.pool if restore is not None else memory.pool[: memory.total_bytes]
@@ -238,7 +238,6 @@ class _Attention:
         self.memory.flush_pages()                                    # this step's new pages, one write for all layers
         changed = [l for l in range(self.memory.num_layers) if self.versions[l] != self.memory.version[l]]
         if changed and not self.static_kinds:                        # page kinds recomputed in place, all layers at once
-            from zipkv.paged import page_kinds_of
             kinds = page_kinds_of(self.memory.desc_all)
             for l in changed:
                 self.caches[l].refresh(kinds[l])

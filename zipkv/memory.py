@@ -767,12 +767,12 @@ class KVMemory:
             self._move(moves)
         return dict(moved=moved, in_place=in_place)
 
-    def _pack_full(self, full) -> torch.Tensor:
+    def _pack_full(self, full) -> list:
         """Compress the raw slots of pages ``full`` in every layer in place and point their descriptors at the
         packed blocks. Returns the units each page-head now uses, ``[layers][n][2][kv_heads]`` ints (one device read)."""
         n, H = len(full), self.kv_heads
         idx = torch.tensor(full, dtype=torch.int64, device=self.device)
-        d = self._desc_all
+        d = self.desc_all
         base = d[:, idx, :, :, 0] >> 8                                           # [L, n, 2, H]
         for kv in (0, 1):
             off = base[:, :, kv].reshape(-1).contiguous()
@@ -819,7 +819,7 @@ class KVMemory:
         head_src = src[:, None] * UNIT + torch.arange(2 * H) * self.slot_bytes
         head_dst = (dst[:, None] + start) * UNIT
         shift = ((head_dst - head_src).reshape(n, 2, H, 1) << 8).to(self.device)
-        self._desc_all[layers.to(self.device), ids.to(self.device)] += shift         # (layer, page) pairs are unique
+        self.desc_all[layers.to(self.device), ids.to(self.device)] += shift         # (layer, page) pairs are unique
 
     # ------------------------------------------------------------------ accounting
 
