@@ -275,6 +275,18 @@ def test_page_kinds_of_stacked_caches_and_refresh_with_given_kinds():
     for bad in (stacked[0][:-1], stacked[0].to(torch.int32)):
         with pytest.raises(ValueError, match="kinds must be uint8"):
             target.refresh(bad)
+    # only some pages changed: their kinds alone are written (given, or computed from desc)
+    pages = torch.tensor([0, 3])
+    assert not torch.equal(stacked[0][pages], stacked[1][pages])
+    target.refresh(stacked[1][pages], pages=pages)
+    want = source.page_kinds().clone()
+    want[pages] = stacked[1][pages]
+    assert torch.equal(held, want)
+    target.refresh(stacked[0][pages], pages=pages)
+    target.refresh(pages=pages)                          # computed from target's own descriptors: its kinds there
+    assert torch.equal(held, want)
+    with pytest.raises(ValueError, match=r"kinds must be uint8 \[2, 2\]"):
+        target.refresh(stacked[1], pages=pages)
 
 
 def test_kinds_refresh_after_compress_in_place():

@@ -153,6 +153,27 @@ def test_fused_kernel_engine_equals_reference_engine(restore):
         assert split.generate(prompts, 6).outputs == ref.outputs and split.attention.plans[0].num_splits == 2
 
 
+def test_page_kinds_follow_every_descriptor_change():
+    """The engine recomputes the kernels' page kinds only for the pages whose descriptors changed (new pages,
+    compressed, moved, admitted packed): after every step's plan each layer's kinds equal a full recomputation."""
+    from zipkv.paged import page_kinds_of
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=4).to(torch.bfloat16)
+    prompts = [[1, 5, 9, 33, 2] * 7, [7] * 3, list(range(40, 90)), [3, 4] * 20]
+    eng = Engine(model, 12 * 2 * 2 * 2 * 32 * 32, attention="reference", pages_per_chunk=2, eos_token_id=None)
+    plan, checked = eng.attention.plan, []
+
+    def checked_plan(rids):
+        key = plan(rids)
+        for c in eng.attention.caches:
+            assert torch.equal(c.page_kinds(), page_kinds_of(c.desc))
+        checked.append(len(rids))
+        return key
+    eng.attention.plan = checked_plan
+    res = eng.generate(prompts, 20)
+    assert len(checked) == len(res.stats["steps"]) > 20
+    assert res.stats["frac_compressed_k"] > 0 and set(map(len, res.outputs)) == {20}
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda e: e.generate([[1, 2, 3]], 0), "max_new_tokens"),
     (lambda e: e.generate([[1, 2, 3]], -1), "max_new_tokens"),

@@ -237,10 +237,12 @@ class _Attention:
         Returns the composition's key (what a captured step graph depends on)."""
         self.memory.flush_pages()                                    # this step's new pages, one write for all layers
         changed = [l for l in range(self.memory.num_layers) if self.versions[l] != self.memory.version[l]]
-        if changed and not self.static_kinds:                        # page kinds recomputed in place, all layers at once
-            kinds = page_kinds_of(self.memory.desc_all)
+        pages = self.memory.changed_pages()
+        if changed and pages and not self.static_kinds:             # the changed pages' kinds, all layers at once
+            ids = torch.tensor(pages, dtype=torch.int64, device=self.memory.device)
+            kinds = page_kinds_of(self.memory.desc_all[:, ids])                      # [layers, n, kv_heads]
             for l in changed:
-                self.caches[l].refresh(kinds[l])
+                self.caches[l].refresh(kinds[l], pages=ids)
         for l in changed:
             self.versions[l] = self.memory.version[l]
         mem = self.memory

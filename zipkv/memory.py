@@ -207,6 +207,7 @@ class KVMemory:
                                      device=self.device)
         self._desc = list(self._desc_all)                                 # per layer views
         self._new_rows: list = []                                         # (page id, raw slot address per layer)
+        self._changed: set = set()                                        # page ids whose descriptors changed
         self.version = [0] * num_layers                                   # bumped when desc[layer] changes
         self._pack = pack_slots or pack_slots_reference
         self._chunks = [_Chunk() for _ in range(self.num_chunks)]
@@ -419,11 +420,19 @@ class KVMemory:
             return
         rows = dict(self._new_rows)               # a page id freed and taken again since: its latest slot
         self._new_rows = []
+        self._changed.update(rows)
         idx = torch.tensor(list(rows), dtype=torch.int64).to(self.device)
         addr = torch.tensor(list(rows.values()), dtype=torch.int64).T.contiguous().to(self.device)   # [L, n]
         self._desc_all[:, idx] = (addr[:, :, None, None, None] + self._raw_offsets) << 8
         for l in range(self.num_layers):
             self.version[l] += 1
+
+    def changed_pages(self) -> list:
+        """Sorted ids of the pages whose descriptors this memory changed (in any layer) since the last call; the
+        record is cleared. The engine recomputes the kernels' page kinds of these pages only."""
+        self.flush_pages()
+        out, self._changed = sorted(self._changed), set()
+        return out
 
     @property
     def desc_all(self) -> torch.Tensor:
@@ -608,6 +617,7 @@ class KVMemory:
             offsets = fmt.PageMeta.from_packed(meta, self.layouts[0], self.head_dim).block_offsets()   # layout-free
             self.desc[l][torch.tensor(ids, device=self.device)] = ((head + offsets) << 8) | meta.to(torch.int64)
             self.version[l] += 1
+        self._changed.update(ids)
         ids += self._new_pages(prompt_pages - n)
         self.admitted += 1
         self.requests[rid] = _Request(packed.tokens, packed.tokens + max_new_tokens - 1, ids, packed.tokens, reserve,
@@ -771,6 +781,7 @@ class KVMemory:
         """Compress the raw slots of pages ``full`` in every layer in place and point their descriptors at the
         packed blocks. Returns the units each page-head now uses, ``[layers][n][2][kv_heads]`` ints (one device read)."""
         n, H = len(full), self.kv_heads
+        self._changed.update(full)
         idx = torch.tensor(full, dtype=torch.int64, device=self.device)
         d = self.desc_all
         base = d[:, idx, :, :, 0] >> 8                                           # [L, n, 2, H]
@@ -806,6 +817,7 @@ class KVMemory:
         n, H = len(moves), self.kv_heads
         layers = torch.tensor([m[0] for m in moves], dtype=torch.int64)
         ids = torch.tensor([m[1] for m in moves], dtype=torch.int64)
+        self._changed.update(m[1] for m in moves)
         hu = torch.tensor([m[2] for m in moves], dtype=torch.int64).reshape(n, 2 * H)
         src, dst = torch.tensor([m[3] for m in moves]), torch.tensor([m[4] for m in moves])
         start = torch.cumsum(hu, -1) - hu                                           # head start in extent

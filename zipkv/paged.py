@@ -113,14 +113,19 @@ class PagedKVCache:
         kinds records it and refuses to run once it has changed."""
         return self._version
 
-    def refresh(self, kinds: torch.Tensor | None = None) -> "PagedKVCache":
-        """Recompute the cached page kinds (after editing ``desc`` by hand), in place. kinds: the new kinds,
-        uint8 ``[num_pages, kv_heads]``, where the caller computed them (:func:`page_kinds_of` over several
-        caches' descriptors at once); None: computed here."""
-        if kinds is not None and (kinds.shape != self._kind_shape() or kinds.dtype != torch.uint8):
-            raise ValueError(f"kinds must be uint8 {list(self._kind_shape())}, got {kinds.dtype} {list(kinds.shape)}")
+    def refresh(self, kinds: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> "PagedKVCache":
+        """Recompute the cached page kinds (after editing ``desc`` by hand), in place. pages: int64 ids of the
+        only pages whose descriptors changed (None: any may have). kinds: their new kinds, uint8
+        ``[len(pages) or num_pages, kv_heads]``, where the caller computed them (:func:`page_kinds_of` over
+        several caches' descriptors at once); None: computed here."""
+        shape = self._kind_shape() if pages is None else (pages.numel(), self.kv_heads)
+        if kinds is not None and (tuple(kinds.shape) != tuple(shape) or kinds.dtype != torch.uint8):
+            raise ValueError(f"kinds must be uint8 {list(shape)}, got {kinds.dtype} {list(kinds.shape)}")
         if self._kinds is not None and self._kinds[0].shape == self._kind_shape():
-            self._kinds[0].copy_(self._compute_kinds() if kinds is None else kinds)
+            if pages is None:
+                self._kinds[0].copy_(self._compute_kinds() if kinds is None else kinds)
+            else:
+                self._kinds[0][pages] = page_kinds_of(self.desc[pages]) if kinds is None else kinds
             self._kinds = (self._kinds[0], None)
         else:
             self._kinds = None
