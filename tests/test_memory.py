@@ -413,7 +413,7 @@ def test_compress_work_does_not_grow_with_layers(compressible):
 
 def test_in_place_pages_wait_without_device_work_until_room_appears():
     """Pages compressed in place are retried by every compress(); while no compressed chunk could take them (and
-    nothing new is queued) that pass reads and writes no descriptor and bumps no version (so the kernels' plans
+    nothing new is queued) that pass runs no torch op and changes no descriptor (so the kernels' page kinds
     need no refresh); once room appears they move into compressed chunks and read back bit-exact."""
     m = KVMemory(2, H, D, 8 * 4 * m_page(), pages_per_chunk=4, k_layout="token", v_layout="channel")
     gen = torch.Generator().manual_seed(1)
@@ -425,15 +425,17 @@ def test_in_place_pages_wait_without_device_work_until_room_appears():
     m.write(0, "b", 0, _tokens(gen, 16, False), _tokens(gen, 16, False))
     m.write(1, "b", 0, _tokens(gen, 16, True), _tokens(gen, 16, True))
     assert m.compress() == dict(moved=0, in_place=9)
-    versions = list(m.version)
+    m.changed_pages()
     with _TorchOps() as ops:
         for _ in range(3):
             assert m.compress() == dict(moved=0, in_place=0)
-    assert m.version == versions and ops.n == 0, f"a pass with nothing to do ran {ops.n} torch ops"
+    assert ops.n == 0, f"a pass with nothing to do ran {ops.n} torch ops"
+    assert m.changed_pages() == [], "a pass with nothing to do changed descriptors"
     m.free("b")
     m.reads_done()
     moved = m.compress()["moved"]
-    assert moved > 0 and m.version[0] > versions[0]
+    changed = set(m.changed_pages())
+    assert moved > 0 and changed and changed <= set(m.requests["a"].pages)      # the moved pages, a's
     assert moved + len(m._inplace[0]) == 8                  # a's pages: moved, or still waiting in place
     assert m.used_bytes(0) < 8 * m.page_bytes
     cache = PagedKVCache(m.pool[: m.total_bytes], m.desc[0], D, "token", "channel")

@@ -155,7 +155,6 @@ class _Restore:
         rows = torch.arange(m.max_pages + start, m.max_pages + start + n_pages, device=m.device)
         for l in range(m.num_layers):
             m.desc[l][rows] = d
-            m.version[l] += 1
         pool = m.pool
         half = n_pages * m.kv_heads * m.slot_bytes
         views = (pool[base: base + half].view(torch.bfloat16), pool[base + half: base + 2 * half].view(torch.bfloat16))
@@ -201,7 +200,6 @@ class _Attention:
         pool = memory.pool if restore is not None else memory.pool[: memory.total_bytes]
         self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts) for d in memory.desc]
         self.static_kinds = static_kinds
-        self.versions = [-1] * memory.num_layers
         self.key = self.pages_key = self.plans_key = self.table = self.plans = None
         self.rids = []
 
@@ -235,16 +233,12 @@ class _Attention:
     def plan(self, rids) -> tuple:
         """Bring the static page table up to date for ``rids``; plan again when the composition changed.
         Returns the composition's key (what a captured step graph depends on)."""
-        self.memory.flush_pages()                                    # this step's new pages, one write for all layers
-        changed = [l for l in range(self.memory.num_layers) if self.versions[l] != self.memory.version[l]]
-        pages = self.memory.changed_pages()
-        if changed and pages and not self.static_kinds:             # the changed pages' kinds, all layers at once
+        pages = self.memory.changed_pages()                          # flushes this step's new pages first
+        if pages and not self.static_kinds:                          # their kinds, all layers at once
             ids = torch.tensor(pages, dtype=torch.int64, device=self.memory.device)
             kinds = page_kinds_of(self.memory.desc_all[:, ids])                      # [layers, n, kv_heads]
-            for l in changed:
-                self.caches[l].refresh(kinds[l], pages=ids)
-        for l in changed:
-            self.versions[l] = self.memory.version[l]
+            for c, k in zip(self.caches, kinds):
+                c.refresh(k, pages=ids)
         mem = self.memory
         key = tuple(mem.requests[r].serial for r in rids)           # a re-admitted request is new
         lens = [mem.cache_len(r) for r in rids]

@@ -208,7 +208,6 @@ class KVMemory:
         self._desc = list(self._desc_all)                                 # per layer views
         self._new_rows: list = []                                         # (page id, raw slot address per layer)
         self._changed: set = set()                                        # page ids whose descriptors changed
-        self.version = [0] * num_layers                                   # bumped when desc[layer] changes
         self._pack = pack_slots or pack_slots_reference
         self._chunks = [_Chunk() for _ in range(self.num_chunks)]
         self._free_chunks = {-1: list(range(self.num_chunks - 1, -1, -1))}  # free chunks by last owner
@@ -424,8 +423,6 @@ class KVMemory:
         idx = torch.tensor(list(rows), dtype=torch.int64).to(self.device)
         addr = torch.tensor(list(rows.values()), dtype=torch.int64).T.contiguous().to(self.device)   # [L, n]
         self._desc_all[:, idx] = (addr[:, :, None, None, None] + self._raw_offsets) << 8
-        for l in range(self.num_layers):
-            self.version[l] += 1
 
     def changed_pages(self) -> list:
         """Sorted ids of the pages whose descriptors this memory changed (in any layer) since the last call; the
@@ -616,7 +613,6 @@ class KVMemory:
             head = ((torch.tensor(dst)[:, None] + start) * UNIT).reshape(n, 2, H, 1).to(self.device)
             offsets = fmt.PageMeta.from_packed(meta, self.layouts[0], self.head_dim).block_offsets()   # layout-free
             self.desc[l][torch.tensor(ids, device=self.device)] = ((head + offsets) << 8) | meta.to(torch.int64)
-            self.version[l] += 1
         self._changed.update(ids)
         ids += self._new_pages(prompt_pages - n)
         self.admitted += 1
@@ -742,7 +738,6 @@ class KVMemory:
             released = []
             refused = False                  # a new chunk refused once is refused for the rest of this pass
             left = sum(u * UNIT < self.page_bytes for u in page_units)          # pages a move would shrink
-            n_moved = moved
             for i, p in enumerate(todo):
                 loc = self._loc[l][p]
                 if page_units[i] * UNIT == self.page_bytes:        # nothing compressible: stays where it is
@@ -771,8 +766,6 @@ class KVMemory:
             # the copies can wait for the end of the pass
             for loc in released:
                 self._raw_free_slot(l, loc[1], loc[2])
-            if full or moved > n_moved:            # descriptors changed: the kernels' page kinds must follow
-                self.version[l] += 1
         if moves:
             self._move(moves)
         return dict(moved=moved, in_place=in_place)
