@@ -64,17 +64,14 @@ def smollm():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compress,layouts", [("all", "auto"), ("none", "auto"), ("all", "mma")])
-def test_greedy_tokens_equal_generate(smollm, compress, layouts):
+@pytest.mark.parametrize("compress", ["all", "none"])
+def test_greedy_tokens_equal_generate(smollm, compress):
     """Four requests of 5-40 prompt tokens under a budget of 6 pages per layer: two run at first, the
-    others are admitted at later steps as pages free up; pages compress as they fill (or never). ``"mma"``:
-    the mma layouts, which the engine chooses on a GPU (written, packed and read here by the torch code)."""
+    others are admitted at later steps as pages free up; pages compress as they fill (or never)."""
     model, prompts = smollm
     n = 12
     ref = _generate(model, prompts, n)
-    kw = dict(k_layout="k_mma", v_layout="v_mma") if layouts == "mma" else {}
-    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2, **kw)
-    assert eng.memory.layouts == (("k_mma", "v_mma") if layouts == "mma" else ("token", "token"))
+    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2)
     res = eng.generate(prompts, n)
     assert res.outputs == ref
     assert max(s["batch"] for s in res.stats["steps"]) < len(prompts)
@@ -190,24 +187,6 @@ def test_bad_input_is_refused_before_anything_runs(call, match):
     with pytest.raises(ValueError, match=match):
         call(eng)
     assert not eng.memory.requests and eng.memory.used_bytes() == 0
-
-
-def test_default_layouts_choose_the_gluon_kernel_only_where_it_reads_compressed_pages():
-    from zipkv import format as fmt
-    from zipkv.engine import default_layouts
-    from zipkv.kernels.decode_mma import MAX_GROUP
-    assert default_layouts("cuda", "kernel", "all", False, 64, 3) == fmt.MMA_LAYOUTS        # SmolLM2's shape
-    assert default_layouts("cuda:0", "kernel", "prompt", False, 128, 4) == fmt.MMA_LAYOUTS  # Llama-8B's
-    token = ("token", "token")
-    assert default_layouts("cuda", "kernel", "all", False, 64, MAX_GROUP[64] + 1) == token
-    for args in (("cpu", "reference", "all", False, 64, 3), ("cuda", "reference", "all", False, 64, 3),
-                 ("cuda", "kernel", "none", False, 128, 4), ("cuda", "kernel", "prompt", True, 128, 4),
-                 ("cuda", "kernel", "all", False, 96, 3)):
-        assert default_layouts(*args) == token, args
-    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=64).to(torch.bfloat16)
-    assert Engine(model, 10**6, attention="reference").memory.layouts == token                  # the CPU default
-    with pytest.raises(ValueError, match="'auto' chooses both"):
-        Engine(model, 10**6, k_layout="auto", v_layout="token")
 
 
 def test_budget_and_model_errors():

@@ -52,7 +52,7 @@ from zipkv import format as fmt
 from zipkv.memory import KVMemory, free_extent
 from zipkv.paged import PagedKVCache, page_kinds_of
 
-__all__ = ["Engine", "Prefix", "GenerateResult", "default_layouts"]
+__all__ = ["Engine", "Prefix", "GenerateResult"]
 
 
 @dataclass
@@ -326,21 +326,6 @@ class _StepGraph:
         return self.out, mode, capture_s
 
 
-def default_layouts(device, attention: str, compress: str, restore: bool, head_dim: int, group: int) -> tuple:
-    """``(k_layout, v_layout)`` an :class:`Engine` uses by default. The mma layouts where ZipFusion's pages are
-    compressed and read by the fused kernel on a CUDA GPU, at a head_dim and GQA group the Gluon kernel takes: it
-    reads mixed pages on its pipelined path (the Triton kernel's token-layout path routes them through three
-    launches and is 2-4x slower on the measured mix; "Decode attention latency"). The token layouts elsewhere:
-    on the CPU (the torch reference), for the uncompressed baseline (the Triton kernel's raw path, the faster of
-    zipkv's two uncompressed paths) and the restore baselines (they restore raw token-layout pages)."""
-    if (torch.device(device).type == "cuda" and attention == "kernel" and compress != "none" and not restore
-            and head_dim in fmt.MMA_HEAD_DIMS):
-        from zipkv.kernels.decode_mma import MAX_GROUP
-        if group <= MAX_GROUP[head_dim]:
-            return fmt.MMA_LAYOUTS
-    return ("token", "token")
-
-
 def _eos_ids(model, eos_token_id):
     if eos_token_id == "model":
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -363,8 +348,7 @@ class Engine:
     ``"kernel"`` (fused decode kernel), ``"reference"`` (fp32 torch reference; restore baselines then use
     the codecs' torch decoders) or ``"auto"`` (kernel on CUDA, reference elsewhere). cuda_graphs: capture
     each batch composition's decode step in a CUDA graph (:class:`_StepGraph`; on CUDA only). k_layout /
-    v_layout: block arrangements of the cache (``zipkv.format``), or ``"auto"`` (both): :func:`default_layouts`,
-    the mma layouts for compressed pages under the fused kernel on a GPU, the token layouts otherwise. pages_per_chunk, reserve_ratio: see
+    v_layout: block arrangements of the cache (``zipkv.format``). pages_per_chunk, reserve_ratio: see
     :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. num_splits: the decode kernel's split-KV
     factor (default: its plan's choice, :func:`zipkv.kernels.decode_attention.plan`). eos_token_id: stop token(s),
     ``"model"`` (the model's generation config, like ``model.generate``) or None (always
@@ -372,7 +356,7 @@ class Engine:
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
-                 k_layout: str = "auto", v_layout: str = "auto", pages_per_chunk: int = 16,
+                 k_layout: str = "token", v_layout: str = "token", pages_per_chunk: int = 16,
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
                  num_splits: int | None = None):
@@ -397,11 +381,6 @@ class Engine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         L = cfg.num_hidden_layers
-        if "auto" in (k_layout, v_layout):
-            if (k_layout, v_layout) != ("auto", "auto"):
-                raise ValueError(f"k_layout/v_layout: 'auto' chooses both; got k_layout={k_layout!r}, v_layout={v_layout!r}")
-            k_layout, v_layout = default_layouts(self.device, attention, compress, restore is not None,
-                                                 self.head_dim, self.q_heads // self.kv_heads)
         buffer_pages, budget = 0, kv_budget_bytes
         if restore is not None:
             if not (hasattr(restore, "encode") and getattr(restore, "name", None) in ("splitzip", "huffman")):
