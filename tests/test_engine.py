@@ -64,14 +64,17 @@ def smollm():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compress", ["all", "none"])
-def test_greedy_tokens_equal_generate(smollm, compress):
+@pytest.mark.parametrize("compress,layouts", [("all", "token"), ("none", "token"), ("all", "mma")])
+def test_greedy_tokens_equal_generate(smollm, compress, layouts):
     """Four requests of 5-40 prompt tokens under a budget of 6 pages per layer: two run at first, the
-    others are admitted at later steps as pages free up; pages compress as they fill (or never)."""
+    others are admitted at later steps as pages free up; pages compress as they fill (or never). ``"mma"``:
+    the Gluon kernel's layouts (written, packed and read here by the torch code)."""
     model, prompts = smollm
     n = 12
     ref = _generate(model, prompts, n)
-    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2)
+    kw = dict(k_layout="k_mma", v_layout="v_mma") if layouts == "mma" else {}
+    eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2, **kw)
+    assert eng.memory.layouts == (("k_mma", "v_mma") if layouts == "mma" else ("token", "token"))
     res = eng.generate(prompts, n)
     assert res.outputs == ref
     assert max(s["batch"] for s in res.stats["steps"]) < len(prompts)
@@ -216,7 +219,9 @@ def test_budget_and_model_errors():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's bf16 path needs a CUDA GPU")
-@pytest.mark.parametrize("compress", ["all", "none", "splitzip"])
+@pytest.mark.parametrize("compress", ["all", "none", "splitzip", pytest.param("all-mma", marks=pytest.mark.xfail(
+    strict=True, reason="open bug (H200, 8046826): with the mma layouts (Gluon kernel) a request takes token 0 at new "
+                        "token 2, neither of generate's top-2 (28, 339); the Gluon kernel's own tests pass on built caches"))])
 def test_fused_kernel_greedy_tokens_on_gpu(compress):
     """On the GPU the engine runs the fused kernel (bf16 tensor-core dots, bf16 P for P @ V) -- or, for
     ``"splitzip"``, the restore baseline: Triton decoder into the shared buffer, raw decode kernel -- with each
@@ -231,6 +236,8 @@ def test_fused_kernel_greedy_tokens_on_gpu(compress):
     prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 200, 97, 31))]
     n = 32
     kw = dict(compress=compress)
+    if compress == "all-mma":
+        kw = dict(compress="all", k_layout="k_mma", v_layout="v_mma")
     if compress == "splitzip":
         with torch.no_grad():
             calib = model(torch.tensor([ws[3].context_ids.tolist()], device="cuda"), use_cache=True).past_key_values.layers[2].keys

@@ -103,8 +103,10 @@ def real_kv_blocks(model, tokenizer, books, *, windows: int = 2, context: int = 
 
     Each block is one token-layout block of the captured cache (``512 / head_dim`` consecutive tokens ×
     all channels of one layer's KV head, post-RoPE, bf16), in order. A Llama-8B page-head (16 tokens ×
-    128 channels, token layout) is 4 such blocks laid out as they are, so every block the engine stores
-    is a real block and compresses exactly when the real one does."""
+    128 channels, token layout) is 4 such blocks laid out as they are, so in the token layout every block the
+    engine stores is a real block and compresses exactly when the real one does; in the mma layouts
+    (ZipFusion on a GPU, :data:`GPU_LAYOUTS`) a page-head's blocks regroup the same real values in the
+    kernel's operand order."""
     from zipkv import data, models
     ks, vs = [], []
     for w in data.windows(tokenizer, books, n=windows, context=context, continuation=0, seed=seed):
