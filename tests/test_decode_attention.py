@@ -71,6 +71,36 @@ def test_matches_reference(B, HKV, G, T, D, lens, kl, vl, splits, ppt, compress)
         check(out[b], torch.einsum("ht,htd->hd", s.softmax(-1), vb))
 
 
+def poison_past_last_token(cache, indptr, indices, last_page_len):
+    """Fill every raw last page's slots past ``last_page_len`` with inf, -inf and nan bf16 (in turn), as a
+    serving engine's reused slot may hold any old bytes there. The last pages must be all raw."""
+    pool = cache.pool.view(torch.bfloat16)
+    bad = torch.tensor([float("inf"), float("-inf"), float("nan")], dtype=torch.bfloat16, device=pool.device)
+    nb = fmt.n_blocks(cache.head_dim)
+    for b in range(indptr.numel() - 1):
+        page, n = int(indices[int(indptr[b + 1]) - 1]), int(last_page_len[b])
+        for kv, layout in enumerate((cache.k_layout, cache.v_layout)):
+            pos = fmt.from_blocks(torch.arange(nb * fmt.BLOCK_VALUES).reshape(nb, fmt.BLOCK_VALUES), layout,
+                                  cache.head_dim)[n:].reshape(-1).to(pool.device)   # slot positions of tokens >= n
+            for h in range(cache.kv_heads):
+                d = cache.desc[page, kv, h]
+                assert not (d & 0x80).any(), "the last page must be raw"
+                pool[int(d[0] >> 8) // 2 + pos] = bad[torch.arange(pos.numel(), device=pool.device) % 3]
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_stale_bytes_past_the_last_token_are_never_read(D):
+    """Odd last-page lengths (1, 2 and 1 tokens) with inf/nan bytes past them: the output equals the clean cache's."""
+    q, k, v = make_inputs(3, 2, 3, 50, D, seed=5)
+    cache, ip, idx, last = build_paged_cache(k, v, [1, 50, 33], compress=0.5)
+    want = decode_attention(q, cache, ip, idx, last, num_splits=2)
+    poison_past_last_token(cache, ip, idx, last)
+    assert not torch.isfinite(cache.pool.view(torch.bfloat16).float()).all()
+    got = decode_attention(q, cache, ip, idx, last, num_splits=2)
+    assert torch.equal(got, want)
+    check(decode_attention_reference(q, cache, ip, idx, last), want.float())
+
+
 def test_mixed_cache_has_both_kinds_of_blocks():
     q, k, v = make_inputs(2, 2, 3, 50, 64, seed=1)
     for compress in ("eligible", 0.5):

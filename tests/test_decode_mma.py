@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 from zipkv.kernels.decode_attention import _launches, build_paged_cache, decode_attention, plan  # noqa: E402
 from zipkv.kernels.reference import decode_attention_reference  # noqa: E402
-from test_decode_attention import check  # noqa: E402  (the same tolerance as the Triton kernel's tests)
+from test_decode_attention import check, poison_past_last_token  # noqa: E402  (the Triton kernel's tolerance)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -46,6 +46,23 @@ CASES = [
     (3, 2, 4, 700, [700, 513, 64], None, "eligible", False),  # the all-compressed pipeline, default splits
     (2, 2, 4, 520, [520, 300], 5, "none", False),           # the all-raw pipeline
 ]
+
+
+@needs_gpu
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("compress", ["none", 0.5])
+def test_stale_bytes_past_the_last_token_are_never_read(D, compress):
+    """A serving engine's last page holds old bytes past ``last_page_len`` (any bf16: inf, nan). Head_dim 64
+    puts two tokens in a key row, and each query row multiplies the other token by 0: a stale inf beside a
+    valid token would give that token a nan score (the likely cause of a wrong greedy token of the engine on
+    the mma layouts, H200 at 8046826). Odd last-page lengths, all-raw and mixed caches, splits."""
+    q, k, v = make_inputs(3, 2, 3, 50, seed=9, outliers=compress != "none", D=D)
+    cache, ip, idx, last = build_paged_cache(k, v, [1, 50, 33], k_layout="k_mma", v_layout="v_mma", compress=compress)
+    want = decode_attention(q, cache, ip, idx, last, num_splits=2)
+    poison_past_last_token(cache, ip, idx, last)
+    got = decode_attention(q, cache, ip, idx, last, num_splits=2)
+    assert torch.isfinite(got.float()).all()
+    assert torch.equal(got, want)
 
 
 @needs_gpu

@@ -234,6 +234,16 @@ def _valid_tokens(valid_a, valid_b, ROWS_L: gl.constexpr, COLS_L: gl.constexpr, 
 
 
 @gluon.jit
+def _valid_key_entries(valid_a, valid_b):
+    """Head_dim 64: bool ``[128, 16]`` in the key operand's layout (B_OP): which (channel, token row) entries
+    hold a valid token -- channels 0-63 the row's first token, 64-127 its second (see :func:`_valid_tokens`)."""
+    c = gl.arange(0, 128, layout=gl.SliceLayout(1, B_OP))[:, None]
+    t = gl.arange(0, 16, layout=gl.SliceLayout(0, B_OP))[None, :]
+    tok = 2 * (t % 4 + 4 * (t >> 3)) + (c >= 64).to(gl.int32)
+    return tok < gl.where(((t >> 2) & 1) == 0, valid_a, valid_b)
+
+
+@gluon.jit
 def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
                   HD: gl.constexpr):
     """One unit (16 token rows; only the LAST of a range may hold fewer valid tokens than 16 per row, see
@@ -528,6 +538,8 @@ def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scal
         if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan)
             vop = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, B_OP), gl.SliceLayout(0, B_OP),
                                          False, HD), vop, 0.0)
+            if HD == 64:                     # a key row holds two tokens, and a query row's zero half x inf = nan
+                kop = gl.where(_valid_key_entries(valid_a, valid_b), kop, 0.0)
     return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
 
 
