@@ -398,8 +398,11 @@ def _zipkv_against_baselines(t: pd.DataFrame) -> str:
 
 def _beyond(res: Results):
     """zipkv's distiller at r = 0.3 (the issue's bar; the lowest ratio run when 0.3 is absent) against the best
-    Select+Fit variant, Attention Matching and, where it ran on the same windows, KVSculpt."""
-    t = res["kvsculpt_beyond"]
+    Select+Fit variant, Attention Matching and, where it ran on the same windows, KVSculpt (the chapter's rows
+    and those of ``kvsculpt_beyond_extra.csv`` it takes: :func:`zipkv.chapters.beyond.with_extra_rows`)."""
+    from zipkv.chapters.beyond import with_extra_rows
+
+    t, _ = with_extra_rows(res["kvsculpt_beyond"], res.directory / "kvsculpt_beyond_extra.csv")
     t = t[t.ratio == (0.3 if (t.ratio == 0.3).any() else t.ratio.min())]
     r, kl = t.ratio.iloc[0], t.groupby("method").kl.mean()
     if "zipkv" not in kl:
@@ -439,21 +442,25 @@ def _beyond_other_ratios(res: Results):
 
 
 def _step_breakdown(res: Results):
-    """Where the throughput chapter's decode step goes at the largest batches (``zipfusion_engine_profile.csv``,
-    :func:`zipkv.throughput.step_table`)."""
-    if not res.has("zipfusion_engine_profile"):
-        return None
+    """Where the throughput chapter's decode step goes at the largest batches (:func:`zipkv.throughput.step_table`):
+    from the chapter's own profiled rows, else from the separate run ``zipfusion_engine_profile.csv``."""
     from zipkv.throughput import step_table
 
-    run = res["zipfusion_engine_profile"].iloc[0]
-    steps, _ = step_table(res["zipfusion_engine_profile"])
+    big = _fig5_rows(res) if res.has("zipfusion_throughput") else None
+    if big is not None and "replay_ms" in big.columns and big.replay_ms.notna().any():
+        steps, where = step_table(big)[0], "the chapter's run"
+    elif res.has("zipfusion_engine_profile"):
+        run = res["zipfusion_engine_profile"].iloc[0]
+        steps, where = step_table(res["zipfusion_engine_profile"])[0], f"a separate run: {run.device}, commit {run.commit}"
+    else:
+        return None
     last = lambda m: steps[steps.method == m].sort_values("batch").iloc[-1]                  # noqa: E731
     u, z = last("uncompressed"), last("zipfusion")
     per = lambda x: x.attention_us_per_request_layer                                         # noqa: E731
     return Measured(None, f"attention {per(u) / per(z):.2f}× faster per request (batch {z.batch} vs {u.batch}); "
                           f"the step's other {z.step_ms - z.attention_ms:.1f} ms (matrix products, other kernels, GPU idle, "
                           f"host) is paid per step: tokens/s {z.batch / u.batch:.3f} × {u.step_ms:.1f}/{z.step_ms:.1f} ms = "
-                          f"{z.batch / u.batch * u.step_ms / z.step_ms:.3f}× ({run.device}, commit {run.commit})")
+                          f"{z.batch / u.batch * u.step_ms / z.step_ms:.3f}× ({where})")
 
 
 def _second_model(res: Results):
