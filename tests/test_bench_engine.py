@@ -64,4 +64,9 @@ def test_step_text_says_where_the_idle_time_sits():
     text = throughput.step_text(steps)
     z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
     assert f"ZipFusion at batch {z.batch} 0.90 ms before attention kernels, 0.40 ms before gemm kernels" in text
+    assert f"({0.9 + 0.4:.2f} ms between kernels in all)" in text
+    short = {m: r.gaps_ms - r.gap_before_attention_ms - r.gap_before_gemm_ms for m, r in
+             ((m, steps[steps.method == m].sort_values("batch").iloc[-1]) for m in ("uncompressed", "zipfusion"))}
+    for m, ms in short.items():                                  # replay idle time the profiled gaps do not cover
+        assert (f"{m} {ms:.2f} ms" in text) == (ms > 0.1), (m, ms)
     assert "gap_before" not in throughput.step_text(throughput.step_table(_profiled_rows())[0])
