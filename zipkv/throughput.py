@@ -22,7 +22,7 @@ from zipkv.settings import THROUGHPUT_PAPER_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "GPU_LAYOUTS", "random_llama", "real_kv_blocks", "real_prefix",
            "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
-           "largest_batch_budget", "figure5", "verdict", "plot_throughput", "plot_memory_timeline"]
+           "largest_batch_budget", "figure5", "verdict", "bars_need_text", "plot_throughput", "plot_memory_timeline"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
@@ -646,12 +646,19 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256):
                  f"{b.batch}, {b.tokens_per_s:.0f} tokens/s, {b.step_ms:.1f} ms per step): **{c['vs_restore']:.2f}×** "
                  f"(paper {pv.ZIPFUSION_VS_BEST_LOSSLESS_BASELINE['Llama-3.1-8B']}×; bar {BARS['vs_restore']}×: "
                  f"{mark('vs_restore')}). ")
-    text += (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value at the first decode step, "
-             f"{c['prefix_bits']:.3f} per value of the packed prefix ({z.frac_compressed_k:.1%} of K and "
-             f"{z.frac_compressed_v:.1%} of V blocks compressed); with the output's pages raw the budget holds at most "
-             f"{c['capacity_bound']:.2f} such requests (before the room lost at the ends of chunks), and "
-             f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
-             f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
-             f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
-             f"batch {u.batch}.")
-    return text, ("tip" if ok else "warning")
+    return text + "What the two bars would need: below the figure.", ("tip" if ok else "warning")
+
+
+def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256) -> str:
+    """What the batch and tokens/s bars would need, from the Llama-8B-shape rows ``big`` (:func:`bar_checks`):
+    the bits per prefix value for one more request, the decode step time at ZipFusion's largest batch."""
+    c = bar_checks(big, fixed_batch, context, new_tokens)
+    z, u = c["z"], c["u"]
+    return (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value at the first decode step, "
+            f"{c['prefix_bits']:.3f} per value of the packed prefix ({z.frac_compressed_k:.1%} of K and "
+            f"{z.frac_compressed_v:.1%} of V blocks compressed); with the output's pages raw the budget holds at most "
+            f"{c['capacity_bound']:.2f} such requests (before the room lost at the ends of chunks), and "
+            f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
+            f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
+            f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
+            f"batch {u.batch}.")
