@@ -123,7 +123,7 @@ class PagedKVCache:
             raise ValueError(f"kinds must be uint8 {list(shape)}, got {kinds.dtype} {list(kinds.shape)}")
         if self._kinds is not None and self._kinds[0].shape == self._kind_shape():
             if pages is None:
-                self._kinds[0].copy_(self._compute_kinds() if kinds is None else kinds)
+                self._kinds[0].copy_(page_kinds_of(self.desc) if kinds is None else kinds)
             else:
                 self._kinds[0][pages] = page_kinds_of(self.desc[pages]) if kinds is None else kinds
             self._kinds = (self._kinds[0], None)
@@ -135,12 +135,9 @@ class PagedKVCache:
     def _kind_shape(self):
         return self.desc.shape[:1] + self.desc.shape[2:3]
 
-    def _compute_kinds(self) -> torch.Tensor:
-        return page_kinds_of(self.desc)
-
     def _kind_info(self):
         if self._kinds is None or self._kinds[0].shape != self._kind_shape():
-            self._kinds = (self._compute_kinds(), None)
+            self._kinds = (page_kinds_of(self.desc), None)
         return self._kinds
 
     def stats(self) -> dict:

@@ -320,15 +320,15 @@ def step_text(steps, context: int = 8192) -> str:
 def _gap_places(u, z) -> str:
     """Which kernels the GPU waits before, from two profiled rows' ``gap_before_<kind>_ms`` (the profiled replays'
     gaps between kernels), and how much of the row's ``gaps_ms`` (timed replay minus kernel time) they account for."""
-    def gaps(r):
-        return {c[len("gap_before_"):-3].replace("_", " "): r[c] for c in r.index if str(c).startswith("gap_before_")}
+    gaps = {r.method: {c[len("gap_before_"):-3].replace("_", " "): r[c] for c in r.index
+                       if str(c).startswith("gap_before_")} for r in (u, z)}
 
     def parts(r):
-        top = sorted(gaps(r).items(), key=lambda kv: -kv[1])[:2]
+        top = sorted(gaps[r.method].items(), key=lambda kv: -kv[1])[:2]
         return (", ".join(f"{ms:.2f} ms before {kind} kernels" for kind, ms in top)
-                + f" ({sum(gaps(r).values()):.2f} ms between kernels in all)")
-    short = [(r, r.gaps_ms - sum(gaps(r).values())) for r in (u, z)]
-    unexplained = "; ".join(f"{r.method} {ms:.2f} ms" for r, ms in short if ms > 0.1)
+                + f" ({sum(gaps[r.method].values()):.2f} ms between kernels in all)")
+    unexplained = "; ".join(f"{r.method} {r.gaps_ms - sum(gaps[r.method].values()):.2f} ms" for r in (u, z)
+                            if r.gaps_ms - sum(gaps[r.method].values()) > 0.1)
     return (f" Where the idle time sits (the kernel the GPU waits before, in the profiled replays): uncompressed at batch "
             f"{u.batch} {parts(u)}; ZipFusion at batch {z.batch} {parts(z)}."
             + (f" The timed replays take longer than the profiled kernels and the gaps between them add up to ({unexplained}):"
