@@ -41,11 +41,32 @@ AttentionInterface.register("zipkv_reference", reference_attention)
 
 
 def _generate(model, prompts, n):
+    """``model.generate``'s greedy tokens per prompt (batch 1) and, per new token, its logits' top-2 ``(values,
+    indices)``."""
     out = []
+    dev = next(model.parameters()).device
     for p in prompts:
-        ids = model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):].tolist()
-        out.append(ids)
+        g = model.generate(torch.tensor([p], device=dev), max_new_tokens=n, do_sample=False, output_scores=True,
+                           return_dict_in_generate=True)
+        out.append((g.sequences[0, len(p):].tolist(), [s[0].float().topk(2) for s in g.scores]))
     return out
+
+
+def _assert_tokens_of_generate(outputs, ref):
+    """The engine's greedy tokens equal ``generate``'s (``ref`` from :func:`_generate`) up to the first step where
+    generate's own top-2 logits are within two bf16 steps of a tie; there the engine must have taken the other of
+    generate's top-2 tokens (both are right; the continuations then differ). A batched decode step multiplies the weights by a
+    ``[batch, hidden]`` matrix, generate by ``[1, hidden]``: matrix libraries need not give bit-equal rows for the
+    two (on this project's AVX512-BF16 CPU they do not: an exact tie, 22.375 / 22.375, broke the other way)."""
+    for got, (want, top2) in zip(outputs, ref):
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if first is None:
+            assert got == want
+            continue
+        values, indices = top2[first]
+        step = 2.0 ** (math.floor(math.log2(abs(float(values[0])))) - 7)        # bf16 spacing there
+        assert got[first] in indices.tolist(), (first, got[first], indices.tolist())     # an exact tie: either order
+        assert float(values[0] - values[1]) <= 2 * step, (first, values.tolist())
 
 
 def _page_bytes(model):
@@ -76,7 +97,7 @@ def test_greedy_tokens_equal_generate(smollm, compress, layouts):
     eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=2, **kw)
     assert eng.memory.layouts == (("k_mma", "v_mma") if layouts == "mma" else ("token", "token"))
     res = eng.generate(prompts, n)
-    assert res.outputs == ref
+    _assert_tokens_of_generate(res.outputs, ref)
     assert max(s["batch"] for s in res.stats["steps"]) < len(prompts)
     assert len(set(res.stats["admitted_at"])) > 1                       # admitted at different steps
     mem = res.stats["memory"]
@@ -98,7 +119,7 @@ def test_retraction_and_distilled_prefix_positions(smollm):
     eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model), compress="none", pages_per_chunk=1, reserve_ratio=0.2)
     res = eng.generate(prompts[:2], n)
     assert res.stats["retracted"] > 0
-    assert res.outputs == ref
+    _assert_tokens_of_generate(res.outputs, ref)
     # a prefix of 30 cached pairs that stands for tokens 0..29: the same as prefilling them
     n = 12
     p = prompts[1]
@@ -106,7 +127,7 @@ def test_retraction_and_distilled_prefix_positions(smollm):
     kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
     eng = Engine(model, kv_budget_bytes=8 * _page_bytes(model), compress="all", pages_per_chunk=2)
     res = eng.generate([p[30:]], n, prefixes=[Prefix(kv, 30, n_tokens=30)])
-    assert res.outputs == [ref[1][:n]]
+    _assert_tokens_of_generate(res.outputs, [(ref[1][0][:n], ref[1][1][:n])])
 
 
 @pytest.mark.slow
@@ -127,7 +148,7 @@ def test_restore_baselines_greedy_tokens_equal_generate(smollm, codec):
     eng = Engine(model, kv_budget_bytes=6 * _page_bytes(model) + 3 * per_layer, compress="prompt", restore=c,
                  restore_buffer_pages=3, pages_per_chunk=1)
     res = eng.generate(prompts, n)
-    assert res.outputs == ref
+    _assert_tokens_of_generate(res.outputs, ref)
     assert len(set(res.stats["admitted_at"])) > 1 and max(s["batch"] for s in res.stats["steps"]) < len(prompts)
     assert max(s["chunks_held"] for s in res.stats["steps"]) > 0
     assert eng.memory.stats()["chunks_held"] == 0 and eng.restore.extents == [[0, 3]] and not eng.restore.entries
@@ -154,6 +175,27 @@ def test_fused_kernel_engine_equals_reference_engine(restore):
     if restore is None:                          # a fixed split-KV factor reaches the kernel's plans (the merge path)
         split = Engine(model, budget, attention="kernel", num_splits=2, **kw)
         assert split.generate(prompts, 6).outputs == ref.outputs and split.attention.plans[0].num_splits == 2
+
+
+def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_compressed_pages():
+    """``k_layout="auto"``: the mma layouts for compressed pages under the fused kernel on CUDA at head_dim 64 / 128
+    within the Gluon kernel's group size; the token layouts on the CPU, for the reference, the uncompressed cache,
+    the restore baselines, other head_dims and larger groups. An explicit layout is kept."""
+    from zipkv.engine import default_layouts
+    from zipkv.kernels import decode_mma
+    mma, token = ("k_mma", "v_mma"), ("token", "token")
+    assert default_layouts("kernel", "cuda", "all", None, 64, 3) == mma          # SmolLM2
+    assert default_layouts("kernel", "cuda:0", "prompt", None, 128, 4) == mma    # Llama-3.1-8B
+    assert default_layouts("kernel", "cuda", "all", None, 64, decode_mma.MAX_GROUP[64]) == mma
+    assert default_layouts("kernel", "cuda", "all", None, 64, decode_mma.MAX_GROUP[64] + 1) == token
+    assert default_layouts("kernel", "cuda", "all", None, 32, 2) == token
+    assert default_layouts("kernel", "cuda", "none", None, 128, 4) == token
+    assert default_layouts("kernel", "cuda", "prompt", object(), 128, 4) == token
+    assert default_layouts("reference", "cuda", "all", None, 128, 4) == token
+    assert default_layouts("kernel", "cpu", "all", None, 128, 4) == token
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=64).to(torch.bfloat16)
+    assert Engine(model, 10**6, attention="kernel").memory.layouts == token       # the CPU: token layouts
+    assert Engine(model, 10**6, attention="reference", v_layout="v_mma").memory.layouts == ("token", "v_mma")
 
 
 def test_page_kinds_follow_every_descriptor_change():
@@ -219,48 +261,36 @@ def test_budget_and_model_errors():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's bf16 path needs a CUDA GPU")
-@pytest.mark.parametrize("compress", ["all", "none", "splitzip", pytest.param("all-mma", marks=pytest.mark.xfail(
-    strict=True, reason="H200 at 8046826: with the mma layouts (Gluon kernel) a request took token 0 at new token 2, "
-                        "neither of generate's top-2 (28, 339). Likely cause: at head_dim 64 a stale inf past the last token "
-                        "gives a valid token a nan score (0 x inf); the key mask for it has not run on a GPU yet"))])
+@pytest.mark.parametrize("compress", ["all", "all-token", "none", "splitzip"])
 def test_fused_kernel_greedy_tokens_on_gpu(compress):
     """On the GPU the engine runs the fused kernel (bf16 tensor-core dots, bf16 P for P @ V) -- or, for
     ``"splitzip"``, the restore baseline: Triton decoder into the shared buffer, raw decode kernel -- with each
     batch composition's decode step captured in a CUDA graph, and ``model.generate`` Hugging Face's bf16
-    attention: neither is the other's arithmetic, so tokens must be equal up to the first step where
-    generate's own top-2 logits are within two bf16 steps of a tie, and there the engine must have taken
-    generate's runner-up (both choices are right; the continuations then differ). The H200 run of ee8fe49
-    diverged so at token 2 of one request, top-2 logits 18.875 / 18.75 (one bf16 step)."""
+    attention: neither is the other's arithmetic, so tokens are generate's up to a near-tie
+    (:func:`_assert_tokens_of_generate`). The H200 run of ee8fe49 diverged so at token 2 of one request, top-2
+    logits 18.875 / 18.75 (one bf16 step). ``"all"`` takes the default
+    layouts (the mma layouts and the Gluon kernel at SmolLM2's head_dim 64, group 3), ``"all-token"`` the Triton
+    kernel's."""
     from zipkv import codecs, data, models
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
     ws = data.windows(tok, data.load_books(limit=4), n=4, context=256, continuation=0)
     prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 200, 97, 31))]
     n = 32
     kw = dict(compress=compress)
-    if compress == "all-mma":
-        kw = dict(compress="all", k_layout="k_mma", v_layout="v_mma")
+    if compress == "all-token":
+        kw = dict(compress="all", k_layout="token", v_layout="token")
     if compress == "splitzip":
         with torch.no_grad():
             calib = model(torch.tensor([ws[3].context_ids.tolist()], device="cuda"), use_cache=True).past_key_values.layers[2].keys
         kw = dict(compress="prompt", restore=codecs.SplitZip.calibrate(calib), restore_buffer_pages=16)
     # 20 pages: not all four requests fit at once (their pages at full length: 3 + 15 + 8 + 4)
     eng = Engine(model, kv_budget_bytes=20 * _page_bytes(model), pages_per_chunk=2, **kw)
+    assert eng.memory.layouts == (("k_mma", "v_mma") if compress == "all" else ("token", "token"))
     res = eng.generate(prompts, n)
     assert len(set(res.stats["admitted_at"])) > 1
     assert res.stats["cuda_graphs"] and res.stats["graph_error"] is None
     assert {s["mode"] for s in res.stats["steps"]} == {"warmup", "capture", "replay"}
-    for p, got in zip(prompts, res.outputs):
-        g = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=n, do_sample=False,
-                           output_scores=True, return_dict_in_generate=True)
-        want = g.sequences[0, len(p):].tolist()
-        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-        if first is None:
-            assert got == want
-            continue
-        top2 = g.scores[first][0].float().topk(2)
-        step = 2.0 ** (math.floor(math.log2(abs(float(top2.values[0])))) - 7)        # bf16 spacing there
-        assert got[first] == int(top2.indices[1]), (first, got[first], top2.indices.tolist())
-        assert float(top2.values[0] - top2.values[1]) <= 2 * step, (first, top2.values.tolist())
+    _assert_tokens_of_generate(res.outputs, _generate(model, prompts, n))
 
 
 def test_decode_throughput_fixed_and_largest_batch():
