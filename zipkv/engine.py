@@ -334,6 +334,21 @@ def _eos_ids(model, eos_token_id):
     return {int(x) for x in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])}
 
 
+def default_layouts(attention: str, device, compress: str, restore, head_dim: int, group: int) -> tuple[str, str]:
+    """The cache layouts ``k_layout="auto"`` / ``v_layout="auto"`` choose: the mma layouts (``k_mma``, ``v_mma``) when
+    compressed pages are read by the fused kernel on CUDA at a head_dim and GQA group the Gluon kernel takes
+    (``zipkv.format.MMA_HEAD_DIMS``, ``decode_mma.MAX_GROUP``) -- its pipelined path reads compressed, raw and mixed
+    pages, faster than the Triton kernel on compressed ones ("Decode attention latency"); the token layouts otherwise
+    (the torch reference, the uncompressed baseline, whose raw pages the Triton kernel's raw path reads fastest, and
+    the restore baselines, which restore into raw token-layout pages)."""
+    if attention != "kernel" or torch.device(device).type != "cuda" or compress == "none" or restore is not None:
+        return ("token", "token")
+    from zipkv.kernels import decode_mma
+    if head_dim in fmt.MMA_HEAD_DIMS and group <= decode_mma.MAX_GROUP[head_dim]:
+        return ("k_mma", "v_mma")
+    return ("token", "token")
+
+
 class Engine:
     """Batch greedy decoding of ``model`` (a Hugging Face Llama-family ``*ForCausalLM`` in bf16) within
     ``kv_budget_bytes`` of KV memory.
@@ -348,7 +363,8 @@ class Engine:
     ``"kernel"`` (fused decode kernel), ``"reference"`` (fp32 torch reference; restore baselines then use
     the codecs' torch decoders) or ``"auto"`` (kernel on CUDA, reference elsewhere). cuda_graphs: capture
     each batch composition's decode step in a CUDA graph (:class:`_StepGraph`; on CUDA only). k_layout /
-    v_layout: block arrangements of the cache (``zipkv.format``). pages_per_chunk, reserve_ratio: see
+    v_layout: block arrangements of the cache (``zipkv.format``) or ``"auto"`` (:func:`default_layouts`: the mma
+    layouts for compressed pages under the fused kernel). pages_per_chunk, reserve_ratio: see
     :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. num_splits: the decode kernel's split-KV
     factor (default: its plan's choice, :func:`zipkv.kernels.decode_attention.plan`). eos_token_id: stop token(s),
     ``"model"`` (the model's generation config, like ``model.generate``) or None (always
@@ -356,7 +372,7 @@ class Engine:
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
-                 k_layout: str = "token", v_layout: str = "token", pages_per_chunk: int = 16,
+                 k_layout: str = "auto", v_layout: str = "auto", pages_per_chunk: int = 16,
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
                  num_splits: int | None = None):
@@ -380,6 +396,8 @@ class Engine:
             raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        auto = default_layouts(attention, self.device, compress, restore, self.head_dim, self.q_heads // self.kv_heads)
+        k_layout, v_layout = (a if lay == "auto" else lay for lay, a in zip((k_layout, v_layout), auto))
         L = cfg.num_hidden_layers
         buffer_pages, budget = 0, kv_budget_bytes
         if restore is not None:

@@ -20,7 +20,7 @@ from zipkv import format as fmt
 from zipkv.engine import Engine, Prefix, kv_budget_for
 from zipkv.settings import THROUGHPUT_PAPER_MODEL
 
-__all__ = ["LLAMA_8B", "METHODS", "RESTORE", "GPU_LAYOUTS", "random_llama", "real_kv_blocks", "real_prefix",
+__all__ = ["LLAMA_8B", "METHODS", "RESTORE", "random_llama", "real_kv_blocks", "real_prefix",
            "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
            "largest_batch_budget", "figure5", "verdict", "bars_need_text", "plot_throughput", "plot_memory_timeline"]
 
@@ -36,13 +36,6 @@ codec's payload and restore it before attention (:class:`zipkv.engine._Restore`)
 
 RESTORE = ("splitzip", "huffman")
 """The restore-before-attention baselines: SplitZip-style and Huffman (DFloat11-style) of :mod:`zipkv.codecs`."""
-
-GPU_LAYOUTS = {"uncompressed": ("token", "token"), "zipfusion": ("k_mma", "v_mma"),
-               "splitzip": ("token", "token"), "huffman": ("token", "token")}
-"""Cache layouts per method on a GPU at head_dim 128: ZipFusion's pages in the mma layouts (the Gluon kernel,
-which reads mixed pages on its pipelined path); uncompressed pages -- and the restore baselines' restored and
-new pages -- in the token layout (the Triton kernel's raw path, the faster of zipkv's two uncompressed paths in
-"Decode attention latency")."""
 
 
 def make_codec(method: str, calibration_blocks=None):
@@ -105,7 +98,7 @@ def real_kv_blocks(model, tokenizer, books, *, windows: int = 2, context: int = 
     all channels of one layer's KV head, post-RoPE, bf16), in order. A Llama-8B page-head (16 tokens ×
     128 channels, token layout) is 4 such blocks laid out as they are, so in the token layout every block the
     engine stores is a real block and compresses exactly when the real one does; in the mma layouts
-    (ZipFusion on a GPU, :data:`GPU_LAYOUTS`) a page-head's blocks regroup the same real values in the
+    (ZipFusion on a GPU, :func:`zipkv.engine.default_layouts`) a page-head's blocks regroup the same real values in the
     kernel's operand order."""
     from zipkv import data, models
     ks, vs = [], []
@@ -172,9 +165,6 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
         per_req = math.ceil((context + new_tokens - 1) / fmt.PAGE_TOKENS) * cfg.num_hidden_layers * 2 \
             * cfg.num_key_value_heads * fmt.page_bytes(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         submit = batch if batch is not None else math.ceil(1.5 * kv_budget_bytes / per_req) + 1
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if next(model.parameters()).device.type == "cuda" and head_dim == fmt.MMA_HEAD_DIM:
-        engine_kw = dict(zip(("k_layout", "v_layout"), GPU_LAYOUTS[method]), **engine_kw)
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(cfg.vocab_size, (submit, 1), generator=gen).tolist()
     prefixes = [real_prefix(blocks, cfg, context - 1, seed + i) for i in range(submit)]
