@@ -451,3 +451,15 @@ def test_run_in_a_cuda_graph(layouts, D):
         torch.cuda.synchronize()
         assert torch.equal(out, p.run(q))
         check(out, _attention(q, k, v, lens))
+
+
+def test_split_count_fills_the_waves():
+    """The Triton kernel's default split-KV factor: enough programs for the slots, then well-filled waves."""
+    from zipkv.kernels.decode_attention import split_count
+    assert split_count(368, 264, 64) == 2      # Llama-8B shape, batch 46: 70 % of the last wave with 1, 93 % with 2
+    assert split_count(512, 264, 64) == 1      # batch 64: 97 % already
+    assert split_count(256, 264, 64) == 2      # batch 32: 256 programs do not fill 264 slots
+    assert split_count(456, 264, 64) == 4      # batch 57: 86 % with 1-3 splits, 99 % with 4
+    assert split_count(464, 264, 64) == 1      # batch 58: 88 % with any of 1-4: the fewest
+    assert split_count(368, 264, 1) == 1       # never more splits than tiles
+    assert split_count(8, 264, 64) == 33       # batch 1: one wave of 33 splits
