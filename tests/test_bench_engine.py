@@ -70,3 +70,10 @@ def test_step_text_says_where_the_idle_time_sits():
     for m, ms in short.items():                                  # replay idle time the profiled gaps do not cover
         assert (f"{m} {ms:.2f} ms" in text) == (ms > 0.1), (m, ms)
     assert "gap_before" not in throughput.step_text(throughput.step_table(_profiled_rows())[0])
+    assert "does not place" in text or not any(ms > 0.1 for ms in short.values())
+    rows["launch_ms"] = [0.11, 0.12, 0.13, 1.14]                # the host's graph launch, measured with the replays
+    steps, _ = throughput.step_table(rows)
+    text = throughput.step_text(steps)
+    u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
+    said = f"the host takes {u.launch_ms:.2f} ms (uncompressed) and 1.14 ms (ZipFusion) to launch each timed replay"
+    assert (said in text) == any(ms > 0.1 for ms in short.values()) and "does not place" not in text

@@ -152,7 +152,7 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     shared buffer holds ``batch`` requests' prefixes, or, for the largest batch, what
     :func:`restore_buffer_pages` finds on a sample of the prefixes. profile: after the run, time replays of
     the last captured step graph and split its GPU time by kernel kind (:func:`zipkv.bench.engine.step_breakdown`;
-    columns ``replay_ms``, ``host_ms`` = ``step_ms - replay_ms``, ``<kind>_ms``, the GPU's idle time by the kind of
+    columns ``replay_ms``, ``launch_ms`` (the host's graph launch, inside ``replay_ms``), ``host_ms`` = ``step_ms - replay_ms``, ``<kind>_ms``, the GPU's idle time by the kind of
     kernel it waits before, ``gap_before_<kind>_ms``, and the five costliest ``top_gaps`` as JSON; CUDA graphs only).
     Returns a row of the chapter's table plus the run's ``stats``."""
     if method not in METHODS:
@@ -185,7 +185,7 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
         from zipkv.bench.engine import step_breakdown
         br = step_breakdown(engine.graphs.graph)
         plan = (engine.attention.plans or [None])[0]
-        row.update(replay_ms=br["replay_ms"], host_ms=row["step_ms"] - br["replay_ms"],
+        row.update(replay_ms=br["replay_ms"], launch_ms=br["launch_ms"], host_ms=row["step_ms"] - br["replay_ms"],
                    **{f"{k}_ms": v for k, v in br["kernel_ms"].items()},
                    **{f"gap_before_{k}_ms": v for k, v in br["gap_ms"].items()},
                    top_gaps=json.dumps([[b, a, round(ms, 4), n] for b, a, ms, n in br["top_gaps"][:5]]),
@@ -275,8 +275,9 @@ def step_table(big, profile_csv=None):
         t.insert(5, "slowest_step", [1 + max(range(len(e)), key=e.__getitem__) for e in each])
     kernels = [c for c in STEP_PARTS if c in t.columns and c != "host_ms"]
     t.insert(len(t.columns) - 1, "gaps_ms", t.replay_ms - t[kernels].sum(axis=1))   # GPU idle inside the graph
-    for c in [c for c in src.columns if c.startswith("gap_before_")]:                # where that idle time sits
-        t[c] = src[c].values
+    for c in [c for c in src.columns if c.startswith("gap_before_")] + ["launch_ms", "num_splits"]:
+        if c in src.columns:                                 # where that idle time sits; the split-KV factor
+            t[c] = src[c].values
     t["attention_us_per_request_layer"] = 1e3 * t.attention_ms / (t.batch * layers)
     return t.reset_index(drop=True), note
 
@@ -319,10 +320,14 @@ def _gap_places(u, z) -> str:
                 + f" ({sum(gaps[r.method].values()):.2f} ms between kernels in all)")
     unexplained = "; ".join(f"{r.method} {r.gaps_ms - sum(gaps[r.method].values()):.2f} ms" for r in (u, z)
                             if r.gaps_ms - sum(gaps[r.method].values()) > 0.1)
+    launch = ("" if "launch_ms" not in u.index else
+              f"; the host takes {u.launch_ms:.2f} ms (uncompressed) and {z.launch_ms:.2f} ms (ZipFusion) to launch each "
+              "timed replay (`CUDAGraph.replay()` returning), time inside it in which the graph's first kernel cannot "
+              "have started yet")
     return (f" Where the idle time sits (the kernel the GPU waits before, in the profiled replays): uncompressed at batch "
             f"{u.batch} {parts(u)}; ZipFusion at batch {z.batch} {parts(z)}."
-            + (f" The timed replays take longer than the profiled kernels and the gaps between them add up to ({unexplained}):"
-               " time this breakdown does not place." if unexplained else ""))
+            + (f" The timed replays take longer than the profiled kernels and the gaps between them add up to ({unexplained})"
+               + (launch or ": time this breakdown does not place") + "." if unexplained else ""))
 
 
 def _slow_steps(r, context: int) -> str:

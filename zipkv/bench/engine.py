@@ -8,6 +8,7 @@ Used by :func:`zipkv.throughput.decode_throughput` (``profile=True``) for the th
 from __future__ import annotations
 
 import re
+import time
 
 import torch
 
@@ -65,7 +66,8 @@ def idle_gaps(kernels, replays: int) -> dict:
 
 def step_breakdown(graph: "torch.cuda.CUDAGraph", *, reps: int = 20, profiled: int = 3) -> dict:
     """GPU time of a captured decode step: ``replay_ms`` (median of ``reps`` timed replays, events
-    around each) and ``kernel_ms`` (mean GPU milliseconds per replay by :func:`kernel_kind`, from
+    around each), ``launch_ms`` (median host time until ``graph.replay()`` returns, inside those events: until
+    the launch has enqueued the graph its first kernel cannot start) and ``kernel_ms`` (mean GPU milliseconds per replay by :func:`kernel_kind`, from
     ``torch.profiler`` over ``profiled`` replays; the kinds sum to the step's kernel time, which is at
     most ``replay_ms``: the difference is gaps between kernels), ``top_kernels`` (the ten kernels
     with the most time, ``(name, ms per replay, kind)``) and the same replays' :func:`idle_gaps`
@@ -79,11 +81,13 @@ def step_breakdown(graph: "torch.cuda.CUDAGraph", *, reps: int = 20, profiled: i
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
+    times, launch = [], []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         graph.replay()
+        launch.append(1e3 * (time.perf_counter() - t0))
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
@@ -101,5 +105,5 @@ def step_breakdown(graph: "torch.cuda.CUDAGraph", *, reps: int = 20, profiled: i
     top = sorted(per_name.items(), key=lambda kv: -kv[1])[:10]
     launched = [(e.name(), e.start_ns(), e.end_ns()) for e in prof.profiler.kineto_results.events()
                 if e.device_type() == torch.autograd.DeviceType.CUDA and e.duration_ns() > 0]
-    return dict(replay_ms=statistics.median(times), kernel_ms=kinds,
+    return dict(replay_ms=statistics.median(times), launch_ms=statistics.median(launch), kernel_ms=kinds,
                 top_kernels=[(name, ms, kernel_kind(name)) for name, ms in top], **idle_gaps(launched, profiled))
