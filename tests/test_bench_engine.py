@@ -38,6 +38,20 @@ def test_step_text_states_the_measured_ratio():
     assert f"= {z.batch / u.batch * u.step_ms / z.step_ms:.3f}×" in throughput.step_text(steps)
 
 
+def test_step_text_says_how_fast_each_kernel_reads_its_bytes():
+    from zipkv import throughput
+    steps, _ = throughput.step_table(_profiled_rows())
+    u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
+    z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
+    text = throughput.step_text(steps)
+    raw_mb = (8192 + u.timed_steps + 1) * 2 * 8 * 128 * 2 / 1e6                # K and V of every cached token, bf16
+    assert f"the uncompressed kernel reads {raw_mb:.1f} MB at " in text
+    share = z.attention_us_per_request_layer / u.attention_us_per_request_layer
+    assert f"in {share:.0%} of the raw kernel's time" in text
+    packed_mb = float(text.split("ZipFusion's ")[-1].split(" MB")[0])
+    assert packed_mb < raw_mb * z.stored_bits_per_value / 16 + 0.1
+
+
 def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
     import pytest
     from zipkv.bench.engine import idle_gaps

@@ -266,7 +266,8 @@ def step_table(big, profile_csv=None):
         note = (f"Step breakdown from a separate, shorter run (`{profile_csv}`: {r.device}, commit {r.commit}, {r.date}; "
                 f"{int(r.timed_steps)} timed steps per row): its step times differ a little from the table's.")
     layers = LLAMA_8B["num_hidden_layers"]
-    cols = ["method", "batch", "step_ms", "replay_ms"] + [c for c in STEP_PARTS if c in src.columns]
+    cols = ["method", "batch", "step_ms", "replay_ms"] + [c for c in STEP_PARTS if c in src.columns] \
+        + [c for c in ("stored_bits_per_value", "timed_steps") if c in src.columns]
     t = src[cols].copy()
     if "step_ms_each" in src.columns:                 # the decode steps after the warm-up: median and slowest
         each = [json.loads(x)[1:] for x in src.step_ms_each]
@@ -304,8 +305,24 @@ def step_text(steps, context: int = 8192) -> str:
             f"grow with the batch: the host's share ({u32.host_ms:.1f} → {u.host_ms:.1f} ms uncompressed, {z32.host_ms:.1f} → "
             f"{z.host_ms:.1f} ms ZipFusion) and the GPU's idle time between the graph's kernels (replay minus kernel time: "
             f"{u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, {z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion)."
+            + (_read_rates(u, z, context) if "stored_bits_per_value" in steps else "")
             + (_slow_steps(u, context) if "step_ms_median" in steps else "")
             + (_gap_places(u, z) if "gap_before_attention_ms" in steps else ""))
+
+
+def _read_rates(u, z, context: int) -> str:
+    """How fast each largest-batch row's attention reads its KV: bytes per request and layer at the profiled replay
+    (the step graph after the timed steps: ``context`` + ``timed_steps`` + 1 cached tokens; ZipFusion's first
+    ``context`` of them -- the packed prefix and the prompt token -- stored at ``stored_bits_per_value``, the
+    decoded ones raw) over the attention time."""
+    token_bytes = 2 * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"] * 2            # K and V, bf16
+    bu = (context + u.timed_steps + 1) * token_bytes
+    bz = (context * z.stored_bits_per_value / 16 + z.timed_steps + 1) * token_bytes
+    tu, tz = u.attention_us_per_request_layer, z.attention_us_per_request_layer
+    return (f" Per request and layer the uncompressed kernel reads {bu / 1e6:.1f} MB at {bu / tu / 1e6:.2f} TB/s and "
+            f"ZipFusion's {bz / 1e6:.1f} MB at {bz / tz / 1e6:.2f} TB/s: the fused kernel reads {1 - bz / bu:.0%} fewer "
+            f"bytes in {tz / tu:.0%} of the raw kernel's time (\"Decode attention latency\" times it on this mix of "
+            "compressed and raw blocks).")
 
 
 def _gap_places(u, z) -> str:
