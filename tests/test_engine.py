@@ -55,9 +55,10 @@ def _generate(model, prompts, n):
 def _assert_tokens_of_generate(outputs, ref):
     """The engine's greedy tokens equal ``generate``'s (``ref`` from :func:`_generate`) up to the first step where
     generate's own top-2 logits are within two bf16 steps of a tie; there the engine must have taken the other of
-    generate's top-2 tokens (both are right; the continuations then differ). A batched decode step multiplies the weights by a
-    ``[batch, hidden]`` matrix, generate by ``[1, hidden]``: matrix libraries need not give bit-equal rows for the
-    two (on this project's AVX512-BF16 CPU they do not: an exact tie, 22.375 / 22.375, broke the other way)."""
+    generate's top-2 tokens (both are right; the continuations then differ). A batched decode step multiplies the
+    weights by a ``[batch, hidden]`` matrix, generate by ``[1, hidden]``: matrix libraries need not give bit-equal
+    rows for the two (on this project's AVX512-BF16 CPU they do not: an exact tie, 22.375 / 22.375, broke the
+    other way)."""
     for got, (want, top2) in zip(outputs, ref):
         first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
         if first is None:
@@ -268,9 +269,8 @@ def test_fused_kernel_greedy_tokens_on_gpu(compress):
     batch composition's decode step captured in a CUDA graph, and ``model.generate`` Hugging Face's bf16
     attention: neither is the other's arithmetic, so tokens are generate's up to a near-tie
     (:func:`_assert_tokens_of_generate`). The H200 run of ee8fe49 diverged so at token 2 of one request, top-2
-    logits 18.875 / 18.75 (one bf16 step). ``"all"`` takes the default
-    layouts (the mma layouts and the Gluon kernel at SmolLM2's head_dim 64, group 3), ``"all-token"`` the Triton
-    kernel's."""
+    logits 18.875 / 18.75 (one bf16 step). ``"all"`` takes the default layouts (the mma layouts and the Gluon
+    kernel at SmolLM2's head_dim 64, group 3), ``"all-token"`` the Triton kernel's."""
     from zipkv import codecs, data, models
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
     ws = data.windows(tok, data.load_books(limit=4), n=4, context=256, continuation=0)

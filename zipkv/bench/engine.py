@@ -67,11 +67,11 @@ def idle_gaps(kernels, replays: int) -> dict:
 def step_breakdown(graph: "torch.cuda.CUDAGraph", *, reps: int = 20, profiled: int = 3) -> dict:
     """GPU time of a captured decode step: ``replay_ms`` (median of ``reps`` timed replays, events
     around each), ``launch_ms`` (median host time until ``graph.replay()`` returns, inside those events: until
-    the launch has enqueued the graph its first kernel cannot start) and ``kernel_ms`` (mean GPU milliseconds per replay by :func:`kernel_kind`, from
-    ``torch.profiler`` over ``profiled`` replays; the kinds sum to the step's kernel time, which is at
-    most ``replay_ms``: the difference is gaps between kernels), ``top_kernels`` (the ten kernels
-    with the most time, ``(name, ms per replay, kind)``) and the same replays' :func:`idle_gaps`
-    (``gap_ms``, ``top_gaps``: which kernels the GPU waits before).
+    the launch has enqueued the graph its first kernel cannot start) and ``kernel_ms`` (mean GPU
+    milliseconds per replay by :func:`kernel_kind`, from ``torch.profiler`` over ``profiled`` replays; the
+    kinds sum to the step's kernel time, which is at most ``replay_ms``: the difference is gaps between
+    kernels), ``top_kernels`` (the ten kernels with the most time, ``(name, ms per replay, kind)``) and the
+    same replays' :func:`idle_gaps` (``gap_ms``, ``top_gaps``: which kernels the GPU waits before).
 
     Replaying writes each request's new K/V again into the slot the step wrote (same inputs, same
     values) and reads the same pages: the cache is left as it was."""
