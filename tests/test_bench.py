@@ -111,3 +111,13 @@ def test_the_module_layout_keeps_the_old_names():
     for name in ("attention_benchmark", "pack_benchmark", "measured_compressible_fraction", "tune_decode_attention",
                  "write_tuning", "nsight_report", "nsight_targets", "ColdTimer", "copy_bandwidth"):
         assert callable(getattr(bench, name)), name
+
+
+def test_the_ncu_mix_target_reads_the_committed_mix():
+    """``bench ncu`` profiles the Gluon kernel's MIXED path on the first chapter's measured mix: that table is
+    committed and gives fractions strictly between all and nothing."""
+    from zipkv.bench import nsight
+    from zipkv.book import REPO_ROOT
+    assert "decode measured mix" in nsight.NCU_TARGETS
+    frac = bench.measured_compressible_fraction(REPO_ROOT / nsight.MIX_CSV)
+    assert all(0.0 < f < 1.0 for f in frac.values()), frac

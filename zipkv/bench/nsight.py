@@ -1,10 +1,10 @@
 """The decode and pack kernels under Nsight Compute (``python -m zipkv bench ncu``): the Gluon decode kernel
-on all-compressible and uncompressed KV at the Llama-3.1-8B shape, and the pack kernel."""
+on all-compressible, uncompressed and measured-mix KV at the Llama-3.1-8B shape, and the pack kernel."""
 from __future__ import annotations
 
 import torch
 
-from zipkv.bench.attention import attention_inputs
+from zipkv.bench.attention import attention_inputs, measured_compressible_fraction, mix_mask
 from zipkv.bench.pack import pack_inputs
 
 __all__ = ["nsight_targets", "nsight_report", "NCU_SECTIONS", "NCU_METRICS", "NCU_TARGETS", "NCU_KERNELS"]
@@ -16,7 +16,9 @@ NCU_STALLS = ("long_scoreboard", "short_scoreboard", "wait", "selected", "not_se
 NCU_METRICS = tuple(f"smsp__pcsamp_warps_issue_stalled_{r}" for r in NCU_STALLS) + (
     "smsp__inst_executed.sum", "smsp__inst_executed_op_shared_ld.sum",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum")
-NCU_TARGETS = ("decode all compressed", "decode uncompressed", "pack")
+NCU_TARGETS = ("decode all compressed", "decode uncompressed", "decode measured mix", "pack")
+MIX_CSV = "results/paper/model_data_kv_cache.csv"
+"""The first chapter's table: the measured mix's compressible-block fractions (repository-relative)."""
 NCU_KERNELS = ("_pipelined_kernel", "_pack_kernel")
 """Kernel names profiled: the Gluon decode kernel's pipelined launch (the only one a uniform cache needs: it
 merges its own splits) and the pack kernel."""
@@ -25,16 +27,19 @@ merges its own splits) and the pack kernel."""
 def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64):
     """Launch the kernels :func:`nsight_report` profiles, in the order of :data:`NCU_TARGETS`, each once inside
     the NVTX range ``zipkv`` after a warm-up call outside it: the Gluon decode kernel (mma layouts, default
-    launch options) on all-compressible KV and on the same KV uncompressed, and the pack kernel on 1 GiB of
+    launch options) on all-compressible KV, on the same KV uncompressed and on the measured mix (blocks
+    compressed at :data:`MIX_CSV`'s fractions: its MIXED specialisation), and the pack kernel on 1 GiB of
     head_dim-128 pages."""
+    from zipkv.book import REPO_ROOT
     from zipkv.kernels.decode_attention import plan
     from zipkv.kernels.pack import pack_pages
     from zipkv.paged import build_paged_cache
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, v, q = attention_inputs(shape, ctx, batch, gen)
+    mix = mix_mask(k.shape[0], k.shape[1], ctx, k.shape[3], measured_compressible_fraction(REPO_ROOT / MIX_CSV), 0)
     calls = []
-    for mode in ("eligible", "none"):
+    for mode in ("eligible", "none", mix):
         cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, k_layout="k_mma", v_layout="v_mma")
         calls.append(lambda run=plan(indptr, indices, last, cache, q.shape[1]).run: run(q))
     pages, out = pack_inputs(128, 1 << 30, gen)
