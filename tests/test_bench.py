@@ -121,3 +121,20 @@ def test_the_ncu_mix_target_reads_the_committed_mix():
     assert "decode measured mix" in nsight.NCU_TARGETS
     frac = bench.measured_compressible_fraction(REPO_ROOT / nsight.MIX_CSV)
     assert all(0.0 < f < 1.0 for f in frac.values()), frac
+
+
+def test_an_ncu_report_is_read_by_the_targets_its_header_names():
+    """The committed report predates the measured-mix target: it parses by its header's three names, and a report
+    without that header line is held to the targets given."""
+    from zipkv import nsight_report
+    from zipkv.bench import nsight
+    from zipkv.book import REPO_ROOT
+    text = (REPO_ROOT / "results/paper/zipfusion_decode_ncu.txt").read_text()
+    named = nsight_report.report_targets(text)
+    got = nsight_report.parse(text, nsight.NCU_TARGETS, nsight.NCU_KERNELS, nsight.NCU_STALLS)
+    blocks = sum(text.count(f"\n  {k} ") for k in nsight.NCU_KERNELS)
+    assert list(got.metrics.columns) == named and len(named) == blocks < len(nsight.NCU_TARGETS)
+    headless = "\n".join(x for x in text.splitlines() if not x.startswith("# kernels, in order: "))
+    assert nsight_report.report_targets(headless) is None
+    with pytest.raises(ValueError, match=f"report has {len(named)} kernel blocks, expected {len(nsight.NCU_TARGETS)}"):
+        nsight_report.parse(headless, nsight.NCU_TARGETS, nsight.NCU_KERNELS, nsight.NCU_STALLS)

@@ -1,7 +1,8 @@
 """Parse the committed Nsight Compute text report (``python -m zipkv bench ncu``) into tables.
 
 The report is ``ncu``'s plain-text output behind a header of ``# key: value`` lines; its kernels appear
-in the order of ``zipkv.bench.NCU_TARGETS``. Each kernel block gives section metrics as rows
+in the order its ``# kernels, in order:`` line names (``zipkv.bench.NCU_TARGETS`` when it was written, so a
+report written before a target was added still parses). Each kernel block gives section metrics as rows
 ``<name> <unit> <value>`` and the raw counters named in ``zipkv.bench.NCU_METRICS``.
 """
 from __future__ import annotations
@@ -40,12 +41,21 @@ def _number(text: str) -> float:
     return float(text.replace(",", ""))
 
 
+def report_targets(report: str) -> list | None:
+    """The kernels a report's header says it holds, in order (``# kernels, in order: a; b; c (...)``), or None."""
+    line = next((x for x in report.splitlines() if x.startswith("# kernels, in order: ")), None)
+    if line is None:
+        return None
+    return [name.strip() for name in line[len("# kernels, in order: "):].split(" (")[0].split(";")]
+
+
 def parse(report: str, targets, kernels, stall_reasons) -> NsightReport:
-    """Parse ``report``; ``targets`` name its kernels in order, ``kernels`` are the kernel function names
-    that open each block, ``stall_reasons`` the sampled stall counters. Raises ValueError when the
-    number of kernel blocks is not the number of targets."""
+    """Parse ``report``; its kernels are named as its header lists them (:func:`report_targets`), else by
+    ``targets`` in order; ``kernels`` are the kernel function names that open each block, ``stall_reasons``
+    the sampled stall counters. Raises ValueError when the number of kernel blocks is not the number of
+    names."""
     blocks = re.split(rf"\n  (?={' |'.join(kernels)} )", report)[1:]
-    targets = list(targets)
+    targets = report_targets(report) or list(targets)
     if len(blocks) != len(targets):
         raise ValueError(f"report has {len(blocks)} kernel blocks, expected {len(targets)} ({targets})")
     rows, stalls = {}, {}
