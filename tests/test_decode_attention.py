@@ -463,3 +463,4 @@ def test_split_count_fills_the_waves():
     assert split_count(464, 264, 64) == 1      # batch 58: 88 % with any of 1-4: the fewest
     assert split_count(368, 264, 1) == 1       # never more splits than tiles
     assert split_count(8, 264, 64) == 33       # batch 1: one wave of 33 splits
+    assert split_count(368, 264, 64, fill_waves=False) == 1     # the Gluon kernel: enough programs, no more

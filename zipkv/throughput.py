@@ -152,7 +152,8 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     shared buffer holds ``batch`` requests' prefixes, or, for the largest batch, what
     :func:`restore_buffer_pages` finds on a sample of the prefixes. profile: after the run, time replays of
     the last captured step graph and split its GPU time by kernel kind (:func:`zipkv.bench.engine.step_breakdown`;
-    columns ``replay_ms``, ``launch_ms`` (the host's graph launch, inside ``replay_ms``), ``host_ms`` = ``step_ms - replay_ms``, ``<kind>_ms``, the GPU's idle time by the kind of
+    columns ``replay_ms``, ``launch_ms`` (the host's graph launch, inside ``replay_ms``), ``host_ms`` =
+    ``step_ms - replay_ms``, ``<kind>_ms``, the GPU's idle time by the kind of
     kernel it waits before, ``gap_before_<kind>_ms``, and the five costliest ``top_gaps`` as JSON; CUDA graphs only).
     Returns a row of the chapter's table plus the run's ``stats``."""
     if method not in METHODS:
@@ -266,8 +267,7 @@ def step_table(big, profile_csv=None):
         note = (f"Step breakdown from a separate, shorter run (`{profile_csv}`: {r.device}, commit {r.commit}, {r.date}; "
                 f"{int(r.timed_steps)} timed steps per row): its step times differ a little from the table's.")
     layers = LLAMA_8B["num_hidden_layers"]
-    cols = ["method", "batch", "step_ms", "replay_ms"] + [c for c in STEP_PARTS if c in src.columns] \
-        + [c for c in ("stored_bits_per_value", "timed_steps") if c in src.columns]
+    cols = ["method", "batch", "step_ms", "replay_ms"] + [c for c in STEP_PARTS if c in src.columns]
     t = src[cols].copy()
     if "step_ms_each" in src.columns:                 # the decode steps after the warm-up: median and slowest
         each = [json.loads(x)[1:] for x in src.step_ms_each]
@@ -276,8 +276,9 @@ def step_table(big, profile_csv=None):
         t.insert(5, "slowest_step", [1 + max(range(len(e)), key=e.__getitem__) for e in each])
     kernels = [c for c in STEP_PARTS if c in t.columns and c != "host_ms"]
     t.insert(len(t.columns) - 1, "gaps_ms", t.replay_ms - t[kernels].sum(axis=1))   # GPU idle inside the graph
-    for c in [c for c in src.columns if c.startswith("gap_before_")] + ["launch_ms", "num_splits"]:
-        if c in src.columns:                                 # where that idle time sits; the split-KV factor
+    extra = ["launch_ms", "num_splits", "stored_bits_per_value", "timed_steps"]   # launch, splits, bytes read
+    for c in [c for c in src.columns if c.startswith("gap_before_")] + extra:      # where that idle time sits
+        if c in src.columns:
             t[c] = src[c].values
     t["attention_us_per_request_layer"] = 1e3 * t.attention_ms / (t.batch * layers)
     return t.reset_index(drop=True), note

@@ -197,13 +197,17 @@ WAVE_FILL = 0.9
 """Least share of the resident program slots that the Triton kernel's last wave should fill (:func:`split_count`)."""
 
 
-def split_count(programs: int, slots: int, max_splits: int) -> int:
-    """The Triton kernel's split-KV factor for ``programs`` (request, KV head) pairs on ``slots`` resident programs
+def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool = True) -> int:
+    """The default split-KV factor for ``programs`` (request, KV head) pairs on ``slots`` programs
     (``programs_per_sm`` x SMs), at most ``max_splits`` (tiles per request): first enough splits to fill the slots,
-    ``ceil(slots / programs)``; then, up to three more, the first whose waves are at least :data:`WAVE_FILL` full
-    (all programs do equal work, so a part-filled last wave costs a whole one), else the fullest. At Llama-8B's 8 KV
-    heads and batch 46, 368 programs on the H200's 264 slots fill 1.39 waves with one split and 2.79 with two."""
+    ``ceil(slots / programs)``; then (``fill_waves``: the Triton kernel, whose ``programs_per_sm`` is what is
+    resident) up to three more, the first whose waves are at least :data:`WAVE_FILL` full (all programs do equal
+    work, so a part-filled last wave costs a whole one), else the fullest. At Llama-8B's 8 KV heads and batch 46,
+    368 programs on the H200's 264 slots fill 1.39 waves with one split and 2.79 with two. The Gluon kernel's
+    one-warp programs are resident many more to an SM: ``fill_waves=False``."""
     base = max(1, min(max_splits, math.ceil(slots / programs)))
+    if not fill_waves:
+        return base
 
     def fill(s):
         return round(programs * s / (slots * math.ceil(programs * s / slots)), 9)     # equal fills compare equal
@@ -291,10 +295,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
             sms = torch.cuda.get_device_properties(device).multi_processor_count
             avg_tiles = max(1, indices.numel() // B // ppt // (2 if kernel == "gluon" and D == 64 else 1))
             want = configs[0]["programs_per_sm"] * sms
-            if kernel == "gluon":          # one-warp programs: many more than programs_per_sm are resident
-                num_splits = max(1, min(avg_tiles, math.ceil(want / (B * HKV))))
-            else:
-                num_splits = split_count(B * HKV, want, avg_tiles)
+            num_splits = split_count(B * HKV, want, avg_tiles, fill_waves=kernel != "gluon")
         else:
             num_splits = 1
     kinds = cache.page_kinds()
