@@ -102,6 +102,9 @@ K_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_w
                                         warps_per_cta=[1, 1, 1], order=[2, 1, 0]))
 V_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[4, 8, 1],
                                         warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
+Q_LOAD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
+                                      order=[1, 0]))   # q halves [16, 64] as read from global memory
+Q_SHARED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 SCALES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 COLS = gl.constexpr(gl.SliceLayout(0, MMA.value))
@@ -196,10 +199,9 @@ def _pow2(b2):
 
 
 @gluon.jit
-def _key_operand(k0, k1):
-    """The two key halves ``[16, 4, 16]`` (channel bit 6 = 0, 1) -> the B operand ``[128, 16]``."""
-    k = gl.join(k0, k1).reshape([16, 4, 8, 2, 2]).permute([4, 2, 1, 3, 0]).reshape([128, 16])
-    return gl.convert_layout(k, B_OP)
+def _key_operand(k):
+    """A key half ``[16, 4, 16]`` (channel bit 6 = 0 or 1) -> the B operand ``[64, 16]`` of its 64 channels."""
+    return gl.convert_layout(k.reshape([16, 4, 8, 2]).permute([2, 1, 3, 0]).reshape([64, 16]), B_OP)
 
 
 @gluon.jit
@@ -234,26 +236,28 @@ def _valid_tokens(valid_a, valid_b, ROWS_L: gl.constexpr, COLS_L: gl.constexpr, 
 
 
 @gluon.jit
-def _valid_key_entries(valid_a, valid_b):
-    """Head_dim 64: bool ``[128, 16]`` in the key operand's layout (B_OP): which (channel, token row) entries
-    hold a valid token -- channels 0-63 the row's first token, 64-127 its second (see :func:`_valid_tokens`)."""
-    c = gl.arange(0, 128, layout=gl.SliceLayout(1, B_OP))[:, None]
+def _valid_key_entries(valid_a, valid_b, HALF: gl.constexpr):
+    """Head_dim 64: bool ``[64, 16]`` in the layout of key half HALF's operand (B_OP): which (channel, token row)
+    entries hold a valid token -- half 0 (channels 0-63) the row's first token, half 1 its second (see
+    :func:`_valid_tokens`)."""
+    c = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))[:, None]
     t = gl.arange(0, 16, layout=gl.SliceLayout(0, B_OP))[None, :]
-    tok = 2 * (t % 4 + 4 * (t >> 3)) + (c >= 64).to(gl.int32)
+    tok = 2 * (t % 4 + 4 * (t >> 3)) + HALF + c * 0
     return tok < gl.where(((t >> 2) & 1) == 0, valid_a, valid_b)
 
 
 @gluon.jit
-def _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
+def _softmax_step(sc, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
                   HD: gl.constexpr):
     """One unit (16 token rows; only the LAST of a range may hold fewer valid tokens than 16 per row, see
-    :func:`_valid_tokens`): scores (log2 domain, scaled per token), online softmax, ``acc += P @ V``. The
+    :func:`_valid_tokens`) from its scores ``sc`` ``[16, 16]`` (``q @ K^T``, before the per-token scale):
+    scores in the log2 domain, online softmax, ``acc += P @ V``. The
     running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a row's max exceeds it by more
     than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays <= 2^RESCALE_LOG2 and the
     result is the same up to rounding (``m_i`` cancels in ``acc / l_i`` and in the log-sum-exp), and most
     pages skip the 64 multiplies per lane of the rescale. Head_dim 64: a query row may have no valid
     token yet (its max -inf), so no -inf - -inf is formed."""
-    sc = mma_v2(q, kop, gl.zeros([16, 16], gl.float32, layout=MMA)) * k_scale[None, :]
+    sc = sc * k_scale[None, :]
     if LAST:
         sc = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, MMA), COLS, True, HD), sc, float("-inf"))
     m_page = gl.max(sc, axis=1)
@@ -374,57 +378,47 @@ def _all_compressed(dsc):
 
 
 @gluon.jit
-def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, kall, vall):
+def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
     """cp.async of a page of any blocks into ring ``slot`` of raw size: keys as 4 tiles ``[16, 4, 16]``, values
     as 8 chunks ``[4, 8, 16]`` of bytes. A compressed key row fills tiles 0-2 (low bytes of channel bit 6 = 0,
     1; codes), a raw one tiles 0-1 (its bf16 of channel bit 6 = 0) and 2-3 (bit 6 = 1); a compressed value
     block row fills chunks 0-5 as the compressed ring, a raw one chunk 2c + i with bytes 16i.. of its bf16
-    chunk c. Only stored bytes are read. ``kall`` / ``vall`` (page-level, warp-uniform): every key / value
-    block compressed, then only the compressed tiles are copied, with no per-row select."""
+    chunk c. Only stored bytes are read. Both kinds' tile addresses are ``row + 512 (u // 2) + (u % 2) step``
+    for keys (``256 (u // 2)`` for values) with a per-row start and step: two row values and immediates, not a
+    select per tile (a select per tile kept ~25 more registers live)."""
     kt, kq, kj, vm, vr = _tile_indices()
-    kq3 = kq[None, :, None]
-    vm3 = vm[None, :, None]
-    krow = ((kd >> 8) + (kt % 4) * 64)[:, None, None]                 # compressed row start (raw: + (t % 4) * 64)
-    vrow = (vd >> 8)[:, None, None]
-    if kall != 0:
-        for u in gl.static_range(3):
-            kptr = pool_ptr + gl.multiple_of(krow + (u * 256 + kq3 * 16), [16, 16, 16]) + kj[None, None, :]
+    kc = _compressed(kd)
+    vc = _compressed(vd)
+    ki = kc.to(gl.int64)
+    vi = vc.to(gl.int64)
+    krow = ((kd >> 8) + (kt % 4) * (128 - 64 * ki))[:, None, None] + (kq[None, :] * (32 - 16 * ki)[:, None])[:, :, None]
+    krow = gl.multiple_of(krow, [16, 16, 16])
+    kstep = gl.multiple_of((16 + 240 * ki)[:, None, None], [16, 16, 16])         # compressed 256, raw 16
+    vrow = gl.multiple_of((vd >> 8)[:, None, None] + (vm[None, :] * (32 - 16 * vi)[:, None])[:, :, None], [16, 16, 16])
+    vstep = gl.multiple_of((16 + 112 * vi)[:, None, None], [16, 16, 16])         # compressed 128, raw 16
+    for u in gl.static_range(4):
+        kptr = pool_ptr + (krow + ((u // 2) * 512 + (u % 2) * kstep)) + kj[None, None, :]
+        if u == 3:
+            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr, mask=~kc[:, None, None])
+        else:
             async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr)
-    else:
-        kc3 = _compressed(kd)[:, None, None]
-        kraw = ((kt % 4) * 64)[:, None, None] + kq3 * 32
-        for u in gl.static_range(4):
-            krel = gl.where(kc3, u * 256 + kq3 * 16, kraw + ((u // 2) * 512 + (u % 2) * 16))
-            kptr = pool_ptr + gl.multiple_of(krow + krel, [16, 16, 16]) + kj[None, None, :]
-            if u == 3:
-                async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr, mask=~kc3)
-            else:
-                async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr)
-    if vall != 0:
-        for u in gl.static_range(6):
-            vptr = pool_ptr + gl.multiple_of(vrow + (u * 128 + vm3 * 16), [16, 16, 16]) + vr[None, None, :]
+    for u in gl.static_range(8):
+        vptr = pool_ptr + (vrow + ((u // 2) * 256 + (u % 2) * vstep)) + vr[None, None, :]
+        if u >= 6:
+            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr, mask=~vc[:, None, None])
+        else:
             async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr)
-    else:
-        vc3 = _compressed(vd)[:, None, None]
-        for u in gl.static_range(8):
-            vrel = gl.where(vc3, u * 128 + vm3 * 16, (u // 2) * 256 + vm3 * 32 + (u % 2) * 16)
-            vptr = pool_ptr + gl.multiple_of(vrow + vrel, [16, 16, 16]) + vr[None, None, :]
-            if u >= 6:
-                async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr, mask=~vc3)
-            else:
-                async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr)
 
 
 @gluon.jit
-def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, code, KIND: gl.constexpr):
-    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``, ``code``
-    its :func:`_page_code`)."""
+def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexpr):
+    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``)."""
     if KIND == COMPRESSED:
         _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd)
     elif KIND == RAW:
         _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd)
     else:
-        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd, code & 1, code & 2)
+        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd)
         kflags.index(slot).store(_compressed(kd).to(gl.int32))
         vflags.index(slot).store(_compressed(vd).to(gl.int32))
 
@@ -439,11 +433,6 @@ def _page_code(kd, vd, KIND: gl.constexpr):
         return 0
 
 
-@gluon.jit
-def _rebuilt_keys(kbuf, slot):
-    kc = kbuf[2].index(slot).load(K_REGS)
-    return (_rebuild128(kbuf[0].index(slot).load(K_REGS), kc, False),
-            _rebuild128(kbuf[1].index(slot).load(K_REGS), kc, True))
 
 
 @gluon.jit
@@ -463,25 +452,38 @@ def _words(buf, slot, WORDS: gl.constexpr):
 
 
 @gluon.jit
-def _mixed_keys(kbuf, kflags, slot, kall):
-    """MIXED page in ring ``slot`` -> the bf16 key tiles (channel bit 6 = 0, 1): all compressed (``kall``,
+def _mixed_key_half(kbuf, kflags, slot, kall, HALF: gl.constexpr):
+    """MIXED page in ring ``slot`` -> bf16 key half HALF (channel bit 6): all compressed (``kall``,
     warp-uniform) rebuilt as in COMPRESSED, else each row rebuilt or raw as its block is stored, by one
     word-wise rebuild-or-raw select (:func:`_select_words`). Both branches give 32-bit pair words (a branch
     merge of bf16 values would cost a byte permute per value)."""
-    t0 = _words(kbuf[0], slot, K_WORDS)
-    t1 = _words(kbuf[1], slot, K_WORDS)
-    t2 = _words(kbuf[2], slot, K_WORDS)
+    low = _words(kbuf[HALF], slot, K_WORDS)
+    code = _words(kbuf[2], slot, K_WORDS)
     if kall != 0:
-        a0, b0 = _rebuild_words(t0, t2, False)
-        a1, b1 = _rebuild_words(t1, t2, True)
+        a, b = _rebuild_words(low, code, HALF == 1)
     else:
-        t3 = _words(kbuf[3], slot, K_WORDS)
-        kcomp = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + t0 * 0
-        ra, rb = _raw_pairs(t0, t1, K_WORDS)
-        a0, b0 = _select_words(t0, t2, ra, rb, kcomp, False)
-        ra, rb = _raw_pairs(t2, t3, K_WORDS)
-        a1, b1 = _select_words(t1, t2, ra, rb, kcomp, True)
-    return _words_to_values(a0, b0, K_REGS), _words_to_values(a1, b1, K_REGS)
+        kcomp = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + low * 0
+        ra, rb = _raw_pairs(_words(kbuf[2 * HALF], slot, K_WORDS), _words(kbuf[2 * HALF + 1], slot, K_WORDS),
+                            K_WORDS)
+        a, b = _select_words(low, code, ra, rb, kcomp, HALF == 1)
+    return _words_to_values(a, b, K_REGS)
+
+
+@gluon.jit
+def _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND: gl.constexpr, LAST: gl.constexpr,
+              HD: gl.constexpr, HALF: gl.constexpr):
+    """Key half HALF (channels 64 HALF ..) of the unit in ring ``slot`` as the B operand ``[64, 16]``."""
+    if KIND == COMPRESSED:
+        k = _rebuild128(kbuf[HALF].index(slot).load(K_REGS), kbuf[2].index(slot).load(K_REGS), HALF == 1)
+    elif KIND == RAW:
+        k = kbuf[HALF].index(slot).load(K_REGS)
+    else:
+        k = _mixed_key_half(kbuf, kflags, slot, code & 1, HALF)
+    kop = _key_operand(k)
+    if KIND != COMPRESSED and LAST and HD == 64:
+        if valid_a + valid_b < 32:   # raw bytes past a partial page may be any bf16 (inf, nan); a key row holds
+            kop = gl.where(_valid_key_entries(valid_a, valid_b, HALF), kop, 0.0)  # two tokens: 0 x inf = nan
+    return kop
 
 
 @gluon.jit
@@ -516,31 +518,30 @@ def _mixed_values(vbuf, vflags, slot, vall):
 
 
 @gluon.jit
-def _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b, code,
+def _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b, code,
              KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr):
     """Page in ring ``slot`` (its first ``valid`` tokens; MIXED: ``code`` its :func:`_page_code`) into the
     softmax state. Only the LAST unit of a range may be partial (``valid_a``, ``valid_b``: see
     :func:`_valid_tokens`): the pipeline's loop takes full units, so it has no token mask and no branch
-    merge of the value operand."""
+    merge of the value operand. The scores are two mma over the key halves (q's halves read from shared
+    memory ``qbuf`` each time), so that only one half's words and q's half are live at once."""
+    sc = mma_v2(qbuf.index(0).load(A_OP), _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND, LAST, HD, 0),
+                gl.zeros([16, 16], gl.float32, layout=MMA))
+    sc = mma_v2(qbuf.index(1).load(A_OP), _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND, LAST, HD, 1),
+                sc)
     if KIND == COMPRESSED:
-        k0, k1 = _rebuilt_keys(kbuf, slot)
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
     elif KIND == RAW:
-        k0, k1 = kbuf[0].index(slot).load(K_REGS), kbuf[1].index(slot).load(K_REGS)
         v0, v1 = vbuf[0].index(slot).load(V_REGS), vbuf[1].index(slot).load(V_REGS)
         v2, v3 = vbuf[2].index(slot).load(V_REGS), vbuf[3].index(slot).load(V_REGS)
     else:
-        k0, k1 = _mixed_keys(kbuf, kflags, slot, code & 1)
         v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot, code & 2)
-    kop = _key_operand(k0, k1)
     vop = _value_operand(v0, v1, v2, v3)
     if KIND != COMPRESSED and LAST:
         if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan)
             vop = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, B_OP), gl.SliceLayout(0, B_OP),
                                          False, HD), vop, 0.0)
-            if HD == 64:                     # a key row holds two tokens, and a query row's zero half x inf = nan
-                kop = gl.where(_valid_key_entries(valid_a, valid_b), kop, 0.0)
-    return _softmax_step(q, kop, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
+    return _softmax_step(sc, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
 
 
 @gluon.jit
@@ -598,7 +599,7 @@ def _unit_valid(u, npages, last_len, HD: gl.constexpr):
 
 
 @gluon.jit
-def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi, last_len, h,
+def _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi, last_len, h,
                qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr):
     """Units [lo, hi) (hi > lo; a unit is a page, head_dim 64 a page pair: 16 token rows of 128 channels)
     of one request of ``npages`` pages (its last holds ``last_len`` tokens, the others 16) through a ring of
@@ -617,7 +618,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npage
         pa, pb = _unit_pages(indices_ptr, p_start, lo + j, last, npages, HD)
         kd, vd = _descs(desc_ptr, pa, pb, h, HKV, HD)
         code = _page_code(kd, vd, KIND)
-        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, code, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, KIND)
         codes = codes | (code << (2 * j))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pa, pb, h, qk_scale, HKV, KIND, HD)
@@ -629,7 +630,7 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npage
     for i in range(lo, hi - 1):                                          # full units: no token mask
         ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of unit i + SLOTS - 1
         code = _page_code(kdn, vdn, KIND)
-        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, code, KIND)
+        _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, KIND)
         codes = codes | (code << (2 * (SLOTS - 1)))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, paa, pba, h, qk_scale, HKV, KIND, HD)
@@ -641,14 +642,14 @@ def _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npage
         pan, pbn = _unit_pages(indices_ptr, p_start, i + SLOTS + 1, last, npages, HD)
         async_copy.wait_group(SLOTS - 1)                                  # unit i has landed
         slot = (i - lo) % SLOTS
-        m_i, l_i, acc = _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
+        m_i, l_i, acc = _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
                                  ksbuf.index(slot).load(COLS), vsbuf.index(slot).load(COLS),
                                  16, 16, codes & 3, KIND, False, HD)
         codes = codes >> 2
     async_copy.wait_group(0)                                              # unit hi - 1, maybe partial
     slot = (hi - 1 - lo) % SLOTS
     valid_a, valid_b = _unit_valid(hi - 1, npages, last_len, HD)
-    return _compute(q, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(COLS),
+    return _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(COLS),
                     vsbuf.index(slot).load(COLS), valid_a, valid_b, codes & 3, KIND, True, HD)
 
 
@@ -666,19 +667,21 @@ def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SP
     per = gl.cdiv(units - 1, SPLITS)
     lo = gl.minimum(s * per, units - 1)
     hi = gl.minimum(lo + per, units - 1)
-    gq = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
-    dq = gl.arange(0, 128, layout=gl.SliceLayout(0, A_OP))
-    if HD == 128:
-        q_rows = b * (HKV * G) + h * G + gq
-        q = gl.load(q_ptr + q_rows[:, None] * 128 + dq[None, :], mask=(gq < G)[:, None], other=0.0)
-    else:
-        q_rows = b * (HKV * G) + h * G + gq % 8
-        ok = ((gq % 8) < G)[:, None] & ((dq // 64)[None, :] == (gq // 8)[:, None])
-        q = gl.load(q_ptr + q_rows[:, None] * 64 + (dq % 64)[None, :], mask=ok, other=0.0)
+    gq = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_LOAD))[:, None]
+    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, Q_LOAD))[None, :]
+    qbuf = gl.allocate_shared_memory(gl.bfloat16, [2, 16, 64], Q_SHARED)
+    for c in gl.static_range(2):
+        if HD == 128:
+            q_rows = b * (HKV * G) + h * G + gq
+            qc = gl.load(q_ptr + q_rows * 128 + c * 64 + dq, mask=(gq < G) & (dq >= 0), other=0.0)
+        else:
+            q_rows = b * (HKV * G) + h * G + gq % 8
+            qc = gl.load(q_ptr + q_rows * 64 + dq, mask=((gq % 8) < G) & (gq // 8 == c) & (dq >= 0), other=0.0)
+        qbuf.index(c).store(qc)
     m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([16, 128], gl.float32, layout=MMA)
-    return p_start, npages, units, lo, hi, q, m_i, l_i, acc
+    return p_start, npages, units, lo, hi, qbuf, m_i, l_i, acc
 
 
 @gluon.jit
@@ -766,11 +769,11 @@ def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_p
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
-    p_start, npages, units, lo, hi, q, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS, HD)
+    p_start, npages, units, lo, hi, qbuf, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS, HD)
     if s == SPLITS - 1:
         hi = units
     if hi > lo:
-        m_i, l_i, acc = _pipelined(q, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi,
+        m_i, l_i, acc = _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi,
                                    gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD)
     if HD == 128:
         _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, 16, 128, MMA)
