@@ -16,11 +16,11 @@ TUNE_GRID = dict(pages_per_tile=(2, 4, 8), num_warps=(4, 8), stages=(3, 4), maxn
 """Launch options swept per kernel specialisation by :func:`tune_decode_attention` (``maxnreg`` 0: no
 cap); the best of them is then tried at every ``programs_per_sm`` in :data:`TUNE_PROGRAMS_PER_SM`."""
 TUNE_PROGRAMS_PER_SM = (2, 4, 8)
-GLUON_TUNE_GRID = dict(maxnreg=(0, 216, 200), stages=(2, 3))
-"""The Gluon kernel's options (one warp per program): a register cap (0: none; offline, sm_90a, its mixed
-specialisation takes 239 registers, 8 programs per SM, and has no spills down to 200, 10 per SM:
-:func:`zipkv.kernels.kernel_info.decode_mma_info`) and the ring slots; then its split-KV target."""
-GLUON_TUNE_PROGRAMS_PER_SM = (4, 6, 8, 12)
+GLUON_TUNE_GRID = dict(maxnreg=(0,), stages=(2, 3))
+"""The Gluon kernel's options (one warp per program): a register cap (0: none; offline, sm_90a, its
+specialisations take 144-154 registers without spills, :func:`zipkv.kernels.kernel_info.decode_mma_info`, so
+shared memory, not registers, bounds the programs per SM) and the ring slots; then its split-KV target."""
+GLUON_TUNE_PROGRAMS_PER_SM = (4, 5, 6, 7, 8)
 
 
 def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64,

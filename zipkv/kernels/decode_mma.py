@@ -13,7 +13,7 @@ shared memory and no layout conversion moves data between threads.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 Head_dim 128: a unit is a page (16 tokens x 128 channels); the program's ``G <= 16`` query rows padded to
-16 are the A operand (kept in registers). Head_dim 64: a unit is a page *pair* seen as 16 rows of 128
+16 are the A operand (kept in shared memory, read per unit). Head_dim 64: a unit is a page *pair* seen as 16 rows of 128
 channels (a row holds two consecutive tokens; the second page of an odd request's last pair is empty and
 masked), and query head g is A rows g (``[q, 0]``: the rows' first tokens) and g + 8 (``[0, q]``: their
 second tokens), so ``G <= 8``; the two rows' softmax states are merged at the end (:func:`_fold_rows`),
@@ -30,17 +30,20 @@ computed; full units run without a token mask, the last unit of a range after th
   block with b = 0 gets 0: exact for an all-zero block; a value below 2^-126 would be flushed).
 * RAW: raw blocks (bf16 in block position order): the uncompressed baseline, the same kernel with
   compression switched off.
-* MIXED: any unit, each block as stored, in a ring slot of raw size. A warp-uniform branch per unit
-  takes the keys (and, apart, the values) of a unit whose key (value) blocks are all compressed through
-  the compressed copies and rebuild (:func:`_page_code`); otherwise each block covers fixed rows of the
+* MIXED: any unit, each block as stored, in a ring slot of raw size. Each block covers fixed rows of the
   operand tiles (keys: the 4 token rows of the block; values: one of the 4 block rows of every value
   chunk), the slot holds each block's stored bytes in the rows it covers (:func:`_issue_mixed`: only
-  stored bytes are read), is read once as 32-bit words, and one word-wise select per 4 values takes the
-  rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. Both branches yield
-  32-bit words (a branch merge of bf16 values costs a byte permute per value). Measured on the H200
-  (commit 9cb4d04, 8192 x 64, Llama-3.1-8B shape, one run beside the previous version 094c17b): MIXED on
-  all-compressed pages 415 us (was 488; COMPRESSED 378), on the measured mix 454 us (was 491; FlashInfer
-  TC 495); a register cap of 200 (461 us), 3 slots (463 us) or 9 programs per SM (500 us) were slower.
+  stored bytes are read), is read as 32-bit words, and one word-wise select per 4 values takes the
+  rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. There is no per-unit
+  branch: a warp-uniform shortcut for units whose blocks are all compressed kept two versions of the
+  operands live (205 registers instead of 144) and was slower on every measured mix.
+
+Registers (offline, sm_90a, :func:`zipkv.kernels.kernel_info.decode_mma_info`): q is kept in shared memory
+and read per unit, and the scores are two mma over the key halves (channels 0-63, 64-127), so only one
+half's words are live at once: MIXED 144 registers (239 with q in registers and one key operand), COMPRESSED
+146, RAW 154. Measured on the H200 (8192 x 64, Llama-3.1-8B shape, one run of all versions, commit
+f696912's working tree): MIXED on the measured mix 413 us (the previous version 453, FlashInfer TC 495 in an
+earlier run of the same session), on all-compressed pages 391 us (was 414); COMPRESSED unchanged (378).
 
 The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
 requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
@@ -371,13 +374,6 @@ def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd):
 
 
 @gluon.jit
-def _all_compressed(dsc):
-    """1 if every block of the page-head descriptors ``dsc`` (a row per token or per block) is
-    compressed, else 0: a scalar, the same in every lane (the warp-uniform branch of MIXED pages)."""
-    return gl.min(_compressed(dsc).to(gl.int32), axis=0)
-
-
-@gluon.jit
 def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
     """cp.async of a page of any blocks into ring ``slot`` of raw size: keys as 4 tiles ``[16, 4, 16]``, values
     as 8 chunks ``[4, 8, 16]`` of bytes. A compressed key row fills tiles 0-2 (low bytes of channel bit 6 = 0,
@@ -424,18 +420,6 @@ def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexp
 
 
 @gluon.jit
-def _page_code(kd, vd, KIND: gl.constexpr):
-    """MIXED pages: bit 0 set if every key block of the page-head is compressed, bit 1 if every value
-    block is (a warp-uniform scalar); 0 for the other specialisations."""
-    if KIND == MIXED:
-        return _all_compressed(kd) | (_all_compressed(vd) << 1)
-    else:
-        return 0
-
-
-
-
-@gluon.jit
 def _rebuilt_values(vbuf, slot):
     c0 = vbuf[4].index(slot).load(V_REGS)
     c1 = vbuf[5].index(slot).load(V_REGS)
@@ -452,25 +436,19 @@ def _words(buf, slot, WORDS: gl.constexpr):
 
 
 @gluon.jit
-def _mixed_key_half(kbuf, kflags, slot, kall, HALF: gl.constexpr):
-    """MIXED page in ring ``slot`` -> bf16 key half HALF (channel bit 6): all compressed (``kall``,
-    warp-uniform) rebuilt as in COMPRESSED, else each row rebuilt or raw as its block is stored, by one
-    word-wise rebuild-or-raw select (:func:`_select_words`). Both branches give 32-bit pair words (a branch
-    merge of bf16 values would cost a byte permute per value)."""
+def _mixed_key_half(kbuf, kflags, slot, HALF: gl.constexpr):
+    """MIXED page in ring ``slot`` -> bf16 key half HALF (channel bit 6): each row rebuilt or raw as its
+    block is stored, by one word-wise rebuild-or-raw select (:func:`_select_words`)."""
     low = _words(kbuf[HALF], slot, K_WORDS)
     code = _words(kbuf[2], slot, K_WORDS)
-    if kall != 0:
-        a, b = _rebuild_words(low, code, HALF == 1)
-    else:
-        kcomp = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + low * 0
-        ra, rb = _raw_pairs(_words(kbuf[2 * HALF], slot, K_WORDS), _words(kbuf[2 * HALF + 1], slot, K_WORDS),
-                            K_WORDS)
-        a, b = _select_words(low, code, ra, rb, kcomp, HALF == 1)
+    kcomp = kflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, K_WORDS)))[:, None, None] + low * 0
+    ra, rb = _raw_pairs(_words(kbuf[2 * HALF], slot, K_WORDS), _words(kbuf[2 * HALF + 1], slot, K_WORDS), K_WORDS)
+    a, b = _select_words(low, code, ra, rb, kcomp, HALF == 1)
     return _words_to_values(a, b, K_REGS)
 
 
 @gluon.jit
-def _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND: gl.constexpr, LAST: gl.constexpr,
+def _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND: gl.constexpr, LAST: gl.constexpr,
               HD: gl.constexpr, HALF: gl.constexpr):
     """Key half HALF (channels 64 HALF ..) of the unit in ring ``slot`` as the B operand ``[64, 16]``."""
     if KIND == COMPRESSED:
@@ -478,7 +456,7 @@ def _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND: gl.constexpr, LA
     elif KIND == RAW:
         k = kbuf[HALF].index(slot).load(K_REGS)
     else:
-        k = _mixed_key_half(kbuf, kflags, slot, code & 1, HALF)
+        k = _mixed_key_half(kbuf, kflags, slot, HALF)
     kop = _key_operand(k)
     if KIND != COMPRESSED and LAST and HD == 64:
         if valid_a + valid_b < 32:   # raw bytes past a partial page may be any bf16 (inf, nan); a key row holds
@@ -487,47 +465,41 @@ def _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND: gl.constexpr, LA
 
 
 @gluon.jit
-def _mixed_values(vbuf, vflags, slot, vall):
-    """MIXED page in ring ``slot`` -> the four bf16 value chunks, as :func:`_mixed_keys` (``vall``: every
-    value block compressed)."""
+def _mixed_values(vbuf, vflags, slot):
+    """MIXED page in ring ``slot`` -> the four bf16 value chunks, each block row rebuilt or raw as
+    :func:`_mixed_key_half`."""
     u0 = _words(vbuf[0], slot, V_WORDS)
     u1 = _words(vbuf[1], slot, V_WORDS)
     u2 = _words(vbuf[2], slot, V_WORDS)
     u3 = _words(vbuf[3], slot, V_WORDS)
     u4 = _words(vbuf[4], slot, V_WORDS)
     u5 = _words(vbuf[5], slot, V_WORDS)
-    if vall != 0:
-        a0, b0 = _rebuild_words(u0, u4, False)
-        a1, b1 = _rebuild_words(u1, u5, False)
-        a2, b2 = _rebuild_words(u2, u4, True)
-        a3, b3 = _rebuild_words(u3, u5, True)
-    else:
-        u6 = _words(vbuf[6], slot, V_WORDS)
-        u7 = _words(vbuf[7], slot, V_WORDS)
-        vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
-        ra, rb = _raw_pairs(u0, u1, V_WORDS)
-        a0, b0 = _select_words(u0, u4, ra, rb, vc, False)
-        ra, rb = _raw_pairs(u2, u3, V_WORDS)
-        a1, b1 = _select_words(u1, u5, ra, rb, vc, False)
-        ra, rb = _raw_pairs(u4, u5, V_WORDS)
-        a2, b2 = _select_words(u2, u4, ra, rb, vc, True)
-        ra, rb = _raw_pairs(u6, u7, V_WORDS)
-        a3, b3 = _select_words(u3, u5, ra, rb, vc, True)
+    u6 = _words(vbuf[6], slot, V_WORDS)
+    u7 = _words(vbuf[7], slot, V_WORDS)
+    vc = vflags.index(slot).load(gl.SliceLayout(1, gl.SliceLayout(2, V_WORDS)))[:, None, None] + u0 * 0
+    ra, rb = _raw_pairs(u0, u1, V_WORDS)
+    a0, b0 = _select_words(u0, u4, ra, rb, vc, False)
+    ra, rb = _raw_pairs(u2, u3, V_WORDS)
+    a1, b1 = _select_words(u1, u5, ra, rb, vc, False)
+    ra, rb = _raw_pairs(u4, u5, V_WORDS)
+    a2, b2 = _select_words(u2, u4, ra, rb, vc, True)
+    ra, rb = _raw_pairs(u6, u7, V_WORDS)
+    a3, b3 = _select_words(u3, u5, ra, rb, vc, True)
     return (_words_to_values(a0, b0, V_REGS), _words_to_values(a1, b1, V_REGS),
             _words_to_values(a2, b2, V_REGS), _words_to_values(a3, b3, V_REGS))
 
 
 @gluon.jit
-def _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b, code,
+def _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b,
              KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr):
-    """Page in ring ``slot`` (its first ``valid`` tokens; MIXED: ``code`` its :func:`_page_code`) into the
+    """Page in ring ``slot`` (its first ``valid`` tokens) into the
     softmax state. Only the LAST unit of a range may be partial (``valid_a``, ``valid_b``: see
     :func:`_valid_tokens`): the pipeline's loop takes full units, so it has no token mask and no branch
     merge of the value operand. The scores are two mma over the key halves (q's halves read from shared
     memory ``qbuf`` each time), so that only one half's words and q's half are live at once."""
-    sc = mma_v2(qbuf.index(0).load(A_OP), _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND, LAST, HD, 0),
+    sc = mma_v2(qbuf.index(0).load(A_OP), _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND, LAST, HD, 0),
                 gl.zeros([16, 16], gl.float32, layout=MMA))
-    sc = mma_v2(qbuf.index(1).load(A_OP), _key_half(kbuf, kflags, slot, code, valid_a, valid_b, KIND, LAST, HD, 1),
+    sc = mma_v2(qbuf.index(1).load(A_OP), _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND, LAST, HD, 1),
                 sc)
     if KIND == COMPRESSED:
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
@@ -535,7 +507,7 @@ def _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_s
         v0, v1 = vbuf[0].index(slot).load(V_REGS), vbuf[1].index(slot).load(V_REGS)
         v2, v3 = vbuf[2].index(slot).load(V_REGS), vbuf[3].index(slot).load(V_REGS)
     else:
-        v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot, code & 2)
+        v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot)
     vop = _value_operand(v0, v1, v2, v3)
     if KIND != COMPRESSED and LAST:
         if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan)
@@ -613,13 +585,10 @@ def _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, np
     kflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 16], SCALES)
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
     last = hi - 1
-    codes = lo * 0                                  # MIXED: 2 bits (_page_code) per unit in the ring, unit i lowest
     for j in gl.static_range(SLOTS - 1):
         pa, pb = _unit_pages(indices_ptr, p_start, lo + j, last, npages, HD)
         kd, vd = _descs(desc_ptr, pa, pb, h, HKV, HD)
-        code = _page_code(kd, vd, KIND)
         _issue(pool_ptr, kbuf, vbuf, kflags, vflags, j, kd, vd, KIND)
-        codes = codes | (code << (2 * j))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, pa, pb, h, qk_scale, HKV, KIND, HD)
         ksbuf.index(j).store(ks)
@@ -629,9 +598,7 @@ def _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, np
     pan, pbn = _unit_pages(indices_ptr, p_start, lo + SLOTS, last, npages, HD)
     for i in range(lo, hi - 1):                                          # full units: no token mask
         ahead = (i - lo + SLOTS - 1) % SLOTS                               # slot of unit i + SLOTS - 1
-        code = _page_code(kdn, vdn, KIND)
         _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, KIND)
-        codes = codes | (code << (2 * (SLOTS - 1)))
         async_copy.commit_group()
         ks, vs = _scales(desc_ptr, paa, pba, h, qk_scale, HKV, KIND, HD)
         ksbuf.index(ahead).store(ks)
@@ -644,13 +611,12 @@ def _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, np
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
                                  ksbuf.index(slot).load(COLS), vsbuf.index(slot).load(COLS),
-                                 16, 16, codes & 3, KIND, False, HD)
-        codes = codes >> 2
+                                 16, 16, KIND, False, HD)
     async_copy.wait_group(0)                                              # unit hi - 1, maybe partial
     slot = (hi - 1 - lo) % SLOTS
     valid_a, valid_b = _unit_valid(hi - 1, npages, last_len, HD)
     return _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(COLS),
-                    vsbuf.index(slot).load(COLS), valid_a, valid_b, codes & 3, KIND, True, HD)
+                    vsbuf.index(slot).load(COLS), valid_a, valid_b, KIND, True, HD)
 
 
 # ----------------------------------------------------------------------------- kernel
