@@ -13,9 +13,9 @@ shared memory and no layout conversion moves data between threads.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 Head_dim 128: a unit is a page (16 tokens x 128 channels); the program's ``G <= 16`` query rows padded to
-16 are the A operand (kept in shared memory, read per unit). Head_dim 64: a unit is a page *pair* seen as 16 rows of 128
-channels (a row holds two consecutive tokens; the second page of an odd request's last pair is empty and
-masked), and query head g is A rows g (``[q, 0]``: the rows' first tokens) and g + 8 (``[0, q]``: their
+16 are the A operand (kept in shared memory, read per unit). Head_dim 64: a unit is a page *pair* seen as
+16 rows of 128 channels (a row holds two consecutive tokens; the second page of an odd request's last pair
+is empty and masked), and query head g is A rows g (``[q, 0]``: the rows' first tokens) and g + 8 (``[0, q]``: their
 second tokens), so ``G <= 8``; the two rows' softmax states are merged at the end (:func:`_fold_rows`),
 as splits are.
 
@@ -43,7 +43,8 @@ and read per unit, and the scores are two mma over the key halves (channels 0-63
 half's words are live at once: MIXED 144 registers (239 with q in registers and one key operand), COMPRESSED
 146, RAW 154. Measured on the H200 (8192 x 64, Llama-3.1-8B shape, one run of all versions, commit
 f696912's working tree): MIXED on the measured mix 413 us (the previous version 453, FlashInfer TC 495 in an
-earlier run of the same session), on all-compressed pages 391 us (was 414); COMPRESSED unchanged (378).
+earlier run of the same session), on all-compressed pages 391 us (was 414); COMPRESSED unchanged (378). The latency chapter's run at
+580390f: 421 us on the measured mix, 1.18x FlashInfer TC.
 
 The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
 requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
@@ -152,23 +153,6 @@ def _select_words(low, code, raw_a, raw_b, comp, HIGH: gl.constexpr):
             "and.b32 t, $3, 0x07070707; or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 x, $2, n, 0x5140; "
             "prmt.b32 y, $2, n, 0x7362; selp.b32 $0, x, $4, p; selp.b32 $1, y, $5, p; }",
             "=r,=r,r,r,r,r,r", [low, code, raw_a, raw_b, comp], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-
-
-@gluon.jit
-def _rebuild_words(low, code, HIGH: gl.constexpr):
-    """:func:`_rebuild128` on 32-bit words: a low-byte word and a code word (its low or HIGH nibbles) -> the
-    bf16 pair words of values (0, 1) and (2, 3) of the 4 (int32 in, int32 out), as :func:`_select_words` gives
-    them for a compressed row."""
-    if HIGH:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 n, t; and.b32 n, $3, 0x80808080; shr.b32 t, $3, 4; and.b32 t, t, 0x07070707; "
-            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
-            "=r,=r,r,r", [low, code], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-    else:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 n, t; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; and.b32 t, $3, 0x07070707; "
-            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
-            "=r,=r,r,r", [low, code], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -492,11 +476,11 @@ def _mixed_values(vbuf, vflags, slot):
 @gluon.jit
 def _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b,
              KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr):
-    """Page in ring ``slot`` (its first ``valid`` tokens) into the
-    softmax state. Only the LAST unit of a range may be partial (``valid_a``, ``valid_b``: see
-    :func:`_valid_tokens`): the pipeline's loop takes full units, so it has no token mask and no branch
-    merge of the value operand. The scores are two mma over the key halves (q's halves read from shared
-    memory ``qbuf`` each time), so that only one half's words and q's half are live at once."""
+    """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state. Only the LAST unit of a
+    range may be partial (``valid_a``, ``valid_b``: see :func:`_valid_tokens`): the pipeline's loop takes
+    full units, so it has no token mask and no branch merge of the value operand. The scores are two mma over
+    the key halves (q's halves read from shared memory ``qbuf`` each time), so that only one half's words and
+    q's half are live at once."""
     sc = mma_v2(qbuf.index(0).load(A_OP), _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND, LAST, HD, 0),
                 gl.zeros([16, 16], gl.float32, layout=MMA))
     sc = mma_v2(qbuf.index(1).load(A_OP), _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND, LAST, HD, 1),
