@@ -345,7 +345,9 @@ def test_occupancy_from_compiled_resources():
 
     assert programs_per_sm(32, 1, 0) == H200_SM["programs"]              # block-count limit
     assert programs_per_sm(255, 4, 0) < programs_per_sm(168, 4, 0)      # registers bind
-    assert programs_per_sm(64, 4, H200_SM["shared_bytes"] // 2) == 2    # shared memory binds
+    half = H200_SM["shared_bytes"] // 2
+    assert programs_per_sm(64, 4, half - H200_SM["reserved_per_block"]) == 2   # shared memory binds, 1 KB
+    assert programs_per_sm(64, 4, half) == 1                                   # reserved per block included
     assert programs_per_sm(32, 32, 0) == H200_SM["threads"] // (32 * 32)  # threads bind
 
 
@@ -464,3 +466,39 @@ def test_split_count_fills_the_waves():
     assert split_count(368, 264, 1) == 1       # never more splits than tiles
     assert split_count(8, 264, 64) == 33       # batch 1: one wave of 33 splits
     assert split_count(368, 264, 64, fill_waves=False) == 1     # the Gluon kernel: enough programs, no more
+
+
+def test_split_count_of_the_gluon_kernel_stays_in_one_wave():
+    """The Gluon kernel's split count with the programs the GPU holds at once: never a second, part-filled
+    wave when fewer splits fit in one (Llama-8B shape, 8 KV heads, H200's 132 SMs, 6 programs per SM)."""
+    from zipkv.kernels.decode_attention import split_count
+    slots = 6 * 132
+    assert split_count(96 * 8, slots, 512, fill_waves=False) == 2                    # without residency
+    assert split_count(96 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 1   # 1,536 > 1,320 resident
+    assert split_count(96 * 8, slots, 512, fill_waves=False, resident=12 * 132) == 2   # 1,536 fit in one wave
+    assert split_count(64 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 2   # 1,024 fit
+    assert split_count(32 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 4   # 1,024 fit
+    assert split_count(32 * 8, slots, 2, fill_waves=False, resident=10 * 132) == 2     # never more than tiles
+    assert split_count(200 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 1  # two waves either way
+
+
+def test_gluon_kernel_resources_match_the_residency_model():
+    """The plan's model of the Gluon kernel's residency (decode_mma.shared_bytes, MAX_REGISTERS) against the
+    kernel as Triton compiles it for sm_90a (offline, in a process without the interpreter)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import json; from zipkv.kernels import kernel_info as ki; "     # Llama-8B's and SmolLM2's shapes
+            "print(json.dumps([ki.decode_mma_info(p, head_dim=d, slots=s, q_heads=hq, kv_heads=hkv) | {'slots': s} "
+            "for p in ('compressed', 'raw', 'mixed') for d, hq, hkv, s in ((128, 32, 8, 2), (64, 9, 3, 2), "
+            "(128, 32, 8, 3))], default=str))")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="0"),
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from zipkv import paged
+    from zipkv.kernels import decode_mma
+    for info in json.loads(done.stdout.splitlines()[-1]):
+        kind = paged.PAGE_KINDS.index(info["path"])
+        assert info["shared_bytes"] == decode_mma.shared_bytes(kind, info["slots"]), info
+        assert info["registers"] <= decode_mma.MAX_REGISTERS and info["spill_stores"] == 0, info

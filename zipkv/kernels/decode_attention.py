@@ -29,6 +29,7 @@ import math
 import numbers
 import os
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
@@ -197,17 +198,24 @@ WAVE_FILL = 0.9
 """Least share of the resident program slots that the Triton kernel's last wave should fill (:func:`split_count`)."""
 
 
-def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool = True) -> int:
+def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool = True,
+                resident: int | None = None) -> int:
     """The default split-KV factor for ``programs`` (request, KV head) pairs on ``slots`` programs
     (``programs_per_sm`` x SMs), at most ``max_splits`` (tiles per request): first enough splits to fill the slots,
     ``ceil(slots / programs)``; then (``fill_waves``: the Triton kernel, whose ``programs_per_sm`` is what is
     resident) up to three more, the first whose waves are at least :data:`WAVE_FILL` full (all programs do equal
     work, so a part-filled last wave costs a whole one), else the fullest. At Llama-8B's 8 KV heads and batch 46,
     368 programs on the H200's 264 slots fill 1.39 waves with one split and 2.79 with two. The Gluon kernel's
-    one-warp programs are resident many more to an SM: ``fill_waves=False``."""
+    one-warp programs are resident many more to an SM: ``fill_waves=False``, and with ``resident`` (programs the
+    GPU holds at once) the split count in 1..base with the fewest waves per split, the fewest splits of equals:
+    a second, part-filled wave of one-warp programs runs at a fraction of the bandwidth (H200 at 580390f, batch
+    96 x 8 KV heads, 2 splits: 1,536 programs on 1,452 or fewer resident, the mixed and raw specialisations
+    0.85x and 0.73x FlashInfer, the all-compressed one, 13 per SM, 1.30x)."""
     base = max(1, min(max_splits, math.ceil(slots / programs)))
     if not fill_waves:
-        return base
+        if resident is None:
+            return base
+        return min(range(1, base + 1), key=lambda s: (Fraction(math.ceil(programs * s / resident), s), s))
 
     def fill(s):
         return round(programs * s / (slots * math.ceil(programs * s / slots)), 9)     # equal fills compare equal
@@ -226,7 +234,8 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     q_heads: query heads (a multiple of ``cache.kv_heads``; query head ``i`` reads KV head
     ``i // (q_heads / kv_heads)``). softmax_scale: default ``1/sqrt(head_dim)``. num_splits: split-KV
     factor (default on the GPU: about ``programs_per_sm`` programs per SM, for the Triton kernel in well-filled
-    waves (:func:`split_count`); 1 on the CPU).
+    waves, for the Gluon kernel without a part-filled second wave of resident programs (:func:`split_count`);
+    1 on the CPU).
     pages_per_tile: pages per inner tile of the Triton kernel (default its launch option on the GPU, 1
     interpreting). validate: also check the page table's values and every used block descriptor (one
     device sync); the structure (types, shapes, devices) is always checked.
@@ -292,10 +301,15 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
         ppt = configs[0]["pages_per_tile"]
     if num_splits is None:
         if gpu and B:
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            props = torch.cuda.get_device_properties(device)
+            sms = props.multi_processor_count
             avg_tiles = max(1, indices.numel() // B // ppt // (2 if kernel == "gluon" and D == 64 else 1))
             want = configs[0]["programs_per_sm"] * sms
-            num_splits = split_count(B * HKV, want, avg_tiles, fill_waves=kernel != "gluon")
+            resident = None
+            if kernel == "gluon":
+                shared = getattr(props, "shared_memory_per_multiprocessor", None)
+                resident = sms * decode_mma.resident_per_sm(launches[0][0], configs[0]["stages"], shared)
+            num_splits = split_count(B * HKV, want, avg_tiles, fill_waves=kernel != "gluon", resident=resident)
         else:
             num_splits = 1
     kinds = cache.page_kinds()

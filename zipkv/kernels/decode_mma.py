@@ -63,7 +63,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from zipkv import paged
-from zipkv.kernels import tuning
+from zipkv.kernels import kernel_info, tuning
 
 __all__ = ["launch", "launch_config", "workspace", "MMA_LAUNCH"]
 
@@ -82,6 +82,28 @@ def launch_config(path: str, gpu_name: str | None = None, head_dim: int = 128) -
     if path not in paged.PAGE_KINDS:
         raise ValueError(f"path must be one of {paged.PAGE_KINDS}, got {path!r}")
     return {**MMA_LAUNCH, **tuning.tuned(gpu_name, path, kernel="gluon", head_dim=head_dim)}
+MAX_REGISTERS = 160
+"""Registers per thread that every specialisation of the pipelined kernel stays within (offline, sm_90a:
+144-154; the CPU tests compile them and check): with :func:`shared_bytes`, how many programs an SM holds at
+once (:func:`resident_per_sm`)."""
+
+
+def shared_bytes(kind: int, slots: int) -> int:
+    """Shared memory of one program of the pipelined kernel of page kind ``kind`` with ``slots`` ring slots
+    (bytes): the ring (:func:`_rings`: per slot COMPRESSED 3 + 6, RAW 2 + 4 bf16, MIXED 4 + 8 tiles), the
+    per-token scales, MIXED's block flags and q's two halves."""
+    ring = {paged.COMPRESSED: 3 * 1024 + 6 * 512, paged.RAW: 2 * 2048 + 4 * 1024, paged.MIXED: 4 * 1024 + 8 * 512}
+    flags = slots * (16 + 4) * 4 if kind == paged.MIXED else 0
+    return slots * (ring[kind] + 2 * 16 * 4) + flags + 2 * 16 * 64 * 2
+
+
+def resident_per_sm(kind: int, slots: int, shared_per_sm: int | None = None) -> int:
+    """Programs of the pipelined kernel one SM holds at once (:func:`zipkv.kernels.kernel_info.programs_per_sm`
+    at :data:`MAX_REGISTERS` and :func:`shared_bytes`; ``shared_per_sm`` default the H200's)."""
+    sm = dict(kernel_info.H200_SM, **({"shared_bytes": shared_per_sm} if shared_per_sm else {}))
+    return kernel_info.programs_per_sm(MAX_REGISTERS, 1, shared_bytes(kind, slots), sm)
+
+
 MAX_GROUP = {128: 16, 64: 8}
 """Query heads per KV head this kernel takes, per head_dim (the A operand's 16 rows; head_dim 64 uses two
 rows per query head)."""

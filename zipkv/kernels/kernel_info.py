@@ -202,8 +202,9 @@ def table(configs=None):
     return pd.DataFrame(rows).reindex(columns=cols)
 
 
-H200_SM = dict(registers=65536, shared_bytes=233472, threads=2048, programs=32)
-"""Per-SM limits of the H200/H100 (sm_90): 64 K registers, 228 KB shared memory, 2048 threads, 32 blocks."""
+H200_SM = dict(registers=65536, shared_bytes=233472, threads=2048, programs=32, reserved_per_block=1024, sms=132)
+"""Per-SM limits of the H200/H100 (sm_90): 64 K registers, 228 KB shared memory (of which the driver reserves
+1 KB per resident block), 2048 threads, 32 blocks; and the H200's (and H100 SXM's) 132 SMs."""
 
 
 def programs_per_sm(registers: int, num_warps: int, shared_bytes: int, sm: dict = H200_SM) -> int:
@@ -211,7 +212,7 @@ def programs_per_sm(registers: int, num_warps: int, shared_bytes: int, sm: dict 
     registers per thread, warps and shared memory; registers are allocated per warp in units of 256."""
     regs_per_warp = -(-registers * 32 // 256) * 256
     by_regs = sm["registers"] // (regs_per_warp * num_warps)
-    by_smem = sm["shared_bytes"] // shared_bytes if shared_bytes else sm["programs"]
+    by_smem = sm["shared_bytes"] // (shared_bytes + sm["reserved_per_block"]) if shared_bytes else sm["programs"]
     by_threads = sm["threads"] // (32 * num_warps)
     return int(min(by_regs, by_smem, by_threads, sm["programs"]))
 
