@@ -33,7 +33,8 @@ def resources_text(table: pd.DataFrame, warp_slots: int) -> str:
                    f"programs per SM; all-raw {int(gluon.registers['raw'])} registers, "
                    f"{gluon.shared_bytes['raw'] / 1024:.1f} KB, {int(gluon.programs_per_sm['raw'])} programs per SM; "
                    f"any page (mixed) {int(gluon.registers['mixed'])} registers, "
-                   f"{gluon.shared_bytes['mixed'] / 1024:.1f} KB, {int(gluon.programs_per_sm['mixed'])} programs per SM.")
+                   f"{gluon.shared_bytes['mixed'] / 1024:.1f} KB, {int(gluon.programs_per_sm['mixed'])} "
+                   f"programs per SM.")
 
 
 def tuning_summary(sweep: pd.DataFrame) -> pd.DataFrame:
@@ -52,7 +53,8 @@ def verdict(report: NsightReport) -> str:
             f"({v('Duration', unc) / v('Duration', comp):.2f}×), executing "
             f"{v('instructions', comp) / v('instructions', unc):.2f}× the instructions; its warps wait most often on "
             + ", ".join(f"{r} ({s:.0f} %)" for r, s in report.stalls[comp].sort_values(ascending=False).head(2).items())
-            + f". The report: {report.device.removeprefix('device: ')}; a kernel changed after that commit is not in it.")
+            + f". The report: {report.device.removeprefix('device: ')}; a kernel changed after that commit is not "
+            f"in it.")
 
 
 def stall_figure(report: NsightReport):

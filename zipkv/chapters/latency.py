@@ -207,8 +207,8 @@ def _wave_text(table: pd.DataFrame, ctx: int, batch: int) -> str:
     now = split_count(batch * kv_heads, decode_mma.MMA_LAUNCH["programs_per_sm"] * sms, ctx // 16, fill_waves=False,
                       resident=per_sm * sms)
     return (f" The slowest, {ctx} × {batch} ({row.speedup_vs_flashinfer_tc:.2f}×), ran {int(row.num_splits)} splits: "
-            f"{programs:,} one-warp programs, more than the {per_sm * sms:,} the H200 holds at once ({per_sm} per SM of "
-            f"its {sms}, \"Inside the kernels\"), so a second, part-filled wave followed the first. The plan now takes "
+            f"{programs:,} one-warp programs, more than the {per_sm * sms:,} the H200 holds at once ({per_sm} per SM "
+            f"of its {sms}, \"Inside the kernels\"), so a second, part-filled wave followed the first. The plan now takes "
             f"{now} split{'s' if now > 1 else ''} there (one wave); not yet timed.")
 
 

@@ -209,8 +209,8 @@ def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool 
     one-warp programs are resident many more to an SM: ``fill_waves=False``, and with ``resident`` (programs the
     GPU holds at once) the split count in 1..base with the fewest waves per split, the fewest splits of equals:
     a second, part-filled wave of one-warp programs runs at a fraction of the bandwidth (H200 at 580390f, batch
-    96 x 8 KV heads, 2 splits: 1,536 programs on 1,452 or fewer resident, the mixed and raw specialisations
-    0.85x and 0.73x FlashInfer, the all-compressed one, 13 per SM, 1.30x)."""
+    96 x 8 KV heads, 2 splits: 1,536 programs on 1,320 resident, 10 per SM, the mixed and raw specialisations
+    0.85x and 0.73x FlashInfer; the all-compressed one, 13 per SM, 1.30x)."""
     base = max(1, min(max_splits, math.ceil(slots / programs)))
     if not fill_waves:
         if resident is None:

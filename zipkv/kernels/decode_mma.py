@@ -43,8 +43,8 @@ and read per unit, and the scores are two mma over the key halves (channels 0-63
 half's words are live at once: MIXED 144 registers (239 with q in registers and one key operand), COMPRESSED
 146, RAW 154. Measured on the H200 (8192 x 64, Llama-3.1-8B shape, one run of all versions, commit
 f696912's working tree): MIXED on the measured mix 413 us (the previous version 453, FlashInfer TC 495 in an
-earlier run of the same session), on all-compressed pages 391 us (was 414); COMPRESSED unchanged (378). The latency chapter's run at
-580390f: 421 us on the measured mix, 1.18x FlashInfer TC.
+earlier run of the same session), on all-compressed pages 391 us (was 414); COMPRESSED unchanged (378). The
+latency chapter's run at 580390f: 421 us on the measured mix, 1.18x FlashInfer TC.
 
 The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
 requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
