@@ -51,7 +51,8 @@ def test_all_bit_patterns_raw_blocks(d):
     for layout in F.LAYOUTS:
         payload, meta = F.pack(pages, layout)
         assert not bool(meta.compressed.any())
-        assert torch.equal(payload.view(-1, F.n_blocks(d), 1024), bits(F.to_blocks(pages, layout)).view(torch.uint8))
+        stored = payload.view(-1, F.n_blocks(d), 1024).view(torch.int16)
+        assert torch.equal(stored[..., F.raw_index(layout)], bits(F.to_blocks(pages, layout)))
         assert torch.equal(bits(F.unpack(payload, meta)), bits(pages))
 
 
@@ -77,7 +78,8 @@ def test_eligibility_rule(emin, emax, ok):
         if ok:
             assert meta.base.tolist() == [emin & ~1] * 4
         else:
-            assert torch.equal(payload.view(4, 1024), bits(F.to_blocks(page, layout)).view(torch.uint8))
+            stored = payload.view(4, 1024).view(torch.int16)
+            assert torch.equal(stored[:, F.raw_index(layout)], bits(F.to_blocks(page, layout)))
         assert torch.equal(bits(F.unpack(payload, meta)), bits(page))
 
 
@@ -107,8 +109,9 @@ def test_block_offsets_and_mixed_page():
         assert meta.compressed.tolist() == [False, True, False, True]
         assert meta.block_offsets().tolist() == [0, 1024, 1792, 2816]
         assert int(meta.nbytes) == 3584
-        assert torch.equal(payload[:1024], bits(bad).view(torch.uint8))
-        assert torch.equal(payload[1792:2816], bits(bad).view(torch.uint8))
+        at = F.raw_index(layout)
+        assert torch.equal(payload[:1024].view(torch.int16)[at], bits(bad))
+        assert torch.equal(payload[1792:2816].view(torch.int16)[at], bits(bad))
         assert bool((payload[3584:] == 0).all())
         assert torch.equal(bits(F.unpack(payload, meta)), bits(page))
         # a payload trimmed to the used bytes unpacks too
@@ -162,6 +165,25 @@ def test_layout_arrangement():
     assert torch.equal(cb[0, 32:64], idx[1, :32])
     for layout in F.layouts_for(d):
         assert torch.equal(F.from_blocks(F.to_blocks(page, layout), layout, d), page)
+
+
+def test_raw_piece_order():
+    """A raw block's 16-byte pieces: in position order for the token and channel layouts; for the mma layouts
+    the piece a lane copies for ring tile u sits where a compressed block's bytes for that lane and tile do
+    (keys 256u + 16l, values 128u + 16m) and holds values that lane's compressed low-byte run holds."""
+    for layout in ("token", "channel"):
+        assert torch.equal(F.raw_index(layout), torch.arange(512))
+    for layout, lanes, tile_bytes, run_bytes in (("k_mma", 16, 256, 256), ("v_mma", 8, 128, 128)):
+        at = F.raw_index(layout)
+        assert sorted(at.tolist()) == list(range(512))
+        where = torch.empty(512, dtype=torch.int64)
+        where[at] = torch.arange(512)                                   # bf16 index -> position stored there
+        for u in range(1024 // tile_bytes):
+            for lane in range(lanes):
+                q0 = (tile_bytes * u + 16 * lane) // 2
+                pos = where[q0: q0 + 8]
+                low = run_bytes * (u // 2) + 16 * lane                   # the lane's low bytes in half / chunk u // 2
+                assert torch.equal(pos, torch.arange(low + 8 * (u % 2), low + 8 * (u % 2) + 8)), (layout, u, lane)
 
 
 def test_mma_layout_arrangement():

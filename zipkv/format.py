@@ -57,7 +57,16 @@ Byte order of one block (little-endian everywhere):
   code bytes rebuild eight BF16 values). Mma layouts: code byte ``512 + i`` (``i`` = 0..255)
   holds the codes of values ``i`` (low nibble) and ``i + 256`` (high nibble), so a thread's 16
   code bytes sit beside its two 16-byte runs of low bytes.
-* raw (1024 bytes): value ``p`` as little-endian bf16 at bytes ``2p, 2p+1``.
+* raw (1024 bytes): value ``p`` as little-endian bf16 at bytes ``2q, 2q+1``, ``q = raw_index(layout)[p]``:
+  ``q = p`` for the token and channel layouts. The mma layouts store a raw block's 16-byte pieces (8
+  values, ``P = p >> 3``) so that the pieces a kernel's lanes copy with one instruction are back to back:
+  ``k_mma`` within each half of 32 pieces, piece ``2l + s`` at ``s * 16 + l`` (lane ``l`` = the low-byte
+  run it reads in a compressed block, ``s`` its first or second 8 values); ``v_mma`` within each chunk of 16
+  pieces, ``2m + s`` at ``s * 8 + m``. The 16 bytes a lane copies for ring tile ``u`` then sit at the same
+  offset of a raw and of a compressed block (keys ``256u + 16l``, values ``128u + 16m``), so one address
+  serves both kinds (:mod:`zipkv.kernels.decode_mma`), and a copy instruction reads whole 32-byte sectors
+  (with each lane's 32 bytes contiguous, as ``2p`` would store them, every instruction read half sectors
+  and a warp's raw rows cost one L2 request per lane: measured on the H200, 2x slower than their bytes).
 
 Page payload (``pack``): one fixed slot of ``32 * head_dim`` bytes per page (the raw
 size). Blocks are stored in order ``j = 0, 1, ...`` back to back from the start of the
@@ -80,7 +89,7 @@ import torch
 
 __all__ = [
     "PAGE_TOKENS", "BLOCK_VALUES", "NO_CARRY_BASE", "LAYOUTS", "MMA_LAYOUTS", "HEAD_DIMS", "PageMeta", "CacheStats",
-    "n_blocks", "page_bytes", "layouts_for", "mma_index", "to_pages", "to_blocks", "from_blocks", "eligible",
+    "n_blocks", "page_bytes", "layouts_for", "mma_index", "raw_index", "to_raw", "from_raw", "to_pages", "to_blocks", "from_blocks", "eligible",
     "pack", "unpack", "cache_stats",
 ]
 
@@ -210,6 +219,39 @@ def _mma_index(layout: str, head_dim: int) -> torch.Tensor:
     if head_dim == 64:                       # (virtual token, channel c of 128) -> token 2t + c6, channel c % 64
         return (2 * t + (c >> 6)) * 64 + (c & 63)
     return t * MMA_HEAD_DIM + c
+
+
+def raw_index(layout: str) -> torch.Tensor:
+    """int64 ``[512]``: the bf16 index inside a raw block at which position ``p`` is stored (module docstring:
+    the identity for the token and channel layouts, a permutation of 16-byte pieces for the mma layouts)."""
+    return _raw_index(_check_layout(layout))
+
+
+@functools.lru_cache(maxsize=8)
+def _raw_index(layout: str) -> torch.Tensor:
+    p = torch.arange(BLOCK_VALUES)
+    if layout not in MMA_LAYOUTS:
+        return p
+    piece, run = p >> 3, 32 if layout == "k_mma" else 16          # pieces per group: key half, value chunk
+    moved = (piece & -run) | (piece & 1) * (run // 2) | ((piece >> 1) & (run // 2 - 1))
+    return moved << 3 | (p & 7)
+
+
+@functools.lru_cache(maxsize=8)
+def _raw_positions(layout: str) -> torch.Tensor:
+    """int64 ``[512]``: the position stored at each bf16 index of a raw block (the inverse of :func:`raw_index`)."""
+    return torch.argsort(_raw_index(layout))
+
+
+def to_raw(blocks: torch.Tensor, layout: str) -> torch.Tensor:
+    """Blocks ``[..., 512]`` (any 2-byte dtype) in position order -> the raw byte order of ``layout``
+    (:func:`raw_index`); a new tensor."""
+    return blocks[..., _raw_positions(_check_layout(layout)).to(blocks.device)]
+
+
+def from_raw(raw: torch.Tensor, layout: str) -> torch.Tensor:
+    """Inverse of :func:`to_raw`: raw blocks ``[..., 512]`` -> position order; a new tensor."""
+    return raw[..., raw_index(layout).to(raw.device)]
 
 
 def _exponent_view(pages: torch.Tensor, layout: str):
@@ -344,7 +386,8 @@ def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Ten
     else:                                                            # values 8m + k, 8m + 4 + k
         code = code.reshape(*lead, nb, 64, 2, 4)
         codes = (code[..., 0, :] | (code[..., 1, :] << 4)).reshape(*lead, nb, 256)
-    buf = torch.where(comp[..., None], torch.cat([low, codes, codes], -1), raw)
+    stored = to_raw(raw.view(torch.int16), layout).view(torch.uint8)
+    buf = torch.where(comp[..., None], torch.cat([low, codes, codes], -1), stored)
     meta = PageMeta(layout, d, comp, base)
     dst = _unit_map(meta)                                            # [..., nb*4]
     dst = dst.reshape(-1, 4 * nb)
@@ -427,7 +470,8 @@ def unpack(payload: torch.Tensor, meta: PageMeta) -> torch.Tensor:
     _check_no_carry(meta, code)
     high = ((code >> 3) << 7) | ((meta.base >> 1)[..., None] + (code & 7))
     rebuilt = torch.stack([low, high], -1).reshape(*lead, nb, RAW_BLOCK_BYTES)
-    x = torch.where(meta.compressed[..., None], rebuilt, buf).contiguous()
+    raw = from_raw(buf.view(torch.int16), meta.layout).view(torch.uint8)
+    x = torch.where(meta.compressed[..., None], rebuilt, raw).contiguous()
     return from_blocks(x.view(torch.bfloat16), meta.layout, d)
 
 

@@ -147,7 +147,8 @@ def pack_slots_reference(pool: torch.Tensor, offsets: torch.Tensor, head_dim: in
     addresses of raw slots. Returns the metadata bytes uint8 ``[n, n_blocks]``."""
     pb, nb = fmt.page_bytes(head_dim), fmt.n_blocks(head_dim)
     idx = offsets[:, None] + torch.arange(pb, device=pool.device)
-    blocks = pool[idx].view(torch.bfloat16).reshape(-1, nb, fmt.BLOCK_VALUES)
+    stored = pool[idx].view(torch.bfloat16).reshape(-1, nb, fmt.BLOCK_VALUES)
+    blocks = fmt.from_raw(stored, layout)
     payload, meta = fmt.pack(fmt.from_blocks(blocks, layout, head_dim), layout)
     pool[idx] = payload
     return meta.packed()
@@ -235,9 +236,10 @@ class KVMemory:
     # ------------------------------------------------------------------ capacity
 
     def _slot_positions(self, layout):
-        """int64 ``[16, head_dim]``: bf16 position inside a raw page-head slot of each (token, channel)."""
+        """int64 ``[16, head_dim]``: bf16 index inside a raw page-head slot of each (token, channel)
+        (:func:`zipkv.format.raw_index`: where a raw block stores each position)."""
         nb = fmt.n_blocks(self.head_dim)
-        pos = torch.arange(nb * fmt.BLOCK_VALUES).reshape(nb, fmt.BLOCK_VALUES)
+        pos = torch.arange(nb)[:, None] * fmt.BLOCK_VALUES + fmt.raw_index(layout)
         return fmt.from_blocks(pos, layout, self.head_dim).to(self.device)
 
     def _layer_free_slots(self, layer):

@@ -28,20 +28,20 @@ computed; full units run without a token mask, the last unit of a range after th
   128 (``high = sign << 7 | (64 + offset)``: one ``or`` per 4 values, no per-block operand) and undoes
   it exactly with a power of two per token: ``2^(b - 128)`` on the scores for keys, on P for values (a
   block with b = 0 gets 0: exact for an all-zero block; a value below 2^-126 would be flushed).
-* RAW: raw blocks (bf16 in block position order): the uncompressed baseline, the same kernel with
-  compression switched off.
+* RAW: raw blocks (bf16 in the raw byte order of :func:`zipkv.format.raw_index`): the uncompressed
+  baseline, the same kernel with compression switched off.
 * MIXED: any unit, each block as stored, in a ring slot of raw size. Each block covers fixed rows of the
   operand tiles (keys: the 4 token rows of the block; values: one of the 4 block rows of every value
-  chunk), the slot holds each block's stored bytes in the rows it covers (:func:`_issue_mixed`: only
-  stored bytes are read), is read as 32-bit words, and one word-wise select per 4 values takes the
+  chunk), the slot holds each block's stored bytes in the rows it covers (:func:`_issue`: one address per
+  tile for both kinds, only stored bytes are read), is read as 32-bit words, and one word-wise select per 4 values takes the
   rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. There is no per-unit
   branch: a warp-uniform shortcut for units whose blocks are all compressed kept two versions of the
   operands live (205 registers instead of 144) and was slower on every measured mix.
 
 Registers (offline, sm_90a, :func:`zipkv.kernels.kernel_info.decode_mma_info`): q is kept in shared memory
 and read per unit, and the scores are two mma over the key halves (channels 0-63, 64-127), so only one
-half's words are live at once: MIXED 144 registers (239 with q in registers and one key operand), COMPRESSED
-146, RAW 154. Measured on the H200 (8192 x 64, Llama-3.1-8B shape, one run of all versions, commit
+half's words are live at once: MIXED 140 registers (239 with q in registers and one key operand), COMPRESSED
+146, RAW 144. Measured on the H200 (8192 x 64, Llama-3.1-8B shape, one run of all versions, commit
 f696912's working tree): MIXED on the measured mix 413 us (the previous version 453, FlashInfer TC 495 in an
 earlier run of the same session), on all-compressed pages 391 us (was 414); COMPRESSED unchanged (378). The
 latency chapter's run at 580390f: 421 us on the measured mix, 1.18x FlashInfer TC.
@@ -84,15 +84,15 @@ def launch_config(path: str, gpu_name: str | None = None, head_dim: int = 128) -
     return {**MMA_LAUNCH, **tuning.tuned(gpu_name, path, kernel="gluon", head_dim=head_dim)}
 MAX_REGISTERS = 160
 """Registers per thread that every specialisation of the pipelined kernel stays within (offline, sm_90a:
-144-154; the CPU tests compile them and check): with :func:`shared_bytes`, how many programs an SM holds at
+140-148; the CPU tests compile them and check): with :func:`shared_bytes`, how many programs an SM holds at
 once (:func:`resident_per_sm`)."""
 
 
 def shared_bytes(kind: int, slots: int) -> int:
     """Shared memory of one program of the pipelined kernel of page kind ``kind`` with ``slots`` ring slots
-    (bytes): the ring (:func:`_rings`: per slot COMPRESSED 3 + 6, RAW 2 + 4 bf16, MIXED 4 + 8 tiles), the
+    (bytes): the ring (:func:`_rings`: per slot COMPRESSED 3 + 6, RAW and MIXED 4 + 8 tiles), the
     per-token scales, MIXED's block flags and q's two halves."""
-    ring = {paged.COMPRESSED: 3 * 1024 + 6 * 512, paged.RAW: 2 * 2048 + 4 * 1024, paged.MIXED: 4 * 1024 + 8 * 512}
+    ring = {paged.COMPRESSED: 3 * 1024 + 6 * 512, paged.RAW: 4 * 1024 + 8 * 512, paged.MIXED: 4 * 1024 + 8 * 512}
     flags = slots * (16 + 4) * 4 if kind == paged.MIXED else 0
     return slots * (ring[kind] + 2 * 16 * 4) + flags + 2 * 16 * 64 * 2
 
@@ -348,79 +348,32 @@ def _tile_indices():
 
 
 @gluon.jit
-def _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd):
-    """cp.async of a page's compressed blocks into ring ``slot``: keys as 3 tiles ``[16, 4, 16]`` (low
-    bytes of channel bit 6 = 0, 1; codes), values as 6 chunks ``[4, 8, 16]`` (low bytes of channel bits
-    (5, 6) = c; codes of bit 5 = c - 4); 16 contiguous bytes per thread and copy."""
-    kt, kq, kj, vm, vr = _tile_indices()
-    k_in = (kq * 16)[None, :, None] + kj[None, None, :]
-    v_in = (vm * 16)[None, :, None] + vr[None, None, :]
-    ka = pool_ptr + gl.multiple_of((kd >> 8) + (kt % 4) * 64, 16)[:, None, None] + k_in
-    va = pool_ptr + gl.multiple_of(vd >> 8, 256)[:, None, None] + v_in
-    for c in gl.static_range(3):
-        async_copy.async_copy_global_to_shared(kbuf[c].index(slot), ka + c * 256)
-    for c in gl.static_range(6):
-        async_copy.async_copy_global_to_shared(vbuf[c].index(slot), va + c * 128)
-
-
-@gluon.jit
-def _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd):
-    """cp.async of a page's raw blocks (bf16 in position order: the compressed copies' indices in 2-byte
-    units) into ring ``slot``: keys as 2 tiles ``[16, 4, 16]``, values as 4 chunks ``[4, 8, 16]``."""
-    kt, kq, kj, vm, vr = _tile_indices()
-    k_in = (kq * 16)[None, :, None] + kj[None, None, :]
-    v_in = (vm * 16)[None, :, None] + vr[None, None, :]
-    pool16 = pool_ptr.to(gl.pointer_type(gl.bfloat16))
-    ka = pool16 + gl.multiple_of((kd >> 9) + (kt % 4) * 64, 8)[:, None, None] + k_in
-    va = pool16 + gl.multiple_of(vd >> 9, 128)[:, None, None] + v_in
-    for c in gl.static_range(2):
-        async_copy.async_copy_global_to_shared(kbuf[c].index(slot), ka + c * 256)
-    for c in gl.static_range(4):
-        async_copy.async_copy_global_to_shared(vbuf[c].index(slot), va + c * 128)
-
-
-@gluon.jit
-def _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd):
-    """cp.async of a page of any blocks into ring ``slot`` of raw size: keys as 4 tiles ``[16, 4, 16]``, values
-    as 8 chunks ``[4, 8, 16]`` of bytes. A compressed key row fills tiles 0-2 (low bytes of channel bit 6 = 0,
-    1; codes), a raw one tiles 0-1 (its bf16 of channel bit 6 = 0) and 2-3 (bit 6 = 1); a compressed value
-    block row fills chunks 0-5 as the compressed ring, a raw one chunk 2c + i with bytes 16i.. of its bf16
-    chunk c. Only stored bytes are read. Both kinds' tile addresses are ``row + 512 (u // 2) + (u % 2) step``
-    for keys (``256 (u // 2)`` for values) with a per-row start and step: two row values and immediates, not a
-    select per tile (a select per tile kept ~25 more registers live)."""
-    kt, kq, kj, vm, vr = _tile_indices()
-    kc = _compressed(kd)
-    vc = _compressed(vd)
-    ki = kc.to(gl.int64)
-    vi = vc.to(gl.int64)
-    krow = ((kd >> 8) + (kt % 4) * (128 - 64 * ki))[:, None, None] + (kq[None, :] * (32 - 16 * ki)[:, None])[:, :, None]
-    krow = gl.multiple_of(krow, [16, 16, 16])
-    kstep = gl.multiple_of((16 + 240 * ki)[:, None, None], [16, 16, 16])         # compressed 256, raw 16
-    vrow = gl.multiple_of((vd >> 8)[:, None, None] + (vm[None, :] * (32 - 16 * vi)[:, None])[:, :, None], [16, 16, 16])
-    vstep = gl.multiple_of((16 + 112 * vi)[:, None, None], [16, 16, 16])         # compressed 128, raw 16
-    for u in gl.static_range(4):
-        kptr = pool_ptr + (krow + ((u // 2) * 512 + (u % 2) * kstep)) + kj[None, None, :]
-        if u == 3:
-            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr, mask=~kc[:, None, None])
-        else:
-            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), kptr)
-    for u in gl.static_range(8):
-        vptr = pool_ptr + (vrow + ((u // 2) * 256 + (u % 2) * vstep)) + vr[None, None, :]
-        if u >= 6:
-            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr, mask=~vc[:, None, None])
-        else:
-            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), vptr)
-
-
-@gluon.jit
 def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexpr):
-    """cp.async of one page into ring ``slot`` (MIXED: its block flags into ``kflags`` / ``vflags``)."""
-    if KIND == COMPRESSED:
-        _issue_compressed(pool_ptr, kbuf, vbuf, slot, kd, vd)
-    elif KIND == RAW:
-        _issue_raw(pool_ptr, kbuf, vbuf, slot, kd, vd)
-    else:
-        _issue_mixed(pool_ptr, kbuf, vbuf, slot, kd, vd)
+    """cp.async of one page into ring ``slot``, 16 contiguous bytes per thread and copy, the same addresses for
+    both kinds of block (:func:`zipkv.format.raw_index`): key tile u ``[16, 4, 16]`` at byte ``256u + 64 (t % 4)
+    + 16 q`` of each token row's block, value chunk u ``[4, 8, 16]`` at ``128u + 16 m`` of each block row's
+    block. A compressed block fills key tiles 0-2 (low bytes of channel bit 6 = 0, 1; codes) and value chunks
+    0-5 (low bytes of channel bits (5, 6) = c; codes of bit 5 = c - 4); a raw one key tiles 0-3 (2 h + s: the
+    first or second 8 bf16 of each lane's 16 in channel half h) and value chunks 0-7 (2 c + s, of chunk c).
+    COMPRESSED copies 3 + 6 tiles, RAW 4 + 8, MIXED 4 + 8 with tile 3 and chunks 6-7 masked off for compressed
+    blocks (and its block flags into ``kflags`` / ``vflags``): only stored bytes are read."""
+    kt, kq, kj, vm, vr = _tile_indices()
+    ka = pool_ptr + gl.multiple_of((kd >> 8) + (kt % 4) * 64, 16)[:, None, None] + ((kq * 16)[None, :, None]
+                                                                                    + kj[None, None, :])
+    va = pool_ptr + gl.multiple_of(vd >> 8, 256)[:, None, None] + ((vm * 16)[None, :, None] + vr[None, None, :])
+    KT: gl.constexpr = 3 if KIND == COMPRESSED else 4
+    VT: gl.constexpr = 6 if KIND == COMPRESSED else 8
+    for u in gl.static_range(KT):
+        if KIND == MIXED and u == 3:
+            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), ka + u * 256, mask=~_compressed(kd)[:, None, None])
+        else:
+            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), ka + u * 256)
+    for u in gl.static_range(VT):
+        if KIND == MIXED and u >= 6:
+            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), va + u * 128, mask=~_compressed(vd)[:, None, None])
+        else:
+            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), va + u * 128)
+    if KIND == MIXED:
         kflags.index(slot).store(_compressed(kd).to(gl.int32))
         vflags.index(slot).store(_compressed(vd).to(gl.int32))
 
@@ -460,7 +413,8 @@ def _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND: gl.constexpr, LAST: gl
     if KIND == COMPRESSED:
         k = _rebuild128(kbuf[HALF].index(slot).load(K_REGS), kbuf[2].index(slot).load(K_REGS), HALF == 1)
     elif KIND == RAW:
-        k = kbuf[HALF].index(slot).load(K_REGS)
+        k = _words_to_values(*_raw_pairs(_words(kbuf[2 * HALF], slot, K_WORDS), _words(kbuf[2 * HALF + 1], slot, K_WORDS),
+                                         K_WORDS), K_REGS)
     else:
         k = _mixed_key_half(kbuf, kflags, slot, HALF)
     kop = _key_operand(k)
@@ -468,6 +422,17 @@ def _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND: gl.constexpr, LAST: gl
         if valid_a + valid_b < 32:   # raw bytes past a partial page may be any bf16 (inf, nan); a key row holds
             kop = gl.where(_valid_key_entries(valid_a, valid_b, HALF), kop, 0.0)  # two tokens: 0 x inf = nan
     return kop
+
+
+@gluon.jit
+def _raw_values(vbuf, slot):
+    """RAW page in ring ``slot`` -> the four bf16 value chunks (chunk c from byte tiles 2c, 2c + 1)."""
+    a0, b0 = _raw_pairs(_words(vbuf[0], slot, V_WORDS), _words(vbuf[1], slot, V_WORDS), V_WORDS)
+    a1, b1 = _raw_pairs(_words(vbuf[2], slot, V_WORDS), _words(vbuf[3], slot, V_WORDS), V_WORDS)
+    a2, b2 = _raw_pairs(_words(vbuf[4], slot, V_WORDS), _words(vbuf[5], slot, V_WORDS), V_WORDS)
+    a3, b3 = _raw_pairs(_words(vbuf[6], slot, V_WORDS), _words(vbuf[7], slot, V_WORDS), V_WORDS)
+    return (_words_to_values(a0, b0, V_REGS), _words_to_values(a1, b1, V_REGS),
+            _words_to_values(a2, b2, V_REGS), _words_to_values(a3, b3, V_REGS))
 
 
 @gluon.jit
@@ -510,8 +475,7 @@ def _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_s
     if KIND == COMPRESSED:
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
     elif KIND == RAW:
-        v0, v1 = vbuf[0].index(slot).load(V_REGS), vbuf[1].index(slot).load(V_REGS)
-        v2, v3 = vbuf[2].index(slot).load(V_REGS), vbuf[3].index(slot).load(V_REGS)
+        v0, v1, v2, v3 = _raw_values(vbuf, slot)
     else:
         v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot)
     vop = _value_operand(v0, v1, v2, v3)
@@ -530,7 +494,7 @@ def _ring(ELEM: gl.constexpr, SLOTS: gl.constexpr, SHAPE: gl.constexpr):
 @gluon.jit
 def _rings(KIND: gl.constexpr, SLOTS: gl.constexpr):
     """The ring of one specialisation: a tuple of key tiles ``[SLOTS, 16, 4, 16]`` and one of value chunks
-    ``[SLOTS, 4, 8, 16]`` (COMPRESSED 3 + 6 of bytes, RAW 2 + 4 of bf16, MIXED 4 + 8 of bytes), one
+    ``[SLOTS, 4, 8, 16]`` of bytes (COMPRESSED 3 + 6, RAW and MIXED 4 + 8), one
     allocation each: copies into different allocations need no barrier between them (Triton's barrier
     pass sees one allocation as one buffer)."""
     KT: gl.constexpr = [16, 4, 16]
@@ -540,10 +504,6 @@ def _rings(KIND: gl.constexpr, SLOTS: gl.constexpr):
         kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
         vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC),
                 _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
-    elif KIND == RAW:
-        E: gl.constexpr = gl.bfloat16
-        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
-        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
     else:
         E: gl.constexpr = gl.uint8
         kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))

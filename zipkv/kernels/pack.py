@@ -4,9 +4,9 @@ Bit-identical to :func:`zipkv.format.pack` (payload slot and metadata byte
 ``flag << 7 | b >> 1``; byte order in ``zipkv.format``'s docstring). One program handles
 ``pages_per_program`` whole pages, i.e. ``BLK = pages * n_blocks`` blocks, as an int32
 ``[BLK, 64, 4]`` tile: block, group ``m`` of 8 values (``8m .. 8m+7``), bf16 pair word.
-A group is 16 contiguous source bytes in either layout (token layout: bytes ``16m`` of the
-block; channel layout from a plain page: 8 channels of one token), so every load is one
-16-byte vector per thread. Everything after is 32-bit SWAR on those words, in registers:
+A group is 16 contiguous source bytes in every layout (token layout: bytes ``16m`` of the
+block; channel layout from a plain page: 8 channels of one token; mma layouts: the raw block's
+piece that :func:`zipkv.format.raw_index` puts it in), so every load is one 16-byte vector per thread. Everything after is 32-bit SWAR on those words, in registers:
 
 * exponent min / max per block: two reductions over the block's 256 words
   (``(x >> 7) & 0xFF`` and ``(x >> 23) & 0xFF``);
@@ -56,8 +56,13 @@ def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
     dst_w = tl.multiple_of(tl.load(dst_off_ptr + page, mask=ok, other=0) // 4, 64)
     m = tl.arange(0, 64)[None, :, None]
     w = tl.arange(0, 4)[None, None, :]
+    if LAYOUT >= 2:                            # mma layouts: group m's 16 bytes are raw piece `piece`
+        run: tl.constexpr = 32 if LAYOUT == 2 else 16  # (zipkv.format.raw_index: key halves, value chunks)
+        piece = (m & -run) | (m & 1) * (run // 2) | ((m >> 1) & (run // 2 - 1))
+    else:
+        piece = m
     if SRC_PACKED or LAYOUT == 0:              # raw block order: block j = words 256j ..
-        row = (j * 256)[:, None, None] + 4 * m
+        row = (j * 256)[:, None, None] + 4 * piece
     else:                                      # plain page, channel layout: token m // 4, channels 32j + 8 (m % 4) ..
         row = (j * 16)[:, None, None] + (m // 4) * (D // 2) + 4 * (m % 4)
     okb = ok[:, None, None]
@@ -102,7 +107,7 @@ def _pack_kernel(src_ptr, src_off_ptr, dst_ptr, dst_off_ptr, meta_ptr, n_pages,
     tl.store(dst[:, :, None] + 2 * m2[:, :, None] + tl.arange(0, 2)[None, None, :],
              tl.join(L0, L1), mask=cm[:, None, None])
     tl.store(dst + 128 + m2, codes, mask=cm[:, None])
-    tl.store(dst[:, :, None] + 4 * m + w, X, mask=rm[:, None, None])
+    tl.store(dst[:, :, None] + 4 * piece + w, X, mask=rm[:, None, None])
     mbyte = tl.where(comp, 128 + base_hi, 0)
     tl.store(meta_ptr + page * NB + j, mbyte.to(tl.uint8), mask=ok)
 
@@ -256,7 +261,7 @@ def pack_pages(pages: torch.Tensor, layout: str = "token", *, out: torch.Tensor 
     off = torch.arange(n, dtype=torch.int64, device=pages.device) * pb
     mma = layout in fmt.MMA_LAYOUTS
     if mma:                                    # into block order first (a gather), then as raw slots
-        blocks = fmt.to_blocks(pages, layout).contiguous().view(-1)
+        blocks = fmt.to_raw(fmt.to_blocks(pages, layout), layout).contiguous().view(-1)
         if out.data_ptr() == pages.data_ptr():
             pages.view(-1).copy_(blocks)
             blocks = pages.view(-1)
