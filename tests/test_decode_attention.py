@@ -80,8 +80,8 @@ def poison_past_last_token(cache, indptr, indices, last_page_len):
     for b in range(indptr.numel() - 1):
         page, n = int(indices[int(indptr[b + 1]) - 1]), int(last_page_len[b])
         for kv, layout in enumerate((cache.k_layout, cache.v_layout)):
-            pos = fmt.from_blocks(torch.arange(nb * fmt.BLOCK_VALUES).reshape(nb, fmt.BLOCK_VALUES), layout,
-                                  cache.head_dim)[n:].reshape(-1).to(pool.device)   # slot positions of tokens >= n
+            at = torch.arange(nb)[:, None] * fmt.BLOCK_VALUES + fmt.raw_index(layout)   # raw bf16 index per position
+            pos = fmt.from_blocks(at, layout, cache.head_dim)[n:].reshape(-1).to(pool.device)   # tokens >= n
             for h in range(cache.kv_heads):
                 d = cache.desc[page, kv, h]
                 assert not (d & 0x80).any(), "the last page must be raw"
