@@ -203,7 +203,12 @@ def _wave_text(table: pd.DataFrame, ctx: int, batch: int) -> str:
     per_sm = decode_mma.resident_per_sm(paged.MIXED, stages)
     programs = batch * kv_heads * int(row.num_splits)
     if programs <= per_sm * sms:
-        return ""
+        more = programs // int(row.num_splits) * (int(row.num_splits) + 1)
+        return (f" The slowest, {ctx} × {batch} ({row.speedup_vs_flashinfer_tc:.2f}×), ran {int(row.num_splits)} "
+                f"split{'s' if row.num_splits > 1 else ''}: {programs:,} one-warp programs, {programs / sms:.1f} per SM "
+                f"of the {per_sm} an SM holds (\"Inside the kernels\"), so fewer copies are in flight than at the other "
+                f"points; one more split would launch {more:,}, more than the {per_sm * sms:,} the H200 holds at once "
+                f"(a second, part-filled wave). It reads at {row.tbps:.2f} TB/s.")
     now = split_count(batch * kv_heads, decode_mma.MMA_LAUNCH["programs_per_sm"] * sms, ctx // 16, fill_waves=False,
                       resident=per_sm * sms)
     return (f" The slowest, {ctx} × {batch} ({row.speedup_vs_flashinfer_tc:.2f}×), ran {int(row.num_splits)} splits: "
