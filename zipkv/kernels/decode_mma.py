@@ -41,10 +41,10 @@ computed; full units run without a token mask, the last unit of a range after th
 Registers (offline, sm_90a, :func:`zipkv.kernels.kernel_info.decode_mma_info`): q is kept in shared memory
 and read per unit, and the scores are two mma over the key halves (channels 0-63, 64-127), so only one
 half's words are live at once: MIXED 140 registers (239 with q in registers and one key operand), COMPRESSED
-146, RAW 144. Measured on the H200 (8192 x 64, Llama-3.1-8B shape, one run of all versions, commit
-f696912's working tree): MIXED on the measured mix 413 us (the previous version 453, FlashInfer TC 495 in an
-earlier run of the same session), on all-compressed pages 391 us (was 414); COMPRESSED unchanged (378). The
-latency chapter's run at 580390f: 421 us on the measured mix, 1.18x FlashInfer TC.
+146, RAW 144. Measured on the H200 (8192 x 64, Llama-3.1-8B shape): the latency chapter's run at 4e83dc7,
+MIXED on the measured mix 408 us (1.21x FlashInfer TC), COMPRESSED 378 us; a sweep of the compressed share at
+048123b, MIXED on all-raw pages 483 us and RAW 479 us, where with each lane's raw bytes contiguous (the raw
+order before :func:`zipkv.format.raw_index`) they took 1078 us and 498 us.
 
 The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
 requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
