@@ -89,8 +89,8 @@ import torch
 
 __all__ = [
     "PAGE_TOKENS", "BLOCK_VALUES", "NO_CARRY_BASE", "LAYOUTS", "MMA_LAYOUTS", "HEAD_DIMS", "PageMeta", "CacheStats",
-    "n_blocks", "page_bytes", "layouts_for", "mma_index", "raw_index", "to_raw", "from_raw", "to_pages", "to_blocks", "from_blocks", "eligible",
-    "pack", "unpack", "cache_stats",
+    "n_blocks", "page_bytes", "layouts_for", "mma_index", "raw_index", "to_raw", "from_raw", "to_pages", "to_blocks",
+    "from_blocks", "eligible", "pack", "unpack", "cache_stats",
 ]
 
 PAGE_TOKENS = 16

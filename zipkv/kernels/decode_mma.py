@@ -33,8 +33,8 @@ computed; full units run without a token mask, the last unit of a range after th
 * MIXED: any unit, each block as stored, in a ring slot of raw size. Each block covers fixed rows of the
   operand tiles (keys: the 4 token rows of the block; values: one of the 4 block rows of every value
   chunk), the slot holds each block's stored bytes in the rows it covers (:func:`_issue`: one address per
-  tile for both kinds, only stored bytes are read), is read as 32-bit words, and one word-wise select per 4 values takes the
-  rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. There is no per-unit
+  tile for both kinds, only stored bytes are read), is read as 32-bit words, and one word-wise select per 4
+  values takes the rebuilt or the raw bf16 pairs (:func:`_select_words`); a raw token's scale is 1. There is no per-unit
   branch: a warp-uniform shortcut for units whose blocks are all compressed kept two versions of the
   operands live (205 registers instead of 144) and was slower on every measured mix.
 
@@ -365,12 +365,14 @@ def _issue(pool_ptr, kbuf, vbuf, kflags, vflags, slot, kd, vd, KIND: gl.constexp
     VT: gl.constexpr = 6 if KIND == COMPRESSED else 8
     for u in gl.static_range(KT):
         if KIND == MIXED and u == 3:
-            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), ka + u * 256, mask=~_compressed(kd)[:, None, None])
+            async_copy.async_copy_global_to_shared(kbuf[u].index(slot), ka + u * 256,
+                                                   mask=~_compressed(kd)[:, None, None])
         else:
             async_copy.async_copy_global_to_shared(kbuf[u].index(slot), ka + u * 256)
     for u in gl.static_range(VT):
         if KIND == MIXED and u >= 6:
-            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), va + u * 128, mask=~_compressed(vd)[:, None, None])
+            async_copy.async_copy_global_to_shared(vbuf[u].index(slot), va + u * 128,
+                                                   mask=~_compressed(vd)[:, None, None])
         else:
             async_copy.async_copy_global_to_shared(vbuf[u].index(slot), va + u * 128)
     if KIND == MIXED:
@@ -413,8 +415,8 @@ def _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND: gl.constexpr, LAST: gl
     if KIND == COMPRESSED:
         k = _rebuild128(kbuf[HALF].index(slot).load(K_REGS), kbuf[2].index(slot).load(K_REGS), HALF == 1)
     elif KIND == RAW:
-        k = _words_to_values(*_raw_pairs(_words(kbuf[2 * HALF], slot, K_WORDS), _words(kbuf[2 * HALF + 1], slot, K_WORDS),
-                                         K_WORDS), K_REGS)
+        ra, rb = _raw_pairs(_words(kbuf[2 * HALF], slot, K_WORDS), _words(kbuf[2 * HALF + 1], slot, K_WORDS), K_WORDS)
+        k = _words_to_values(ra, rb, K_REGS)
     else:
         k = _mixed_key_half(kbuf, kflags, slot, HALF)
     kop = _key_operand(k)

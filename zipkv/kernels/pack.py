@@ -6,7 +6,8 @@ Bit-identical to :func:`zipkv.format.pack` (payload slot and metadata byte
 ``[BLK, 64, 4]`` tile: block, group ``m`` of 8 values (``8m .. 8m+7``), bf16 pair word.
 A group is 16 contiguous source bytes in every layout (token layout: bytes ``16m`` of the
 block; channel layout from a plain page: 8 channels of one token; mma layouts: the raw block's
-piece that :func:`zipkv.format.raw_index` puts it in), so every load is one 16-byte vector per thread. Everything after is 32-bit SWAR on those words, in registers:
+piece that :func:`zipkv.format.raw_index` puts it in), so every load is one 16-byte vector per
+thread. Everything after is 32-bit SWAR on those words, in registers:
 
 * exponent min / max per block: two reductions over the block's 256 words
   (``(x >> 7) & 0xFF`` and ``(x >> 23) & 0xFF``);
