@@ -91,3 +91,18 @@ def test_step_text_says_where_the_idle_time_sits():
     u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
     said = f"the host takes {u.launch_ms:.2f} ms (uncompressed) and 1.14 ms (ZipFusion) to launch each timed replay"
     assert (said in text) == any(ms > 0.1 for ms in short.values()) and "does not place" not in text
+
+
+def test_step_text_reads_the_overlapped_rows_and_says_what_the_sequential_ones_take():
+    import pandas as pd
+    from zipkv import throughput
+    rows = _profiled_rows()
+    seq = rows.assign(step_ms=rows.step_ms + [1.0, 2.0, 3.0, 4.0], overlap=False)
+    steps, _ = throughput.step_table(pd.concat([rows.assign(overlap=True), seq], ignore_index=True))
+    text = throughput.step_text(steps)
+    assert text.startswith(throughput.step_text(throughput.step_table(rows)[0]))     # the overlapped rows, as before
+    last = lambda t, m: t[t.method == m].sort_values("batch").iloc[-1]                # noqa: E731
+    su, sz = last(seq, "uncompressed"), last(seq, "zipfusion")
+    assert f"takes {su.step_ms:.1f} ms uncompressed and {sz.step_ms:.1f} ms ZipFusion " \
+           f"({sz.batch / su.batch * su.step_ms / sz.step_ms:.3f}× tokens/s)" in text
+    assert "overlap=False" not in throughput.step_text(throughput.step_table(rows.assign(overlap=True))[0])

@@ -132,6 +132,43 @@ def test_retraction_and_distilled_prefix_positions(smollm):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("compress,reserve", [("all", 1.0), ("none", 0.2)])
+def test_overlapped_steps_give_the_sequential_tokens(smollm, compress, reserve, monkeypatch):
+    """``overlap=True`` launches each step on the device tokens of the one in flight: with stop tokens met at
+    different steps (the stopped request runs one step more, whose token is dropped), requests admitted later
+    and, under short reservations, retracted while a step is in flight, every request gets the tokens of
+    ``overlap=False`` -- which end at their first stop token -- and the memory comes back empty."""
+    from zipkv import engine as zengine
+    model, prompts = smollm
+    n = 24 if reserve == 1 else 40
+    carried = []
+    run = zengine._StepGraph.run
+
+    def counting_run(self, key, host_inputs, carry=None):
+        carried.append(carry is not None)
+        return run(self, key, host_inputs, carry)
+    monkeypatch.setattr(zengine._StepGraph, "run", counting_run)
+    kw = dict(kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=1 if reserve < 1 else 2,
+              reserve_ratio=reserve)
+    free = Engine(model, eos_token_id=None, overlap=False, **kw).generate(prompts, n).outputs
+    stop = free[2][5]                                    # a token request 2 makes: requests stop at different steps
+    want = [o[: o.index(stop) + 1] if stop in o else o for o in free]
+    assert len({len(w) for w in want}) > 1 and any(len(w) < n for w in want)
+    runs = {}
+    for overlap in (False, True):
+        carried.clear()
+        eng = Engine(model, eos_token_id=stop, overlap=overlap, **kw)
+        res = eng.generate(prompts, n)
+        runs[overlap] = res
+        assert res.outputs == want, overlap
+        assert any(carried) == overlap                   # the device-token path ran only when overlapping
+        mem = res.stats["memory"]
+        assert mem["running"] == 0 and mem["outstanding"] == 0
+        assert all(s["seconds"] > 0 for s in res.stats["steps"])
+    assert (runs[True].stats["retracted"] > 0) == (reserve < 1)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("codec", ["splitzip", "huffman"])
 def test_restore_baselines_greedy_tokens_equal_generate(smollm, codec):
     """The restore-before-attention backends: each request's full prompt pages kept as a codec payload (the

@@ -24,6 +24,13 @@ One step of the loop (:meth:`Engine.generate`):
 3. **After the step**, the pages the step filled are compressed (``compress=True``: the step's reads are
    done) and pending chunks return to the shared pool; finished requests free their pages.
 
+**Overlap** (``overlap=True``, the default; SGLang's overlap scheduler): step n + 1 is prepared and launched
+before the host reads step n's tokens -- its input tokens come from step n's output on the device, its page
+table and slots are host bookkeeping, and every host-to-device copy is non-blocking -- so that host work and
+graph launch hide behind the GPU's step. The host then reads step n's tokens (an event behind step n, not a
+device sync). A step that needs a warm-up or a capture first drains the pipeline. Everything the two steps
+share is ordered on one stream: pages freed while a step is in flight are written again only by later work.
+
 A request's **cache length** (pairs stored) is kept apart from its **position** (tokens it stands for):
 a :class:`Prefix` distilled by KVSculpt holds ``k + m`` pairs for ``N`` tokens; its prompt and outputs
 continue at position ``N``.
@@ -49,7 +56,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zipkv import format as fmt
-from zipkv.memory import KVMemory, free_extent
+from zipkv.memory import KVMemory, copy_to_device, free_extent, to_device
 from zipkv.paged import PagedKVCache, page_kinds_of
 
 __all__ = ["Engine", "Prefix", "GenerateResult"]
@@ -91,6 +98,8 @@ class _Running:
     max_new: int
     out: list = field(default_factory=list)
     position: int = 0                 # position of the next token to feed
+    pending: int = 0                  # launched steps whose token is not read yet
+    epoch: int = 0                    # raised on retraction and retirement: a step in flight then drops its token
     staged: tuple | None = None       # restore baseline: (payload, raw tail KV, first token) of a waiting request
 
 
@@ -152,14 +161,15 @@ class _Restore:
         head = m.slot_bytes * (torch.arange(n_pages)[:, None] * m.kv_heads + torch.arange(m.kv_heads))    # [n, H]
         addr = torch.stack([base + head, base + n_pages * m.kv_heads * m.slot_bytes + head], 1)          # [n, 2, H]
         d = ((addr[..., None] + fmt.RAW_BLOCK_BYTES * torch.arange(fmt.n_blocks(m.head_dim))) << 8).to(m.device)
-        rows = torch.arange(m.max_pages + start, m.max_pages + start + n_pages, device=m.device)
+        host_rows = torch.arange(m.max_pages + start, m.max_pages + start + n_pages)
+        rows = to_device(host_rows, m.device)
         for l in range(m.num_layers):
             m.desc[l][rows] = d
         pool = m.pool
         half = n_pages * m.kv_heads * m.slot_bytes
         views = (pool[base: base + half].view(torch.bfloat16), pool[base + half: base + 2 * half].view(torch.bfloat16))
         self.entries[rid] = dict(start=start, n=n_pages, payload=payload, views=views,
-                                 rows=rows.to(torch.int32), bytes=self.payload_bytes(payload))
+                                 host_rows=host_rows.to(torch.int32), bytes=self.payload_bytes(payload))
         return rows
 
     def release(self, rid) -> None:
@@ -216,26 +226,26 @@ class _Attention:
         return pack
 
     def _host_table(self, rids):
-        """The batch's page table (new tensors): a restored request's buffer pages first, then its raw ones."""
-        indptr, indices, last = self.memory.page_table(rids)
+        """The batch's page table (new device tensors): a restored request's buffer pages first, then its raw ones."""
         if self.restore is None:
-            return indptr, indices, last
+            return self.memory.page_table(rids)
+        indptr, indices, last = self.memory.page_table(rids, device="cpu")
         parts, counts = [], []
         ip = indptr.tolist()
         for i, r in enumerate(rids):
             own = indices[ip[i]: ip[i + 1]]
             e = self.restore.entries.get(r)
-            parts += [e["rows"], own] if e is not None else [own]
+            parts += [e["host_rows"], own] if e is not None else [own]
             counts.append(own.numel() + (e["n"] if e is not None else 0))
-        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32).to(indices.device)
-        return indptr, torch.cat(parts), last
+        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+        return tuple(to_device(x, self.memory.device) for x in (indptr, torch.cat(parts), last))
 
     def plan(self, rids) -> tuple:
         """Bring the static page table up to date for ``rids``; plan again when the composition changed.
         Returns the composition's key (what a captured step graph depends on)."""
         pages = self.memory.changed_pages()                          # flushes this step's new pages first
         if pages and not self.static_kinds:                          # their kinds, all layers at once
-            ids = torch.tensor(pages, dtype=torch.int64, device=self.memory.device)
+            ids = to_device(torch.tensor(pages, dtype=torch.int64), self.memory.device)
             kinds = page_kinds_of(self.memory.desc_all[:, ids])                      # [layers, n, kv_heads]
             for c, k in zip(self.caches, kinds):
                 c.refresh(k, pages=ids)
@@ -245,7 +255,7 @@ class _Attention:
         pages_key = tuple((n + fmt.PAGE_TOKENS - 1) // fmt.PAGE_TOKENS for n in lens)
         if key == self.key and pages_key == self.pages_key:          # same pages: only last_page_len moves
             last = [n - fmt.PAGE_TOKENS * (p - 1) for n, p in zip(lens, pages_key)]
-            self.table[2].copy_(torch.tensor(last, dtype=torch.int32))
+            copy_to_device(self.table[2], torch.tensor(last, dtype=torch.int32))
             return key
         indptr, indices, last = self._host_table(rids)
         if key != self.key:
@@ -291,14 +301,27 @@ class _StepGraph:
         self.step, self.device, self.enabled = step, device, enabled and device.type == "cuda"
         self.key = self.graph = self.failed = None
 
-    def run(self, key, host_inputs: torch.Tensor):
-        """Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"warmup"`` (a composition's
+    def replays(self, key) -> bool:
+        """Whether the next :meth:`run` of composition ``key`` only launches (a graph replay, or an eager step
+        without graphs): no warm-up and no capture, which synchronise."""
+        return not self.enabled or (key == self.key and self.graph is not None)
+
+    def run(self, key, host_inputs: torch.Tensor, carry=None):
+        """Launch the step on ``host_inputs`` (CPU int64 ``[4, batch]``). carry: ``(tokens, src)`` -- the tokens
+        of a step still in flight (device int64) and, per row, the index there of the row's input token, or -1
+        to keep ``host_inputs``' (CPU int64 ``[batch]``): the overlapped engine feeds a step the tokens of the
+        one before it on the device, before the host has them.
+        Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"warmup"`` (a composition's
         first step, eager, before its capture), ``"capture"``, ``"replay"`` or ``"eager"`` (no graphs)."""
         if key != self.key:
             self.key, self.graph, self.warm = key, None, False
             self.inp = torch.empty(host_inputs.shape, dtype=torch.int64, device=self.device)
             self.out = torch.empty(host_inputs.shape[1], dtype=torch.int64, device=self.device)
-        self.inp.copy_(host_inputs)
+        copy_to_device(self.inp, host_inputs)
+        if carry is not None:
+            tokens, src = carry
+            src = to_device(src, self.device)
+            self.inp[0] = torch.where(src >= 0, tokens[src.clamp(min=0)], self.inp[0])
         if not self.enabled or not self.warm:
             mode = "eager" if not self.enabled else "warmup"
             self.warm = True
@@ -324,6 +347,28 @@ class _StepGraph:
             self.graph, mode, capture_s = graph, "capture", time.perf_counter() - t0
         self.graph.replay()
         return self.out, mode, capture_s
+
+
+class _Flight:
+    """A launched decode step whose tokens the host has not read yet: its rows ``(request, epoch)``, its
+    tokens on the device (read by the next step, :meth:`_StepGraph.run`'s ``carry``) and their copy to the host,
+    queued behind the step (pinned, non-blocking, with an event, on CUDA), its mode and its memory snapshot."""
+
+    def __init__(self, rows, tokens: torch.Tensor, mode: str, capture_s: float, snapshot: dict):
+        self.rows, self.tokens, self.mode, self.capture_s, self.snapshot = rows, tokens, mode, capture_s, snapshot
+        if tokens.device.type == "cuda":
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host, self.event = tokens.clone(), None     # the next eager step overwrites ``tokens``
+
+    def read(self) -> list:
+        """The step's tokens (waits for this step only, not for steps queued after it)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
 
 
 def _eos_ids(model, eos_token_id):
@@ -368,14 +413,18 @@ class Engine:
     :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. num_splits: the decode kernel's split-KV
     factor (default: its plan's choice, :func:`zipkv.kernels.decode_attention.plan`). eos_token_id: stop token(s),
     ``"model"`` (the model's generation config, like ``model.generate``) or None (always
-    ``max_new_tokens``).
+    ``max_new_tokens``). overlap: launch each decode step before reading the tokens of the one before it
+    (SGLang's overlap scheduler): the step takes its input tokens from the previous step's output on the device,
+    so the host's scheduling, page-table updates and graph launch of step n + 1 run while the GPU computes step
+    n; a request that meets its stop token runs one more step, whose token is dropped. False: launch a step,
+    wait for its tokens, then prepare the next.
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
                  k_layout: str = "auto", v_layout: str = "auto", pages_per_chunk: int = 16,
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
-                 num_splits: int | None = None):
+                 num_splits: int | None = None, overlap: bool = True):
         cfg = model.config
         self.model, self.inner = model, model.model
         self.device = next(model.parameters()).device
@@ -390,6 +439,8 @@ class Engine:
         compress = {True: "all", False: "none"}.get(compress, compress)
         if compress not in ("all", "prompt", "none"):
             raise ValueError(f"compress must be 'all', 'prompt', 'none' or a bool, got {compress!r}")
+        if not isinstance(overlap, bool):
+            raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
@@ -427,7 +478,7 @@ class Engine:
                                     num_splits=num_splits)
         self.graphs = _StepGraph(self._decode_forward, self.device, cuda_graphs)
         self.compress = "none" if restore is not None else compress
-        self.reserve_ratio, self.max_batch = reserve_ratio, max_batch
+        self.reserve_ratio, self.max_batch, self.overlap = reserve_ratio, max_batch, overlap
         self.eos = _eos_ids(model, eos_token_id)
 
     # ------------------------------------------------------------------ model pieces
@@ -616,45 +667,80 @@ class Engine:
         time is left out of its step), ``decode_seconds``, ``timed_steps``, ``graph_capture_seconds``,
         ``prefill_seconds``, ``steps`` (per decode step: ``batch``, ``seconds``, ``mode`` -- ``"warmup"``,
         ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
-        ``reassigned``), ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
+        ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
         request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
         format over the running requests' pages at the first decode step), ``stored_bits_per_value`` (bits
         stored per cached value then, payloads included), ``kv_budget_bytes``, ``memory`` (final
         :meth:`KVMemory.stats`).
         """
         waiting = self._validate(prompts, max_new_tokens, prefixes)
-        running, done, steps, admitted_at = [], {}, [], {}
+        running, done, steps, admitted_at, flights = [], {}, [], {}, []
         retracted = prefill_s = 0.0
         frac, bits = (float("nan"), float("nan")), float("nan")
+        clock = None                                       # when the time of the next step to be read began
         bar = None
         if progress or (progress is None and len(waiting) * max_new_tokens > 64 * 64):
             from tqdm.auto import tqdm
             bar = tqdm(total=len(waiting) * max_new_tokens, desc="generate", unit="tok")
 
+        def finished(r):
+            return len(r.out) >= r.max_new or r.out[-1] in self.eos
+
+        def leave(r):                                      # a step in flight drops r's token
+            running.remove(r)
+            r.pending, r.epoch = 0, r.epoch + 1
+
         def retire():
-            for r in [r for r in running if len(r.out) >= r.max_new or r.out[-1] in self.eos]:
-                running.remove(r)
+            for r in [r for r in running if finished(r)]:
+                leave(r)
                 done[r.rid] = r.out
                 self._free(r.rid)
             self.memory.reads_done()                       # one stream: every read issued so far is ordered
 
-        while waiting or running:
-            if max_decode_steps is not None and len(steps) >= max_decode_steps:
-                break
+        def read():
+            """The oldest step in flight: its tokens onto its requests, its row of ``steps``."""
+            nonlocal clock
+            f = flights.pop(0)
+            got = 0
+            for (r, epoch), t in zip(f.rows, f.read()):
+                if r.epoch == epoch:
+                    r.pending -= 1
+                    if not finished(r):
+                        r.out.append(t)
+                        got += 1
+            now = time.perf_counter()
+            steps.append(dict(batch=len(f.rows), seconds=now - clock, mode=f.mode, capture_seconds=f.capture_s,
+                              **f.snapshot))
+            clock = now
+            if bar:
+                bar.update(got)
+
+        while waiting or running or flights:
+            if max_decode_steps is not None and len(steps) + len(flights) >= max_decode_steps:
+                if not flights:
+                    break
+                read()
+                continue
+            retire()
             t0 = time.perf_counter()
             while waiting and (self.max_batch is None or len(running) < self.max_batch) and self._admit(waiting[0]):
                 running.append(waiting.pop(0))
-                admitted_at.setdefault(running[-1].rid, len(steps))
+                admitted_at.setdefault(running[-1].rid, len(steps) + len(flights))
                 if bar:
                     bar.update(1)
             prefill_s += time.perf_counter() - t0
+            if clock is not None:
+                clock += time.perf_counter() - t0          # admission is prefill time, not a step's
             retire()
-            if not running:
-                if waiting and not self.memory.requests and not self._admit_possible(waiting[0]):
+            batch = [r for r in running if len(r.out) + r.pending < r.max_new]
+            if not batch:
+                if flights:
+                    read()
+                elif waiting and not self.memory.requests and not self._admit_possible(waiting[0]):
                     raise RuntimeError("generate: a request does not fit an empty memory (internal error)")
                 continue
             t0 = time.perf_counter()
-            for r in list(running):
+            for r in list(batch):
                 if r not in running:
                     continue
                 while self.memory.alloc(r.rid, 1) is None:             # no room: retract by policy
@@ -662,38 +748,47 @@ class Engine:
                     if self.restore is not None:
                         self.restore.release(victim)
                     vr = next(x for x in running if x.rid == victim)
-                    running.remove(vr)
+                    leave(vr)
                     waiting.insert(0, vr)
                     retracted += 1
                     if vr is r:
                         break
-            if not running:
+            batch = [r for r in batch if r in running]
+            if not batch:
                 continue
-            rids = [r.rid for r in running]
-            if not steps:
+            rids = [r.rid for r in batch]
+            if not steps and not flights:
                 frac, bits = self.memory.compressed_fraction(rids), self._stored_bits(rids)
             last = [self.memory.cache_len(rid) - 1 for rid in rids]         # the new token's slot
             key = self.attention.plan(rids)
-            inp = torch.tensor([[r.out[-1] for r in running], [r.position for r in running],
+            if flights and not (self.overlap and self.graphs.replays(key)):
+                pre = time.perf_counter() - t0             # a warm-up or capture runs with nothing in flight
+                while flights:
+                    read()
+                steps[-1]["seconds"] -= pre                # this step's host work so far ran before that read
+                clock -= pre
+            elif not flights:
+                clock = t0
+            carry = None
+            if flights:                                    # tokens still on the device: the step in flight's
+                at = {id(r): i for i, (r, _) in enumerate(flights[-1].rows)}
+                carry = (flights[-1].tokens, torch.tensor([at[id(r)] if r.pending else -1 for r in batch]))
+            inp = torch.tensor([[0 if r.pending else r.out[-1] for r in batch], [r.position for r in batch],
                                 [self.memory.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
                                 [t % fmt.PAGE_TOKENS for t in last]], dtype=torch.int64)
             with torch.no_grad():
-                out, mode, capture_s = self.graphs.run(key, inp)
-                nxt = out.tolist()
-            for r, t in zip(running, nxt):
-                r.out.append(t)
-                r.position += 1
+                out, mode, capture_s = self.graphs.run(key, inp, carry)
+            clock += capture_s
+            for r in batch:
+                r.position, r.pending = r.position + 1, r.pending + 1
             if self.compress == "all":
-                self.memory.compress()                      # the pages this step filled: its reads are done
+                self.memory.compress()                      # the pages this step filled, after its reads
             self.memory.keep_raw()
-            batch = len(running)
-            dt = time.perf_counter() - t0 - capture_s       # the step ends with its tokens on the host
             st = self.memory.snapshot()                     # during the step, before finished requests leave
-            retire()
-            steps.append(dict(batch=batch, seconds=dt, mode=mode, capture_seconds=capture_s, used_bytes=st["used_bytes"],
-                              chunks_free=st["chunks_free"], chunks_held=st["chunks_held"], reassigned=st["reassigned"]))
-            if bar:
-                bar.update(batch)
+            flights.append(_Flight([(r, r.epoch) for r in batch], out, mode, capture_s,
+                                   {k: st[k] for k in ("used_bytes", "chunks_free", "chunks_held", "reassigned")}))
+            while len(flights) > (1 if self.overlap else 0):
+                read()
         if bar:
             bar.close()
         for r in running + waiting:
@@ -703,6 +798,7 @@ class Engine:
         stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], stored_bits_per_value=bits,
                      decode_tokens_per_s=sum(s["batch"] for s in timed) / decode_s if decode_s else float("nan"),
                      decode_seconds=decode_s, timed_steps=len(timed), cuda_graphs=self.graphs.enabled,
+                     overlap=self.overlap,
                      graph_error=self.graphs.failed,
                      graph_capture_seconds=sum(s["capture_seconds"] for s in steps),
                      prefill_seconds=prefill_s, steps=steps,

@@ -444,7 +444,7 @@ def _beyond_other_ratios(res: Results):
 def _step_breakdown(res: Results):
     """Where the throughput chapter's decode step goes at the largest batches (:func:`zipkv.throughput.step_table`):
     from the chapter's own profiled rows, else from the separate run ``zipfusion_engine_profile.csv``."""
-    from zipkv.throughput import step_table
+    from zipkv.throughput import overlapped_rows, step_table
 
     big = _fig5_rows(res) if res.has("zipfusion_throughput") else None
     if big is not None and "replay_ms" in big.columns and big.replay_ms.notna().any():
@@ -454,6 +454,7 @@ def _step_breakdown(res: Results):
         steps, where = step_table(res["zipfusion_engine_profile"])[0], f"a separate run: {run.device}, commit {run.commit}"
     else:
         return None
+    steps = overlapped_rows(steps)
     last = lambda m: steps[steps.method == m].sort_values("batch").iloc[-1]                  # noqa: E731
     u, z = last("uncompressed"), last("zipfusion")
     per = lambda x: x.attention_us_per_request_layer                                         # noqa: E731

@@ -137,6 +137,23 @@ def _units(head_units) -> int:
     return sum(map(sum, head_units))
 
 
+def to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """CPU tensor ``x`` on ``device``, without a host sync on CUDA: staged in pinned memory and copied
+    non-blocking, so the copy is ordered in the stream after the work already queued (a decode step in flight)
+    and the host goes on (the engine's overlapped steps, :class:`zipkv.engine.Engine`)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` for a CPU ``src``, without a host sync where ``dst`` is on CUDA (see :func:`to_device`)."""
+    if dst.device.type != "cuda":
+        return dst.copy_(src)
+    return dst.copy_(src.pin_memory(), non_blocking=True)
+
+
 def _pages_for(tokens: int) -> int:
     return -(-tokens // fmt.PAGE_TOKENS)
 
@@ -422,8 +439,8 @@ class KVMemory:
         rows = dict(self._new_rows)               # a page id freed and taken again since: its latest slot
         self._new_rows = []
         self._changed.update(rows)
-        idx = torch.tensor(list(rows), dtype=torch.int64).to(self.device)
-        addr = torch.tensor(list(rows.values()), dtype=torch.int64).T.contiguous().to(self.device)   # [L, n]
+        idx = to_device(torch.tensor(list(rows), dtype=torch.int64), self.device)
+        addr = to_device(torch.tensor(list(rows.values()), dtype=torch.int64).T.contiguous(), self.device)   # [L, n]
         self._desc_all[:, idx] = (addr[:, :, None, None, None] + self._raw_offsets) << 8
 
     def changed_pages(self) -> list:
@@ -703,16 +720,17 @@ class KVMemory:
                 raise ValueError(f"write: page {p} of request {rid!r} is compressed (only filling pages are written)")
         self.write_tokens(layer, pages, offsets, k.transpose(0, 1), v.transpose(0, 1))
 
-    def page_table(self, rids):
+    def page_table(self, rids, device=None):
         """FlashInfer CSR page table of requests ``rids`` (the same for every layer): ``indptr``,
-        ``indices``, ``last_page_len``, int32 on the pool's device."""
+        ``indices``, ``last_page_len``, int32 on ``device`` (default: the pool's; copied without a host sync)."""
         reqs = [self._request(r) for r in rids]
         indptr, indices = [0], []
         for r in reqs:
             indptr.append(indptr[-1] + _pages_for(r.cache_len))
             indices += r.pages[: _pages_for(r.cache_len)]
         last = [r.cache_len - fmt.PAGE_TOKENS * (_pages_for(r.cache_len) - 1) for r in reqs]
-        t = lambda x: torch.tensor(x, dtype=torch.int32).to(self.device)          # noqa: E731  (one copy each)
+        dev = self.device if device is None else device
+        t = lambda x: to_device(torch.tensor(x, dtype=torch.int32), dev)          # noqa: E731  (one copy each)
         return t(indptr), t(indices), t(last)
 
     # ------------------------------------------------------------------ compression

@@ -153,7 +153,8 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     :func:`restore_buffer_pages` finds on a sample of the prefixes. profile: after the run, time replays of
     the last captured step graph and split its GPU time by kernel kind (:func:`zipkv.bench.engine.step_breakdown`;
     columns ``replay_ms``, ``launch_ms`` (the host's graph launch, inside ``replay_ms``), ``host_ms`` =
-    ``step_ms - replay_ms``, ``<kind>_ms``, the GPU's idle time by the kind of
+    ``step_ms - replay_ms`` (the host work the engine's overlapped steps do not hide behind the GPU; below zero
+    where they also hide part of the replay's launch), ``<kind>_ms``, the GPU's idle time by the kind of
     kernel it waits before, ``gap_before_<kind>_ms``, and the five costliest ``top_gaps`` as JSON; CUDA graphs only).
     Returns a row of the chapter's table plus the run's ``stats``."""
     if method not in METHODS:
@@ -199,13 +200,15 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
 
 def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24, fixed_batch=32,
                  uncompressed_max_batch=46, methods=("uncompressed", "zipfusion"), kv_windows=2, kv_window_context=2048,
-                 pages_per_chunk=16, seed=0, splits=(None,)):
+                 pages_per_chunk=16, seed=0, splits=(None,), overlaps=(True, False)):
     """Decode-step breakdowns (``decode_throughput(profile=True)``) of ``methods`` at ``fixed_batch`` and at each
     one's largest batch, in :func:`figure5`'s Llama-3.1-8B-shape setting (random weights, real-KV prefixes, the
     budget of ``uncompressed_max_batch`` uncompressed requests), ``timed_steps`` decode steps each: a shorter
     run than the chapter's, for the "where the step goes" table (``results/paper/zipfusion_engine_profile.csv``),
     with the run's ``device``, ``commit`` and ``date``. splits: the decode kernel's split-KV factors to run each
-    row with (None: the plan's choice; the column ``num_splits`` says which ran)."""
+    row with (None: the plan's choice; the column ``num_splits`` says which ran). overlaps: the engine's scheduler
+    for each row (``Engine(overlap=...)``; column ``overlap``): with and without the overlapped steps, what the
+    host's work costs a step."""
     import pandas as pd
     from zipkv import book, data, models
     small, tok = models.load_model(dtype=torch.bfloat16, device=device)
@@ -215,9 +218,9 @@ def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24,
     del small
     rows = []
     for method in methods:
-        for batch, split in ((b, x) for b in (fixed_batch, None) for x in splits):
+        for batch, split, overlap in ((b, x, o) for b in (fixed_batch, None) for x in splits for o in overlaps):
             r = decode_throughput(model, method, batch=batch, timed_steps=timed_steps, profile=True, num_splits=split,
-                                  **common)
+                                  overlap=overlap, **common)
             r.pop("stats")
             rows.append({"model": THROUGHPUT_PAPER_MODEL, **r})
     run = book.provenance("bench")
@@ -229,7 +232,7 @@ def _run_columns(st: dict) -> dict:
     return dict(batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],
                 frac_compressed_k=st["frac_compressed_k"], frac_compressed_v=st["frac_compressed_v"],
                 stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"],
-                step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]))
+                step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]), overlap=st["overlap"])
 
 
 def _llama_setting(small, tokenizer, books, *, device, context, new_tokens, uncompressed_max_batch, kv_windows,
@@ -246,7 +249,7 @@ def _llama_setting(small, tokenizer, books, *, device, context, new_tokens, unco
 
 
 STEP_PARTS = {"attention_ms": "attention kernels", "gemm_ms": "matrix products", "restore_ms": "restore kernels",
-              "kv_write_ms": "KV writes", "other_ms": "other kernels", "host_ms": "host (scheduling, page tables, tokens back)"}
+              "kv_write_ms": "KV writes", "other_ms": "other kernels", "host_ms": "host not hidden (step minus replay)"}
 """The parts of a decode step in :func:`step_table` (GPU kernel time by kind, then the host's share; the
 table adds ``gaps_ms``, the GPU's idle time between kernels of the replayed graph)."""
 
@@ -280,13 +283,24 @@ def step_table(big, profile_csv=None):
     for c in [c for c in src.columns if c.startswith("gap_before_")] + extra:      # where that idle time sits
         if c in src.columns:
             t[c] = src[c].values
+    if "overlap" in src.columns:
+        t["overlap"] = src.overlap.astype(bool).values
     t["attention_us_per_request_layer"] = 1e3 * t.attention_ms / (t.batch * layers)
     return t.reset_index(drop=True), note
+
+
+def overlapped_rows(steps):
+    """The rows of :func:`step_table` that ran with the engine's default scheduler (``overlap=True``; a table without
+    the column is one scheduler's: all its rows)."""
+    return steps[steps.overlap] if "overlap" in steps.columns else steps
 
 
 def step_text(steps, context: int = 8192) -> str:
     """Why the tokens/s ratio at the largest batches is what it is, from :func:`step_table`'s rows (``context``:
     tokens per request before the first decode step)."""
+    both = steps
+    steps = overlapped_rows(steps)
+
     def row(method, largest):
         rows = steps[steps.method == method].sort_values("batch")
         return rows.iloc[-1 if largest else 0]
@@ -308,7 +322,19 @@ def step_text(steps, context: int = 8192) -> str:
             f"{u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, {z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion)."
             + (_read_rates(u, z, context) if "stored_bits_per_value" in steps else "")
             + (_slow_steps(u, context) if "step_ms_median" in steps else "")
-            + (_gap_places(u, z) if "gap_before_attention_ms" in steps else ""))
+            + (_gap_places(u, z) if "gap_before_attention_ms" in steps else "")
+            + (_sequential(u, z, both[~both.overlap]) if "overlap" in both and (~both.overlap).any() else ""))
+
+
+def _sequential(u, z, seq) -> str:
+    """What the overlapped steps save: the largest-batch rows ``u``, ``z`` beside the same methods' largest-batch rows
+    run with ``overlap=False`` (``seq``)."""
+    last = lambda m: seq[seq.method == m].sort_values("batch").iloc[-1]                      # noqa: E731
+    su, sz = last("uncompressed"), last("zipfusion")
+    return (f" Without the overlapped steps (`overlap=False`: the host prepares and launches each step after reading "
+            f"the last one's tokens) the largest-batch step takes {su.step_ms:.1f} ms uncompressed and {sz.step_ms:.1f} ms "
+            f"ZipFusion ({sz.batch / su.batch * su.step_ms / sz.step_ms:.3f}× tokens/s), against {u.step_ms:.1f} and "
+            f"{z.step_ms:.1f} ms with them ({z.batch / u.batch * u.step_ms / z.step_ms:.3f}×).")
 
 
 def _read_rates(u, z, context: int) -> str:
