@@ -298,6 +298,47 @@ def test_budget_and_model_errors():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are CUDA's")
+@pytest.mark.parametrize("compress", ["prompt", "none"])
+def test_overlapped_steps_prepare_and_launch_without_a_host_sync(compress, monkeypatch):
+    """Once a composition's graph replays, the host work of an overlapped step -- slot allocation, the page table
+    (pages opening included), the launch, its token copy -- never waits for the GPU (``torch.cuda``'s sync debug
+    mode raises inside each of them): it runs while the step before is computed. The throughput chapter's two
+    settings: ZipFusion's packed prefixes with raw new KV, and the uncompressed cache."""
+    from zipkv import data, engine as zengine, memory, models
+    model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
+    ws = data.windows(tok, data.load_books(limit=4), n=4, context=100, continuation=0)
+    prompts = [w.context_ids.tolist() for w in ws]               # one length: the composition never changes
+    armed, checked = [False], []
+
+    def watched(fn):
+        def call(*args, **kw):
+            if not armed[0]:
+                return fn(*args, **kw)
+            checked.append(fn.__name__)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return call
+    for owner, name in ((memory.KVMemory, "alloc"), (zengine._Attention, "plan"), (zengine._StepGraph, "run"),
+                        (zengine._Flight, "__init__"), (memory.KVMemory, "keep_raw")):
+        monkeypatch.setattr(owner, name, watched(getattr(owner, name)))
+    read = zengine._Flight.read
+
+    def read_and_arm(self):
+        out = read(self)
+        armed[0] = armed[0] or self.mode == "replay"
+        return out
+    monkeypatch.setattr(zengine._Flight, "read", read_and_arm)
+    eng = Engine(model, kv_budget_bytes=64 * _page_bytes(model), compress=compress, eos_token_id=None)
+    res = eng.generate(prompts, 40)                              # tokens 100..139: pages open at 112 and 128
+    assert res.stats["overlap"] and {s["mode"] for s in res.stats["steps"]} == {"warmup", "capture", "replay"}
+    assert checked.count("plan") >= 30 and checked.count("run") >= 30
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's bf16 path needs a CUDA GPU")
 @pytest.mark.parametrize("compress", ["all", "all-token", "none", "splitzip"])
 def test_fused_kernel_greedy_tokens_on_gpu(compress):
