@@ -13,7 +13,7 @@ process, never against a typed-in constant. The names below are re-exported (``f
 bench.attention_benchmark(...)``).
 """
 from zipkv.bench.attention import (ATTENTION_SHAPES, KERNEL_LAYOUTS, METHODS, attention_benchmark,
-                                   measured_compressible_fraction)
+                                   measured_compressible_fraction, mix_sweep, sweep_fractions)
 from zipkv.bench.baselines import FlashInferDecode, sdpa_decode
 from zipkv.bench.nsight import (NCU_KERNELS, NCU_METRICS, NCU_SECTIONS, NCU_STALLS, NCU_TARGETS, nsight_report,
                                 nsight_targets)
@@ -22,6 +22,7 @@ from zipkv.bench.timing import L2_FLUSH_BYTES, ColdTimer, copy_bandwidth
 from zipkv.bench.tune import TUNE_GRID, TUNE_PROGRAMS_PER_SM, tune_decode_attention, write_tuning
 
 __all__ = ["ATTENTION_SHAPES", "KERNEL_LAYOUTS", "METHODS", "attention_benchmark", "measured_compressible_fraction",
+           "mix_sweep", "sweep_fractions",
            "FlashInferDecode", "sdpa_decode", "NCU_KERNELS", "NCU_METRICS", "NCU_SECTIONS", "NCU_STALLS",
            "NCU_TARGETS", "nsight_report", "nsight_targets", "pack_benchmark", "L2_FLUSH_BYTES", "ColdTimer",
            "copy_bandwidth", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "tune_decode_attention", "write_tuning"]

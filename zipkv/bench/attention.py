@@ -11,7 +11,7 @@ from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, nhd_page
 from zipkv.bench.timing import ColdTimer, copy_bandwidth
 
 __all__ = ["ATTENTION_SHAPES", "METHODS", "KERNEL_LAYOUTS", "attention_benchmark", "measured_compressible_fraction",
-           "mix_mask", "compressible_kv", "attention_inputs"]
+           "mix_mask", "mix_sweep", "sweep_fractions", "with_bytes_bound", "compressible_kv", "attention_inputs"]
 
 ATTENTION_SHAPES = {
     "llama3.1-8b": models.PAPER_MODELS["Llama-3.1-8B-Instruct"],   # also Qwen3-8B's attention shape
@@ -71,7 +71,8 @@ def kernels_for(head_dim: int) -> list[str]:
 
 def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batches=(32, 64, 96),
                         real_fraction: dict[str, float] | None = None, reps: int = 30,
-                        methods=METHODS, seed: int = 0, progress: bool = True, splits=(None,), maxnregs=(None,)):
+                        methods=METHODS, seed: int = 0, progress: bool = True, splits=(None,), maxnregs=(None,),
+                        mixes=None, kernels=None, routings=("auto",)):
     """Decode-attention latency of every method on the same data, as in ZipFusion Fig. 4.
 
     For each (context, batch): K/V whose blocks are all compressible ("all compressible"), and, when
@@ -86,7 +87,11 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     head_dim, on every kind of data, once per split-KV factor of ``splits`` (None: the plan's choice; the column
     ``num_splits`` says which ran -- a sweep shows how the split count meets the GPU's waves of programs) and of
     ``maxnregs`` (a register cap per thread, ``launch={"maxnreg": n}``; None: the kernel's default; column ``maxnreg``,
-    0 for none: fewer registers let more programs share an SM, :mod:`zipkv.kernels.kernel_info`).
+    0 for none: fewer registers let more programs share an SM, :mod:`zipkv.kernels.kernel_info`) and of ``routings``
+    (the plan's ``routing``, column ``routing``: ``"device"`` sends even a uniform cache through the mixed path).
+    mixes: the kinds of data instead of the two above, ``[(kv_data, fraction)]`` with ``fraction`` a ``{"K", "V"}``
+    dict of compressed-block fractions (:func:`mix_mask`; :func:`mix_sweep`). kernels: zipkv's kernels to time
+    (default :func:`kernels_for` the head_dim).
 
     Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method[, kernel]): latency_us (median of
     ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error, zipkv's compressed
@@ -132,15 +137,18 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                              frac_copy_bw=moved / (micros * 1e-6) / copy_bw,
                              rel_rms_error=rel, max_abs_error=mx))
 
-        mixes = [("all compressible", "eligible")]
-        if real_fraction is not None:
-            mixes.append(("measured mix", mix_mask(batch, kv_heads, ctx, head_dim, real_fraction, seed)))
-        for kv_data, compress in mixes:
+        if mixes is None:
+            kinds = [("all compressible", "eligible")]
+            if real_fraction is not None:
+                kinds.append(("measured mix", mix_mask(batch, kv_heads, ctx, head_dim, real_fraction, seed)))
+        else:
+            kinds = [(name, mix_mask(batch, kv_heads, ctx, head_dim, f, seed)) for name, f in mixes]
+        for kv_data, compress in kinds:
             for method in ("zipkv_compressed", "zipkv_uncompressed"):
-                if method not in methods or (method == "zipkv_uncompressed" and kv_data != mixes[0][0]):
+                if method not in methods or (method == "zipkv_uncompressed" and kv_data != kinds[0][0]):
                     continue
                 mode = "none" if method == "zipkv_uncompressed" else compress
-                for kernel in kernels_for(head_dim):
+                for kernel in kernels_for(head_dim) if kernels is None else kernels:
                     layout = KERNEL_LAYOUTS[kernel]
                     cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, seed=seed,
                                                                      k_layout=layout[0], v_layout=layout[1])
@@ -148,11 +156,12 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     desc_bytes = cache.desc.numel() * cache.desc.element_size()
                     kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
                     out = torch.empty_like(q)
-                    for split, nreg in ((x, n) for x in splits for n in maxnregs):
-                        planned = plan(indptr, indices, last, cache, q_heads, num_splits=split,
+                    for split, nreg, routing in ((x, n, r) for x in splits for n in maxnregs for r in routings):
+                        planned = plan(indptr, indices, last, cache, q_heads, num_splits=split, routing=routing,
                                        launch=None if nreg is None else {"maxnreg": nreg})
                         record(method, kv_data, lambda: planned.run(q, out), kv_bytes)
                         rows[-1].update(kernel=kernel, layout="/".join(layout), num_splits=planned.num_splits,
+                                        routing=routing,
                                         maxnreg=planned.configs[0].get("maxnreg") or 0,
                                         frac_compressed_k=stats["frac_k"], frac_compressed_v=stats["frac_v"],
                                         frac_mixed_pages_k=stats["mixed_k"], frac_mixed_pages_v=stats["mixed_v"])
@@ -181,4 +190,45 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     table = pd.DataFrame(rows)
     table["copy_bw_tbps"] = copy_bw / 1e12
     table["device"] = torch.cuda.get_device_name()
+    return table
+
+
+def sweep_fractions(real_fraction: dict[str, float] | None = None) -> list[tuple[str, dict[str, float]]]:
+    """The mixes :func:`mix_sweep` times, ``[(kv_data, {"K", "V"} compressed-block fractions)]``: all compressed,
+    90 %, the measured mix (when given), half, keys or values only, and none."""
+    points = [(1.0, 1.0), (0.9, 0.9)] + ([(real_fraction["K"], real_fraction["V"])] if real_fraction else [])
+    points += [(0.5, 0.5), (1.0, 0.0), (0.0, 1.0), (0.0, 0.0)]
+    measured = (real_fraction["K"], real_fraction["V"]) if real_fraction else None
+    return [(f"K {k:.0%} / V {v:.0%}" + (" (measured mix)" if (k, v) == measured else ""), {"K": k, "V": v})
+            for k, v in points]
+
+
+def mix_sweep(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64, real_fraction=None, reps: int = 30,
+              seed: int = 0, progress: bool = True):
+    """The Gluon kernel against its bytes as the share of compressed blocks goes from all to none (ZipFusion §III-B:
+    a page may hold both kinds): :func:`attention_benchmark` at one point over :func:`sweep_fractions`, each cache
+    planned with ``routing="auto"`` (uniform caches take their single specialised launch, others the grouped
+    launches by page kind) and ``"device"`` (every page through the mixed path), beside FlashInfer TC from the same
+    run. Adds ``frac_target_k`` / ``_v`` (the fractions asked for) and ``bytes_bound_us``: the row's bytes at
+    FlashInfer TC's measured read rate (the latency a kernel as fast per byte as FlashInfer would have; the row's
+    ``latency_us / bytes_bound_us`` is its cost per byte against FlashInfer's)."""
+    mixes = sweep_fractions(real_fraction)
+    table = attention_benchmark(shape, (ctx,), (batch,), reps=reps, methods=("zipkv_compressed", "flashinfer_tc"),
+                                seed=seed, progress=progress, mixes=mixes, kernels=("gluon",),
+                                routings=("auto", "device"))
+    return with_bytes_bound(table, mixes)
+
+
+def with_bytes_bound(table, mixes):
+    """``table`` (one point of :func:`attention_benchmark`, FlashInfer TC among its rows) with
+    ``frac_target_k`` / ``_v`` (each row's fractions in ``mixes``, NaN for the baselines) and ``bytes_bound_us``
+    (its ``bytes_read`` at FlashInfer TC's measured ``tbps``)."""
+    if (table.method == "flashinfer_tc").sum() != 1:
+        raise ValueError(f"table must hold one flashinfer_tc row, got {(table.method == 'flashinfer_tc').sum()}")
+    targets = dict(mixes)
+    table = table.copy()
+    table["frac_target_k"] = table.kv_data.map(lambda d: targets[d]["K"] if d in targets else float("nan"))
+    table["frac_target_v"] = table.kv_data.map(lambda d: targets[d]["V"] if d in targets else float("nan"))
+    anchor_tbps = float(table.loc[table.method == "flashinfer_tc", "tbps"].iloc[0])
+    table["bytes_bound_us"] = table.bytes_read / anchor_tbps / 1e6
     return table

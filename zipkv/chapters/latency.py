@@ -1,5 +1,6 @@
 """Chapter "Decode attention latency" (ZipFusion Fig. 4): speedup over FlashInfer per context × batch,
-the anchor point's verdict, and the CPU correctness check used where no GPU can time anything."""
+the anchor point's verdict, the Gluon kernel against its bytes over shares of compressed blocks
+(:func:`zipkv.bench.mix_sweep`), and the CPU correctness check used where no GPU can time anything."""
 from __future__ import annotations
 
 import numpy as np
@@ -228,3 +229,65 @@ def full_table(table: pd.DataFrame):
                  "frac_copy_bw", "speedup_vs_flashinfer_tc"]]
     return view.style.format({"latency_us": "{:.1f}", "bytes_read": "{:.3e}", "tbps": "{:.2f}", "frac_copy_bw": "{:.0%}",
                               "speedup_vs_flashinfer_tc": "{:.2f}×"}, na_rep="–").hide(axis="index")
+
+
+def _sweep_rows(sweep: pd.DataFrame) -> pd.DataFrame:
+    """The zipkv rows of a :func:`zipkv.bench.mix_sweep` table, with ``cost_per_byte`` = latency over the bytes bound
+    (1: FlashInfer TC's read rate)."""
+    z = sweep[sweep.method == "zipkv_compressed"].copy()
+    z["cost_per_byte"] = z.latency_us / z.bytes_bound_us
+    return z
+
+
+def mix_figure(sweep: pd.DataFrame):
+    """Latency against bytes read for each share of compressed blocks (filled: the plan's routing, open: every
+    page through the mixed path), FlashInfer TC's point, and the line of FlashInfer TC's read rate."""
+    import matplotlib.pyplot as plt
+
+    z = _sweep_rows(sweep)
+    fi = sweep[sweep.method == "flashinfer_tc"].iloc[0]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    mb = np.linspace(0, 1.05 * fi.bytes_read, 50)
+    ax.plot(mb / 1e6, mb / fi.bytes_read * fi.latency_us, color="gray", lw=1, label="FlashInfer TC's read rate")
+    ax.scatter([fi.bytes_read / 1e6], [fi.latency_us], color="black", marker="s", label="FlashInfer TC (raw cache)")
+    for routing, style in (("auto", dict(color="tab:blue")), ("device", dict(facecolors="none", edgecolors="tab:red"))):
+        rows = z[z.routing == routing]
+        ax.scatter(rows.bytes_read / 1e6, rows.latency_us, label=f"zipkv Gluon, routing={routing!r}", **style)
+    for r in z[z.routing == "auto"].itertuples():
+        ax.annotate(r.kv_data.replace(" (measured mix)", "\n(measured)"), (r.bytes_read / 1e6, r.latency_us),
+                    fontsize=7, xytext=(4, -10), textcoords="offset points")
+    ax.set_xlim(0.6 * z.bytes_read.min() / 1e6, 1.08 * fi.bytes_read / 1e6)
+    ax.set_ylim(0.6 * z.latency_us.min(), 1.15 * max(z.latency_us.max(), fi.latency_us))
+    ax.set_xlabel("bytes read per call (MB)")
+    ax.set_ylabel("latency (µs, median)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def mix_text(sweep: pd.DataFrame) -> str:
+    """What the sweep shows: each share's latency against its bytes at FlashInfer TC's read rate."""
+    z = _sweep_rows(sweep)
+    auto, dev = z[z.routing == "auto"].set_index("kv_data"), z[z.routing == "device"].set_index("kv_data")
+    fi = sweep[sweep.method == "flashinfer_tc"].iloc[0]
+    first = sweep.iloc[0]
+    parts = [f"{d}: {r.latency_us:.0f} µs, {r.cost_per_byte:.2f}× its bytes' time at FlashInfer's rate"
+             + (f" ({dev.loc[d].latency_us:.0f} µs through the mixed path)" if d in dev.index else "")
+             for d, r in auto.iterrows()]
+    worst, best = auto.cost_per_byte.idxmax(), auto.cost_per_byte.idxmin()
+    slow = auto[auto.cost_per_byte > 1].index.tolist()
+    return (f"At {first.ctx} tokens × batch {first.batch} ({first['shape']} shape; FlashInfer TC "
+            f"{fi.latency_us:.0f} µs, {fi.tbps:.2f} TB/s, same run) -- " + "; ".join(parts) + ". "
+            f"Per byte the kernel is dearest at {worst} ({auto.loc[worst].cost_per_byte:.2f}×) and cheapest at {best} "
+            f"({auto.loc[best].cost_per_byte:.2f}×); "
+            + (f"where it is above 1 ({', '.join(slow)}) it gives back part of what the smaller pages save."
+               if slow else "it reads its bytes at least as fast as FlashInfer reads raw ones at every share."))
+
+
+def mix_table(sweep: pd.DataFrame):
+    """The sweep's zipkv rows, formatted (a Styler)."""
+    z = _sweep_rows(sweep)[["kv_data", "routing", "frac_compressed_k", "frac_compressed_v", "latency_us",
+                            "bytes_read", "tbps", "bytes_bound_us", "cost_per_byte", "speedup_vs_flashinfer_tc"]]
+    return z.style.format({"frac_compressed_k": "{:.1%}", "frac_compressed_v": "{:.1%}", "latency_us": "{:.1f}",
+                           "bytes_read": "{:.3e}", "tbps": "{:.2f}", "bytes_bound_us": "{:.1f}",
+                           "cost_per_byte": "{:.2f}×", "speedup_vs_flashinfer_tc": "{:.2f}×"}).hide(axis="index")

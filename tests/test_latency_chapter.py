@@ -1,0 +1,62 @@
+"""zipkv.chapters.latency's compressed-share sweep: the bytes bound, the text and the figure read the table's own
+numbers (the GPU run makes the table: zipkv.bench.mix_sweep)."""
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pandas as pd  # noqa: E402
+import pytest  # noqa: E402
+
+from zipkv.bench.attention import sweep_fractions, with_bytes_bound  # noqa: E402
+from zipkv.chapters import latency  # noqa: E402
+
+
+def _sweep():
+    """A made-up sweep: FlashInfer TC reads 100 MB in 50 µs (2 TB/s); zipkv's rows read fewer bytes."""
+    mixes = sweep_fractions({"K": 0.777, "V": 0.925})
+    rows = [dict(shape="llama3.1-8b", ctx=8192, batch=64, kv_data="any", method="flashinfer_tc", latency_us=50.0,
+                 bytes_read=100e6, tbps=2.0, speedup_vs_flashinfer_tc=1.0)]
+    for i, (name, f) in enumerate(mixes):
+        mb = 100e6 * (1 - 0.25 * (f["K"] + f["V"]) / 2)
+        for routing, extra in (("auto", 0.0), ("device", 3.0)):
+            us = mb / 2.0e6 * (0.9 + 0.05 * i) + extra
+            rows.append(dict(shape="llama3.1-8b", ctx=8192, batch=64, kv_data=name, method="zipkv_compressed",
+                             latency_us=us, bytes_read=mb, tbps=mb / us / 1e6, routing=routing,
+                             frac_compressed_k=f["K"], frac_compressed_v=f["V"], speedup_vs_flashinfer_tc=50.0 / us))
+    return with_bytes_bound(pd.DataFrame(rows), mixes), mixes
+
+
+def test_sweep_runs_from_all_compressed_to_none_through_the_measured_mix():
+    names = [n for n, _ in sweep_fractions({"K": 0.777, "V": 0.925})]
+    assert names[0] == "K 100% / V 100%" and names[-1] == "K 0% / V 0%"
+    assert "K 78% / V 92% (measured mix)" in names and len(sweep_fractions(None)) == len(names) - 1
+
+
+def test_bytes_bound_is_the_rows_bytes_at_flashinfers_read_rate():
+    table, mixes = _sweep()
+    z = table[table.method == "zipkv_compressed"]
+    assert z.bytes_bound_us.tolist() == pytest.approx((z.bytes_read / 2.0e6).tolist())
+    assert z.frac_target_k.tolist() == [f["K"] for _, f in mixes for _ in range(2)]
+    with pytest.raises(ValueError, match="one flashinfer_tc row"):
+        with_bytes_bound(table[table.method != "flashinfer_tc"], mixes)
+
+
+def test_mix_text_names_each_shares_cost_per_byte_and_the_dearest():
+    table, _ = _sweep()
+    text = latency.mix_text(table)
+    z = table[(table.method == "zipkv_compressed") & (table.routing == "auto")]
+    cost = z.latency_us / z.bytes_bound_us
+    for name, c in zip(z.kv_data, cost):
+        assert f"{name}: " in text and f"{c:.2f}× its bytes' time" in text
+    assert f"dearest at {z.kv_data.iloc[cost.argmax()]} ({cost.max():.2f}×)" in text
+    assert "gives back part" in text                               # the last shares cost more than 1× per byte
+    cheap = table.assign(latency_us=table.latency_us * 0.5)
+    assert "at least as fast" in latency.mix_text(with_bytes_bound(cheap.drop(columns="bytes_bound_us"),
+                                                                   sweep_fractions({"K": 0.777, "V": 0.925})))
+
+
+def test_mix_figure_labels_its_axes_with_units():
+    table, _ = _sweep()
+    ax = latency.mix_figure(table).axes[0]
+    assert "MB" in ax.get_xlabel() and "µs" in ax.get_ylabel()
+    assert len(latency.mix_table(table).data) == 2 * len(sweep_fractions({"K": 0.777, "V": 0.925}))
