@@ -700,4 +700,17 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
             f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
             f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
             f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
-            f"batch {u.batch}.")
+            f"batch {u.batch}. " + scheduler_text(big))
+
+
+def scheduler_text(big) -> str:
+    """Which of the engine's schedulers timed the rows ``big`` (column ``overlap``; a table from before the column
+    is the sequential one's)."""
+    if "overlap" not in big.columns or not big.overlap.notna().any():
+        return ("These steps ran sequentially (the table predates the overlapped scheduler: the host prepared and "
+                "launched each step after reading the tokens of the one before).")
+    on = big.overlap.dropna().astype(bool)
+    if on.all():
+        return ("Every method ran with the overlapped scheduler (`Engine(overlap=True)`, SGLang's overlap scheduling): "
+                "the host prepares and launches each step while the GPU computes the one before.")
+    return f"{int(on.sum())} of {len(on)} rows ran with the overlapped scheduler, the others sequentially."
