@@ -444,6 +444,12 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     at_needed = throughput.bar_checks(big.assign(stored_bits_per_value=[16.0, 16.0, stored, stored]), 32)
     assert c["batch_needed"] == 50 and abs(at_needed["prefix_bits"] - c["bits_needed"]) < 1e-9
     assert abs(at_needed["capacity_bound"] - 50) < 1e-9
+    # at the measured bits, the budget that holds the needed batch; budgets below one more raw request's bytes
+    # still hold the uncompressed batch (40 requests of 528 pages of 16 tokens at 128 KiB per token)
+    grown = throughput.bar_checks(big.assign(kv_budget_bytes=c["budget_needed"]), 32)
+    assert abs(grown["capacity_bound"] - c["batch_needed"]) < 1e-9
+    assert c["budget_top"] == 41 * 528 * 16 * 2 * 2 * 32 * 8 * 128
+    assert f"a budget {c['budget_needed'] / 2**30 - 1:+.2%} larger" in throughput.bars_need_text(big, 32)
     text, kind = throughput.verdict(big, 32)
     assert "**missed by" in text and kind == "warning"
     assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in throughput.bars_need_text(big, 32)

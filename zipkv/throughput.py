@@ -652,6 +652,10 @@ def bar_checks(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256
                capacity_bound=u.kv_budget_bytes / (token_bytes * (prefix * prefix_bits / 16 + out_tokens)),
                bits_needed=16 * (u.kv_budget_bytes / (needed * token_bytes) - out_tokens) / prefix,
                batch_needed=needed,
+               # the budget at which the measured bits give that batch, and the budgets at which the uncompressed
+               # engine still holds its batch: from this one (the smallest) up to one more request's raw pages
+               budget_needed=needed * token_bytes * (prefix * prefix_bits / 16 + out_tokens),
+               budget_top=(u.batch + 1) * token_bytes * P * math.ceil((context + new_tokens - 1) / P),
                # ZipFusion's KV at its largest batch in uncompressed requests' worth of bytes, and the step time
                # at that batch that the tokens/s bar needs
                kv_requests=z.batch * z.stored_bits_per_value / u.stored_bits_per_value,
@@ -697,7 +701,10 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
             f"{c['prefix_bits']:.3f} per value of the packed prefix ({z.frac_compressed_k:.1%} of K and "
             f"{z.frac_compressed_v:.1%} of V blocks compressed); with the output's pages raw the budget holds at most "
             f"{c['capacity_bound']:.2f} such requests (before the room lost at the ends of chunks), and "
-            f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value. At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
+            f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value"
+            f" -- or, at the measured bits, a budget {c['budget_needed'] / u.kv_budget_bytes - 1:+.2%} larger, where "
+            f"budgets up to {c['budget_top'] / u.kv_budget_bytes - 1:+.2%} larger still hold {u.batch} uncompressed "
+            f"requests (this chapter takes the smallest budget that holds them). At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
             f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
             f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
             f"batch {u.batch}. " + scheduler_text(big))
