@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                             "(0: the plan's choice, the default)")
     bench.add_argument("--maxnreg", type=int, nargs="+", default=None,
                        help="attention: register caps per thread to run zipkv's kernels with (0: none; default: theirs)")
+    bench.add_argument("--stages", type=int, nargs="+", default=None,
+                       help="attention: pipeline depths (launch option 'stages') to run zipkv's kernels with "
+                            "(default: theirs)")
     bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what in GPU_BENCHMARKS:
@@ -78,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
                                                   args.batches or [32, 64, 96], fraction, reps=args.reps,
                                                   splits=splits,
-                                                  maxnregs=args.maxnreg or (None,))
+                                                  maxnregs=args.maxnreg or (None,), stages=args.stages or (None,))
         elif args.what == "tune":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             contexts = args.contexts or [8192]

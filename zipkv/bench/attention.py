@@ -72,7 +72,7 @@ def kernels_for(head_dim: int) -> list[str]:
 def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batches=(32, 64, 96),
                         real_fraction: dict[str, float] | None = None, reps: int = 30,
                         methods=METHODS, seed: int = 0, progress: bool = True, splits=(None,), maxnregs=(None,),
-                        mixes=None, kernels=None, routings=("auto",)):
+                        mixes=None, kernels=None, routings=("auto",), stages=(None,)):
     """Decode-attention latency of every method on the same data, as in ZipFusion Fig. 4.
 
     For each (context, batch): K/V whose blocks are all compressible ("all compressible"), and, when
@@ -88,7 +88,9 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     ``num_splits`` says which ran -- a sweep shows how the split count meets the GPU's waves of programs) and of
     ``maxnregs`` (a register cap per thread, ``launch={"maxnreg": n}``; None: the kernel's default; column ``maxnreg``,
     0 for none: fewer registers let more programs share an SM, :mod:`zipkv.kernels.kernel_info`) and of ``routings``
-    (the plan's ``routing``, column ``routing``: ``"device"`` sends even a uniform cache through the mixed path).
+    (the plan's ``routing``, column ``routing``: ``"device"`` sends even a uniform cache through the mixed path) and
+    of ``stages`` (``launch={"stages": n}``: pipeline depth, the Gluon kernel's ring slots; None: the kernel's
+    default; column ``stages``: deeper rings hold more bytes in flight per program but fewer programs per SM).
     mixes: the kinds of data instead of the two above, ``[(kv_data, fraction)]`` with ``fraction`` a ``{"K", "V"}``
     dict of compressed-block fractions (:func:`mix_mask`; :func:`mix_sweep`). kernels: zipkv's kernels to time
     (default :func:`kernels_for` the head_dim).
@@ -156,12 +158,14 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                     desc_bytes = cache.desc.numel() * cache.desc.element_size()
                     kv_bytes = stats["used_bytes"] + desc_bytes + indices.numel() * 4
                     out = torch.empty_like(q)
-                    for split, nreg, routing in ((x, n, r) for x in splits for n in maxnregs for r in routings):
+                    for split, nreg, routing, depth in ((x, n, r, d) for x in splits for n in maxnregs
+                                                        for r in routings for d in stages):
+                        launch = {k: v for k, v in (("maxnreg", nreg), ("stages", depth)) if v is not None}
                         planned = plan(indptr, indices, last, cache, q_heads, num_splits=split, routing=routing,
-                                       launch=None if nreg is None else {"maxnreg": nreg})
+                                       launch=launch or None)
                         record(method, kv_data, lambda: planned.run(q, out), kv_bytes)
                         rows[-1].update(kernel=kernel, layout="/".join(layout), num_splits=planned.num_splits,
-                                        routing=routing,
+                                        routing=routing, stages=planned.configs[0]["stages"],
                                         maxnreg=planned.configs[0].get("maxnreg") or 0,
                                         frac_compressed_k=stats["frac_k"], frac_compressed_v=stats["frac_v"],
                                         frac_mixed_pages_k=stats["mixed_k"], frac_mixed_pages_v=stats["mixed_v"])
