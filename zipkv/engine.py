@@ -665,7 +665,9 @@ class Engine:
         token of each request comes from its prefill and is not counted; with CUDA graphs the first, eager
         step of each batch composition -- kernel compilation, warm-up -- is not timed, and a graph's capture
         time is left out of its step), ``decode_seconds``, ``timed_steps``, ``graph_capture_seconds``,
-        ``prefill_seconds``, ``steps`` (per decode step: ``batch``, ``seconds``, ``mode`` -- ``"warmup"``,
+        ``prefill_seconds``, ``steps`` (per decode step: ``batch``, ``seconds`` -- wall time from the previous step's
+        tokens reaching the host to this step's, admission left out; overlapped, that interval holds the next step's
+        preparation and launch, so the steps' seconds add up to the decode's wall time --, ``mode`` -- ``"warmup"``,
         ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
         ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
         request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
