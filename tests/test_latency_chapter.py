@@ -23,7 +23,7 @@ def _sweep():
             rows.append(dict(shape="llama3.1-8b", ctx=8192, batch=64, kv_data=name, method="zipkv_compressed",
                              latency_us=us, bytes_read=mb, tbps=mb / us / 1e6, routing=routing,
                              frac_compressed_k=f["K"], frac_compressed_v=f["V"], speedup_vs_flashinfer_tc=50.0 / us))
-    return with_bytes_bound(pd.DataFrame(rows), mixes), mixes
+    return with_bytes_bound(pd.DataFrame(rows))
 
 
 def test_sweep_runs_from_all_compressed_to_none_through_the_measured_mix():
@@ -33,16 +33,15 @@ def test_sweep_runs_from_all_compressed_to_none_through_the_measured_mix():
 
 
 def test_bytes_bound_is_the_rows_bytes_at_flashinfers_read_rate():
-    table, mixes = _sweep()
+    table = _sweep()
     z = table[table.method == "zipkv_compressed"]
     assert z.bytes_bound_us.tolist() == pytest.approx((z.bytes_read / 2.0e6).tolist())
-    assert z.frac_target_k.tolist() == [f["K"] for _, f in mixes for _ in range(2)]
     with pytest.raises(ValueError, match="one flashinfer_tc row"):
-        with_bytes_bound(table[table.method != "flashinfer_tc"], mixes)
+        with_bytes_bound(table[table.method != "flashinfer_tc"])
 
 
 def test_mix_text_names_each_shares_cost_per_byte_and_the_dearest():
-    table, _ = _sweep()
+    table = _sweep()
     text = latency.mix_text(table)
     z = table[(table.method == "zipkv_compressed") & (table.routing == "auto")]
     cost = z.latency_us / z.bytes_bound_us
@@ -51,12 +50,11 @@ def test_mix_text_names_each_shares_cost_per_byte_and_the_dearest():
     assert f"dearest at {z.kv_data.iloc[cost.argmax()]} ({cost.max():.2f}×)" in text
     assert "gives back part" in text                               # the last shares cost more than 1× per byte
     cheap = table.assign(latency_us=table.latency_us * 0.5)
-    assert "at least as fast" in latency.mix_text(with_bytes_bound(cheap.drop(columns="bytes_bound_us"),
-                                                                   sweep_fractions({"K": 0.777, "V": 0.925})))
+    assert "at least as fast" in latency.mix_text(with_bytes_bound(cheap.drop(columns="bytes_bound_us")))
 
 
 def test_mix_figure_labels_its_axes_with_units():
-    table, _ = _sweep()
+    table = _sweep()
     ax = latency.mix_figure(table).axes[0]
     assert "MB" in ax.get_xlabel() and "µs" in ax.get_ylabel()
     assert len(latency.mix_table(table).data) == 2 * len(sweep_fractions({"K": 0.777, "V": 0.925}))

@@ -444,7 +444,7 @@ def _beyond_other_ratios(res: Results):
 def _step_breakdown(res: Results):
     """Where the throughput chapter's decode step goes at the largest batches (:func:`zipkv.throughput.step_table`):
     from the chapter's own profiled rows, else from the separate run ``zipfusion_engine_profile.csv``."""
-    from zipkv.throughput import overlapped_rows, step_table
+    from zipkv.throughput import overlapped_rows, step_row, step_table
 
     big = _fig5_rows(res) if res.has("zipfusion_throughput") else None
     if big is not None and "replay_ms" in big.columns and big.replay_ms.notna().any():
@@ -455,8 +455,7 @@ def _step_breakdown(res: Results):
     else:
         return None
     steps = overlapped_rows(steps)
-    last = lambda m: steps[steps.method == m].sort_values("batch").iloc[-1]                  # noqa: E731
-    u, z = last("uncompressed"), last("zipfusion")
+    u, z = step_row(steps, "uncompressed"), step_row(steps, "zipfusion")
     per = lambda x: x.attention_us_per_request_layer                                         # noqa: E731
     return Measured(None, f"attention {per(u) / per(z):.2f}× faster per request (batch {z.batch} vs {u.batch}); "
                           f"the step's other {z.step_ms - z.attention_ms:.1f} ms (matrix products, other kernels, GPU idle, "

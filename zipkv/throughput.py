@@ -295,16 +295,19 @@ def overlapped_rows(steps):
     return steps[steps.overlap] if "overlap" in steps.columns else steps
 
 
+def step_row(steps, method: str, largest: bool = True):
+    """``method``'s row of :func:`step_table` rows ``steps`` at its largest batch (else its smallest)."""
+    rows = steps[steps.method == method].sort_values("batch")
+    return rows.iloc[-1 if largest else 0]
+
+
 def step_text(steps, context: int = 8192) -> str:
     """Why the tokens/s ratio at the largest batches is what it is, from :func:`step_table`'s rows (``context``:
     tokens per request before the first decode step)."""
     both = steps
     steps = overlapped_rows(steps)
-
-    def row(method, largest):
-        rows = steps[steps.method == method].sort_values("batch")
-        return rows.iloc[-1 if largest else 0]
-    u, z, u32, z32 = row("uncompressed", True), row("zipfusion", True), row("uncompressed", False), row("zipfusion", False)
+    u, z = step_row(steps, "uncompressed"), step_row(steps, "zipfusion")
+    u32, z32 = step_row(steps, "uncompressed", largest=False), step_row(steps, "zipfusion", largest=False)
     rest = lambda r: r.step_ms - r.attention_ms                                               # noqa: E731
     per = lambda r: r.attention_us_per_request_layer                                          # noqa: E731
     return (f"At the largest batches ({u.batch} uncompressed, {z.batch} ZipFusion) the attention kernels take "
@@ -329,8 +332,7 @@ def step_text(steps, context: int = 8192) -> str:
 def _sequential(u, z, seq) -> str:
     """What the overlapped steps save: the largest-batch rows ``u``, ``z`` beside the same methods' largest-batch rows
     run with ``overlap=False`` (``seq``)."""
-    last = lambda m: seq[seq.method == m].sort_values("batch").iloc[-1]                      # noqa: E731
-    su, sz = last("uncompressed"), last("zipfusion")
+    su, sz = step_row(seq, "uncompressed"), step_row(seq, "zipfusion")
     return (f" Without the overlapped steps (`overlap=False`: the host prepares and launches each step after reading "
             f"the last one's tokens) the largest-batch step takes {su.step_ms:.1f} ms uncompressed and {sz.step_ms:.1f} ms "
             f"ZipFusion ({sz.batch / su.batch * su.step_ms / sz.step_ms:.3f}× tokens/s), against {u.step_ms:.1f} and "

@@ -213,26 +213,19 @@ def mix_sweep(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64, real
     a page may hold both kinds): :func:`attention_benchmark` at one point over :func:`sweep_fractions`, each cache
     planned with ``routing="auto"`` (uniform caches take their single specialised launch, others the grouped
     launches by page kind) and ``"device"`` (every page through the mixed path), beside FlashInfer TC from the same
-    run. Adds ``frac_target_k`` / ``_v`` (the fractions asked for) and ``bytes_bound_us``: the row's bytes at
-    FlashInfer TC's measured read rate (the latency a kernel as fast per byte as FlashInfer would have; the row's
-    ``latency_us / bytes_bound_us`` is its cost per byte against FlashInfer's)."""
-    mixes = sweep_fractions(real_fraction)
+    run, with :func:`with_bytes_bound`'s ``bytes_bound_us``: the row's bytes at FlashInfer TC's measured read rate
+    (the latency of a kernel as fast per byte as FlashInfer; ``latency_us / bytes_bound_us`` is the row's cost per
+    byte against FlashInfer's). The columns ``frac_compressed_k`` / ``_v`` give each cache's measured fractions."""
     table = attention_benchmark(shape, (ctx,), (batch,), reps=reps, methods=("zipkv_compressed", "flashinfer_tc"),
-                                seed=seed, progress=progress, mixes=mixes, kernels=("gluon",),
+                                seed=seed, progress=progress, mixes=sweep_fractions(real_fraction), kernels=("gluon",),
                                 routings=("auto", "device"))
-    return with_bytes_bound(table, mixes)
+    return with_bytes_bound(table)
 
 
-def with_bytes_bound(table, mixes):
-    """``table`` (one point of :func:`attention_benchmark`, FlashInfer TC among its rows) with
-    ``frac_target_k`` / ``_v`` (each row's fractions in ``mixes``, NaN for the baselines) and ``bytes_bound_us``
-    (its ``bytes_read`` at FlashInfer TC's measured ``tbps``)."""
+def with_bytes_bound(table):
+    """``table`` (one point of :func:`attention_benchmark`, FlashInfer TC among its rows) with ``bytes_bound_us``:
+    each row's ``bytes_read`` at FlashInfer TC's measured ``tbps``."""
     if (table.method == "flashinfer_tc").sum() != 1:
         raise ValueError(f"table must hold one flashinfer_tc row, got {(table.method == 'flashinfer_tc').sum()}")
-    targets = dict(mixes)
-    table = table.copy()
-    table["frac_target_k"] = table.kv_data.map(lambda d: targets[d]["K"] if d in targets else float("nan"))
-    table["frac_target_v"] = table.kv_data.map(lambda d: targets[d]["V"] if d in targets else float("nan"))
     anchor_tbps = float(table.loc[table.method == "flashinfer_tc", "tbps"].iloc[0])
-    table["bytes_bound_us"] = table.bytes_read / anchor_tbps / 1e6
-    return table
+    return table.assign(bytes_bound_us=table.bytes_read / anchor_tbps / 1e6)
