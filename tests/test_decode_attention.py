@@ -468,18 +468,22 @@ def test_split_count_fills_the_waves():
     assert split_count(368, 264, 64, fill_waves=False) == 1     # the Gluon kernel: enough programs, no more
 
 
-def test_split_count_of_the_gluon_kernel_stays_in_one_wave():
-    """The Gluon kernel's split count with the programs the GPU holds at once: never a second, part-filled
-    wave when fewer splits fit in one (Llama-8B shape, 8 KV heads, H200's 132 SMs, 6 programs per SM)."""
+def test_split_count_of_the_gluon_kernel_fills_its_resident_waves():
+    """The Gluon kernel's split count with the programs the GPU holds at once: the fewest waves per split among
+    1 .. ceil(slots / programs) + 2, the fewest splits of equals -- no second, part-filled wave where fewer splits
+    fill one as well, and more splits where one wave would be mostly empty (Llama-8B shape, 8 KV heads, H200's
+    132 SMs, 6 programs per SM wanted)."""
     from zipkv.kernels.decode_attention import split_count
     slots = 6 * 132
     assert split_count(96 * 8, slots, 512, fill_waves=False) == 2                    # without residency
-    assert split_count(96 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 1   # 1,536 > 1,320 resident
+    # batch 96 at 10 resident per SM: 1 or 2 splits take one wave per split, 3 splits two waves for three
+    assert split_count(96 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 3
+    assert split_count(96 * 8, slots, 2, fill_waves=False, resident=10 * 132) == 1     # never more than tiles
     assert split_count(96 * 8, slots, 512, fill_waves=False, resident=12 * 132) == 2   # 1,536 fit in one wave
-    assert split_count(64 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 2   # 1,024 fit
-    assert split_count(32 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 4   # 1,024 fit
-    assert split_count(32 * 8, slots, 2, fill_waves=False, resident=10 * 132) == 2     # never more than tiles
-    assert split_count(264, slots, 512, fill_waves=False, resident=5 * 132) == 2      # 3 splits: 792 > 660, 2: one wave
+    assert split_count(64 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 2   # 1,024 fit; 2,048 in two
+    assert split_count(32 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 5   # 1,280 of 1,320 in one
+    assert split_count(264, slots, 512, fill_waves=False, resident=5 * 132) == 5      # 2 splits: one wave; 5: two full
+    assert split_count(264, slots, 3, fill_waves=False, resident=5 * 132) == 2        # 3: 792 > 660, a part-filled second
 
 
 def test_gluon_kernel_resources_match_the_residency_model():

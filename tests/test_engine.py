@@ -215,6 +215,30 @@ def test_fused_kernel_engine_equals_reference_engine(restore):
         assert split.generate(prompts, 6).outputs == ref.outputs and split.attention.plans[0].num_splits == 2
 
 
+@pytest.mark.parametrize("compress", ["prompt", "none"])
+def test_a_blocked_request_is_checked_again_only_after_space_returns(compress):
+    """More requests than the budget holds: the first that does not fit is checked again only once memory has given
+    space back (``KVMemory.space_returns`` moved), not at every step -- at Llama-8B's shape a packed request's check
+    takes milliseconds of host time -- and every attempt runs with no step in flight. All requests still finish."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
+    prompts = [list(range(3 + i, 40 + i)) for i in range(5)]
+    eng = Engine(model, 8 * 2 * 2 * 2 * 32 * 32, attention="reference", compress=compress, pages_per_chunk=2,
+                 eos_token_id=None)
+    admit, failed = eng._admit, []
+
+    def counted(req):
+        ok = admit(req)
+        if not ok:
+            failed.append((req.rid, eng.memory.space_returns))
+        return ok
+    eng._admit = counted
+    res = eng.generate(prompts, 24)
+    assert [len(o) for o in res.outputs] == [24] * 5
+    assert len(res.stats["steps"]) > 24 and failed                    # later requests waited
+    assert len(failed) == len(set(failed)), "a blocked request was checked twice without space coming back"
+    assert len(failed) < len(res.stats["steps"]) // 2
+
+
 def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_compressed_pages():
     """``k_layout="auto"``: the mma layouts for compressed pages under the fused kernel on CUDA at head_dim 64 / 128
     within the Gluon kernel's group size; the token layouts on the CPU, for the reference, the uncompressed cache,

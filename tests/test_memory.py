@@ -44,6 +44,7 @@ class MemoryMachine(RuleBasedStateMachine):
         self.next_rid = 0
         self.since_reads_done = {}
         self.initial_capacity = self.m.capacity_pages()
+        self.refused = []                # (check, space_returns when it failed): the engine's retry rule
 
     def _write(self, rid, start, n):
         for l in range(L):
@@ -72,6 +73,8 @@ class MemoryMachine(RuleBasedStateMachine):
         ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
         assert (ids is not None) == expect
         if ids is None:
+            self.refused.append((lambda: self.m.can_admit(prompt, max_new, reserve_ratio=ratio, hold_chunks=hold),
+                                 self.m.space_returns))
             prompt_pages = (prompt + 15) // 16
             need = prompt_pages + math.ceil(ratio * ((prompt + max_new + 14) // 16 - prompt_pages))
             # an independent recount: what would be left after holding the chunks, one capacity step at a time
@@ -112,6 +115,7 @@ class MemoryMachine(RuleBasedStateMachine):
         assert (ids is not None) == expect
         if ids is None:
             assert self.m.used_bytes() == used
+            self.refused.append((lambda: self.m.can_admit_packed(packed, max_new), self.m.space_returns))
             return
         assert self.m.used_bytes() - used == UNIT * sum(map(sum, packed.units)) + L * (prompt % 16 > 0) * self.m.page_bytes
         rid, self.next_rid = self.next_rid, self.next_rid + 1
@@ -223,6 +227,14 @@ class MemoryMachine(RuleBasedStateMachine):
             if ch.state == OWNED:
                 before = self.since_reads_done.setdefault(c, ch.layer)
                 assert before == ch.layer, f"chunk {c} went from layer {before} to {ch.layer} before reads_done"
+
+    @invariant()
+    def a_refused_request_stays_refused_until_space_returns(self):
+        """Only the operations :attr:`KVMemory.space_returns` counts make room, so the engine checks a blocked
+        request again only once that count has moved."""
+        self.refused = [(check, n) for check, n in self.refused if n == self.m.space_returns]
+        for check, _ in self.refused:
+            assert not check(), "a refused request fits although no space came back"
 
     @invariant()
     def promises_are_covered(self):

@@ -101,6 +101,7 @@ class _Running:
     pending: int = 0                  # launched steps whose token is not read yet
     epoch: int = 0                    # raised on retraction and retirement: a step in flight then drops its token
     staged: tuple | None = None       # restore baseline: (payload, raw tail KV, first token) of a waiting request
+    blocked: int | None = None        # memory.space_returns when its admission last failed
 
 
 class _Restore:
@@ -666,7 +667,9 @@ class Engine:
         step of each batch composition -- kernel compilation, warm-up -- is not timed, and a graph's capture
         time is left out of its step), ``decode_seconds``, ``timed_steps``, ``graph_capture_seconds``,
         ``prefill_seconds``, ``steps`` (per decode step: ``batch``, ``seconds`` -- wall time from the previous step's
-        tokens reaching the host to this step's, admission left out; overlapped, that interval holds the next step's
+        tokens reaching the host to this step's, admission left out (an admission attempt first reads every step in
+        flight, and a request that did not fit is tried again only once memory has given space back,
+        ``KVMemory.space_returns``); overlapped, that interval holds the next step's
         preparation and launch, so the steps' seconds add up to the decode's wall time --, ``mode`` -- ``"warmup"``,
         ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
         ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
@@ -724,15 +727,25 @@ class Engine:
                 read()
                 continue
             retire()
-            t0 = time.perf_counter()
-            while waiting and (self.max_batch is None or len(running) < self.max_batch) and self._admit(waiting[0]):
+            # a blocked request is checked again only once memory has given space back: the check walks every
+            # layer's chunks (milliseconds at Llama-8B's shape), and it prefills, which waits for the device; an
+            # attempt therefore runs with nothing in flight, so the time left out of the steps is its own
+            while (waiting and (self.max_batch is None or len(running) < self.max_batch)
+                   and waiting[0].blocked != self.memory.space_returns):
+                while flights:
+                    read()
+                t0 = time.perf_counter()
+                admitted = self._admit(waiting[0])
+                prefill_s += time.perf_counter() - t0
+                if clock is not None:
+                    clock += time.perf_counter() - t0      # admission is prefill time, not a step's
+                if not admitted:
+                    waiting[0].blocked = self.memory.space_returns
+                    break
                 running.append(waiting.pop(0))
                 admitted_at.setdefault(running[-1].rid, len(steps) + len(flights))
                 if bar:
                     bar.update(1)
-            prefill_s += time.perf_counter() - t0
-            if clock is not None:
-                clock += time.perf_counter() - t0          # admission is prefill time, not a step's
             retire()
             batch = [r for r in running if len(r.out) + r.pending < r.max_new]
             if not batch:

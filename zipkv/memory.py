@@ -245,6 +245,10 @@ class KVMemory:
         self.requests: dict = {}
         self.admitted = 0
         self.reassigned = 0
+        self.space_returns = 0
+        """Operations so far that gave space back (a raw slot, a compressed extent, a reservation, pending chunks to
+        the pool). Nothing else makes room, so an admission check that failed fails again until this count moves
+        (the engine retries a blocked request only then, :meth:`zipkv.engine.Engine.generate`)."""
         head = torch.arange(2 * kv_heads, device=self.device).reshape(2, kv_heads) * self.slot_bytes
         self._raw_offsets = (head[..., None] + fmt.RAW_BLOCK_BYTES * torch.arange(nb, device=self.device))
         self._write_index = torch.stack([self._slot_positions(lay) for lay in self.layouts])   # [2, 16, D]
@@ -343,6 +347,7 @@ class KVMemory:
         ch.free_slots.append(s)
         ch.live -= 1
         self._raw_free[layer] += 1
+        self.space_returns += 1
         self._raw_open[layer][c] = None
         self._used[layer] -= self.page_bytes
         if ch.live == 0:
@@ -392,6 +397,7 @@ class KVMemory:
         ch = self._chunks[c]
         ch.live -= 1
         self._used[layer] -= units * UNIT
+        self.space_returns += 1
         ch.extents = merged = free_extent(ch.extents, start, units)
         if max(n for _, n in merged) >= self._min_page_units:
             self._comp_open[layer][c] = None
@@ -401,6 +407,8 @@ class KVMemory:
     def reads_done(self) -> None:
         """The attention reads issued so far are finished: pending chunks go back to the shared pool,
         where any layer can take them."""
+        if any(self._pending) or self._held_pending:
+            self.space_returns += 1
         for l in range(self.num_layers):
             for c in self._pending[l]:
                 self._chunks[c].state = FREE
@@ -660,6 +668,7 @@ class KVMemory:
     def free(self, rid) -> None:
         """Free every page of request ``rid`` in every layer and drop its reservation."""
         r = self.requests.pop(self._request_key(rid))
+        self.space_returns += 1                              # its reservation, at least
         gone = set(r.pages)
         self._full = [p for p in self._full if p not in gone]
         for p in r.pages:
