@@ -470,20 +470,20 @@ def test_split_count_fills_the_waves():
 
 def test_split_count_of_the_gluon_kernel_fills_its_resident_waves():
     """The Gluon kernel's split count with the programs the GPU holds at once: the fewest waves per split among
-    1 .. ceil(slots / programs) + 2, the fewest splits of equals -- no second, part-filled wave where fewer splits
-    fill one as well, and more splits where one wave would be mostly empty (Llama-8B shape, 8 KV heads, H200's
-    132 SMs, 6 programs per SM wanted)."""
+    1 .. ceil(slots / programs), the fewest splits of equals -- no second, part-filled wave where fewer splits fill
+    one as well --, and only where that leaves the wanted slots under-filled, up to two more splits (Llama-8B shape,
+    8 KV heads, H200's 132 SMs, 7 programs per SM wanted, 10 or 12 resident)."""
     from zipkv.kernels.decode_attention import split_count
-    slots = 6 * 132
+    slots = 7 * 132
     assert split_count(96 * 8, slots, 512, fill_waves=False) == 2                    # without residency
-    # batch 96 at 10 resident per SM: 1 or 2 splits take one wave per split, 3 splits two waves for three
+    # batch 96: 1 or 2 splits take a wave per split, and one split's 768 programs leave the slots under-filled
     assert split_count(96 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 3
     assert split_count(96 * 8, slots, 2, fill_waves=False, resident=10 * 132) == 1     # never more than tiles
     assert split_count(96 * 8, slots, 512, fill_waves=False, resident=12 * 132) == 2   # 1,536 fit in one wave
-    assert split_count(64 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 2   # 1,024 fit; 2,048 in two
-    assert split_count(32 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 5   # 1,280 of 1,320 in one
-    assert split_count(264, slots, 512, fill_waves=False, resident=5 * 132) == 5      # 2 splits: one wave; 5: two full
-    assert split_count(264, slots, 3, fill_waves=False, resident=5 * 132) == 2        # 3: 792 > 660, a part-filled second
+    assert split_count(64 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 2   # 1,024 fit
+    assert split_count(57 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 2   # 912 fill 99 % of the slots
+    assert split_count(32 * 8, slots, 512, fill_waves=False, resident=10 * 132) == 4   # 1,024 fit; 5 are not weighed
+    assert split_count(32 * 8, slots, 2, fill_waves=False, resident=10 * 132) == 2     # never more than tiles
 
 
 def test_gluon_kernel_resources_match_the_residency_model():

@@ -195,9 +195,11 @@ class DecodePlan:
 
 
 WAVE_FILL = 0.9
-"""Least share of the resident program slots that the Triton kernel's last wave should fill (:func:`split_count`)."""
+"""Least share of the resident program slots that the Triton kernel's last wave should fill, and of the wanted
+program slots that the Gluon kernel's split count should fill before more splits are weighed (:func:`split_count`)."""
 GLUON_EXTRA_SPLITS = 2
-"""Split counts past ``ceil(slots / programs)`` that :func:`split_count` weighs for the Gluon kernel."""
+"""Split counts past ``ceil(slots / programs)`` that :func:`split_count` weighs for the Gluon kernel when too few
+programs would run."""
 
 
 def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool = True,
@@ -209,18 +211,25 @@ def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool 
     work, so a part-filled last wave costs a whole one), else the fullest. At Llama-8B's 8 KV heads and batch 46,
     368 programs on the H200's 264 slots fill 1.39 waves with one split and 2.79 with two. The Gluon kernel's
     one-warp programs are resident many more to an SM: ``fill_waves=False``, and with ``resident`` (programs the
-    GPU holds at once) the split count in 1..base + :data:`GLUON_EXTRA_SPLITS` with the fewest waves per split, the
-    fewest splits of equals: a second, part-filled wave of one-warp programs runs at a fraction of the bandwidth
-    (H200 at 580390f, batch 96 x 8 KV heads, 2 splits: 1,536 programs on 1,320 resident, 10 per SM, the mixed
-    and raw specialisations 0.85x and 0.73x FlashInfer; the all-compressed one, 13 per SM, 1.30x), while a wave
-    of too few programs leaves bandwidth unused (the same batch on the measured mix at 5e8e605: one split, 768
-    programs, 5.8 per SM, 657 us; three splits, 2,304 programs in 1.75 waves, 602 us)."""
+    GPU holds at once) the split count in 1..base with the fewest waves per split, the fewest splits of equals:
+    a second, part-filled wave of one-warp programs runs at a fraction of the bandwidth (H200 at 580390f, batch
+    96 x 8 KV heads, 2 splits: 1,536 programs on 1,320 resident, 10 per SM, the mixed and raw specialisations
+    0.85x and 0.73x FlashInfer; the all-compressed one, 13 per SM, 1.30x). Where that choice fills less than
+    :data:`WAVE_FILL` of ``slots``, up to :data:`GLUON_EXTRA_SPLITS` more splits are weighed the same way: too
+    few programs leave bandwidth unused (H200 at 20edefd, measured mix, 8192 tokens: batch 96, one split, 768
+    programs, 654 us; three splits, 2,304 programs, 602 us), while more splits past a filled choice were slower
+    (batch 32: 4 splits 210 us, 5 splits 261 us; batch 57: 2 splits 375 us, 5 splits 421 us)."""
     base = max(1, min(max_splits, math.ceil(slots / programs)))
     if not fill_waves:
         if resident is None:
             return base
-        tried = range(1, min(max_splits, base + GLUON_EXTRA_SPLITS) + 1)
-        return min(tried, key=lambda s: (Fraction(math.ceil(programs * s / resident), s), s))
+
+        def best(most):
+            return min(range(1, most + 1), key=lambda s: (Fraction(math.ceil(programs * s / resident), s), s))
+        first = best(base)
+        if programs * first >= WAVE_FILL * slots:
+            return first
+        return best(min(max_splits, base + GLUON_EXTRA_SPLITS))
 
     def fill(s):
         return round(programs * s / (slots * math.ceil(programs * s / slots)), 9)     # equal fills compare equal
