@@ -219,7 +219,7 @@ def test_fused_kernel_engine_equals_reference_engine(restore):
 def test_a_blocked_request_is_checked_again_only_after_space_returns(compress):
     """More requests than the budget holds: the first that does not fit is checked again only once memory has given
     space back (``KVMemory.space_returns`` moved), not at every step -- at Llama-8B's shape a packed request's check
-    takes milliseconds of host time -- and every attempt runs with no step in flight. All requests still finish."""
+    takes milliseconds of host time. All requests still finish."""
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
     prompts = [list(range(3 + i, 40 + i)) for i in range(5)]
     eng = Engine(model, 8 * 2 * 2 * 2 * 32 * 32, attention="reference", compress=compress, pages_per_chunk=2,
