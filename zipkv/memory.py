@@ -573,17 +573,26 @@ class KVMemory:
         """New compressed chunks each layer needs to place ``packed``'s pages first-fit (as :meth:`_comp_alloc`)."""
         upc, need = self.units_per_chunk, []
         for l in range(self.num_layers):
-            room = [[list(e) for e in self._chunks[c].extents] for c in self._comp_open[l]]
+            units = packed.units[l]
+            least = min(units, default=upc + 1)
+            # extents smaller than the request's smallest page never take one of its pages: leaving them out keeps
+            # first-fit's choices and makes each page's search short (else O(pages x chunks) per layer)
+            room = [r for r in ([list(e) for e in self._chunks[c].extents if e[1] >= least] for c in self._comp_open[l]) if r]
             new = 0
-            for u in packed.units[l]:
-                for extents in room:
+            for u in units:
+                for i, extents in enumerate(room):
                     e = next((e for e in extents if e[1] >= u), None)
                     if e is not None:
                         e[0], e[1] = e[0] + u, e[1] - u
+                        if e[1] < least:
+                            extents.remove(e)
+                            if not extents:
+                                del room[i]
                         break
                 else:
                     new += 1
-                    room.append([[u, upc - u]])
+                    if upc - u >= least:
+                        room.append([[u, upc - u]])
             need.append(new)
         return need
 
