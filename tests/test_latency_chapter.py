@@ -58,3 +58,30 @@ def test_mix_figure_labels_its_axes_with_units():
     ax = latency.mix_figure(table).axes[0]
     assert "MB" in ax.get_xlabel() and "µs" in ax.get_ylabel()
     assert len(latency.mix_table(table).data) == 2 * len(sweep_fractions({"K": 0.777, "V": 0.925}))
+
+
+def _committed_sweeps():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "results" / "paper"
+    return [pd.read_csv(root / f"zipfusion_{name}_sweep.csv") for name in ("split_rule", "stages")]
+
+
+def test_the_plans_split_count_is_within_2_percent_of_the_fastest_timed_on_the_h200():
+    """The Gluon kernel's default split count (rule + committed tuned options) against the committed H200 sweeps:
+    at every point where its count was timed, within 2 % of the fastest split count timed there."""
+    table = latency.split_sweep(_committed_sweeps())
+    timed = table.dropna(subset=["plan_vs_fastest"])
+    assert len(timed) >= 20, table
+    assert (timed.plan_vs_fastest <= 1.02).all(), timed[timed.plan_vs_fastest > 1.02]
+
+
+def test_split_text_reads_the_sweeps_own_numbers():
+    table = latency.split_sweep(_committed_sweeps())
+    text = latency.split_text(table)
+    timed = table.dropna(subset=["plan_vs_fastest"])
+    assert f"At {int((timed.plan == timed.fastest).sum())} of the {len(timed)} timed points" in text
+    assert f"loses is {timed.plan_vs_fastest.max() - 1:.1%}" in text
+    assert "never beat" in text                             # 3 ring slots: at least as slow as 2 everywhere
+    slower = table.assign(three_vs_two_slots=table.three_vs_two_slots * 0.5)
+    assert "slots beat two" in latency.split_text(slower)
+    assert len(latency.split_table(table).data) == len(table)

@@ -189,10 +189,10 @@ def targets_text(table: pd.DataFrame) -> str:
 def _wave_text(table: pd.DataFrame, ctx: int, batch: int) -> str:
     """Why the Gluon kernel is slow on the measured mix at (ctx, batch), when it is for want of residency: the
     programs its plan launched against those the H200 holds at once (:func:`zipkv.kernels.decode_mma.resident_per_sm`
-    of its mixed specialisation), and the split count the plan takes there now (:func:`split_count`)."""
+    of its mixed specialisation), and the split count the plan takes there now (:func:`zipkv.kernels.decode_attention.gluon_split_count`)."""
     from zipkv import paged
     from zipkv.kernels import decode_mma, kernel_info
-    from zipkv.kernels.decode_attention import split_count
+    from zipkv.kernels.decode_attention import gluon_split_count
 
     rows = table[(table["shape"] == SHAPE) & (table.ctx == ctx) & (table.batch == batch) & (table.kernel == "gluon")
                  & (table.method == "zipkv_compressed") & (table.kv_data == "measured mix")]
@@ -210,8 +210,7 @@ def _wave_text(table: pd.DataFrame, ctx: int, batch: int) -> str:
                 f"of the {per_sm} an SM holds (\"Inside the kernels\"), so fewer copies are in flight than at the other "
                 f"points; one more split would launch {more:,}, more than the {per_sm * sms:,} the H200 holds at once "
                 f"(a second, part-filled wave). It reads at {row.tbps:.2f} TB/s.")
-    now = split_count(batch * kv_heads, decode_mma.MMA_LAUNCH["programs_per_sm"] * sms, ctx // 16, fill_waves=False,
-                      resident=per_sm * sms)
+    now = gluon_split_count(paged.MIXED, 128, batch * kv_heads, ctx // 16, row.device, sms)
     return (f" The slowest, {ctx} × {batch} ({row.speedup_vs_flashinfer_tc:.2f}×), ran {int(row.num_splits)} splits: "
             f"{programs:,} one-warp programs, more than the {per_sm * sms:,} the H200 holds at once ({per_sm} per SM "
             f"of its {sms}, \"Inside the kernels\"), so a second, part-filled wave followed the first. The plan now takes "
@@ -291,3 +290,64 @@ def mix_table(sweep: pd.DataFrame):
     return z.style.format({"frac_compressed_k": "{:.1%}", "frac_compressed_v": "{:.1%}", "latency_us": "{:.1f}",
                            "bytes_read": "{:.3e}", "tbps": "{:.2f}", "bytes_bound_us": "{:.1f}",
                            "cost_per_byte": "{:.2f}×", "speedup_vs_flashinfer_tc": "{:.2f}×"}).hide(axis="index")
+
+
+def split_sweep(sweeps: list[pd.DataFrame]) -> pd.DataFrame:
+    """The Gluon kernel's split counts and ring depths against the plan's choice, from committed sweeps
+    (``bench attention --splits ... [--stages 2 3]``, each with its ``commit``): one row per run and point (shape,
+    ctx, batch, kv_data, method), columns ``"<s> splits"`` (µs, 2 ring slots), ``fastest`` (split count),
+    ``plan`` (what :func:`zipkv.kernels.decode_attention.gluon_split_count` takes now with the committed tuned
+    options on the run's GPU), ``plan_vs_fastest`` (latency ratio; NaN where the plan's count was not timed) and,
+    where 3 slots were timed, ``three_vs_two_slots`` (each depth's fastest split, 3 slots over 2)."""
+    from zipkv import paged
+    from zipkv.bench.attention import ATTENTION_SHAPES
+    from zipkv.kernels import kernel_info
+    from zipkv.kernels.decode_attention import gluon_split_count
+
+    rows = []
+    z = pd.concat(sweeps)
+    z = z[z.method.str.startswith("zipkv") & (z.kernel == "gluon")]
+    keys = ["commit", "shape", "ctx", "batch", "kv_data", "method"]
+    for key, g in z.groupby(keys, sort=False):
+        point = dict(zip(keys, key))
+        shape = ATTENTION_SHAPES[point["shape"]]
+        kind = (paged.RAW if point["method"] == "zipkv_uncompressed"
+                else paged.COMPRESSED if point["kv_data"] == "all compressible" else paged.MIXED)
+        two = g[g.stages == 2].groupby("num_splits").latency_us.min()
+        planned = gluon_split_count(kind, shape.head_dim, point["batch"] * shape.kv_heads, point["ctx"] // 16,
+                                    g.device.iloc[0], kernel_info.H200_SM["sms"])
+        row = {**point, **{f"{int(s)} splits": us for s, us in two.items()}, "fastest": int(two.idxmin()),
+               "plan": planned, "plan_vs_fastest": two.get(planned, float("nan")) / two.min()}
+        if (g.stages == 3).any():
+            row["three_vs_two_slots"] = g[g.stages == 3].latency_us.min() / two.min()
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    splits = sorted((c for c in out.columns if c.endswith(" splits")), key=lambda c: int(c.split()[0]))
+    return out[keys + splits + [c for c in ("fastest", "plan", "plan_vs_fastest", "three_vs_two_slots") if c in out]]
+
+
+def split_text(table: pd.DataFrame) -> str:
+    """What :func:`split_sweep`'s table shows: how often the plan's split count is the fastest timed, by how much
+    it loses elsewhere, and whether three ring slots ever beat two."""
+    timed = table.dropna(subset=["plan_vs_fastest"])
+    worst = timed.loc[timed.plan_vs_fastest.idxmax()]
+    name = lambda r: f"{r['shape']} {r.ctx} × {r.batch}, {r.kv_data}"      # noqa: E731
+    text = (f"At {int((timed.plan == timed.fastest).sum())} of the {len(timed)} timed points the plan's split count is "
+            f"the fastest one timed; the most it loses is {worst.plan_vs_fastest - 1:.1%} ({name(worst)}: "
+            f"{worst.plan} splits against {worst.fastest}).")
+    if len(table) > len(timed):
+        text += f" At {len(table) - len(timed)} point(s) the plan's count was not among those timed."
+    if "three_vs_two_slots" in table and table.three_vs_two_slots.notna().any():
+        slots = table.dropna(subset=["three_vs_two_slots"])
+        best = slots.loc[slots.three_vs_two_slots.idxmin()]
+        text += (f" Three ring slots {'never beat' if best.three_vs_two_slots >= 1 else 'beat'} two at a point's "
+                 f"fastest split ({len(slots)} points; closest: {name(best)}, {best.three_vs_two_slots:.3f}×).")
+    return text
+
+
+def split_table(table: pd.DataFrame):
+    """:func:`split_sweep`'s table, formatted (a Styler)."""
+    splits = [c for c in table.columns if c.endswith(" splits")]
+    view = table.assign(method=table.method.map(METHOD_LABELS))
+    return view.style.format({**{c: "{:.1f}" for c in splits}, "plan_vs_fastest": "{:.3f}×",
+                              "three_vs_two_slots": "{:.3f}×"}, na_rep="–").hide(axis="index")

@@ -41,7 +41,7 @@ from zipkv.kernels.decode_triton import DEFAULT_LAUNCH, LAUNCH_KEYS, launch_conf
 from zipkv.kernels.tuning import TUNING_FILE
 from zipkv.paged import PagedKVCache, build_paged_cache, compress_cache_, physical_page_ids
 
-__all__ = ["plan", "split_count", "DecodePlan", "decode_attention", "KERNELS", "PagedKVCache", "build_paged_cache",
+__all__ = ["plan", "split_count", "gluon_split_count", "DecodePlan", "decode_attention", "KERNELS", "PagedKVCache", "build_paged_cache",
            "compress_cache_", "physical_page_ids", "launch_config", "DEFAULT_LAUNCH", "LAUNCH_KEYS",
            "TUNING_FILE", "MMA_LAUNCH"]
 
@@ -237,6 +237,19 @@ def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool 
     return next((s for s in tried if fill(s) >= WAVE_FILL), max(tried, key=lambda s: (fill(s), -s)))
 
 
+def gluon_split_count(kind: int, head_dim: int, programs: int, pages: int, gpu_name: str | None, sms: int,
+                      shared_per_sm: int | None = None, launch: dict | None = None) -> int:
+    """The Gluon kernel's default split-KV factor, what :func:`plan` takes: :func:`split_count` for ``programs``
+    (request, KV head) pairs of about ``pages`` pages each (one operand tile per page, per two at head_dim 64),
+    launching the specialisation ``kind`` (an index of :data:`zipkv.paged.PAGE_KINDS`) with its launch options on
+    ``gpu_name`` (tuned, :func:`zipkv.kernels.decode_mma.launch_config`, under ``launch``'s overrides) and ``sms``
+    SMs of ``shared_per_sm`` bytes of shared memory (default the H200's)."""
+    cfg = {**decode_mma.launch_config(paged.PAGE_KINDS[kind], gpu_name, head_dim), **(launch or {})}
+    tiles = max(1, pages // (2 if head_dim == 64 else 1))
+    resident = sms * decode_mma.resident_per_sm(kind, cfg["stages"], shared_per_sm)
+    return split_count(programs, cfg["programs_per_sm"] * sms, tiles, fill_waves=False, resident=resident)
+
+
 def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, cache: PagedKVCache,
          q_heads: int, *, softmax_scale: float | None = None, num_splits: int | None = None,
          pages_per_tile: int | None = None, validate: bool = True, path: str = "auto",
@@ -317,13 +330,12 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
         if gpu and B:
             props = torch.cuda.get_device_properties(device)
             sms = props.multi_processor_count
-            avg_tiles = max(1, indices.numel() // B // ppt // (2 if kernel == "gluon" and D == 64 else 1))
-            want = configs[0]["programs_per_sm"] * sms
-            resident = None
             if kernel == "gluon":
-                shared = getattr(props, "shared_memory_per_multiprocessor", None)
-                resident = sms * decode_mma.resident_per_sm(launches[0][0], configs[0]["stages"], shared)
-            num_splits = split_count(B * HKV, want, avg_tiles, fill_waves=kernel != "gluon", resident=resident)
+                num_splits = gluon_split_count(launches[0][0], D, B * HKV, indices.numel() // B, gpu_name, sms,
+                                               getattr(props, "shared_memory_per_multiprocessor", None), launch)
+            else:
+                num_splits = split_count(B * HKV, configs[0]["programs_per_sm"] * sms,
+                                         max(1, indices.numel() // B // ppt))
         else:
             num_splits = 1
     kinds = cache.page_kinds()
