@@ -62,8 +62,7 @@ def test_mix_figure_labels_its_axes_with_units():
 
 def _committed_sweeps():
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1] / "results" / "paper"
-    return [pd.read_csv(root / f"zipfusion_{name}_sweep.csv") for name in ("split_rule", "stages")]
+    return latency.read_sweeps(Path(__file__).resolve().parents[1] / "results" / "paper")
 
 
 def test_the_plans_split_count_is_within_2_percent_of_the_fastest_timed_on_the_h200():
@@ -85,3 +84,11 @@ def test_split_text_reads_the_sweeps_own_numbers():
     slower = table.assign(three_vs_two_slots=table.three_vs_two_slots * 0.5)
     assert "slots beat two" in latency.split_text(slower)
     assert len(latency.split_table(table).data) == len(table)
+
+
+def test_cpu_check_text_says_whether_every_cache_is_within_the_tolerance():
+    check = pd.DataFrame(dict(rel_rms_error=[1e-3, 4e-3]))
+    text, ok = latency.cpu_check_text(check, has_results=True)
+    assert ok and "on 2 caches" in text and "4.0e-03" in text and "within" in text and "committed GPU results" in text
+    text, ok = latency.cpu_check_text(check.assign(rel_rms_error=[1e-3, 2e-2]), has_results=False)
+    assert not ok and "OUTSIDE" in text and "no GPU results are committed" in text

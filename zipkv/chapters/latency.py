@@ -36,6 +36,20 @@ def cpu_check(seed: int = 0) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+CPU_TOLERANCE = 1e-2
+"""Relative RMS error of the Triton kernel (interpreter) against the fp32 reference that :func:`cpu_check` allows."""
+
+
+def cpu_check_text(check: pd.DataFrame, has_results: bool) -> tuple[str, bool]:
+    """``(markdown, ok)``: what :func:`cpu_check`'s table says, and whether every cache is within
+    :data:`CPU_TOLERANCE`; ``has_results``: committed GPU results are shown below."""
+    ok = bool((check.rel_rms_error < CPU_TOLERANCE).all())
+    return (f"No GPU: no timings. The Triton kernel (interpreter) matches the fp32 reference on {len(check)} caches to "
+            f"a relative RMS error of at most {check.rel_rms_error.max():.1e} ({'within' if ok else 'OUTSIDE'} the "
+            f"{CPU_TOLERANCE:g} tolerance)" + ("; below, the committed GPU results." if has_results
+                                               else "; no GPU results are committed."), ok)
+
+
 def speedups(table: pd.DataFrame) -> pd.DataFrame:
     """Speedup of our compressed kernels over FlashInfer TC at each paper point (Llama-3.1-8B shape):
     rows (ctx, batch), columns per KV data and kernel."""
@@ -289,6 +303,17 @@ def mix_table(sweep: pd.DataFrame):
     return z.style.format({"frac_compressed_k": "{:.1%}", "frac_compressed_v": "{:.1%}", "latency_us": "{:.1f}",
                            "bytes_read": "{:.3e}", "tbps": "{:.2f}", "bytes_bound_us": "{:.1f}",
                            "cost_per_byte": "{:.2f}×", "speedup_vs_flashinfer_tc": "{:.2f}×"}).hide(axis="index")
+
+
+SWEEPS = ("zipfusion_split_rule_sweep.csv", "zipfusion_stages_sweep.csv")
+"""The committed H200 sweeps of the Gluon kernel's split count and ring depth (``bench attention --splits ...
+--stages ...``) that :func:`split_sweep` reads."""
+
+
+def read_sweeps(folder) -> list[pd.DataFrame]:
+    """:data:`SWEEPS` from ``folder`` (``results/paper``)."""
+    from pathlib import Path
+    return [pd.read_csv(Path(folder) / name) for name in SWEEPS]
 
 
 def split_sweep(sweeps: list[pd.DataFrame]) -> pd.DataFrame:

@@ -41,8 +41,8 @@ from zipkv.kernels.decode_triton import DEFAULT_LAUNCH, LAUNCH_KEYS, launch_conf
 from zipkv.kernels.tuning import TUNING_FILE
 from zipkv.paged import PagedKVCache, build_paged_cache, compress_cache_, physical_page_ids
 
-__all__ = ["plan", "split_count", "gluon_split_count", "DecodePlan", "decode_attention", "KERNELS", "PagedKVCache", "build_paged_cache",
-           "compress_cache_", "physical_page_ids", "launch_config", "DEFAULT_LAUNCH", "LAUNCH_KEYS",
+__all__ = ["plan", "split_count", "gluon_split_count", "DecodePlan", "decode_attention", "KERNELS", "PagedKVCache",
+           "build_paged_cache", "compress_cache_", "physical_page_ids", "launch_config", "DEFAULT_LAUNCH", "LAUNCH_KEYS",
            "TUNING_FILE", "MMA_LAUNCH"]
 
 KERNELS = ("triton", "gluon")
