@@ -238,15 +238,15 @@ def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool 
 
 
 def gluon_split_count(kind: int, head_dim: int, programs: int, pages: int, gpu_name: str | None, sms: int,
-                      shared_per_sm: int | None = None, launch: dict | None = None) -> int:
+                      shared_per_sm: int | None = None, launch: dict | None = None, group: int = 1) -> int:
     """The Gluon kernel's default split-KV factor, what :func:`plan` takes: :func:`split_count` for ``programs``
     (request, KV head) pairs of about ``pages`` pages each (one operand tile per page, per two at head_dim 64),
     launching the specialisation ``kind`` (an index of :data:`zipkv.paged.PAGE_KINDS`) with its launch options on
     ``gpu_name`` (tuned, :func:`zipkv.kernels.decode_mma.launch_config`, under ``launch``'s overrides) and ``sms``
-    SMs of ``shared_per_sm`` bytes of shared memory (default the H200's)."""
+    SMs of ``shared_per_sm`` bytes of shared memory (default the H200's), ``group`` query heads per KV head."""
     cfg = {**decode_mma.launch_config(paged.PAGE_KINDS[kind], gpu_name, head_dim), **(launch or {})}
     tiles = max(1, pages // (2 if head_dim == 64 else 1))
-    resident = sms * decode_mma.resident_per_sm(kind, cfg["stages"], shared_per_sm)
+    resident = sms * decode_mma.resident_per_sm(kind, cfg["stages"], shared_per_sm, group)
     return split_count(programs, cfg["programs_per_sm"] * sms, tiles, fill_waves=False, resident=resident)
 
 
@@ -332,7 +332,8 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
             sms = props.multi_processor_count
             if kernel == "gluon":
                 num_splits = gluon_split_count(launches[0][0], D, B * HKV, indices.numel() // B, gpu_name, sms,
-                                               getattr(props, "shared_memory_per_multiprocessor", None), launch)
+                                               getattr(props, "shared_memory_per_multiprocessor", None), launch,
+                                               q_heads // HKV)
             else:
                 num_splits = split_count(B * HKV, configs[0]["programs_per_sm"] * sms,
                                          max(1, indices.numel() // B // ppt))

@@ -2,22 +2,26 @@
 
 The caches of :mod:`zipkv.paged` with ``k_layout="k_mma"`` and ``v_layout="v_mma"`` (head_dim 128 or 64,
 see :mod:`zipkv.format`) store each 512-value block so that one thread's tensor-core operand values
-(``mma.m16n8k16``, bf16 B operand: keys for ``q @ K^T``, values for ``P @ V``) are two or four runs of 16
-contiguous bytes. Gluon (Triton's explicit-layout dialect, ``triton.experimental.gluon``) lets the kernel
-say so: a unit of 16 token rows is copied with 16-byte ``cp.async`` into a ring of shared-memory slots
-(each thread later reads back exactly the bytes it copied, so no barrier between threads is needed; each
-tile of the ring is its own allocation, so Triton puts no barrier between the copies either), read into
-registers in a blocked layout whose reshape/permute *is* the operand layout (the conversion is a register
-renaming, checked offline), rebuilt with integer ops and fed to ``mma``. Nothing is written back to
-shared memory and no layout conversion moves data between threads.
+(``mma.m16n8k16``, bf16) are two or four runs of 16 contiguous bytes. Gluon (Triton's explicit-layout
+dialect, ``triton.experimental.gluon``) lets the kernel say so: a unit of 16 token rows is copied with 16-byte
+``cp.async`` into a ring of shared-memory slots (each thread later reads back exactly the bytes it copied, so
+no barrier between threads is needed; each tile of the ring is its own allocation, so Triton puts no barrier
+between the copies either), read into registers in a blocked layout whose reshape/permute *is* the operand
+layout (the conversion is a register renaming, checked offline), rebuilt with integer ops and fed to ``mma``.
+
+**Transposed products.** The scores are ``S^T = K @ q^T`` ``[16 token rows, NQ]`` and the output
+``O^T += V^T @ P^T`` ``[head_dim, NQ]``: keys and values are the A operands (the lane holding a key or value
+as a B operand of ``q @ K^T`` or ``P @ V`` holds it as the A operand of the transposed product: the layouts
+of :mod:`zipkv.format` serve both), q^T and P^T the B operands, and the program's G query heads are the
+``NQ = 8`` columns of one n-tile (16: two, for G up to 16, :func:`query_columns`). So q^T lives in registers
+(8 per lane per 64 channels), no query row is padded to the m-tile's 16, the accumulator is half the size
+of ``q @ K^T``'s ``[16, head_dim]`` for G <= 8, and P^T reaches its B layout by warp shuffles (no shared
+memory). Head_dim 128: a unit is a page (16 tokens x 128 channels). Head_dim 64: a unit is a page *pair*
+seen as 16 rows of 128 channels (a row holds two consecutive tokens; the second page of an odd request's
+last pair is empty and masked): the key halves (channels 0-63, 64-127) are the rows' first and second
+tokens, each multiplied with the same q^T, and the value halves' products add into one ``[64, NQ]`` output.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
-Head_dim 128: a unit is a page (16 tokens x 128 channels); the program's ``G <= 16`` query rows padded to
-16 are the A operand (kept in shared memory, read per unit). Head_dim 64: a unit is a page *pair* seen as
-16 rows of 128 channels (a row holds two consecutive tokens; the second page of an odd request's last pair
-is empty and masked), and query head g is A rows g (``[q, 0]``: the rows' first tokens) and g + 8 (``[0, q]``: their
-second tokens), so ``G <= 8``; the two rows' softmax states are merged at the end (:func:`_fold_rows`),
-as splits are.
 
 Specialisations (constexpr ``KIND``, the page kinds of :mod:`zipkv.paged`), all through the same
 pipeline -- with a ring of S slots (launch option ``stages``, default 2), the data of units
@@ -38,13 +42,10 @@ computed; full units run without a token mask, the last unit of a range after th
   branch: a warp-uniform shortcut for units whose blocks are all compressed kept two versions of the
   operands live (205 registers instead of 144) and was slower on every measured mix.
 
-Registers (offline, sm_90a, :func:`zipkv.kernels.kernel_info.decode_mma_info`): q is kept in shared memory
-and read per unit, and the scores are two mma over the key halves (channels 0-63, 64-127), so only one
-half's words are live at once: MIXED 140 registers (239 with q in registers and one key operand), COMPRESSED
-146, RAW 144. Measured on the H200 (8192 x 64, Llama-3.1-8B shape): the latency chapter's run at 4e83dc7,
-MIXED on the measured mix 408 us (1.21x FlashInfer TC), COMPRESSED 378 us; a sweep of the compressed share at
-048123b, MIXED on all-raw pages 483 us and RAW 479 us, where with each lane's raw bytes contiguous (the raw
-order before :func:`zipkv.format.raw_index`) they took 1078 us and 498 us.
+Registers (offline, sm_90a, :func:`zipkv.kernels.kernel_info.decode_mma_info`; G = 4, 3): the scores are two
+mma over the key halves, so only one half's words are live at once: 109-128 registers (:data:`MAX_REGISTERS`),
+where the untransposed kernel (q as the A operand, from shared memory) took 140-148 and 4 KB more shared
+memory per program, which held the mixed and raw specialisations to 10 programs per SM instead of 13.
 
 The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
 requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
@@ -82,31 +83,38 @@ def launch_config(path: str, gpu_name: str | None = None, head_dim: int = 128) -
     if path not in paged.PAGE_KINDS:
         raise ValueError(f"path must be one of {paged.PAGE_KINDS}, got {path!r}")
     return {**MMA_LAUNCH, **tuning.tuned(gpu_name, path, kernel="gluon", head_dim=head_dim)}
-MAX_REGISTERS = 160
-"""Registers per thread that every specialisation of the pipelined kernel stays within (offline, sm_90a:
-140-148; the CPU tests compile them and check): with :func:`shared_bytes`, how many programs an SM holds at
-once (:func:`resident_per_sm`)."""
+MAX_REGISTERS = {8: 128, 16: 208}
+"""Registers per thread that every specialisation of the pipelined kernel stays within, per query-head columns
+(:func:`query_columns`; offline, sm_90a: 109-128 with 8 columns, 147-208 with 16; the CPU tests compile them and
+check): with :func:`shared_bytes`, how many programs an SM holds at once (:func:`resident_per_sm`)."""
 
 
 def shared_bytes(kind: int, slots: int) -> int:
     """Shared memory of one program of the pipelined kernel of page kind ``kind`` with ``slots`` ring slots
     (bytes): the ring (:func:`_rings`: per slot COMPRESSED 3 + 6, RAW and MIXED 4 + 8 tiles), the
-    per-token scales, MIXED's block flags and q's two halves."""
+    per-token scales and MIXED's block flags (q stays in registers)."""
     ring = {paged.COMPRESSED: 3 * 1024 + 6 * 512, paged.RAW: 4 * 1024 + 8 * 512, paged.MIXED: 4 * 1024 + 8 * 512}
     flags = slots * (16 + 4) * 4 if kind == paged.MIXED else 0
-    return slots * (ring[kind] + 2 * 16 * 4) + flags + 2 * 16 * 64 * 2
+    return slots * (ring[kind] + 2 * 16 * 4) + flags
 
 
-def resident_per_sm(kind: int, slots: int, shared_per_sm: int | None = None) -> int:
+def resident_per_sm(kind: int, slots: int, shared_per_sm: int | None = None, group: int = 1) -> int:
     """Programs of the pipelined kernel one SM holds at once (:func:`zipkv.kernels.kernel_info.programs_per_sm`
-    at :data:`MAX_REGISTERS` and :func:`shared_bytes`; ``shared_per_sm`` default the H200's)."""
+    at :data:`MAX_REGISTERS` for ``group`` query heads per KV head and :func:`shared_bytes`; ``shared_per_sm``
+    default the H200's)."""
     sm = dict(kernel_info.H200_SM, **({"shared_bytes": shared_per_sm} if shared_per_sm else {}))
-    return kernel_info.programs_per_sm(MAX_REGISTERS, 1, shared_bytes(kind, slots), sm)
+    return kernel_info.programs_per_sm(MAX_REGISTERS[query_columns(group)], 1, shared_bytes(kind, slots), sm)
 
 
-MAX_GROUP = {128: 16, 64: 8}
-"""Query heads per KV head this kernel takes, per head_dim (the A operand's 16 rows; head_dim 64 uses two
-rows per query head)."""
+MAX_GROUP = {128: 16, 64: 16}
+"""Query heads per KV head this kernel takes, per head_dim (the columns of the transposed scores and output)."""
+
+
+def query_columns(group: int) -> int:
+    """Columns ``NQ`` of the transposed scores ``K @ q^T`` and output for ``group`` query heads per KV head: one
+    mma n-tile (8) up to 8, two up to :data:`MAX_GROUP`."""
+    return 8 if group <= 8 else 16
+
 
 COMPRESSED = gl.constexpr(paged.COMPRESSED)
 RAW = gl.constexpr(paged.RAW)
@@ -120,20 +128,16 @@ K_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_w
 # Value block chunk in registers: [4 blocks, 8 lanes m, 16 values]: lanes = block (t1, t2), c0..c2.
 V_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[4, 8, 1],
                                        warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
-OUT64 = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[8, 4], warps_per_cta=[1, 1],
-                                      order=[1, 0]))    # head_dim 64's output tile [8 query rows, 64]
 ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 # The same tiles as 32-bit words (MIXED pages): [16 tokens, 4 lanes q, 4 words] and [4 blocks, 8 lanes m, 4 words].
 K_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
                                         warps_per_cta=[1, 1, 1], order=[2, 1, 0]))
 V_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[4, 8, 1],
                                         warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
-Q_LOAD = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[1, 1],
-                                      order=[1, 0]))   # q halves [16, 64] as read from global memory
-Q_SHARED = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
 SCALES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
-COLS = gl.constexpr(gl.SliceLayout(0, MMA.value))
+TOKS = gl.constexpr(gl.SliceLayout(1, MMA.value))     # the token rows of S^T [16, NQ]
+QCOLS = gl.constexpr(gl.SliceLayout(0, MMA.value))    # its query-head columns
 RESCALE_LOG2 = gl.constexpr(8.0)
 """Lazy rescaling threshold of the online softmax (log2 units): see :func:`_softmax_step`."""
 K_ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, K_REGS.value)))   # a key tile's 16 token rows
@@ -209,80 +213,72 @@ def _pow2(b2):
 
 @gluon.jit
 def _key_operand(k):
-    """A key half ``[16, 4, 16]`` (channel bit 6 = 0 or 1) -> the B operand ``[64, 16]`` of its 64 channels."""
-    return gl.convert_layout(k.reshape([16, 4, 8, 2]).permute([2, 1, 3, 0]).reshape([64, 16]), B_OP)
+    """A key half ``[16, 4, 16]`` (channel bit 6 = 0 or 1) -> the A operand ``[16 token rows, 64 channels]``."""
+    return gl.convert_layout(k.reshape([16, 4, 8, 2]).permute([0, 2, 1, 3]).reshape([16, 64]), A_OP)
 
 
 @gluon.jit
-def _value_operand(v0, v1, v2, v3):
-    """The four value chunks ``[4, 8, 16]`` (channel bits 5, 6) -> the B operand ``[16, 128]``."""
+def _value_operands(v0, v1, v2, v3, HD: gl.constexpr):
+    """The four value chunks ``[4, 8, 16]`` (channel bits 5, 6) -> V^T as A operands: head_dim 128 one
+    ``[128 channels, 16 token rows]`` (twice); 64 the two ``[64, 16]`` of channels 0-63 (the rows' first
+    tokens) and 64-127 (their second)."""
     v = gl.join(gl.join(v0, v1), gl.join(v2, v3))                    # [blk, m, r, c5, c6]
     v = v.reshape([2, 2, 8, 2, 2, 2, 2, 2, 2]).permute([5, 0, 1, 6, 8, 7, 3, 4, 2]).reshape([16, 128])
-    return gl.convert_layout(v, B_OP)
-
-
-@gluon.jit
-def _valid_tokens(valid_a, valid_b, ROWS_L: gl.constexpr, COLS_L: gl.constexpr, TOKENS_IN_COLS: gl.constexpr,
-                  HD: gl.constexpr):
-    """Bool ``[16, x]`` in the layout of ROWS_L x COLS_L: which (row, column) pairs of a unit hold one of its
-    valid tokens (page ``pa`` holds ``valid_a``, head_dim 64's ``pb`` ``valid_b``). TOKENS_IN_COLS: the
-    columns are the unit's token rows (scores: rows are query rows) else the rows are (the value operand,
-    columns are channels). Head_dim 64: token row ``r`` of the pair is tokens ``2l``, ``2l + 1`` of page
-    ``pa`` if ``(r >> 2) & 1 == 0`` else ``pb`` (``l = r % 4 + 4 (r >> 3)``), the first for query rows
-    0-7 / channels 0-63, the second for query rows 8-15 / channels 64-127."""
-    if TOKENS_IN_COLS:
-        t = gl.arange(0, 16, layout=COLS_L)[None, :]
-        o = gl.arange(0, 16, layout=ROWS_L)[:, None]
-    else:
-        t = gl.arange(0, 16, layout=ROWS_L)[:, None]
-        o = gl.arange(0, 128, layout=COLS_L)[None, :]
     if HD == 128:
-        return (t < valid_a) & (o >= 0)
+        vt = gl.convert_layout(v.permute([1, 0]), A_OP)
+        return vt, vt
     else:
-        other = (o >= 8) if TOKENS_IN_COLS else (o >= 64)
-        tok = 2 * (t % 4 + 4 * (t >> 3)) + other.to(gl.int32)
-        return tok < gl.where(((t >> 2) & 1) == 0, valid_a, valid_b)
+        v0t, v1t = gl.split(v.reshape([16, 2, 64]).permute([2, 0, 1]))   # [64, 16] per channel half
+        return gl.convert_layout(v0t, A_OP), gl.convert_layout(v1t, A_OP)
 
 
 @gluon.jit
-def _valid_key_entries(valid_a, valid_b, HALF: gl.constexpr):
-    """Head_dim 64: bool ``[64, 16]`` in the layout of key half HALF's operand (B_OP): which (channel, token row)
-    entries hold a valid token -- half 0 (channels 0-63) the row's first token, half 1 its second (see
-    :func:`_valid_tokens`)."""
-    c = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))[:, None]
-    t = gl.arange(0, 16, layout=gl.SliceLayout(0, B_OP))[None, :]
-    tok = 2 * (t % 4 + 4 * (t >> 3)) + HALF + c * 0
-    return tok < gl.where(((t >> 2) & 1) == 0, valid_a, valid_b)
+def _row_valid(r, valid_a, valid_b, HD: gl.constexpr, HALF: gl.constexpr):
+    """Whether token row ``r`` of a unit holds a valid token (page ``pa`` holds ``valid_a``, head_dim 64's
+    ``pb`` ``valid_b``); head_dim 64: the row's first (HALF 0) or second token. Token row ``r`` of a head_dim-64
+    pair is tokens ``2l``, ``2l + 1`` of page ``pa`` if ``(r >> 2) & 1 == 0`` else ``pb`` (``l = r % 4 + 4 (r >> 3)``)."""
+    if HD == 128:
+        return r < valid_a
+    else:
+        tok = 2 * (r % 4 + 4 * (r >> 3)) + HALF
+        return tok < gl.where(((r >> 2) & 1) == 0, valid_a, valid_b)
 
 
 @gluon.jit
-def _softmax_step(sc, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
+def _softmax_step(s0, s1, va0, va1, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
                   HD: gl.constexpr):
-    """One unit (16 token rows; only the LAST of a range may hold fewer valid tokens than 16 per row, see
-    :func:`_valid_tokens`) from its scores ``sc`` ``[16, 16]`` (``q @ K^T``, before the per-token scale):
-    scores in the log2 domain, online softmax, ``acc += P @ V``. The
-    running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a row's max exceeds it by more
-    than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays <= 2^RESCALE_LOG2 and the
+    """One unit (16 token rows; only the LAST of a range may hold fewer valid tokens than 16 per row) from its
+    transposed scores ``[16 token rows, NQ query heads]`` (``K @ q^T``, before the per-token scale; head_dim 64:
+    ``s0`` of the rows' first tokens, ``s1`` of their second, else ``s1`` is unused): scores in the log2 domain,
+    online softmax, ``acc += V^T @ P^T`` (``acc`` ``[head_dim, NQ]``; V^T as the A operands ``va0``, ``va1``).
+    The running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a query head's max exceeds it by
+    more than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays <= 2^RESCALE_LOG2 and the
     result is the same up to rounding (``m_i`` cancels in ``acc / l_i`` and in the log-sum-exp), and most
-    pages skip the 64 multiplies per lane of the rescale. Head_dim 64: a query row may have no valid
-    token yet (its max -inf), so no -inf - -inf is formed."""
-    sc = sc * k_scale[None, :]
+    pages skip the rescale. Every unit's first token is valid, so ``m_i`` is finite from the first unit on."""
+    r = gl.arange(0, 16, layout=TOKS)[:, None]
+    s0 = s0 * k_scale[:, None]
     if LAST:
-        sc = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, MMA), COLS, True, HD), sc, float("-inf"))
-    m_page = gl.max(sc, axis=1)
+        s0 = gl.where(_row_valid(r, valid_a, valid_b, HD, 0), s0, float("-inf"))
+    m_page = gl.max(s0, axis=0)
+    if HD == 64:
+        s1 = s1 * k_scale[:, None]
+        if LAST:
+            s1 = gl.where(_row_valid(r, valid_a, valid_b, HD, 1), s1, float("-inf"))
+        m_page = gl.maximum(m_page, gl.max(s1, axis=0))
     if gl.max(gl.where(m_page > m_i, m_page - m_i, 0.0), axis=0) > RESCALE_LOG2:
         m_new = gl.maximum(m_i, m_page)
         alpha = gl.where(m_i == m_new, 1.0, gl.exp2(m_i - m_new))
-        acc = acc * alpha[:, None]
+        acc = acc * alpha[None, :]
         l_i = l_i * alpha
         m_i = m_new
-    if HD == 128:                                    # every row has a valid token: m_i is finite
-        p = gl.exp2(sc - m_i[:, None])
-    else:
-        p = gl.exp2(sc - gl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-    l_i = l_i + gl.sum(p, axis=1)
-    pb = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16), A_OP)
-    return m_i, l_i, mma_v2(pb, vop, acc)
+    p = gl.exp2(s0 - m_i[None, :])
+    l_i = l_i + gl.sum(p, axis=0)
+    acc = mma_v2(va0, gl.convert_layout((p * v_scale[:, None]).to(gl.bfloat16), B_OP), acc)
+    if HD == 64:
+        p = gl.exp2(s1 - m_i[None, :])
+        l_i = l_i + gl.sum(p, axis=0)
+        acc = mma_v2(va1, gl.convert_layout((p * v_scale[:, None]).to(gl.bfloat16), B_OP), acc)
+    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -320,11 +316,11 @@ def _compressed(dsc):
 
 @gluon.jit
 def _scales(desc_ptr, pa, pb, h, qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, HD: gl.constexpr):
-    """Per token row of the unit (an S / P column): the key scale (softmax scale included) and the
+    """Per token row of the unit (a row of S^T / P^T): the key scale (softmax scale included) and the
     value scale, ``2^(b - 128)`` of the row's block if it is compressed, else 1."""
-    st = gl.arange(0, 16, layout=COLS)
+    st = gl.arange(0, 16, layout=TOKS)
     if KIND == RAW:
-        return gl.full([16], qk_scale, gl.float32, layout=COLS), gl.full([16], 1.0, gl.float32, layout=COLS)
+        return gl.full([16], qk_scale, gl.float32, layout=TOKS), gl.full([16], 1.0, gl.float32, layout=TOKS)
     kd = _kdesc(desc_ptr, pa, pb, h, st // 4, HKV, HD)
     vd = _vdesc(desc_ptr, pa, pb, h, (st >> 1) % 4, HKV, HD)
     ks = _pow2(kd & 0x7F)
@@ -409,9 +405,9 @@ def _mixed_key_half(kbuf, kflags, slot, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND: gl.constexpr, LAST: gl.constexpr,
-              HD: gl.constexpr, HALF: gl.constexpr):
-    """Key half HALF (channels 64 HALF ..) of the unit in ring ``slot`` as the B operand ``[64, 16]``."""
+def _key_half(kbuf, kflags, slot, KIND: gl.constexpr, HALF: gl.constexpr):
+    """Key half HALF (channels 64 HALF .. of the unit's rows) in ring ``slot`` as the A operand ``[16, 64]``
+    (raw bytes past a partial page may be any bf16: their scores are masked, and a score is one token's)."""
     if KIND == COMPRESSED:
         k = _rebuild128(kbuf[HALF].index(slot).load(K_REGS), kbuf[2].index(slot).load(K_REGS), HALF == 1)
     elif KIND == RAW:
@@ -419,11 +415,7 @@ def _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND: gl.constexpr, LAST: gl
         k = _words_to_values(ra, rb, K_REGS)
     else:
         k = _mixed_key_half(kbuf, kflags, slot, HALF)
-    kop = _key_operand(k)
-    if KIND != COMPRESSED and LAST and HD == 64:
-        if valid_a + valid_b < 32:   # raw bytes past a partial page may be any bf16 (inf, nan); a key row holds
-            kop = gl.where(_valid_key_entries(valid_a, valid_b, HALF), kop, 0.0)  # two tokens: 0 x inf = nan
-    return kop
+    return _key_operand(k)
 
 
 @gluon.jit
@@ -463,29 +455,34 @@ def _mixed_values(vbuf, vflags, slot):
 
 
 @gluon.jit
-def _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b,
-             KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr):
+def _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b,
+             KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr):
     """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state. Only the LAST unit of a
-    range may be partial (``valid_a``, ``valid_b``: see :func:`_valid_tokens`): the pipeline's loop takes
-    full units, so it has no token mask and no branch merge of the value operand. The scores are two mma over
-    the key halves (q's halves read from shared memory ``qbuf`` each time), so that only one half's words and
-    q's half are live at once."""
-    sc = mma_v2(qbuf.index(0).load(A_OP), _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND, LAST, HD, 0),
-                gl.zeros([16, 16], gl.float32, layout=MMA))
-    sc = mma_v2(qbuf.index(1).load(A_OP), _key_half(kbuf, kflags, slot, valid_a, valid_b, KIND, LAST, HD, 1),
-                sc)
+    range may be partial (``valid_a``, ``valid_b``: see :func:`_row_valid`): the pipeline's loop takes
+    full units, so it has no token mask. The transposed scores ``K @ q^T`` are two mma over the key halves
+    (``qk0``, ``qk1``: q^T's B operands ``[64, NQ]``, kept in registers; head_dim 64: one per half, the same q
+    for the rows' first and second tokens), so that only one half's words are live at once."""
+    z = gl.zeros([16, NQ], gl.float32, layout=MMA)
+    s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 0), qk0, z)
+    if HD == 128:
+        s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 1), qk1, s0)
+        s1 = s0
+    else:
+        s1 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 1), qk0, z)
     if KIND == COMPRESSED:
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
     elif KIND == RAW:
         v0, v1, v2, v3 = _raw_values(vbuf, slot)
     else:
         v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot)
-    vop = _value_operand(v0, v1, v2, v3)
+    va0, va1 = _value_operands(v0, v1, v2, v3, HD)
     if KIND != COMPRESSED and LAST:
-        if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan)
-            vop = gl.where(_valid_tokens(valid_a, valid_b, gl.SliceLayout(1, B_OP), gl.SliceLayout(0, B_OP),
-                                         False, HD), vop, 0.0)
-    return _softmax_step(sc, vop, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
+        if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan): 0 x inf
+            r = gl.arange(0, 16, layout=gl.SliceLayout(0, A_OP))[None, :]
+            va0 = gl.where(_row_valid(r, valid_a, valid_b, HD, 0), va0, 0.0)
+            if HD == 64:
+                va1 = gl.where(_row_valid(r, valid_a, valid_b, HD, 1), va1, 0.0)
+    return _softmax_step(s0, s1, va0, va1, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
 
 
 @gluon.jit
@@ -529,7 +526,7 @@ def _unit_pages(indices_ptr, p_start, u, last, npages, HD: gl.constexpr):
 
 @gluon.jit
 def _unit_valid(u, npages, last_len, HD: gl.constexpr):
-    """Valid tokens of unit ``u``'s pages (``pa``, ``pb``: :func:`_valid_tokens`); page ``npages - 1``
+    """Valid tokens of unit ``u``'s pages (``pa``, ``pb``: :func:`_row_valid`); page ``npages - 1``
     holds ``last_len``, a page past the request none."""
     if HD == 128:
         return gl.where(u == npages - 1, last_len, 16), 16
@@ -539,8 +536,9 @@ def _unit_valid(u, npages, last_len, HD: gl.constexpr):
 
 
 @gluon.jit
-def _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi, last_len, h,
-               qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr):
+def _pipelined(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi, last_len, h,
+               qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr,
+               NQ: gl.constexpr):
     """Units [lo, hi) (hi > lo; a unit is a page, head_dim 64 a page pair: 16 token rows of 128 channels)
     of one request of ``npages`` pages (its last holds ``last_len`` tokens, the others 16) through a ring of
     SLOTS shared-memory slots: while unit i is computed, the data of units i+1 .. i+SLOTS-1, the
@@ -577,143 +575,107 @@ def _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, np
         pan, pbn = _unit_pages(indices_ptr, p_start, i + SLOTS + 1, last, npages, HD)
         async_copy.wait_group(SLOTS - 1)                                  # unit i has landed
         slot = (i - lo) % SLOTS
-        m_i, l_i, acc = _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
-                                 ksbuf.index(slot).load(COLS), vsbuf.index(slot).load(COLS),
-                                 16, 16, KIND, False, HD)
+        m_i, l_i, acc = _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
+                                 ksbuf.index(slot).load(TOKS), vsbuf.index(slot).load(TOKS),
+                                 16, 16, KIND, False, HD, NQ)
     async_copy.wait_group(0)                                              # unit hi - 1, maybe partial
     slot = (hi - 1 - lo) % SLOTS
     valid_a, valid_b = _unit_valid(hi - 1, npages, last_len, HD)
-    return _compute(qbuf, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(COLS),
-                    vsbuf.index(slot).load(COLS), valid_a, valid_b, KIND, True, HD)
+    return _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(TOKS),
+                    vsbuf.index(slot).load(TOKS), valid_a, valid_b, KIND, True, HD, NQ)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 @gluon.jit
+def _q_operand(q_ptr, qrow, G: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr, HALF: gl.constexpr):
+    """q^T's channels ``64 HALF ..`` (head_dim 64: all 64) as the B operand ``[64, NQ]`` (bf16): column g is
+    query head ``qrow + g`` for g < G, zero past the group."""
+    c = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))[:, None]
+    g = gl.arange(0, NQ, layout=gl.SliceLayout(0, B_OP))[None, :]
+    return gl.load(q_ptr + (qrow + g) * HD + HALF * (HD - 64) + c, mask=(g < G) & (c >= 0), other=0.0)
+
+
+@gluon.jit
 def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-              HD: gl.constexpr):
+              HD: gl.constexpr, NQ: gl.constexpr):
     """The request's pages, this split's share [lo, hi) of its units before the last (a unit: a page;
-    head_dim 64: a page pair), q as the A operand and an empty softmax state. Head_dim 64: query row g
-    is rows g (channels 0-63: the even tokens of a pair) and g + 8 (channels 64-127: the odd ones)."""
+    head_dim 64: a page pair), q^T as two B operands (:func:`_q_operand`) and an empty softmax state
+    (``acc`` ``[head_dim, NQ]``: the output transposed)."""
     p_start = gl.load(indptr_ptr + b)
     npages = gl.load(indptr_ptr + b + 1) - p_start
     units = npages if HD == 128 else (npages + 1) // 2
     per = gl.cdiv(units - 1, SPLITS)
     lo = gl.minimum(s * per, units - 1)
     hi = gl.minimum(lo + per, units - 1)
-    gq = gl.arange(0, 16, layout=gl.SliceLayout(1, Q_LOAD))[:, None]
-    dq = gl.arange(0, 64, layout=gl.SliceLayout(0, Q_LOAD))[None, :]
-    qbuf = gl.allocate_shared_memory(gl.bfloat16, [2, 16, 64], Q_SHARED)
-    for c in gl.static_range(2):
-        if HD == 128:
-            q_rows = b * (HKV * G) + h * G + gq
-            qc = gl.load(q_ptr + q_rows * 128 + c * 64 + dq, mask=(gq < G) & (dq >= 0), other=0.0)
-        else:
-            q_rows = b * (HKV * G) + h * G + gq % 8
-            qc = gl.load(q_ptr + q_rows * 64 + dq, mask=((gq % 8) < G) & (gq // 8 == c) & (dq >= 0), other=0.0)
-        qbuf.index(c).store(qc)
-    m_i = gl.full([16], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
-    l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(1, MMA))
-    acc = gl.zeros([16, 128], gl.float32, layout=MMA)
-    return p_start, npages, units, lo, hi, qbuf, m_i, l_i, acc
-
-
-@gluon.jit
-def _fold_rows(m_i, l_i, acc):
-    """Head_dim 64: the softmax states of rows g and g + 8 (even and odd tokens of the pairs; their
-    outputs in channels 0-63 and 64-127 of ``acc``) merged into query row g's: ``[8]``, ``[8]``,
-    ``[8, 64]`` in OUT64 (in a split with a unit, row g has a finite max: every unit's first token is valid;
-    an empty split has no finite max at all)."""
-    R8: gl.constexpr = gl.SliceLayout(1, OUT64)
-    ma, mb = gl.split(m_i.reshape([2, 8]).permute([1, 0]))
-    la, lb = gl.split(l_i.reshape([2, 8]).permute([1, 0]))
-    x0, x1 = gl.split(acc.reshape([2, 8, 2, 64]).permute([1, 3, 0, 2]))   # [row, channel, half] per channel half
-    ea, _ = gl.split(x0)
-    _, eb = gl.split(x1)
-    ma, mb = gl.convert_layout(ma, R8), gl.convert_layout(mb, R8)
-    m = gl.maximum(ma, mb)
-    m_safe = gl.where(m == float("-inf"), 0.0, m)       # an empty split: both -inf, l = 0, acc = 0
-    wa = gl.exp2(ma - m_safe)
-    wb = gl.exp2(mb - m_safe)
-    lab = gl.convert_layout(la, R8) * wa + gl.convert_layout(lb, R8) * wb
-    o = gl.convert_layout(ea, OUT64) * wa[:, None] + gl.convert_layout(eb, OUT64) * wb[:, None]
-    return m, lab, o
-
-
-@gluon.jit
-def _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, slot, HKV: gl.constexpr, G: gl.constexpr,
-                 SPLITS: gl.constexpr, R: gl.constexpr, DD: gl.constexpr, LAY: gl.constexpr):
-    """Normalised partial output and log2-sum-exp of split slot ``slot`` (empty: l = 0, lse = -inf, o = 0);
-    ``acc`` ``[R, DD]`` in LAY."""
-    go = gl.arange(0, R, layout=gl.SliceLayout(1, LAY))
-    do = gl.arange(0, DD, layout=gl.SliceLayout(0, LAY))
-    gm = go < G
-    den = gl.where(l_i > 0, l_i, 1.0)
-    lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
-    prow = (b * (HKV * G) + h * G + go) * SPLITS + slot
-    gl.store(part_ptr + prow[:, None] * DD + do[None, :], acc / den[:, None], mask=gm[:, None])
-    gl.store(lse_ptr + prow, lse, mask=gm)
+    qrow = b * (HKV * G) + h * G
+    qk0 = _q_operand(q_ptr, qrow, G, NQ, HD, 0)
+    qk1 = _q_operand(q_ptr, qrow, G, NQ, HD, 1) if HD == 128 else qk0
+    m_i = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
+    l_i = gl.zeros([NQ], gl.float32, layout=QCOLS)
+    acc = gl.zeros([HD, NQ], gl.float32, layout=MMA)
+    return p_start, npages, units, lo, hi, qk0, qk1, m_i, l_i, acc
 
 
 @gluon.jit
 def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl.constexpr, G: gl.constexpr,
-            SPLITS: gl.constexpr, R: gl.constexpr, DD: gl.constexpr, LAY: gl.constexpr):
-    """Output of a launch without a merge kernel (``acc`` ``[R, DD]`` in LAY, rows = query heads of the KV
-    head, DD = head_dim): one split writes ``out`` (bf16) directly; with more, each split writes its slot
-    and counts itself in the (request, kv head)'s arrival counter, and the last to arrive merges the
-    slots into ``out`` and resets the counter to 0."""
-    go = gl.arange(0, R, layout=gl.SliceLayout(1, LAY))
-    do = gl.arange(0, DD, layout=gl.SliceLayout(0, LAY))
+            SPLITS: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr):
+    """Output of a launch without a merge kernel (``acc`` ``[HD, NQ]``: the output of the KV head's query heads,
+    transposed): one split writes ``out`` (bf16) directly; with more, each split writes its normalised partial
+    output and log2-sum-exp into its slot (an empty split: l = 0, lse = -inf, o = 0) and counts itself in the
+    (request, kv head)'s arrival counter, and the last to arrive merges the slots into ``out`` and resets the
+    counter to 0."""
+    g1 = gl.arange(0, NQ, layout=QCOLS)
+    go = g1[None, :]
+    do = gl.arange(0, HD, layout=gl.SliceLayout(1, MMA))[:, None]
     rows = b * (HKV * G) + h * G + go
-    gm = (go < G)[:, None]
+    gm = (go < G) & (do >= 0)
+    den = gl.where(l_i > 0, l_i, 1.0)
     if SPLITS == 1:
-        den = gl.where(l_i > 0, l_i, 1.0)
-        gl.store(out_ptr + rows[:, None] * DD + do[None, :], (acc / den[:, None]).to(gl.bfloat16), mask=gm)
+        gl.store(out_ptr + rows * HD + do, (acc / den[None, :]).to(gl.bfloat16), mask=gm)
     else:
-        _store_split(part_ptr, lse_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, R, DD, LAY)
+        rows1 = b * (HKV * G) + h * G + g1
+        gl.store(part_ptr + (rows * SPLITS + s) * HD + do, acc / den[None, :], mask=gm)
+        gl.store(lse_ptr + rows1 * SPLITS + s, gl.where(l_i > 0, m_i + gl.log2(den), float("-inf")), mask=g1 < G)
         gl.thread_barrier()                    # every lane's stores before the release below
         arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
             gl.store(cnt_ptr + b * HKV + h, 0)
-            m = gl.full([R], float("-inf"), gl.float32, layout=gl.SliceLayout(1, LAY))
+            m = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
             for j in range(SPLITS):
-                m = gl.maximum(m, gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
+                m = gl.maximum(m, gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
                                           cache_modifier=".cg"))
-            m = gl.where(go < G, m, 0.0)       # some split of a real row holds a token: m is finite
-            num = gl.zeros([R, DD], gl.float32, layout=LAY)
-            wsum = gl.zeros([R], gl.float32, layout=gl.SliceLayout(1, LAY))
+            m = gl.where(g1 < G, m, 0.0)       # some split of a real row holds a token: m is finite
+            num = gl.zeros([HD, NQ], gl.float32, layout=MMA)
+            wsum = gl.zeros([NQ], gl.float32, layout=QCOLS)
             for j in range(SPLITS):            # written by other programs: read past L1 (.cg)
-                w = gl.exp2(gl.load(lse_ptr + rows * SPLITS + j, mask=go < G, other=float("-inf"),
+                w = gl.exp2(gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
                                     cache_modifier=".cg") - m)
-                o = gl.load(part_ptr + (rows * SPLITS + j)[:, None] * DD + do[None, :], mask=gm, other=0.0,
-                            cache_modifier=".cg")
-                num += o * w[:, None]
+                o = gl.load(part_ptr + (rows * SPLITS + j) * HD + do, mask=gm, other=0.0, cache_modifier=".cg")
+                num += o * w[None, :]
                 wsum += w
             wsum = gl.where(wsum > 0, wsum, 1.0)
-            gl.store(out_ptr + rows[:, None] * DD + do[None, :], (num / wsum[:, None]).to(gl.bfloat16), mask=gm)
+            gl.store(out_ptr + rows * HD + do, (num / wsum[None, :]).to(gl.bfloat16), mask=gm)
 
 
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, part_ptr, lse_ptr, out_ptr,
                       cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-                      KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr):
+                      KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr):
     """Grid (batch, kv_heads, splits), one warp: split s of the request's units before its last (the last
     split also takes the last unit) through the cp.async ring as pages of kind KIND; the splits are merged
-    into ``out`` here (:func:`_finish`). HD: head_dim, 128 or 64."""
+    into ``out`` here (:func:`_finish`). HD: head_dim, 128 or 64; NQ: the query heads' columns (8 or 16)."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
-    p_start, npages, units, lo, hi, qbuf, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS, HD)
+    p_start, npages, units, lo, hi, qk0, qk1, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS,
+                                                                        HD, NQ)
     if s == SPLITS - 1:
         hi = units
     if hi > lo:
-        m_i, l_i, acc = _pipelined(qbuf, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi,
-                                   gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD)
-    if HD == 128:
-        _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, 16, 128, MMA)
-    else:
-        m8, l8, o8 = _fold_rows(m_i, l_i, acc)
-        _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m8, l8, o8, b, h, s, HKV, G, SPLITS, 8, 64, OUT64)
+        m_i, l_i, acc = _pipelined(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo,
+                                   hi, gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD, NQ)
+    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD)
 
 
 def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device, head_dim: int = 128) -> dict:
@@ -738,6 +700,7 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
     part, lse, counters = (ws.get(name, out) for name in ("part", "lse", "counters"))
     _pipelined_kernel[(B, HKV, num_splits)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, part, lse, out, counters, qk_scale,
-        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, HD=cache.head_dim, num_warps=1,
+        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, HD=cache.head_dim,
+        NQ=query_columns(HQ // HKV), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
