@@ -54,7 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--stages", type=int, nargs="+", default=None,
                        help="attention: pipeline depths (launch option 'stages') to run zipkv's kernels with "
                             "(default: theirs)")
-    bench.add_argument("--out", type=Path, default=None, help="save the table here (CSV; ncu: the report)")
+    bench.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                       help="attention: the methods to time (names of zipkv.bench.attention.METHODS; default all)")
+    bench.add_argument("--kernels", nargs="+", choices=["triton", "gluon"], default=None,
+                       help="attention: zipkv's decode kernels to time (default: every one the head_dim has)")
+    bench.add_argument("--out", type=Path, default=None,
+                       help="save the table here (CSV, with the commit and date of the run; ncu: the report)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.what in GPU_BENCHMARKS:
         import torch
@@ -81,7 +86,9 @@ def main(argv: list[str] | None = None) -> int:
             table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
                                                   args.batches or [32, 64, 96], fraction, reps=args.reps,
                                                   splits=splits,
-                                                  maxnregs=args.maxnreg or (None,), stages=args.stages or (None,))
+                                                  maxnregs=args.maxnreg or (None,), stages=args.stages or (None,),
+                                                  **({"methods": args.methods} if args.methods else {}),
+                                                  kernels=args.kernels)
         elif args.what == "tune":
             fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
             contexts = args.contexts or [8192]
@@ -118,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         with pd.option_context("display.width", 200, "display.max_columns", 30):
             print(table.to_string(index=False))
         if args.out:
+            from zipkv.book import provenance
+
+            run = provenance("bench")
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            table.to_csv(args.out, index=False)
+            table.assign(commit=run["commit"], date=run["date"]).to_csv(args.out, index=False)
         return 0
 
     if args.command == "book":

@@ -305,9 +305,9 @@ def mix_table(sweep: pd.DataFrame):
                            "cost_per_byte": "{:.2f}×", "speedup_vs_flashinfer_tc": "{:.2f}×"}).hide(axis="index")
 
 
-SWEEPS = ("zipfusion_split_rule_sweep.csv", "zipfusion_stages_sweep.csv")
-"""The committed H200 sweeps of the Gluon kernel's split count and ring depth (``bench attention --splits ...
---stages ...``) that :func:`split_sweep` reads."""
+SWEEPS = ("zipfusion_split_sweep.csv",)
+"""The committed H200 sweep of the Gluon kernel's split count and ring depth (``bench attention --splits ...
+--stages 2 3``) that :func:`split_sweep` reads."""
 
 
 def read_sweeps(folder) -> list[pd.DataFrame]:
@@ -318,14 +318,15 @@ def read_sweeps(folder) -> list[pd.DataFrame]:
 
 def split_sweep(sweeps: list[pd.DataFrame]) -> pd.DataFrame:
     """The Gluon kernel's split counts and ring depths against the plan's choice, from committed sweeps
-    (``bench attention --splits ... [--stages 2 3]``, each with its ``commit``): one row per run and point (shape,
-    ctx, batch, kv_data, method), columns ``"<s> splits"`` (µs, 2 ring slots), ``fastest`` (split count),
-    ``plan`` (what :func:`zipkv.kernels.decode_attention.gluon_split_count` takes now with the committed tuned
-    options on the run's GPU), ``plan_vs_fastest`` (latency ratio; NaN where the plan's count was not timed) and,
-    where 3 slots were timed, ``three_vs_two_slots`` (each depth's fastest split, 3 slots over 2)."""
+    (``bench attention --splits ... --stages 2 3``, each with its ``commit``): one row per run and point (shape,
+    ctx, batch, kv_data, method), ``stages`` (the ring depth the committed tuned options launch that point's
+    specialisation with), columns ``"<s> splits"`` (µs at that depth), ``fastest`` (split count), ``plan`` (what
+    :func:`zipkv.kernels.decode_attention.gluon_split_count` takes now with the committed tuned options on the
+    run's GPU), ``plan_vs_fastest`` (latency ratio; NaN where the plan's count was not timed) and, where both
+    depths were timed, ``three_vs_two_slots`` (each depth's fastest split, 3 slots over 2)."""
     from zipkv import paged
     from zipkv.bench.attention import ATTENTION_SHAPES
-    from zipkv.kernels import kernel_info
+    from zipkv.kernels import decode_mma, kernel_info
     from zipkv.kernels.decode_attention import gluon_split_count
 
     rows = []
@@ -337,17 +338,21 @@ def split_sweep(sweeps: list[pd.DataFrame]) -> pd.DataFrame:
         shape = ATTENTION_SHAPES[point["shape"]]
         kind = (paged.RAW if point["method"] == "zipkv_uncompressed"
                 else paged.COMPRESSED if point["kv_data"] == "all compressible" else paged.MIXED)
-        two = g[g.stages == 2].groupby("num_splits").latency_us.min()
+        gpu = g.device.iloc[0]
+        depth = decode_mma.launch_config(paged.PAGE_KINDS[kind], gpu, shape.head_dim)["stages"]
+        timed = g[g.stages == depth].groupby("num_splits").latency_us.min()
         planned = gluon_split_count(kind, shape.head_dim, point["batch"] * shape.kv_heads, point["ctx"] // 16,
-                                    g.device.iloc[0], kernel_info.H200_SM["sms"])
-        row = {**point, **{f"{int(s)} splits": us for s, us in two.items()}, "fastest": int(two.idxmin()),
-               "plan": planned, "plan_vs_fastest": two.get(planned, float("nan")) / two.min()}
-        if (g.stages == 3).any():
-            row["three_vs_two_slots"] = g[g.stages == 3].latency_us.min() / two.min()
+                                    gpu, kernel_info.H200_SM["sms"], group=shape.q_heads // shape.kv_heads)
+        row = {**point, "stages": depth, **{f"{int(s)} splits": us for s, us in timed.items()},
+               "fastest": int(timed.idxmin()), "plan": planned,
+               "plan_vs_fastest": timed.get(planned, float("nan")) / timed.min()}
+        if {2, 3} <= set(g.stages):
+            row["three_vs_two_slots"] = g[g.stages == 3].latency_us.min() / g[g.stages == 2].latency_us.min()
         rows.append(row)
     out = pd.DataFrame(rows)
     splits = sorted((c for c in out.columns if c.endswith(" splits")), key=lambda c: int(c.split()[0]))
-    return out[keys + splits + [c for c in ("fastest", "plan", "plan_vs_fastest", "three_vs_two_slots") if c in out]]
+    return out[keys + ["stages"] + splits
+               + [c for c in ("fastest", "plan", "plan_vs_fastest", "three_vs_two_slots") if c in out]]
 
 
 def split_text(table: pd.DataFrame) -> str:
