@@ -242,12 +242,17 @@ def gluon_split_count(kind: int, head_dim: int, programs: int, pages: int, gpu_n
     """The Gluon kernel's default split-KV factor, what :func:`plan` takes: :func:`split_count` for ``programs``
     (request, KV head) pairs of about ``pages`` pages each (one operand tile per page, per two at head_dim 64),
     launching the specialisation ``kind`` (an index of :data:`zipkv.paged.PAGE_KINDS`) with its launch options on
-    ``gpu_name`` (tuned, :func:`zipkv.kernels.decode_mma.launch_config`, under ``launch``'s overrides) and ``sms``
+    ``gpu_name`` (tuned, :func:`zipkv.kernels.decode_mma.launch_config`, under ``launch``'s overrides; its
+    ``programs_per_sm`` target at most the programs an SM holds) and ``sms``
     SMs of ``shared_per_sm`` bytes of shared memory (default the H200's), ``group`` query heads per KV head."""
     cfg = {**decode_mma.launch_config(paged.PAGE_KINDS[kind], gpu_name, head_dim), **(launch or {})}
     tiles = max(1, pages // (2 if head_dim == 64 else 1))
-    resident = sms * decode_mma.resident_per_sm(kind, cfg["stages"], shared_per_sm, group)
-    return split_count(programs, cfg["programs_per_sm"] * sms, tiles, fill_waves=False, resident=resident)
+    per_sm = decode_mma.resident_per_sm(kind, cfg["stages"], shared_per_sm, group)
+    # No more wanted slots than the SM holds: a wider target only adds splits that start a second wave
+    # (H200 at ec5d2c1, measured mix at 8192 x 57, target 16 per SM with 13 resident: 7 splits; the sweep's
+    # fastest, 3 splits, is what the capped target gives).
+    return split_count(programs, min(cfg["programs_per_sm"], per_sm) * sms, tiles, fill_waves=False,
+                       resident=per_sm * sms)
 
 
 def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, cache: PagedKVCache,
