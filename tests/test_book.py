@@ -326,3 +326,16 @@ def test_published_book_every_chapter_in_chromium(tmp_path):
     finally:
         driver.quit()
     assert not problems, "\n".join(problems)
+
+
+def test_a_table_written_straight_into_results_is_kept(tmp_path):
+    """A notebook may write a side table to a path of its own under results/<profile>/ (the latency chapter's
+    pack and mix sweeps, from its working directory): the run's copy of the folder must not put the old
+    table back over it."""
+    root = _tiny_root(tmp_path, ["import pandas as pd\n"
+                                 "pd.DataFrame({'z': [x]}).to_csv('../../results/quick/side.csv', index=False)\n"
+                                 "pd.DataFrame({'x': [x]}).to_csv(results_csv, index=False)"])
+    (root / "results" / "quick").mkdir(parents=True)
+    (root / "results" / "quick" / "side.csv").write_text("z\nold\n")
+    book.build("quick", root=root, html=False)
+    assert (root / "results" / "quick" / "side.csv").read_text().splitlines() == ["z", "2"]

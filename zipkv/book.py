@@ -335,6 +335,7 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
     if job.results_csv.parent.is_dir():
         shutil.copytree(job.results_csv.parent, results)
     results.mkdir(exist_ok=True)
+    copied = {p: p.read_bytes() for p in results.rglob("*") if p.is_file()}
     results_csv = results / job.results_csv.name
     results_csv.unlink(missing_ok=True)
     parameters = {**job.parameters, RESULTS_PARAMETER: str(results_csv)}
@@ -351,10 +352,9 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
                              f"(executed copy: {executed}; book/ and results/ unchanged)")
     record["wall_time_s"] = round(time.perf_counter() - started, 1)
     _relocate(executed, job)
-    for table in sorted(p for p in results.rglob("*") if p.is_file()):   # what the run wrote or changed
-        target = job.results_csv.parent / table.relative_to(results)
-        if not target.is_file() or target.read_bytes() != table.read_bytes():
-            _install(table, target)
+    for table in sorted(p for p in results.rglob("*") if p.is_file()):   # what the run wrote or changed here:
+        if copied.get(table) != table.read_bytes():                      # a table it wrote straight into
+            _install(table, job.results_csv.parent / table.relative_to(results))  # results/ stays as written
     _install(executed, job.executed, lambda partial: _stamp(partial, record))  # stamped beside its final place
     shutil.rmtree(scratch, ignore_errors=True)
     return record
