@@ -278,7 +278,8 @@ def mix_figure(sweep: pd.DataFrame):
 
 
 def mix_text(sweep: pd.DataFrame) -> str:
-    """What the sweep shows: each share's latency against its bytes at FlashInfer TC's read rate."""
+    """What the sweep shows: each share's latency against its bytes at FlashInfer TC's read rate, and the commit
+    and date it ran at (a sweep is committed on its own and may predate the chapter's main table)."""
     z = _sweep_rows(sweep)
     auto, dev = z[z.routing == "auto"].set_index("kv_data"), z[z.routing == "device"].set_index("kv_data")
     fi = sweep[sweep.method == "flashinfer_tc"].iloc[0]
@@ -288,7 +289,9 @@ def mix_text(sweep: pd.DataFrame) -> str:
              for d, r in auto.iterrows()]
     worst, best = auto.cost_per_byte.idxmax(), auto.cost_per_byte.idxmin()
     slow = auto[auto.cost_per_byte > 1].index.tolist()
-    return (f"At {first.ctx} tokens × batch {first.batch} ({first['shape']} shape; FlashInfer TC "
+    ran = (f"Measured on the {first.device} at commit {first.commit} ({first.date}). "
+           if {"commit", "date"} <= set(sweep.columns) else "")
+    return (ran + f"At {first.ctx} tokens × batch {first.batch} ({first['shape']} shape; FlashInfer TC "
             f"{fi.latency_us:.0f} µs, {fi.tbps:.2f} TB/s, same run) -- " + "; ".join(parts) + ". "
             f"Per byte the kernel is dearest at {worst} ({auto.loc[worst].cost_per_byte:.2f}×) and cheapest at {best} "
             f"({auto.loc[best].cost_per_byte:.2f}×); "
