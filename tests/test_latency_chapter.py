@@ -67,7 +67,7 @@ def _committed_sweeps():
 
 def test_the_plans_split_count_is_timed_and_within_6_percent_of_the_fastest_on_the_h200():
     """The Gluon kernel's default split count (rule + committed tuned options) against the committed H200 sweep:
-    timed at every swept point (the uncapped target of 5629f96's parent chose 7 splits at 8192 x 57, which the
+    timed at every swept point (ec5d2c1's uncapped target chose 7 splits at 8192 x 57, which the
     sweep never timed: 4 and more ran a second wave there) and within 6 % of the fastest split count timed (the
     worst at ec5d2c1: 2048 x 96 all compressible, 3 splits 5.1 % slower than 1; small contexts pay each split's
     merge)."""
