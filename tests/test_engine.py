@@ -137,7 +137,10 @@ def test_overlapped_steps_give_the_sequential_tokens(smollm, compress, reserve, 
     """``overlap=True`` launches each step on the device tokens of the one in flight: with stop tokens met at
     different steps (the stopped request runs one step more, whose token is dropped), requests admitted later
     and, under short reservations, retracted while a step is in flight, every request gets the tokens of
-    ``overlap=False`` -- which end at their first stop token -- and the memory comes back empty."""
+    ``overlap=False`` -- which end at their first stop token -- and the memory comes back empty. The stop token
+    is one that a run without stops makes; that run is no oracle for the stopping runs' tokens: its batches differ
+    from theirs step by step, and bf16 matrix products need not give bit-equal rows for different batch sizes (on
+    this project's AMD EPYC machine a near-tie broke the other way at a request's 40th token)."""
     from zipkv import engine as zengine
     model, prompts = smollm
     n = 24 if reserve == 1 else 40
@@ -152,20 +155,21 @@ def test_overlapped_steps_give_the_sequential_tokens(smollm, compress, reserve, 
               reserve_ratio=reserve)
     free = Engine(model, eos_token_id=None, overlap=False, **kw).generate(prompts, n).outputs
     stop = free[2][5]                                    # a token request 2 makes: requests stop at different steps
-    want = [o[: o.index(stop) + 1] if stop in o else o for o in free]
-    assert len({len(w) for w in want}) > 1 and any(len(w) < n for w in want)
     runs = {}
     for overlap in (False, True):
         carried.clear()
         eng = Engine(model, eos_token_id=stop, overlap=overlap, **kw)
         res = eng.generate(prompts, n)
         runs[overlap] = res
+        want = runs[False].outputs
         assert res.outputs == want, overlap
+        assert all(stop not in o[:-1] and (len(o) == n or o[-1] == stop) for o in want)   # ends at its first stop
         assert any(carried) == overlap                   # the device-token path ran only when overlapping
         mem = res.stats["memory"]
         assert mem["running"] == 0 and mem["outstanding"] == 0
         assert all(s["seconds"] > 0 for s in res.stats["steps"])
     assert (runs[True].stats["retracted"] > 0) == (reserve < 1)
+    assert len({len(o) for o in want}) > 1 and any(len(o) < n for o in want)   # stops met at different steps
 
 
 @pytest.mark.slow
