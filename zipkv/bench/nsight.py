@@ -1,5 +1,6 @@
 """The decode and pack kernels under Nsight Compute (``python -m zipkv bench ncu``): the Gluon decode kernel
-on all-compressible, uncompressed and measured-mix KV at the Llama-3.1-8B shape, and the pack kernel."""
+on all-compressible, uncompressed and measured-mix KV at the Llama-3.1-8B and SmolLM2-135M attention shapes, and
+the pack kernel."""
 from __future__ import annotations
 
 import torch
@@ -16,7 +17,11 @@ NCU_STALLS = ("long_scoreboard", "short_scoreboard", "wait", "selected", "not_se
 NCU_METRICS = tuple(f"smsp__pcsamp_warps_issue_stalled_{r}" for r in NCU_STALLS) + (
     "smsp__inst_executed.sum", "smsp__inst_executed_op_shared_ld.sum",
     "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum")
-NCU_TARGETS = ("decode all compressed", "decode uncompressed", "decode measured mix", "pack")
+NCU_SHAPES = (("llama3.1-8b", ""), ("smollm2-135m", "SmolLM2 "))
+"""Attention shapes (:data:`zipkv.bench.attention.ATTENTION_SHAPES`) the decode kernel is profiled at, with the
+prefix of their targets' names."""
+NCU_TARGETS = tuple(f"{prefix}decode {data}" for _, prefix in NCU_SHAPES
+                    for data in ("all compressed", "uncompressed", "measured mix")) + ("pack",)
 MIX_CSV = "results/paper/model_data_kv_cache.csv"
 """The first chapter's table: the measured mix's compressible-block fractions (repository-relative)."""
 NCU_KERNELS = ("_pipelined_kernel", "_pack_kernel")
@@ -24,24 +29,25 @@ NCU_KERNELS = ("_pipelined_kernel", "_pack_kernel")
 merges its own splits) and the pack kernel."""
 
 
-def nsight_targets(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64):
+def nsight_targets(ctx: int = 8192, batch: int = 64):
     """Launch the kernels :func:`nsight_report` profiles, in the order of :data:`NCU_TARGETS`, each once inside
-    the NVTX range ``zipkv`` after a warm-up call outside it: the Gluon decode kernel (mma layouts, default
-    launch options) on all-compressible KV, on the same KV uncompressed and on the measured mix (blocks
-    compressed at :data:`MIX_CSV`'s fractions: its MIXED specialisation), and the pack kernel on 1 GiB of
-    head_dim-128 pages."""
+    the NVTX range ``zipkv`` after a warm-up call outside it: at each shape of :data:`NCU_SHAPES` the Gluon decode
+    kernel (mma layouts, default launch options) on all-compressible KV, on the same KV uncompressed and on the
+    measured mix (blocks compressed at :data:`MIX_CSV`'s fractions: its MIXED specialisation), and the pack
+    kernel on 1 GiB of head_dim-128 pages."""
     from zipkv.book import REPO_ROOT
     from zipkv.kernels.decode_attention import plan
     from zipkv.kernels.pack import pack_pages
     from zipkv.paged import build_paged_cache
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    k, v, q = attention_inputs(shape, ctx, batch, gen)
-    mix = mix_mask(k.shape[0], k.shape[1], ctx, k.shape[3], measured_compressible_fraction(REPO_ROOT / MIX_CSV), 0)
     calls = []
-    for mode in ("eligible", "none", mix):
-        cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, k_layout="k_mma", v_layout="v_mma")
-        calls.append(lambda run=plan(indptr, indices, last, cache, q.shape[1]).run: run(q))
+    for shape, _ in NCU_SHAPES:
+        k, v, q = attention_inputs(shape, ctx, batch, gen)
+        mix = mix_mask(k.shape[0], k.shape[1], ctx, k.shape[3], measured_compressible_fraction(REPO_ROOT / MIX_CSV), 0)
+        for mode in ("eligible", "none", mix):
+            cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, k_layout="k_mma", v_layout="v_mma")
+            calls.append(lambda run=plan(indptr, indices, last, cache, q.shape[1]).run, q=q: run(q))
     pages, out = pack_inputs(128, 1 << 30, gen)
     calls.append(lambda: pack_pages(pages, "token", out=out))
     for call in calls:
@@ -79,8 +85,8 @@ def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
               f"stall reasons and shared-memory counters as metrics",
               f"# device: {record['device']} (driver {driver}); date: {record['date']}; commit: {record['commit']}",
               f"# launch options of the Gluon kernel: {json.dumps(MMA_LAUNCH)}",
-              f"# kernels, in order: {'; '.join(NCU_TARGETS)} (zipkv.bench.nsight.nsight_targets: Llama-3.1-8B attention shape, "
-              f"ctx 8192, batch 64; pack: 1 GiB of head_dim-128 pages)"]
+              f"# kernels, in order: {'; '.join(NCU_TARGETS)} (zipkv.bench.nsight.nsight_targets: Llama-3.1-8B and "
+              f"SmolLM2-135M attention shapes, ctx 8192, batch 64; pack: 1 GiB of head_dim-128 pages)"]
     text = "\n".join(header) + "\n" + done.stdout
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)

@@ -53,8 +53,24 @@ def verdict(report: NsightReport) -> str:
             f"({v('Duration', unc) / v('Duration', comp):.2f}×), executing "
             f"{v('instructions', comp) / v('instructions', unc):.2f}× the instructions; its warps wait most often on "
             + ", ".join(f"{r} ({s:.0f} %)" for r, s in report.stalls[comp].sort_values(ascending=False).head(2).items())
-            + f". The report: {report.device.removeprefix('device: ')}; a kernel changed after that commit is not "
+            + ". " + _small_shape(report)
+            + f"The report: {report.device.removeprefix('device: ')}; a kernel changed after that commit is not "
             f"in it.")
+
+
+def _small_shape(report: NsightReport) -> str:
+    """The SmolLM2-shape kernels of a report that has them (head_dim 64, 3 query heads per KV head): how busy DRAM
+    is and what the compressed kernel executes per byte against the uncompressed one."""
+    comp, unc = "SmolLM2 " + COMPRESSED, "SmolLM2 " + UNCOMPRESSED
+    if comp not in report.metrics.columns:
+        return ""
+    v = report.value
+    return (f"At SmolLM2's shape (head_dim 64) the all-compressed kernel keeps DRAM {v('DRAM Throughput', comp):.0f} % "
+            f"busy (uncompressed {v('DRAM Throughput', unc):.0f} %) in {v('Duration', comp):.1f} µs against "
+            f"{v('Duration', unc):.1f} µs, with {v('instructions', comp) / v('instructions', unc):.2f}× the "
+            "uncompressed kernel's instructions; its warps wait most often on "
+            + ", ".join(f"{r} ({s:.0f} %)" for r, s in report.stalls[comp].sort_values(ascending=False).head(2).items())
+            + ". ")
 
 
 def stall_figure(report: NsightReport):
