@@ -493,6 +493,18 @@ def _mixed_values(vbuf, vflags, slot):
 
 
 @gluon.jit
+def _valid_keys(k, valid_a, valid_b, KIND: gl.constexpr, LAST: gl.constexpr, HALF: gl.constexpr):
+    """A paired key half ``[16, 64]`` (HALF: the rows' first or second tokens) with the rows past the request's end
+    set to 0 in a LAST unit that may hold raw bytes: stale raw bytes may be inf or nan, and the other token's
+    query columns meet them with q = 0 (0 x inf = nan in a valid token's score)."""
+    if KIND != COMPRESSED and LAST:
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))[:, None]
+        return gl.where(_row_valid(r, valid_a, valid_b, 64, HALF), k, 0.0)
+    else:
+        return k
+
+
+@gluon.jit
 def _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b,
              KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr,
              G: gl.constexpr):
@@ -503,11 +515,16 @@ def _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale,
     columns of ``qk0`` and the second-token columns of ``qk1``; unpaired: one product per half, the same q for the
     rows' first and second tokens), so that only one half's words are live at once."""
     z = gl.zeros([16, NQ], gl.float32, layout=MMA)
-    s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 0), qk0, z)
-    if HD == 128 or PAIRED:
+    if PAIRED:
+        s0 = mma_v2(_valid_keys(_key_half(kbuf, kflags, slot, KIND, 0), valid_a, valid_b, KIND, LAST, 0), qk0, z)
+        s0 = mma_v2(_valid_keys(_key_half(kbuf, kflags, slot, KIND, 1), valid_a, valid_b, KIND, LAST, 1), qk1, s0)
+        s1 = s0
+    elif HD == 128:
+        s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 0), qk0, z)
         s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 1), qk1, s0)
         s1 = s0
     else:
+        s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 0), qk0, z)
         s1 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 1), qk0, z)
     if KIND == COMPRESSED:
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
