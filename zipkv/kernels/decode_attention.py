@@ -247,7 +247,7 @@ def gluon_split_count(kind: int, head_dim: int, programs: int, pages: int, gpu_n
     SMs of ``shared_per_sm`` bytes of shared memory (default the H200's), ``group`` query heads per KV head."""
     cfg = {**decode_mma.launch_config(paged.PAGE_KINDS[kind], gpu_name, head_dim), **(launch or {})}
     tiles = max(1, pages // (2 if head_dim == 64 else 1))
-    per_sm = decode_mma.resident_per_sm(kind, cfg["stages"], shared_per_sm, group, head_dim)
+    per_sm = decode_mma.resident_per_sm(kind, cfg["stages"], shared_per_sm, group)
     # No more wanted slots than the SM holds: a wider target only adds splits that start a second wave
     # (H200 at ec5d2c1, measured mix at 8192 x 57, target 16 per SM with 13 resident: 7 splits; the sweep's
     # fastest, 3 splits, is what the capped target gives).

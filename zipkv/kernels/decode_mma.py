@@ -19,13 +19,13 @@ of ``q @ K^T``'s ``[16, head_dim]`` for G <= 8, and P^T reaches its B layout by 
 memory). Head_dim 128: a unit is a page (16 tokens x 128 channels). Head_dim 64: a unit is a page *pair*
 seen as 16 rows of 128 channels (a row holds two consecutive tokens; the second page of an odd request's
 last pair is empty and masked): the key halves (channels 0-63, 64-127) are the rows' first and second
-tokens. **Paired** (up to 8 query heads per KV head, :func:`paired`): the two tokens of a row are separate
-columns -- q^T's B operands hold the G heads in columns 0..G-1 for channels 0-63 and in G..2G-1 for channels
-64-127 -- so a unit is the head_dim-128 computation exactly (two mma for the scores, one softmax over ``[16,
-NQ]``, one ``[128, 16] @ [16, NQ]`` for the output, whose first-token columns are read in channels 0-63 and
-second-token columns in 64-127), and the two columns of a head, each with its own softmax state, are merged at
-the end like two splits (:func:`_finish`). Unpaired (more heads): each key half is multiplied with the same
-q^T, two softmax steps per unit, and the value halves' products add into one ``[64, NQ]`` output.
+tokens, each multiplied with the same q^T, and the value halves' products add into one ``[64, NQ]`` output.
+Tried and measured slower (H200 at 8881080, SmolLM2 shape, 8192 x 64, same run): a *paired* head_dim 64, the
+rows' two tokens as separate query-head columns (one softmax per unit instead of two, a ``[128, NQ]``
+accumulator, the two columns of a head merged like splits): 1-3 % slower at every split count (all compressible
+83.5 vs 82.5 us at the plan's 5 splits, measured mix 89.5 vs 86.6 us at 8, raw 102.3 vs 100.6 us); and a register
+cap at 128 for every launch: 0.6-0.9 % slower at the Llama-3.1-8B shape (378.4 vs 376.1 us all compressible,
+398.3 vs 394.9 us on the measured mix).
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
@@ -96,17 +96,9 @@ def launch_config(path: str, gpu_name: str | None = None, head_dim: int = 128) -
         raise ValueError(f"path must be one of {paged.PAGE_KINDS}, got {path!r}")
     return {**MMA_LAUNCH, **tuning.tuned(gpu_name, path, kernel="gluon", head_dim=head_dim)}
 MAX_REGISTERS = {8: 128, 16: 208}
-"""Registers per thread of the pipelined kernel per query-head columns (:func:`query_columns`): a launch without a
-``maxnreg`` option is capped there (:func:`register_cap`; offline, sm_90a, uncapped: 109-128 with 8 columns for
-G = 4 at head_dim 128, 150-159 for G = 1 and head_dim 64's paired MIXED, none of which spill under the cap; 147-208
-with 16; the CPU tests compile them and check): with :func:`shared_bytes`, how many programs an SM holds at once
-(:func:`resident_per_sm`)."""
-
-
-def register_cap(group: int, head_dim: int, maxnreg: int = 0) -> int:
-    """Registers per thread a launch of ``group`` query heads per KV head at ``head_dim`` is compiled for:
-    ``maxnreg`` (a launch option), else :data:`MAX_REGISTERS` of its columns."""
-    return maxnreg or MAX_REGISTERS[query_columns(group, head_dim)]
+"""Registers per thread that every specialisation of the pipelined kernel stays within, per query-head columns
+(:func:`query_columns`; offline, sm_90a: 109-128 with 8 columns, 147-208 with 16; the CPU tests compile them and
+check): with :func:`shared_bytes`, how many programs an SM holds at once (:func:`resident_per_sm`)."""
 
 
 def shared_bytes(kind: int, slots: int) -> int:
@@ -118,30 +110,22 @@ def shared_bytes(kind: int, slots: int) -> int:
     return slots * (ring[kind] + 2 * 16 * 4) + flags
 
 
-def resident_per_sm(kind: int, slots: int, shared_per_sm: int | None = None, group: int = 1,
-                    head_dim: int = 128) -> int:
+def resident_per_sm(kind: int, slots: int, shared_per_sm: int | None = None, group: int = 1) -> int:
     """Programs of the pipelined kernel one SM holds at once (:func:`zipkv.kernels.kernel_info.programs_per_sm`
-    at :data:`MAX_REGISTERS` for ``group`` query heads per KV head at ``head_dim`` and :func:`shared_bytes`;
-    ``shared_per_sm`` default the H200's)."""
+    at :data:`MAX_REGISTERS` for ``group`` query heads per KV head and :func:`shared_bytes`; ``shared_per_sm``
+    default the H200's)."""
     sm = dict(kernel_info.H200_SM, **({"shared_bytes": shared_per_sm} if shared_per_sm else {}))
-    return kernel_info.programs_per_sm(MAX_REGISTERS[query_columns(group, head_dim)], 1, shared_bytes(kind, slots), sm)
+    return kernel_info.programs_per_sm(MAX_REGISTERS[query_columns(group)], 1, shared_bytes(kind, slots), sm)
 
 
 MAX_GROUP = {128: 16, 64: 16}
 """Query heads per KV head this kernel takes, per head_dim (the columns of the transposed scores and output)."""
 
 
-def paired(group: int, head_dim: int) -> bool:
-    """Whether head_dim 64 runs *paired*: the rows' first and second tokens as separate query-head columns of one
-    ``[16, NQ]`` score tile (up to 8 query heads per KV head, :func:`query_columns`), see the module's docstring."""
-    return head_dim == 64 and group <= 8
-
-
-def query_columns(group: int, head_dim: int = 128) -> int:
-    """Columns ``NQ`` of the transposed scores ``K @ q^T`` and output for ``group`` query heads per KV head (twice
-    as many where :func:`paired`): one mma n-tile (8) up to 8, two up to 16."""
-    cols = 2 * group if paired(group, head_dim) else group
-    return 8 if cols <= 8 else 16
+def query_columns(group: int) -> int:
+    """Columns ``NQ`` of the transposed scores ``K @ q^T`` and output for ``group`` query heads per KV head: one
+    mma n-tile (8) up to 8, two up to :data:`MAX_GROUP`."""
+    return 8 if group <= 8 else 16
 
 
 COMPRESSED = gl.constexpr(paged.COMPRESSED)
@@ -246,13 +230,13 @@ def _key_operand(k):
 
 
 @gluon.jit
-def _value_operands(v0, v1, v2, v3, HD: gl.constexpr, PAIRED: gl.constexpr):
-    """The four value chunks ``[4, 8, 16]`` (channel bits 5, 6) -> V^T as A operands: head_dim 128 (and 64
-    PAIRED: the rows' first tokens in channels 0-63, their second in 64-127) one ``[128 channels, 16 token
-    rows]`` (twice); 64 unpaired the two ``[64, 16]`` of channels 0-63 and 64-127."""
+def _value_operands(v0, v1, v2, v3, HD: gl.constexpr):
+    """The four value chunks ``[4, 8, 16]`` (channel bits 5, 6) -> V^T as A operands: head_dim 128 one
+    ``[128 channels, 16 token rows]`` (twice); 64 the two ``[64, 16]`` of channels 0-63 (the rows' first
+    tokens) and 64-127 (their second)."""
     v = gl.join(gl.join(v0, v1), gl.join(v2, v3))                    # [blk, m, r, c5, c6]
     v = v.reshape([2, 2, 8, 2, 2, 2, 2, 2, 2]).permute([5, 0, 1, 6, 8, 7, 3, 4, 2]).reshape([16, 128])
-    if HD == 128 or PAIRED:
+    if HD == 128:
         vt = gl.convert_layout(v.permute([1, 0]), A_OP)
         return vt, vt
     else:
@@ -274,28 +258,21 @@ def _row_valid(r, valid_a, valid_b, HD: gl.constexpr, HALF: gl.constexpr):
 
 @gluon.jit
 def _softmax_step(s0, s1, va0, va1, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST: gl.constexpr,
-                  HD: gl.constexpr, PAIRED: gl.constexpr, G: gl.constexpr):
+                  HD: gl.constexpr):
     """One unit (16 token rows; only the LAST of a range may hold fewer valid tokens than 16 per row) from its
-    transposed scores ``[16 token rows, NQ query heads]`` (``K @ q^T``, before the per-token scale; head_dim 64
-    PAIRED: columns ``g < G`` the rows' first tokens, ``G + g`` their second; unpaired: ``s0`` of the rows' first
-    tokens, ``s1`` of their second, else ``s1`` is unused): scores in the log2 domain,
+    transposed scores ``[16 token rows, NQ query heads]`` (``K @ q^T``, before the per-token scale; head_dim 64:
+    ``s0`` of the rows' first tokens, ``s1`` of their second, else ``s1`` is unused): scores in the log2 domain,
     online softmax, ``acc += V^T @ P^T`` (``acc`` ``[head_dim, NQ]``; V^T as the A operands ``va0``, ``va1``).
     The running max ``m_i`` is raised (and ``acc``, ``l_i`` rescaled) only when a query head's max exceeds it by
     more than :data:`RESCALE_LOG2` (a warp-uniform branch): below that, P stays <= 2^RESCALE_LOG2 and the
     result is the same up to rounding (``m_i`` cancels in ``acc / l_i`` and in the log-sum-exp), and most
-    pages skip the rescale. Every unit's first token is valid, so ``m_i`` is finite from the first unit on (PAIRED:
-    the second-token columns of a range's only, last unit may hold none; they keep ``l = 0`` and ``acc = 0``)."""
+    pages skip the rescale. Every unit's first token is valid, so ``m_i`` is finite from the first unit on."""
     r = gl.arange(0, 16, layout=TOKS)[:, None]
     s0 = s0 * k_scale[:, None]
     if LAST:
-        if PAIRED:
-            j = gl.arange(0, s0.shape[1], layout=QCOLS)[None, :]
-            ok = gl.where(j < G, _row_valid(r, valid_a, valid_b, HD, 0), _row_valid(r, valid_a, valid_b, HD, 1))
-        else:
-            ok = _row_valid(r, valid_a, valid_b, HD, 0)
-        s0 = gl.where(ok, s0, float("-inf"))
+        s0 = gl.where(_row_valid(r, valid_a, valid_b, HD, 0), s0, float("-inf"))
     m_page = gl.max(s0, axis=0)
-    if HD == 64 and not PAIRED:
+    if HD == 64:
         s1 = s1 * k_scale[:, None]
         if LAST:
             s1 = gl.where(_row_valid(r, valid_a, valid_b, HD, 1), s1, float("-inf"))
@@ -306,13 +283,10 @@ def _softmax_step(s0, s1, va0, va1, m_i, l_i, acc, k_scale, v_scale, valid_a, va
         acc = acc * alpha[None, :]
         l_i = l_i * alpha
         m_i = m_new
-    if LAST and PAIRED:
-        p = gl.exp2(s0 - gl.where(m_i > float("-inf"), m_i, 0.0)[None, :])      # a column without tokens: p = 0
-    else:
-        p = gl.exp2(s0 - m_i[None, :])
+    p = gl.exp2(s0 - m_i[None, :])
     l_i = l_i + gl.sum(p, axis=0)
     acc = mma_v2(va0, gl.convert_layout((p * v_scale[:, None]).to(gl.bfloat16), B_OP), acc)
-    if HD == 64 and not PAIRED:
+    if HD == 64:
         p = gl.exp2(s1 - m_i[None, :])
         l_i = l_i + gl.sum(p, axis=0)
         acc = mma_v2(va1, gl.convert_layout((p * v_scale[:, None]).to(gl.bfloat16), B_OP), acc)
@@ -493,38 +467,19 @@ def _mixed_values(vbuf, vflags, slot):
 
 
 @gluon.jit
-def _valid_keys(k, valid_a, valid_b, KIND: gl.constexpr, LAST: gl.constexpr, HALF: gl.constexpr):
-    """A paired key half ``[16, 64]`` (HALF: the rows' first or second tokens) with the rows past the request's end
-    set to 0 in a LAST unit that may hold raw bytes: stale raw bytes may be inf or nan, and the other token's
-    query columns meet them with q = 0 (0 x inf = nan in a valid token's score)."""
-    if KIND != COMPRESSED and LAST:
-        r = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))[:, None]
-        return gl.where(_row_valid(r, valid_a, valid_b, 64, HALF), k, 0.0)
-    else:
-        return k
-
-
-@gluon.jit
 def _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b,
-             KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr,
-             G: gl.constexpr):
+             KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr):
     """Page in ring ``slot`` (its first ``valid`` tokens) into the softmax state. Only the LAST unit of a
     range may be partial (``valid_a``, ``valid_b``: see :func:`_row_valid`): the pipeline's loop takes
     full units, so it has no token mask. The transposed scores ``K @ q^T`` are two mma over the key halves
-    (``qk0``, ``qk1``: q^T's B operands ``[64, NQ]``, kept in registers; head_dim 64 PAIRED: q in the first-token
-    columns of ``qk0`` and the second-token columns of ``qk1``; unpaired: one product per half, the same q for the
-    rows' first and second tokens), so that only one half's words are live at once."""
+    (``qk0``, ``qk1``: q^T's B operands ``[64, NQ]``, kept in registers; head_dim 64: one per half, the same q
+    for the rows' first and second tokens), so that only one half's words are live at once."""
     z = gl.zeros([16, NQ], gl.float32, layout=MMA)
-    if PAIRED:
-        s0 = mma_v2(_valid_keys(_key_half(kbuf, kflags, slot, KIND, 0), valid_a, valid_b, KIND, LAST, 0), qk0, z)
-        s0 = mma_v2(_valid_keys(_key_half(kbuf, kflags, slot, KIND, 1), valid_a, valid_b, KIND, LAST, 1), qk1, s0)
-        s1 = s0
-    elif HD == 128:
-        s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 0), qk0, z)
+    s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 0), qk0, z)
+    if HD == 128:
         s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 1), qk1, s0)
         s1 = s0
     else:
-        s0 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 0), qk0, z)
         s1 = mma_v2(_key_half(kbuf, kflags, slot, KIND, 1), qk0, z)
     if KIND == COMPRESSED:
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
@@ -532,19 +487,14 @@ def _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale,
         v0, v1, v2, v3 = _raw_values(vbuf, slot)
     else:
         v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot)
-    va0, va1 = _value_operands(v0, v1, v2, v3, HD, PAIRED)
+    va0, va1 = _value_operands(v0, v1, v2, v3, HD)
     if KIND != COMPRESSED and LAST:
         if valid_a + valid_b < 32:           # raw bytes past a partial page may be any bf16 (inf, nan): 0 x inf
             r = gl.arange(0, 16, layout=gl.SliceLayout(0, A_OP))[None, :]
-            if PAIRED:                       # channels 64-127: the rows' second tokens
-                c = gl.arange(0, 128, layout=gl.SliceLayout(1, A_OP))[:, None]
-                va0 = gl.where(gl.where(c < 64, _row_valid(r, valid_a, valid_b, HD, 0),
-                                        _row_valid(r, valid_a, valid_b, HD, 1)), va0, 0.0)
-            else:
-                va0 = gl.where(_row_valid(r, valid_a, valid_b, HD, 0), va0, 0.0)
-                if HD == 64:
-                    va1 = gl.where(_row_valid(r, valid_a, valid_b, HD, 1), va1, 0.0)
-    return _softmax_step(s0, s1, va0, va1, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD, PAIRED, G)
+            va0 = gl.where(_row_valid(r, valid_a, valid_b, HD, 0), va0, 0.0)
+            if HD == 64:
+                va1 = gl.where(_row_valid(r, valid_a, valid_b, HD, 1), va1, 0.0)
+    return _softmax_step(s0, s1, va0, va1, m_i, l_i, acc, k_scale, v_scale, valid_a, valid_b, LAST, HD)
 
 
 @gluon.jit
@@ -600,7 +550,7 @@ def _unit_valid(u, npages, last_len, HD: gl.constexpr):
 @gluon.jit
 def _pipelined(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo, hi, last_len, h,
                qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr,
-               NQ: gl.constexpr, PAIRED: gl.constexpr, G: gl.constexpr):
+               NQ: gl.constexpr):
     """Units [lo, hi) (hi > lo; a unit is a page, head_dim 64 a page pair: 16 token rows of 128 channels)
     of one request of ``npages`` pages (its last holds ``last_len`` tokens, the others 16) through a ring of
     SLOTS shared-memory slots: while unit i is computed, the data of units i+1 .. i+SLOTS-1, the
@@ -639,37 +589,31 @@ def _pipelined(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
                                  ksbuf.index(slot).load(TOKS), vsbuf.index(slot).load(TOKS),
-                                 16, 16, KIND, False, HD, NQ, PAIRED, G)
+                                 16, 16, KIND, False, HD, NQ)
     async_copy.wait_group(0)                                              # unit hi - 1, maybe partial
     slot = (hi - 1 - lo) % SLOTS
     valid_a, valid_b = _unit_valid(hi - 1, npages, last_len, HD)
     return _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(TOKS),
-                    vsbuf.index(slot).load(TOKS), valid_a, valid_b, KIND, True, HD, NQ, PAIRED, G)
+                    vsbuf.index(slot).load(TOKS), valid_a, valid_b, KIND, True, HD, NQ)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 @gluon.jit
-def _q_operand(q_ptr, qrow, G: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr, HALF: gl.constexpr,
-               PAIRED: gl.constexpr):
+def _q_operand(q_ptr, qrow, G: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr, HALF: gl.constexpr):
     """q^T's channels ``64 HALF ..`` (head_dim 64: all 64) as the B operand ``[64, NQ]`` (bf16): column g is
-    query head ``qrow + g`` for g < G, zero past the group; head_dim 64 PAIRED: the key rows' first tokens
-    (channels 0-63 of a unit, HALF 0) meet q in columns g < G, their second tokens (HALF 1) in columns G + g."""
+    query head ``qrow + g`` for g < G, zero past the group."""
     c = gl.arange(0, 64, layout=gl.SliceLayout(1, B_OP))[:, None]
     g = gl.arange(0, NQ, layout=gl.SliceLayout(0, B_OP))[None, :]
-    if PAIRED:
-        head = g - HALF * G
-        return gl.load(q_ptr + (qrow + head) * HD + c, mask=(head >= 0) & (head < G) & (c >= 0), other=0.0)
-    else:
-        return gl.load(q_ptr + (qrow + g) * HD + HALF * (HD - 64) + c, mask=(g < G) & (c >= 0), other=0.0)
+    return gl.load(q_ptr + (qrow + g) * HD + HALF * (HD - 64) + c, mask=(g < G) & (c >= 0), other=0.0)
 
 
 @gluon.jit
 def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-              HD: gl.constexpr, NQ: gl.constexpr, PAIRED: gl.constexpr):
+              HD: gl.constexpr, NQ: gl.constexpr):
     """The request's pages, this split's share [lo, hi) of its units before the last (a unit: a page;
     head_dim 64: a page pair), q^T as two B operands (:func:`_q_operand`) and an empty softmax state
-    (``acc`` ``[head_dim, NQ]``: the output transposed; PAIRED ``[128, NQ]``)."""
+    (``acc`` ``[head_dim, NQ]``: the output transposed)."""
     p_start = gl.load(indptr_ptr + b)
     npages = gl.load(indptr_ptr + b + 1) - p_start
     units = npages if HD == 128 else (npages + 1) // 2
@@ -677,63 +621,49 @@ def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SP
     lo = gl.minimum(s * per, units - 1)
     hi = gl.minimum(lo + per, units - 1)
     qrow = b * (HKV * G) + h * G
-    qk0 = _q_operand(q_ptr, qrow, G, NQ, HD, 0, PAIRED)
-    qk1 = _q_operand(q_ptr, qrow, G, NQ, HD, 1, PAIRED) if HD == 128 or PAIRED else qk0
+    qk0 = _q_operand(q_ptr, qrow, G, NQ, HD, 0)
+    qk1 = _q_operand(q_ptr, qrow, G, NQ, HD, 1) if HD == 128 else qk0
     m_i = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
     l_i = gl.zeros([NQ], gl.float32, layout=QCOLS)
-    ACC: gl.constexpr = 128 if PAIRED else HD
-    acc = gl.zeros([ACC, NQ], gl.float32, layout=MMA)
+    acc = gl.zeros([HD, NQ], gl.float32, layout=MMA)
     return p_start, npages, units, lo, hi, qk0, qk1, m_i, l_i, acc
 
 
 @gluon.jit
 def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl.constexpr, G: gl.constexpr,
-            SPLITS: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr, PAIRED: gl.constexpr):
+            SPLITS: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr):
     """Output of a launch without a merge kernel (``acc`` ``[HD, NQ]``: the output of the KV head's query heads,
     transposed): one split writes ``out`` (bf16) directly; with more, each split writes its normalised partial
     output and log2-sum-exp into its slot (an empty split: l = 0, lse = -inf, o = 0) and counts itself in the
     (request, kv head)'s arrival counter, and the last to arrive merges the slots into ``out`` and resets the
-    counter to 0. PAIRED (``acc`` ``[128, NQ]``): a query head's first-token column (channels 0-63) and its
-    second-token column (channels 64-127) are two partial outputs, slots ``2 s`` and ``2 s + 1`` of ``2 SPLITS``
-    (merged so even without splits)."""
+    counter to 0."""
     g1 = gl.arange(0, NQ, layout=QCOLS)
     go = g1[None, :]
     do = gl.arange(0, HD, layout=gl.SliceLayout(1, MMA))[:, None]
     rows = b * (HKV * G) + h * G + go
-    rows1 = b * (HKV * G) + h * G + g1
     gm = (go < G) & (do >= 0)
     den = gl.where(l_i > 0, l_i, 1.0)
-    lse = gl.where(l_i > 0, m_i + gl.log2(den), float("-inf"))
-    if SPLITS == 1 and not PAIRED:
+    if SPLITS == 1:
         gl.store(out_ptr + rows * HD + do, (acc / den[None, :]).to(gl.bfloat16), mask=gm)
     else:
-        NS: gl.constexpr = 2 * SPLITS if PAIRED else SPLITS
-        if PAIRED:
-            half = (g1 >= G).to(gl.int32)
-            head = rows1 - half * G                                   # the query head of column j
-            slot = 2 * s + half
-            c = gl.arange(0, 128, layout=gl.SliceLayout(1, MMA))[:, None]
-            ok = (go < 2 * G) & ((c >= 64).to(gl.int32) == half[None, :])
-            gl.store(part_ptr + (head[None, :] * NS + slot[None, :]) * HD + c % 64, acc / den[None, :], mask=ok)
-            gl.store(lse_ptr + head * NS + slot, lse, mask=g1 < 2 * G)
-        else:
-            gl.store(part_ptr + (rows * NS + s) * HD + do, acc / den[None, :], mask=gm)
-            gl.store(lse_ptr + rows1 * NS + s, lse, mask=g1 < G)
+        rows1 = b * (HKV * G) + h * G + g1
+        gl.store(part_ptr + (rows * SPLITS + s) * HD + do, acc / den[None, :], mask=gm)
+        gl.store(lse_ptr + rows1 * SPLITS + s, gl.where(l_i > 0, m_i + gl.log2(den), float("-inf")), mask=g1 < G)
         gl.thread_barrier()                    # every lane's stores before the release below
         arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLITS - 1:
             gl.store(cnt_ptr + b * HKV + h, 0)
             m = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
-            for j in range(NS):
-                m = gl.maximum(m, gl.load(lse_ptr + rows1 * NS + j, mask=g1 < G, other=float("-inf"),
+            for j in range(SPLITS):
+                m = gl.maximum(m, gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
                                           cache_modifier=".cg"))
             m = gl.where(g1 < G, m, 0.0)       # some split of a real row holds a token: m is finite
             num = gl.zeros([HD, NQ], gl.float32, layout=MMA)
             wsum = gl.zeros([NQ], gl.float32, layout=QCOLS)
-            for j in range(NS):                # written by other programs: read past L1 (.cg)
-                w = gl.exp2(gl.load(lse_ptr + rows1 * NS + j, mask=g1 < G, other=float("-inf"),
+            for j in range(SPLITS):            # written by other programs: read past L1 (.cg)
+                w = gl.exp2(gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
                                     cache_modifier=".cg") - m)
-                o = gl.load(part_ptr + (rows * NS + j) * HD + do, mask=gm, other=0.0, cache_modifier=".cg")
+                o = gl.load(part_ptr + (rows * SPLITS + j) * HD + do, mask=gm, other=0.0, cache_modifier=".cg")
                 num += o * w[None, :]
                 wsum += w
             wsum = gl.where(wsum > 0, wsum, 1.0)
@@ -743,34 +673,30 @@ def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, part_ptr, lse_ptr, out_ptr,
                       cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
-                      KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr,
-                      PAIRED: gl.constexpr):
+                      KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr):
     """Grid (batch, kv_heads, splits), one warp: split s of the request's units before its last (the last
     split also takes the last unit) through the cp.async ring as pages of kind KIND; the splits are merged
-    into ``out`` here (:func:`_finish`). HD: head_dim, 128 or 64; NQ: the query heads' columns (8 or 16);
-    PAIRED: head_dim 64's paired columns (:func:`paired`)."""
+    into ``out`` here (:func:`_finish`). HD: head_dim, 128 or 64; NQ: the query heads' columns (8 or 16)."""
     b = gl.program_id(0)
     h = gl.program_id(1)
     s = gl.program_id(2)
     p_start, npages, units, lo, hi, qk0, qk1, m_i, l_i, acc = _prologue(q_ptr, indptr_ptr, b, h, s, HKV, G, SPLITS,
-                                                                        HD, NQ, PAIRED)
+                                                                        HD, NQ)
     if s == SPLITS - 1:
         hi = units
     if hi > lo:
         m_i, l_i, acc = _pipelined(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo,
-                                   hi, gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD, NQ, PAIRED, G)
-    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD, PAIRED)
+                                   hi, gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD, NQ)
+    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD)
 
 
 def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device, head_dim: int = 128) -> dict:
-    """Buffers of one batch layout: with splits (or :func:`paired` columns: two slots per split), the split slots
-    (fp32 ``part``, ``lse``) and the zeroed int32 arrival counters of :func:`_finish` (every launch leaves them at
-    0 again)."""
-    slots = num_splits * (2 if paired(q_heads // kv_heads, head_dim) else 1)
-    if slots == 1:
+    """Buffers of one batch layout: with splits, the split slots (fp32 ``part``, ``lse``) and the zeroed
+    int32 arrival counters of :func:`_finish` (every launch leaves them at 0 again)."""
+    if num_splits == 1:
         return {}
-    return dict(part=torch.empty(batch, q_heads, slots, head_dim, dtype=torch.float32, device=device),
-                lse=torch.empty(batch, q_heads, slots, dtype=torch.float32, device=device),
+    return dict(part=torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+                lse=torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=device),
                 counters=torch.zeros(batch * kv_heads, dtype=torch.int32, device=device))
 
 
@@ -778,7 +704,7 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
            out: torch.Tensor, ws: dict, slots: int, maxnreg: int = 0) -> torch.Tensor:
     """Launch the pipelined kernel for ``launches`` -- one ``(kind, routed)`` with ``kind`` a page kind of
     :mod:`zipkv.paged` (MIXED: any page) -- into ``out``; it merges its own splits. ``slots``: ring slots;
-    ``ws``: :func:`workspace`; ``maxnreg``: a register cap per thread (0: :func:`register_cap`'s). No host sync; inputs are checked by
+    ``ws``: :func:`workspace`; ``maxnreg``: a register cap per thread (0: the compiler's choice). No host sync; inputs are checked by
     :func:`zipkv.kernels.decode_attention.plan`."""
     (kind, _), = launches
     B, HQ, _ = q.shape
@@ -787,6 +713,6 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
     _pipelined_kernel[(B, HKV, num_splits)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, part, lse, out, counters, qk_scale,
         HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, HD=cache.head_dim,
-        NQ=query_columns(HQ // HKV, cache.head_dim), PAIRED=paired(HQ // HKV, cache.head_dim), num_warps=1,
-        maxnreg=register_cap(HQ // HKV, cache.head_dim, maxnreg))
+        NQ=query_columns(HQ // HKV), num_warps=1,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

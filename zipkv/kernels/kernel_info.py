@@ -180,11 +180,9 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
            "qk_scale": "fp32"}
     stages = slots or dm.MMA_LAUNCH["stages"]
     cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits, KIND=paged.PAGE_KINDS.index(path), SLOTS=stages,
-               HD=head_dim, NQ=dm.query_columns(q_heads // kv_heads, head_dim),
-               PAIRED=dm.paired(q_heads // kv_heads, head_dim))
+               HD=head_dim, NQ=dm.query_columns(q_heads // kv_heads))
     info = compile_info(dm._pipelined_kernel, sig, cst, num_warps=1, num_stages=stages, arch=arch,
-                        divisible=tuple(range(9)), keep_asm=keep_asm,
-                        maxnreg=dm.register_cap(q_heads // kv_heads, head_dim, maxnreg))
+                        divisible=tuple(range(9)), keep_asm=keep_asm, **({"maxnreg": maxnreg} if maxnreg else {}))
     info.update(path=path, head_dim=head_dim)
     return info
 
