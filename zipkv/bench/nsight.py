@@ -29,7 +29,11 @@ NCU_KERNELS = ("_pipelined_kernel", "_pack_kernel")
 merges its own splits) and the pack kernel."""
 
 
-def nsight_targets(ctx: int = 8192, batch: int = 64):
+NCU_CTX, NCU_BATCH = 8192, 64
+"""Tokens per request and batch of the decode kernels' targets."""
+
+
+def nsight_targets(ctx: int = NCU_CTX, batch: int = NCU_BATCH):
     """Launch the kernels :func:`nsight_report` profiles, in the order of :data:`NCU_TARGETS`, each once inside
     the NVTX range ``zipkv`` after a warm-up call outside it: at each shape of :data:`NCU_SHAPES` the Gluon decode
     kernel (mma layouts, default launch options) on all-compressible KV, on the same KV uncompressed and on the
@@ -86,7 +90,7 @@ def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
               f"# device: {record['device']} (driver {driver}); date: {record['date']}; commit: {record['commit']}",
               f"# launch options of the Gluon kernel: {json.dumps(MMA_LAUNCH)}",
               f"# kernels, in order: {'; '.join(NCU_TARGETS)} (zipkv.bench.nsight.nsight_targets: Llama-3.1-8B and "
-              f"SmolLM2-135M attention shapes, ctx 8192, batch 64; pack: 1 GiB of head_dim-128 pages)"]
+              f"SmolLM2-135M attention shapes, ctx {NCU_CTX}, batch {NCU_BATCH}; pack: 1 GiB of head_dim-128 pages)"]
     text = "\n".join(header) + "\n" + done.stdout
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text)

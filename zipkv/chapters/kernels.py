@@ -61,14 +61,22 @@ def verdict(report: NsightReport) -> str:
 def _small_shape(report: NsightReport) -> str:
     """The SmolLM2-shape kernels of a report that has them (head_dim 64, 3 query heads per KV head): how busy DRAM
     is and what the compressed kernel executes per byte against the uncompressed one."""
+    from zipkv.bench.attention import ATTENTION_SHAPES
+    from zipkv.bench.nsight import NCU_BATCH
+
     comp, unc = "SmolLM2 " + COMPRESSED, "SmolLM2 " + UNCOMPRESSED
     if comp not in report.metrics.columns:
         return ""
     v = report.value
-    return (f"At SmolLM2's shape (head_dim 64) the all-compressed kernel keeps DRAM {v('DRAM Throughput', comp):.0f} % "
-            f"busy (uncompressed {v('DRAM Throughput', unc):.0f} %) in {v('Duration', comp):.1f} µs against "
-            f"{v('Duration', unc):.1f} µs, with {v('instructions', comp) / v('instructions', unc):.2f}× the "
-            "uncompressed kernel's instructions; its warps wait most often on "
+    shape = ATTENTION_SHAPES["smollm2-135m"]
+    return (f"At SmolLM2's shape (head_dim {shape.head_dim}, {shape.kv_heads} KV heads: {NCU_BATCH * shape.kv_heads} "
+            f"request-head pairs at batch {NCU_BATCH}) the all-compressed "
+            f"kernel keeps DRAM only {v('DRAM Throughput', comp):.0f} % busy (uncompressed {v('DRAM Throughput', unc):.0f} "
+            f"%) in {v('Duration', comp):.1f} µs against {v('Duration', unc):.1f} µs, with "
+            f"{v('instructions', comp) / v('instructions', unc):.2f}× the uncompressed kernel's instructions: its one-warp "
+            f"programs fill {v('Achieved Occupancy', comp):.0f} % of the warp slots where "
+            f"{v('Theoretical Occupancy', comp):.0f} % would fit, too few loads in flight to keep DRAM busy; its warps "
+            "wait most often on "
             + ", ".join(f"{r} ({s:.0f} %)" for r, s in report.stalls[comp].sort_values(ascending=False).head(2).items())
             + ". ")
 
