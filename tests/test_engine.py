@@ -501,3 +501,36 @@ def test_paper_rows_fall_back_to_the_committed_gpu_table(tmp_path):
     assert len(rows) == 1 and note == ""
     assert "SmolLM2, 3 PG19 windows" in throughput.e2e_text(
         e2e, {"zipfusion": dict(identical=3, requests=3, first_difference=[])}, requests=3, context=64, new_tokens=8)
+
+
+def test_repeated_largest_batch_runs_show_their_median_and_spread():
+    """figure5's repeats: the row is the median run (its own step time, not a mean of runs), every run's tokens/s is
+    kept, the text gives each round's ratio and the figure whiskers from the slowest to the fastest run; an even or
+    non-positive count is refused before anything runs."""
+    import json
+
+    import matplotlib
+    import pandas as pd
+
+    from zipkv import throughput
+
+    matplotlib.use("Agg")
+    runs = [dict(method="zipfusion", batch=50, max_batch=50, tokens_per_s=t, step_ms=ms)
+            for t, ms in ((1400.0, 30.0), (1300.0, 32.0), (1500.0, 28.0))]
+    mid = throughput.median_run(runs)
+    assert (mid["tokens_per_s"], mid["step_ms"]) == (1400.0, 30.0)
+    assert json.loads(mid["tokens_per_s_runs"]) == [1400.0, 1300.0, 1500.0]
+    u = throughput.median_run([dict(method="uncompressed", batch=40, max_batch=40, tokens_per_s=t, step_ms=25.0)
+                               for t in (1000.0, 1100.0, 1200.0)])
+    big = pd.DataFrame([dict(method="uncompressed", batch=32, max_batch=40, tokens_per_s=900.0, step_ms=20.0), u,
+                        dict(method="zipfusion", batch=32, max_batch=50, tokens_per_s=950.0, step_ms=19.0), mid])
+    text = throughput.runs_text(big)
+    assert "ran 3 times" in text and "1.400, 1.182, 1.250×" in text and "spread 1.182–1.400×" in text
+    assert "median of 3 runs" in throughput.runs_caption(big)
+    assert throughput.runs_text(big.drop(columns="tokens_per_s_runs")) == "One run per method and batch, no spread."
+    fig = throughput.plot_throughput(big, {}, 32)
+    caps = [float(y) for line in fig.axes[1].lines for y in line.get_ydata()]   # the whiskers' caps
+    assert sorted(caps) == [1000.0, 1200.0, 1300.0, 1500.0]                    # slowest and fastest runs
+    for bad in (2, 0, True):
+        with pytest.raises(ValueError, match="repeats must be an odd int"):
+            throughput.figure5(shape=None, repeats=bad)
