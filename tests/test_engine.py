@@ -534,3 +534,25 @@ def test_repeated_largest_batch_runs_show_their_median_and_spread():
     for bad in (2, 0, True):
         with pytest.raises(ValueError, match="repeats must be an odd int"):
             throughput.figure5(shape=None, repeats=bad)
+
+
+def test_repeated_runs_alternate_the_methods_and_replace_only_their_largest_batch_rows():
+    from zipkv import throughput
+
+    first = [dict(model="m", method=m, batch=b, max_batch=mb, tokens_per_s=t)
+             for m, b, mb, t in (("uncompressed", 32, 40, 900.0), ("uncompressed", 40, 40, 1000.0),
+                                 ("zipfusion", 32, 50, 950.0), ("zipfusion", 50, 50, 1300.0),
+                                 ("splitzip", 52, 52, 400.0))]
+    calls, speeds = [], {"uncompressed": iter([1200.0, 1100.0]), "zipfusion": iter([1500.0, 1400.0])}
+
+    def run(method):
+        calls.append(method)
+        return dict(method=method, batch=40 if method == "uncompressed" else 50, tokens_per_s=next(speeds[method]),
+                    stats={"steps": []})
+    out = throughput.repeat_largest(first, run, 3)
+    assert calls == ["uncompressed", "zipfusion", "uncompressed", "zipfusion"]
+    assert [r["tokens_per_s"] for r in out] == [900.0, 1100.0, 950.0, 1400.0, 400.0]
+    assert out[1]["tokens_per_s_runs"] == "[1000.0, 1200.0, 1100.0]" and "stats" not in out[3]
+    assert out[3]["model"] == "m" and "tokens_per_s_runs" not in out[4]
+    with pytest.raises(RuntimeError, match="admission should not depend on the run"):
+        throughput.repeat_largest(first, lambda m: dict(method=m, batch=39, tokens_per_s=1.0), 3)

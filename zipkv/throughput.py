@@ -23,7 +23,7 @@ from zipkv.settings import THROUGHPUT_PAPER_MODEL
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "random_llama", "real_kv_blocks", "real_prefix",
            "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
            "largest_batch_budget", "figure5", "verdict", "bars_need_text", "plot_throughput", "plot_memory_timeline",
-           "REPEATED", "median_run", "runs_text", "runs_caption"]
+           "REPEATED", "repeat_largest", "median_run", "runs_text", "runs_caption"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
@@ -625,18 +625,9 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
                 big.append({"model": THROUGHPUT_PAPER_MODEL, **{k: v for k, v in r.items() if k != "stats"},
                             "max_batch": largest["batch"]})
             done(big + rows)
-        runs = {m: [next(r for r in big if r["method"] == m and r["batch"] == r["max_batch"])] for m in REPEATED}
-        for _ in range(repeats - 1):                      # rounds alternate the methods: drift hits both alike
-            for m in REPEATED:
-                r = decode_throughput(model, m, timed_steps=timed_steps, profile=profile, **common)
-                if r["batch"] != runs[m][0]["batch"]:
-                    raise RuntimeError(f"{m}: a repeated run's largest batch {r['batch']} is not the first run's "
-                                       f"{runs[m][0]['batch']} (admission should not depend on the run)")
-                runs[m].append({"model": THROUGHPUT_PAPER_MODEL, **{k: v for k, v in r.items() if k != "stats"},
-                                "max_batch": r["batch"]})
         if repeats > 1:
-            big = [median_run(runs[r["method"]]) if r["method"] in runs and r["batch"] == r["max_batch"] else r
-                   for r in big]
+            big = repeat_largest(big, lambda m: decode_throughput(model, m, timed_steps=timed_steps, profile=profile,
+                                                                  **common), repeats)
             done(big + rows)
         rows = big + rows
         del model
@@ -645,6 +636,23 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
 
 REPEATED = ("uncompressed", "zipfusion")
 """The methods :func:`figure5` runs ``repeats`` times at their largest batch: the two of the tokens/s bar."""
+
+
+def repeat_largest(big: list[dict], run, repeats: int) -> list[dict]:
+    """``big`` (rows of :func:`figure5`'s table, each method's first runs) with the largest-batch row of each method
+    of :data:`REPEATED` replaced by the median of ``repeats`` runs (:func:`median_run`): the first, then ``repeats -
+    1`` rounds that alternate the methods (drift hits both alike), ``run(method)`` a :func:`decode_throughput` row
+    at the method's largest batch. A repeated run that admits another batch is an error."""
+    first = {r["method"]: r for r in big if r["method"] in REPEATED and r["batch"] == r["max_batch"]}
+    runs = {m: [first[m]] for m in REPEATED}
+    for _ in range(repeats - 1):
+        for m in REPEATED:
+            r = {k: v for k, v in run(m).items() if k != "stats"}
+            if r["batch"] != first[m]["batch"]:
+                raise RuntimeError(f"{m}: a repeated run's largest batch {r['batch']} is not the first run's "
+                                   f"{first[m]['batch']} (admission should not depend on the run)")
+            runs[m].append({"model": first[m]["model"], **r, "max_batch": r["batch"]})
+    return [median_run(runs[r["method"]]) if first.get(r["method"]) is r else r for r in big]
 
 
 def median_run(runs: list[dict]) -> dict:
