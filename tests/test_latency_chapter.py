@@ -94,3 +94,22 @@ def test_cpu_check_text_says_whether_every_cache_is_within_the_tolerance():
     assert ok and "on 2 caches" in text and "4.0e-03" in text and "within" in text and "committed GPU results" in text
     text, ok = latency.cpu_check_text(check.assign(rel_rms_error=[1e-3, 2e-2]), has_results=False)
     assert not ok and "OUTSIDE" in text and "no GPU results are committed" in text
+
+
+def test_targets_text_gives_the_small_shapes_why_from_the_committed_report_and_table():
+    """The SmolLM2 bar's reason reads the committed Nsight report's DRAM and occupancy rows and the table's split
+    counts and FlashInfer rows; without a report with that shape, no reason is made up."""
+    from zipkv.book import REPO_ROOT
+
+    folder = REPO_ROOT / "results/paper"
+    table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
+    ncu = latency.read_ncu(folder)
+    text = latency.targets_text(table, ncu)
+    small = "SmolLM2 decode all compressed"
+    assert f"DRAM is {ncu.value('DRAM Throughput', small):.0f} % busy under the all-compressed kernel" in text
+    anchor = table[(table.ctx == 8192) & (table.batch == 64) & (table.kernel == "gluon")
+                   & (table.kv_data == "all compressible") & (table.method == "zipkv_compressed")]
+    splits = anchor.set_index("shape").num_splits
+    assert f"each streams {8192 // 16 // 2 / splits['smollm2-135m']:.0f} units" in text
+    assert f"against {8192 // 16 / splits['llama3.1-8b']:.0f} (a page)" in text
+    assert "Why, from Nsight Compute" not in latency.targets_text(table, None)

@@ -169,10 +169,10 @@ def read_ncu(folder):
     return nsight_report.parse(path.read_text(), nsight.NCU_TARGETS, nsight.NCU_KERNELS, nsight.NCU_STALLS)
 
 
-def _small_shape_why(ncu, small_row, big_row) -> str:
+def _small_shape_why(ncu, small_row, big_row, small_fi, big_fi) -> str:
     """Why the SmolLM2-shape kernel reads slower than the Llama-shape one, from the Nsight Compute report ``ncu``
-    (:func:`read_ncu`; empty where it has no SmolLM2-shape kernels) and the two shapes' all-compressible rows of
-    the latency table (their split counts)."""
+    (:func:`read_ncu`; empty where it has no SmolLM2-shape kernels), the two shapes' all-compressible rows of
+    the latency table (their split counts) and FlashInfer TC's rows at both shapes."""
     small, big = "SmolLM2 decode all compressed", "decode all compressed"
     if ncu is None or small not in ncu.metrics.columns:
         return ""
@@ -190,7 +190,9 @@ def _small_shape_why(ncu, small_row, big_row) -> str:
             f"share of the warp slots ({v('Achieved Occupancy', small):.0f} % and {v('Achieved Occupancy', big):.0f} %), "
             f"but here each streams {n_small:.0f} units (a unit: a page pair) against {n_big:.0f} (a page) at the Llama "
             f"shape, so a program's start (its first loads in flight) and the launch's end weigh {n_big / n_small:.0f} "
-            "times as much -- the likely cause, not isolated here.")
+            "times as much -- the likely cause, not isolated here. FlashInfer's paged kernel loses at this shape too "
+            f"({small_fi.tbps:.2f} TB/s against {big_fi.tbps:.2f} at the Llama shape); SDPA, the baseline here, reads a "
+            "contiguous cache without a page table.")
 
 
 def targets_text(table: pd.DataFrame, ncu=None) -> str:
@@ -239,7 +241,7 @@ def targets_text(table: pd.DataFrame, ncu=None) -> str:
             f"{_bar(fastest.latency_us / sc.latency_us, goal.smollm2_speedup_vs_fastest)}; measured mix ({sm.kernel} kernel, "
             f"{sm.latency_us:.1f} µs, {sm.tbps:.2f} TB/s): {_bar(fastest.latency_us / sm.latency_us, goal.smollm2_mix_speedup_vs_fastest)}. "
             f"The bytes allow {fastest.bytes_read / sc.bytes_read:.3f}× and {fastest.bytes_read / sm.bytes_read:.3f}× at the "
-            f"baseline's bandwidth." + _small_shape_why(ncu, sc, comp))
+            f"baseline's bandwidth." + _small_shape_why(ncu, sc, comp, s[s.method == "flashinfer_tc"].iloc[0], fi))
     return "\n".join(lines)
 
 
