@@ -73,10 +73,11 @@ def _small_shape(report: NsightReport) -> str:
             f"request-head pairs at batch {NCU_BATCH}) the all-compressed "
             f"kernel keeps DRAM only {v('DRAM Throughput', comp):.0f} % busy (uncompressed {v('DRAM Throughput', unc):.0f} "
             f"%) in {v('Duration', comp):.1f} µs against {v('Duration', unc):.1f} µs, with "
-            f"{v('instructions', comp) / v('instructions', unc):.2f}× the uncompressed kernel's instructions: its one-warp "
+            f"{v('instructions', comp) / v('instructions', unc):.2f}× the uncompressed kernel's instructions; its one-warp "
             f"programs fill {v('Achieved Occupancy', comp):.0f} % of the warp slots where "
-            f"{v('Theoretical Occupancy', comp):.0f} % would fit, too few loads in flight to keep DRAM busy; its warps "
-            "wait most often on "
+            f"{v('Theoretical Occupancy', comp):.0f} % would fit (the Llama-shape kernel {v('Achieved Occupancy', COMPRESSED):.0f} "
+            f"%, with DRAM {v('DRAM Throughput', COMPRESSED):.0f} % busy: not the occupancy, the shape sets the rate; the "
+            "latency chapter's SmolLM2 bar says more); its warps wait most often on "
             + ", ".join(f"{r} ({s:.0f} %)" for r, s in report.stalls[comp].sort_values(ascending=False).head(2).items())
             + ". ")
 
