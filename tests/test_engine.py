@@ -481,6 +481,7 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     text, kind = throughput.verdict(big, 32)
     assert "**missed by" in text and kind == "warning"
     assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in throughput.bars_need_text(big, 32)
+    assert throughput.bars_need_text(big, 32).startswith("One run per method and batch, no spread. ZipFusion stores")
     assert "ran sequentially" in throughput.bars_need_text(big, 32)              # a table from before the column
     assert "overlapped scheduler (`Engine" in throughput.bars_need_text(big.assign(overlap=True), 32)
     assert "3 of 4 rows" in throughput.bars_need_text(big.assign(overlap=[True, True, True, False]), 32)

@@ -769,11 +769,12 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256):
 
 
 def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256) -> str:
-    """What the batch and tokens/s bars would need, from the Llama-8B-shape rows ``big`` (:func:`bar_checks`):
-    the bits per prefix value for one more request, the decode step time at ZipFusion's largest batch."""
+    """How the largest-batch rows were measured (:func:`runs_text`) and what the batch and tokens/s bars would need,
+    from the Llama-8B-shape rows ``big`` (:func:`bar_checks`): the bits per prefix value for one more request, the
+    decode step time at ZipFusion's largest batch."""
     c = bar_checks(big, fixed_batch, context, new_tokens)
     z, u = c["z"], c["u"]
-    return (f"ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value at the first decode step, "
+    return (runs_text(big) + f" ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value at the first decode step, "
             f"{c['prefix_bits']:.3f} per value of the packed prefix ({z.frac_compressed_k:.1%} of K and "
             f"{z.frac_compressed_v:.1%} of V blocks compressed); with the output's pages raw the budget holds at most "
             f"{c['capacity_bound']:.2f} such requests (before the room lost at the ends of chunks), and "
