@@ -25,7 +25,7 @@ rows' two tokens as separate query-head columns (one softmax per unit instead of
 accumulator, the two columns of a head merged like splits): 1-3 % slower at every split count (all compressible
 83.5 vs 82.5 us at the plan's 5 splits, measured mix 89.5 vs 86.6 us at 8, raw 102.3 vs 100.6 us); and a register
 cap at 128 for every launch: 0.6-0.9 % slower at the Llama-3.1-8B shape (378.4 vs 376.1 us all compressible,
-398.3 vs 394.9 us on the measured mix).
+398.3 vs 394.9 us on the measured mix); the run's table: ``results/paper/zipfusion_kernel_variants_ab.csv``.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
