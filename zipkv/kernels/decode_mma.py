@@ -636,7 +636,10 @@ def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl
     transposed): one split writes ``out`` (bf16) directly; with more, each split writes its normalised partial
     output and log2-sum-exp into its slot (an empty split: l = 0, lse = -inf, o = 0) and counts itself in the
     (request, kv head)'s arrival counter, and the last to arrive merges the slots into ``out`` and resets the
-    counter to 0."""
+    counter to 0. The merge's loops are unrolled, so that every split's loads are in flight at once: as runtime
+    loops each split cost one L2 round trip in series at the end of the launch (H200, 8192 x 64, the two kernels
+    alternating in one run: SmolLM2 shape all compressible 80.9 -> 79.1 us at 5 splits, measured mix 86.0 -> 84.1;
+    Llama-3.1-8B shape, 2 splits, within 0.3 %; ``results/paper/zipfusion_kernel_merge_ab.csv``)."""
     g1 = gl.arange(0, NQ, layout=QCOLS)
     go = g1[None, :]
     do = gl.arange(0, HD, layout=gl.SliceLayout(1, MMA))[:, None]
@@ -654,13 +657,13 @@ def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl
         if arrived == SPLITS - 1:
             gl.store(cnt_ptr + b * HKV + h, 0)
             m = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
-            for j in range(SPLITS):
+            for j in gl.static_range(SPLITS):   # unrolled: the loads of all splits in flight together
                 m = gl.maximum(m, gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
                                           cache_modifier=".cg"))
             m = gl.where(g1 < G, m, 0.0)       # some split of a real row holds a token: m is finite
             num = gl.zeros([HD, NQ], gl.float32, layout=MMA)
             wsum = gl.zeros([NQ], gl.float32, layout=QCOLS)
-            for j in range(SPLITS):            # written by other programs: read past L1 (.cg)
+            for j in gl.static_range(SPLITS):  # written by other programs: read past L1 (.cg)
                 w = gl.exp2(gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
                                     cache_modifier=".cg") - m)
                 o = gl.load(part_ptr + (rows * SPLITS + j) * HD + do, mask=gm, other=0.0, cache_modifier=".cg")
