@@ -64,6 +64,21 @@ def test_tuned_launch_options_are_stored_per_gpu_and_read_back(tmp_path, monkeyp
         da.launch_config("fast")
 
 
+def test_tuning_keeps_the_configuration_its_confirming_rounds_find_fastest():
+    """A sweep's single medians pick the finalists; the rounds that time them again pick the best (a path
+    without rounds falls back to its sweep, a path with no timed row has none)."""
+    nan = float("nan")
+    table = pd.DataFrame([dict(path="mixed", programs_per_sm=6, latency_us=85.6, confirm_us=89.7),
+                          dict(path="mixed", programs_per_sm=12, latency_us=86.2, confirm_us=86.1),
+                          dict(path="mixed", programs_per_sm=4, latency_us=117.2, confirm_us=nan),
+                          dict(path="raw", programs_per_sm=6, latency_us=100.2, confirm_us=nan),
+                          dict(path="raw", programs_per_sm=7, latency_us=100.1, confirm_us=nan),
+                          dict(path="compressed", programs_per_sm=6, latency_us=nan, confirm_us=nan)])
+    best = bench.choose_best(table)
+    assert best[best.best].set_index("path").programs_per_sm.to_dict() == {"mixed": 12, "raw": 7}
+    assert "best" not in table
+
+
 def test_gluon_options_are_stored_per_head_dim_beside_the_triton_ones(tmp_path, monkeypatch):
     from zipkv.kernels import decode_mma, decode_triton, tuning
 

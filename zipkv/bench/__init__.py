@@ -19,10 +19,10 @@ from zipkv.bench.nsight import (NCU_KERNELS, NCU_METRICS, NCU_SECTIONS, NCU_STAL
                                 nsight_targets)
 from zipkv.bench.pack import pack_benchmark
 from zipkv.bench.timing import L2_FLUSH_BYTES, ColdTimer, copy_bandwidth
-from zipkv.bench.tune import TUNE_GRID, TUNE_PROGRAMS_PER_SM, tune_decode_attention, write_tuning
+from zipkv.bench.tune import TUNE_GRID, TUNE_PROGRAMS_PER_SM, choose_best, tune_decode_attention, write_tuning
 
 __all__ = ["ATTENTION_SHAPES", "KERNEL_LAYOUTS", "METHODS", "attention_benchmark", "measured_compressible_fraction",
            "mix_sweep", "sweep_fractions",
            "FlashInferDecode", "sdpa_decode", "NCU_KERNELS", "NCU_METRICS", "NCU_SECTIONS", "NCU_STALLS",
            "NCU_TARGETS", "nsight_report", "nsight_targets", "pack_benchmark", "L2_FLUSH_BYTES", "ColdTimer",
-           "copy_bandwidth", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "tune_decode_attention", "write_tuning"]
+           "copy_bandwidth", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "tune_decode_attention", "choose_best", "write_tuning"]
