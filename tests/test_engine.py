@@ -480,6 +480,10 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     assert f"a budget {c['budget_needed'] / 2**30 - 1:+.2%} larger" in throughput.bars_need_text(big, 32)
     text, kind = throughput.verdict(big, 32)
     assert "**missed by" in text and kind == "warning"
+    # a ratio a hair under the bar (1.2498 tokens/s here) is not printed as "missed by 0.000"
+    hair = big.assign(tokens_per_s=[1000.0, 1200.0, 900.0, 1200.0 * 1.2498])
+    text, _ = throughput.verdict(hair, 32)
+    assert "**missed by 0.0002** (1.2498×)" in text and "missed by 0.000**" not in text
     assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in throughput.bars_need_text(big, 32)
     assert throughput.bars_need_text(big, 32).startswith("One run per method and batch, no spread. ZipFusion stores")
     assert "ran sequentially" in throughput.bars_need_text(big, 32)              # a table from before the column
