@@ -264,13 +264,24 @@ def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_comp
     assert Engine(model, 10**6, attention="reference", v_layout="v_mma").memory.layouts == ("token", "v_mma")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the Triton kernel's interpreter path (token layouts)")
 def test_page_kinds_follow_every_descriptor_change():
-    """The engine recomputes the kernels' page kinds only for the pages whose descriptors changed (new pages,
-    compressed, moved, admitted packed): after every step's plan each layer's kinds equal a full recomputation."""
-    from zipkv.paged import page_kinds_of
+    """Under the Triton kernel (whose routed launches read the page kinds) the engine recomputes the kinds only for
+    the pages whose descriptors changed (new pages, compressed, moved, admitted packed): after every step's plan
+    each layer's kinds equal a full recomputation. The reference reads no kinds and recomputes none."""
+    from zipkv.paged import PagedKVCache, page_kinds_of
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=4).to(torch.bfloat16)
     prompts = [[1, 5, 9, 33, 2] * 7, [7] * 3, list(range(40, 90)), [3, 4] * 20]
-    eng = Engine(model, 12 * 2 * 2 * 2 * 32 * 32, attention="reference", pages_per_chunk=2, eos_token_id=None)
+    budget = 12 * 2 * 2 * 2 * 32 * 32
+    refreshed = []
+    refresh = PagedKVCache.refresh
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PagedKVCache, "refresh", lambda self, *a, **k: refreshed.append(1) or refresh(self, *a, **k))
+        ref = Engine(model, budget, attention="reference", pages_per_chunk=2, eos_token_id=None)
+        assert not ref.attention.reads_kinds and ref.generate(prompts, 20).stats["frac_compressed_k"] > 0
+    assert not refreshed
+    eng = Engine(model, budget, attention="kernel", pages_per_chunk=2, eos_token_id=None)
+    assert eng.attention.reads_kinds
     plan, checked = eng.attention.plan, []
 
     def checked_plan(rids):

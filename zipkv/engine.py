@@ -200,9 +200,11 @@ class _Attention:
     buffers updated in place -- a new token raises ``last_page_len``, a new page rewrites ``indptr`` and
     ``indices`` -- so one :func:`zipkv.kernels.decode_attention.plan` per layer serves the composition's
     every step, and a CUDA graph of the step stays valid. Pages compressed between steps keep the plans
-    valid too: their descriptors and page kinds change in place and the plans route on the device
-    (``routing="device"``); a cache that is never compressed (``static_kinds``) keeps the kernels' single
-    specialised launch."""
+    valid too: their descriptors change in place and the plans route on the device (``routing="device"``); a
+    cache that is never compressed (``static_kinds``) keeps the kernels' single specialised launch. Only the
+    Triton kernel's routed launches read the page kinds (:attr:`reads_kinds`): for them the kinds of the pages
+    whose descriptors changed are recomputed before each step; the Gluon kernel's mixed launch reads each
+    block's descriptor, and the reference reads nothing of the kind, so for those no step pays for it."""
 
     def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool,
                  restore: _Restore | None = None, num_splits: int | None = None):
@@ -211,6 +213,10 @@ class _Attention:
         pool = memory.pool if restore is not None else memory.pool[: memory.total_bytes]
         self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts) for d in memory.desc]
         self.static_kinds = static_kinds
+        self.reads_kinds = False
+        if backend == "kernel" and not static_kinds:
+            from zipkv.kernels.decode_attention import kernel_for
+            self.reads_kinds = kernel_for(self.caches[0]) == "triton"
         self.key = self.pages_key = self.plans_key = self.table = self.plans = None
         self.rids = []
 
@@ -245,7 +251,7 @@ class _Attention:
         """Bring the static page table up to date for ``rids``; plan again when the composition changed.
         Returns the composition's key (what a captured step graph depends on)."""
         pages = self.memory.changed_pages()                          # flushes this step's new pages first
-        if pages and not self.static_kinds:                          # their kinds, all layers at once
+        if pages and self.reads_kinds:                               # their kinds, all layers at once
             ids = to_device(torch.tensor(pages, dtype=torch.int64), self.memory.device)
             kinds = page_kinds_of(self.memory.desc_all[:, ids])                      # [layers, n, kv_heads]
             for c, k in zip(self.caches, kinds):
