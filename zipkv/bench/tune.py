@@ -3,6 +3,7 @@ configuration of each specialisation timed at one shape, the best stored per GPU
 kernel, per head_dim) in :data:`zipkv.kernels.tuning.TUNING_FILE`."""
 from __future__ import annotations
 
+import math
 import statistics
 
 import torch
@@ -111,8 +112,8 @@ def tune_decode_attention(shape: str = "llama3.1-8b", ctx: int = 8192, batch: in
             for pps in programs_per_sm:
                 if pps != best["programs_per_sm"]:
                     trial({n: _plain(best[n]) for n in names} | dict(programs_per_sm=pps))
-        mine = [r for r in rows if r["path"] == path and r["latency_us"] == r["latency_us"]]
-        final = sorted(mine, key=lambda r: r["latency_us"])[:finalists]
+        timed = [r for r in rows if r["path"] == path and not math.isnan(r["latency_us"])]
+        final = sorted(timed, key=lambda r: r["latency_us"])[:finalists]
         fns = [runner({n: _plain(r[n]) for n in (*names, "programs_per_sm")}) for r in final]
         times = [[] for _ in final]
         for _ in range(rounds):
