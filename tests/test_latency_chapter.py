@@ -113,3 +113,44 @@ def test_targets_text_gives_the_small_shapes_why_from_the_committed_report_and_t
     assert f"each streams {8192 // 16 // 2 / splits['smollm2-135m']:.0f} units" in text
     assert f"against {8192 // 16 / splits['llama3.1-8b']:.0f} (a page)" in text
     assert "Why, from Nsight Compute" not in latency.targets_text(table, None)
+
+
+def _context_sweep(baseline_us_per_1k=60.0):
+    """A made-up context sweep on exact lines: at the Llama shape zipkv 10 µs + 45 µs per 1K tokens reading
+    200 MB per 1K, FlashInfer TC 12 µs + ``baseline_us_per_1k`` reading 268 MB; at the SmolLM2 shape SDPA
+    (6 + 11) is the faster baseline against FlashInfer TC (12 + 13), zipkv 9 + 9 reading 38 MB per 1K."""
+    lines = {("llama3.1-8b", "zipkv_compressed"): (10, 45, 200), ("llama3.1-8b", "flashinfer_tc"): (12, baseline_us_per_1k, 268),
+             ("smollm2-135m", "zipkv_compressed"): (9, 9, 38), ("smollm2-135m", "flashinfer_tc"): (12, 13, 50),
+             ("smollm2-135m", "sdpa"): (6, 11, 50)}
+    return pd.DataFrame([dict(shape=s, ctx=c, batch=64, kv_data="all compressible" if m.startswith("zipkv") else "any",
+                              method=m, latency_us=a + b * c / 1024, bytes_read=mb * 1e6 * c / 1024, commit="abc1234")
+                         for (s, m), (a, b, mb) in lines.items() for c in (1024, 4096, 16384)])
+
+
+def test_context_fit_recovers_each_methods_fixed_cost_slope_and_stream_rate():
+    fit = latency.context_fit(_context_sweep()).set_index(["shape", "method"])
+    ours = fit.loc[("llama3.1-8b", "zipkv_compressed")]
+    assert ours.fixed_us == pytest.approx(10) and ours.us_per_1k == pytest.approx(45)
+    assert ours.stream_tbps == pytest.approx(200 / 45) and ours.max_resid_us < 1e-9
+    assert ours.contexts == "1024–16384 (3)"
+
+
+def test_context_text_sets_the_gain_per_token_against_the_bar_and_the_shapes_baseline():
+    text = latency.context_text(latency.context_fit(_context_sweep()))
+    assert "per token ours is **1.333×** faster" in text and "which no context can exceed" in text
+    assert "torch SDPA 6.0 + 11.00" in text and "+3.0 µs against" in text        # SmolLM2: the faster baseline
+    assert f"the lines give {(12 + 60 * 8) / (10 + 45 * 8):.3f}×" in text
+    fast = latency.context_text(latency.context_fit(_context_sweep(baseline_us_per_1k=63.0)))
+    assert "per token ours is **1.400×** faster" in fast and "is below the gain per token." in fast
+
+
+def test_targets_text_cites_the_context_fit_only_where_one_is_given():
+    from zipkv.book import REPO_ROOT
+
+    folder = REPO_ROOT / "results/paper"
+    table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
+    fit = latency.context_fit(_context_sweep())
+    text = latency.targets_text(table, latency.read_ncu(folder), fit)
+    assert "ours is 1.333× faster: no context reaches 1.35×" in text
+    assert "each launch costs +3.0 µs against torch SDPA's" in text and "not isolated here" not in text
+    assert "Fixed and per-token cost" not in latency.targets_text(table, latency.read_ncu(folder))

@@ -169,10 +169,11 @@ def read_ncu(folder):
     return nsight_report.parse(path.read_text(), nsight.NCU_TARGETS, nsight.NCU_KERNELS, nsight.NCU_STALLS)
 
 
-def _small_shape_why(ncu, small_row, big_row, small_fi, big_fi) -> str:
+def _small_shape_why(ncu, small_row, big_row, small_fi, big_fi, fit=None) -> str:
     """Why the SmolLM2-shape kernel reads slower than the Llama-shape one, from the Nsight Compute report ``ncu``
     (:func:`read_ncu`; empty where it has no SmolLM2-shape kernels), the two shapes' all-compressible rows of
-    the latency table (their split counts) and FlashInfer TC's rows at both shapes."""
+    the latency table (their split counts), FlashInfer TC's rows at both shapes and, where given, the context
+    sweep's fit (:func:`context_fit`), which sets the fixed cost apart from the read rate."""
     small, big = "SmolLM2 decode all compressed", "decode all compressed"
     if ncu is None or small not in ncu.metrics.columns:
         return ""
@@ -190,15 +191,29 @@ def _small_shape_why(ncu, small_row, big_row, small_fi, big_fi) -> str:
             f"share of the warp slots ({v('Achieved Occupancy', small):.0f} % and {v('Achieved Occupancy', big):.0f} %), "
             f"but here each streams {n_small:.0f} units (a unit: a page pair) against {n_big:.0f} (a page) at the Llama "
             f"shape, so a program's start (its first loads in flight) and the launch's end weigh {n_big / n_small:.0f} "
-            "times as much -- the likely cause, not isolated here. FlashInfer's paged kernel loses at this shape too "
+            "times as much" + _fixed_cost_clause(fit) + ". FlashInfer's paged kernel loses at this shape too "
             f"({small_fi.tbps:.2f} TB/s against {big_fi.tbps:.2f} at the Llama shape); SDPA, the baseline here, reads a "
             "contiguous cache without a page table.")
 
 
-def targets_text(table: pd.DataFrame, ncu=None) -> str:
+def _fixed_cost_clause(fit) -> str:
+    """The SmolLM2 shape's fixed cost and read rate against its baseline from the context sweep's fit, as a
+    clause ("" without a fit)."""
+    pair = None if fit is None else _fit_pair(fit, "smollm2-135m")
+    if pair is None:
+        return " -- the likely cause, not isolated here"
+    o, b = pair
+    return (f"; the context sweep (\"Fixed and per-token cost\", {o.commit}) separates the two: each launch costs "
+            f"{o.fixed_us - b.fixed_us:+.1f} µs against {METHOD_LABELS[b.method]}'s, and per token ours reads at "
+            f"{o.stream_tbps / b.stream_tbps:.0%} of its rate ({b.us_per_1k / o.us_per_1k:.3f}× faster per token, "
+            f"the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×)")
+
+
+def targets_text(table: pd.DataFrame, ncu=None, fit=None) -> str:
     """Issue 13's bars at the anchor point, each with the measured ratio, by how much it is missed and why,
     from the run's own bytes and bandwidths (Llama-3.1-8B shape; SmolLM2 shape against its fastest baseline, and
-    where ``ncu`` (:func:`read_ncu`) profiled that shape, its DRAM and occupancy)."""
+    where ``ncu`` (:func:`read_ncu`) profiled that shape, its DRAM and occupancy), and where ``fit``
+    (:func:`context_fit`) is given, the gain per token that no context can exceed."""
     goal = PROJECT_TARGETS
     t = _anchor(table, SHAPE)
     fi = t[t.method == "flashinfer_tc"].iloc[0]
@@ -210,7 +225,7 @@ def targets_text(table: pd.DataFrame, ncu=None) -> str:
              f"It reads {comp.bytes_read / 1e9:.3f} GB at {comp.tbps:.2f} TB/s ({comp.frac_copy_bw:.0%} of the copy bandwidth "
              f"measured in the run, {copy:.2f} TB/s), FlashInfer TC {fi.bytes_read / 1e9:.3f} GB at {fi.tbps:.2f} TB/s: at "
              f"equal bandwidth the bytes allow {fi.bytes_read / comp.bytes_read:.3f}×, and the bar would need "
-             f"{need:.2f} TB/s ({need / copy:.0%} of the copy bandwidth)."]
+             f"{need:.2f} TB/s ({need / copy:.0%} of the copy bandwidth)." + _per_token_clause(fit)]
     others = speedups(table).filter(like="measured mix").max(axis=1).drop(
         (ZIPFUSION_PAPER.anchor_context, ZIPFUSION_PAPER.anchor_batch), errors="ignore")
     mix_bw = mix.bytes_read / (fi.latency_us / goal.mix_speedup_vs_flashinfer_tc * 1e-6) / 1e12
@@ -241,8 +256,20 @@ def targets_text(table: pd.DataFrame, ncu=None) -> str:
             f"{_bar(fastest.latency_us / sc.latency_us, goal.smollm2_speedup_vs_fastest)}; measured mix ({sm.kernel} kernel, "
             f"{sm.latency_us:.1f} µs, {sm.tbps:.2f} TB/s): {_bar(fastest.latency_us / sm.latency_us, goal.smollm2_mix_speedup_vs_fastest)}. "
             f"The bytes allow {fastest.bytes_read / sc.bytes_read:.3f}× and {fastest.bytes_read / sm.bytes_read:.3f}× at the "
-            f"baseline's bandwidth." + _small_shape_why(ncu, sc, comp, s[s.method == "flashinfer_tc"].iloc[0], fi))
+            f"baseline's bandwidth." + _small_shape_why(ncu, sc, comp, s[s.method == "flashinfer_tc"].iloc[0], fi, fit))
     return "\n".join(lines)
+
+
+def _per_token_clause(fit) -> str:
+    """At the Llama-3.1-8B shape, the all-compressed kernel's gain per token over FlashInfer TC from the context
+    sweep's fit, against the all-compressible bar ("" without a fit)."""
+    pair = None if fit is None else _fit_pair(fit, SHAPE)
+    if pair is None:
+        return ""
+    o, b = pair
+    per_token, bar = b.us_per_1k / o.us_per_1k, PROJECT_TARGETS.speedup_vs_flashinfer_tc
+    return (f" Per token, with each launch's fixed cost set apart (\"Fixed and per-token cost\", {o.commit}), ours is "
+            f"{per_token:.3f}× faster" + (f": no context reaches {bar:.2f}×." if per_token < bar else "."))
 
 
 def _wave_text(table: pd.DataFrame, ctx: int, batch: int) -> str:
@@ -351,6 +378,9 @@ def mix_table(sweep: pd.DataFrame):
 
 
 SWEEPS = ("zipfusion_split_sweep.csv",)
+CONTEXT_SWEEP = "zipfusion_latency_context_sweep.csv"
+"""The committed context sweep (``bench attention --contexts 1024 ... 16384 --batches 64 --kernels gluon``, both
+shapes) that :func:`context_fit` reads."""
 """The committed H200 sweep of the Gluon kernel's split count and ring depth (``bench attention --splits ...
 --stages 2 3``) that :func:`split_sweep` reads."""
 
@@ -425,3 +455,79 @@ def split_table(table: pd.DataFrame):
     view = table.assign(method=table.method.map(METHOD_LABELS))
     return view.style.format({**{c: "{:.1f}" for c in splits}, "plan_vs_fastest": "{:.3f}×",
                               "three_vs_two_slots": "{:.3f}×"}, na_rep="–").hide(axis="index")
+
+
+def read_context_fit(folder):
+    """:func:`context_fit` of :data:`CONTEXT_SWEEP` in ``folder`` (``results/paper``), or None where there is none."""
+    from pathlib import Path
+
+    path = Path(folder) / CONTEXT_SWEEP
+    return context_fit(pd.read_csv(path)) if path.is_file() else None
+
+
+def context_fit(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Each method's latency over a context sweep at one batch (:data:`CONTEXT_SWEEP`) fitted by least squares as
+    ``fixed_us + us_per_1k * ctx / 1024``, and its bytes alike: one row per (shape, kv_data, method) with
+    ``fixed_us`` (what a launch costs beyond its reads: start, merge, tail), ``us_per_1k`` (µs per 1024 tokens of
+    every request), ``mb_per_1k`` (MB read per 1024 tokens), ``stream_tbps`` (the two slopes' ratio: the read rate
+    once the fixed cost is set apart), ``max_resid_us`` (largest distance of a measured point from the line) and
+    the run's ``batch``, ``contexts`` (range and count), ``commit``."""
+    rows = []
+    for (shape, data, method), g in sweep.groupby(["shape", "kv_data", "method"], sort=False):
+        x = g.ctx.to_numpy() / 1024
+        us_per_1k, fixed_us = np.polyfit(x, g.latency_us.to_numpy(), 1)
+        mb_per_1k = np.polyfit(x, g.bytes_read.to_numpy() / 1e6, 1)[0]
+        rows.append(dict(shape=shape, kv_data=data, method=method, batch=int(g.batch.iloc[0]),
+                         contexts=f"{g.ctx.min()}–{g.ctx.max()} ({len(g)})", fixed_us=fixed_us,
+                         us_per_1k=us_per_1k, mb_per_1k=mb_per_1k, stream_tbps=mb_per_1k / us_per_1k,
+                         max_resid_us=float(np.abs(g.latency_us - fixed_us - us_per_1k * x).max()),
+                         commit=g.commit.iloc[0]))
+    return pd.DataFrame(rows)
+
+
+def _fit_pair(fit: pd.DataFrame, shape: str, anchor_ctx: int = ZIPFUSION_PAPER.anchor_context):
+    """The all-compressed kernel's and its baseline's rows of :func:`context_fit` at ``shape`` (the baseline of
+    issue 13's bars: FlashInfer TC at the Llama-3.1-8B shape, elsewhere the fastest baseline at ``anchor_ctx``),
+    or None where the sweep lacks either."""
+    f = fit[fit["shape"] == shape]
+    ours, base = f[f.method == "zipkv_compressed"], f[f.method.isin(BASELINES)]
+    if not len(ours) or not len(base):
+        return None
+    at = base.fixed_us + base.us_per_1k * anchor_ctx / 1024
+    return ours.iloc[0], (base[base.method == "flashinfer_tc"].iloc[0] if shape == SHAPE else base.loc[at.idxmin()])
+
+
+def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_context) -> str:
+    """What :func:`context_fit` says of the all-compressed kernel against each shape's baseline
+    (:func:`_fit_pair`): its gain per token against the bytes' ratio, its fixed cost, what the two give at
+    ``anchor_ctx``, and at the Llama shape whether any context could reach the all-compressible bar."""
+    parts = []
+    for shape in fit["shape"].unique():
+        pair = _fit_pair(fit, shape, anchor_ctx)
+        if pair is None:
+            continue
+        o, b = pair
+        per_token = b.us_per_1k / o.us_per_1k
+        at = lambda r: r.fixed_us + r.us_per_1k * anchor_ctx / 1024       # noqa: E731
+        label = "Llama-3.1-8B" if shape == SHAPE else "SmolLM2" if shape == "smollm2-135m" else shape
+        text = (f"**{label} shape**: the all-compressed kernel costs {o.fixed_us:.1f} µs + {o.us_per_1k:.2f} µs per 1K "
+                f"tokens, {METHOD_LABELS[b.method]} {b.fixed_us:.1f} + {b.us_per_1k:.2f}; per token ours is "
+                f"**{per_token:.3f}×** faster (the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×: it streams at "
+                f"{o.stream_tbps:.2f} TB/s, {o.stream_tbps / b.stream_tbps:.0%} of the baseline's {b.stream_tbps:.2f}), "
+                f"and a launch costs {o.fixed_us - b.fixed_us:+.1f} µs against the baseline's: at {anchor_ctx} tokens "
+                f"the lines give {at(b) / at(o):.3f}×.")
+        if shape == SHAPE:
+            bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
+            text += (f" The all-compressible bar ({bar:.2f}×) is {'below' if per_token >= bar else 'above'} the gain "
+                     "per token" + (", which no context can exceed." if per_token < bar else "."))
+        parts.append(text)
+    return (f"Fitted over contexts {fit.contexts.iloc[0]} at batch {fit.batch.iloc[0]} (commit "
+            f"{', '.join(sorted(set(fit.commit)))}; the largest distance of a point from its line is "
+            f"{fit.max_resid_us.max():.1f} µs):\n\n" + "\n".join(f"- {p}" for p in parts))
+
+
+def context_table(fit: pd.DataFrame):
+    """:func:`context_fit`'s table, formatted (a Styler)."""
+    view = fit.assign(method=fit.method.map(METHOD_LABELS))
+    return view.style.format({"fixed_us": "{:.1f}", "us_per_1k": "{:.2f}", "mb_per_1k": "{:.1f}",
+                              "stream_tbps": "{:.2f}", "max_resid_us": "{:.1f}"}).hide(axis="index")
