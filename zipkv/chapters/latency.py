@@ -203,7 +203,7 @@ def _fixed_cost_clause(fit) -> str:
     if pair is None:
         return " -- the likely cause, not isolated here"
     o, b = pair
-    return (f"; the context sweep (\"Fixed and per-token cost\", {o.commit}) separates the two: each launch costs "
+    return (f"; the context sweep (\"Fixed and per-token cost\", {o.commit}) separates the fixed cost from the read rate: each launch costs "
             f"{o.fixed_us - b.fixed_us:+.1f} µs against {METHOD_LABELS[b.method]}'s, and per token ours reads at "
             f"{o.stream_tbps / b.stream_tbps:.0%} of its rate ({b.us_per_1k / o.us_per_1k:.3f}× faster per token, "
             f"the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×)")
