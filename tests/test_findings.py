@@ -43,9 +43,10 @@ SYNTHETIC = {
     "kvsculpt_error_propagation": pd.DataFrame({
         "window": [0, 1], "label": ["easy", "hard"], "growth_first_to_last": [200.0, 5000.0],
         "top5_kl_share": [0.3, 0.8], "max_over_mean_kl": [10.0, 60.0], "layer_mse_kl_correlation": [0.1, 0.2]}),
-    "kvsculpt_beyond": pd.DataFrame({"model": ["smollm2"] * 4, "window": [0, 0, 1, 1], "ratio": [0.3] * 4,
-                                     "method": ["kvsculpt", "ours", "kvsculpt", "ours"], "kl": [0.06, 0.03, 0.05, 0.02],
-                                     "seconds": [5.0, 7.0, 5.0, 7.0]}),
+    "kvsculpt_beyond": pd.DataFrame({"model": ["smollm2"] * 8, "window": [0, 0, 1, 1] * 2, "ratio": [0.3] * 4 + [0.5] * 4,
+                                     "method": ["kvsculpt", "ours", "kvsculpt", "ours", "select_fit", "zipkv"] + ["select_fit", "zipkv"],
+                                     "kl": [0.06, 0.03, 0.05, 0.02, 0.04, 0.02, 0.03, 0.01],
+                                     "seconds": [5.0, 7.0] * 4}),
 }
 # Second tables a chapter writes beside its main one (same run, same commit).
 SIDE_TABLES = {

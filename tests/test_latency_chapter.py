@@ -132,12 +132,13 @@ def test_context_fit_recovers_each_methods_fixed_cost_slope_and_stream_rate():
     ours = fit.loc[("llama3.1-8b", "zipkv_compressed")]
     assert ours.fixed_us == pytest.approx(10) and ours.us_per_1k == pytest.approx(45)
     assert ours.stream_tbps == pytest.approx(200 / 45) and ours.max_resid_us < 1e-9
-    assert ours.contexts == "1024–16384 (3)"
+    assert ours.contexts == "1024–16384" and ours.n_contexts == 3
 
 
 def test_context_text_sets_the_gain_per_token_against_the_bar_and_the_shapes_baseline():
     text = latency.context_text(latency.context_fit(_context_sweep()))
     assert "per token ours is **1.333×** faster" in text and "which no context can exceed" in text
+    assert text.startswith("Fitted over 3 contexts, 1024–16384 tokens, at batch 64 (commit abc1234")
     assert "torch SDPA 6.0 + 11.00" in text and "+3.0 µs against" in text        # SmolLM2: the faster baseline
     assert f"the lines give {(12 + 60 * 8) / (10 + 45 * 8):.3f}×" in text
     fast = latency.context_text(latency.context_fit(_context_sweep(baseline_us_per_1k=63.0)))
@@ -154,3 +155,16 @@ def test_targets_text_cites_the_context_fit_only_where_one_is_given():
     assert "ours is 1.333× faster: no context reaches 1.35×" in text
     assert "each launch costs +3.0 µs against torch SDPA's" in text and "not isolated here" not in text
     assert "Fixed and per-token cost" not in latency.targets_text(table, latency.read_ncu(folder))
+
+
+def test_findings_row_reads_the_committed_context_sweep_beside_the_chapters_table(tmp_path):
+    from zipkv import findings
+
+    claim = [c for c in findings.CLAIMS if c.ours is findings._per_token_gain]
+    (tmp_path / "zipfusion_attention_latency.csv").write_text("shape\nllama3.1-8b\n")
+    row = findings.findings(tmp_path, claim).iloc[0]
+    assert row.verdict == "not yet run"                                   # the chapter's table, no sweep beside it
+    _context_sweep().to_csv(tmp_path / latency.CONTEXT_SWEEP, index=False)
+    row = findings.findings(tmp_path, claim).iloc[0]
+    assert row.verdict == findings.BEYOND and row.our_value.startswith("1.333× FlashInfer TC per token (the bytes allow 1.340×)")
+    assert "10.0 against 12.0 µs fixed per launch" in row.our_value

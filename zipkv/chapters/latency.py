@@ -199,7 +199,7 @@ def _small_shape_why(ncu, small_row, big_row, small_fi, big_fi, fit=None) -> str
 def _fixed_cost_clause(fit) -> str:
     """The SmolLM2 shape's fixed cost and read rate against its baseline from the context sweep's fit, as a
     clause ("" without a fit)."""
-    pair = None if fit is None else _fit_pair(fit, "smollm2-135m")
+    pair = None if fit is None else fit_pair(fit, "smollm2-135m")
     if pair is None:
         return " -- the likely cause, not isolated here"
     o, b = pair
@@ -263,7 +263,7 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None) -> str:
 def _per_token_clause(fit) -> str:
     """At the Llama-3.1-8B shape, the all-compressed kernel's gain per token over FlashInfer TC from the context
     sweep's fit, against the all-compressible bar ("" without a fit)."""
-    pair = None if fit is None else _fit_pair(fit, SHAPE)
+    pair = None if fit is None else fit_pair(fit, SHAPE)
     if pair is None:
         return ""
     o, b = pair
@@ -471,21 +471,21 @@ def context_fit(sweep: pd.DataFrame) -> pd.DataFrame:
     ``fixed_us`` (what a launch costs beyond its reads: start, merge, tail), ``us_per_1k`` (µs per 1024 tokens of
     every request), ``mb_per_1k`` (MB read per 1024 tokens), ``stream_tbps`` (the two slopes' ratio: the read rate
     once the fixed cost is set apart), ``max_resid_us`` (largest distance of a measured point from the line) and
-    the run's ``batch``, ``contexts`` (range and count), ``commit``."""
+    the run's ``batch``, ``contexts`` (their range), ``n_contexts``, ``commit``."""
     rows = []
     for (shape, data, method), g in sweep.groupby(["shape", "kv_data", "method"], sort=False):
         x = g.ctx.to_numpy() / 1024
         us_per_1k, fixed_us = np.polyfit(x, g.latency_us.to_numpy(), 1)
         mb_per_1k = np.polyfit(x, g.bytes_read.to_numpy() / 1e6, 1)[0]
         rows.append(dict(shape=shape, kv_data=data, method=method, batch=int(g.batch.iloc[0]),
-                         contexts=f"{g.ctx.min()}–{g.ctx.max()} ({len(g)})", fixed_us=fixed_us,
+                         contexts=f"{g.ctx.min()}–{g.ctx.max()}", n_contexts=len(g), fixed_us=fixed_us,
                          us_per_1k=us_per_1k, mb_per_1k=mb_per_1k, stream_tbps=mb_per_1k / us_per_1k,
                          max_resid_us=float(np.abs(g.latency_us - fixed_us - us_per_1k * x).max()),
                          commit=g.commit.iloc[0]))
     return pd.DataFrame(rows)
 
 
-def _fit_pair(fit: pd.DataFrame, shape: str, anchor_ctx: int = ZIPFUSION_PAPER.anchor_context):
+def fit_pair(fit: pd.DataFrame, shape: str, anchor_ctx: int = ZIPFUSION_PAPER.anchor_context):
     """The all-compressed kernel's and its baseline's rows of :func:`context_fit` at ``shape`` (the baseline of
     issue 13's bars: FlashInfer TC at the Llama-3.1-8B shape, elsewhere the fastest baseline at ``anchor_ctx``),
     or None where the sweep lacks either."""
@@ -499,11 +499,11 @@ def _fit_pair(fit: pd.DataFrame, shape: str, anchor_ctx: int = ZIPFUSION_PAPER.a
 
 def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_context) -> str:
     """What :func:`context_fit` says of the all-compressed kernel against each shape's baseline
-    (:func:`_fit_pair`): its gain per token against the bytes' ratio, its fixed cost, what the two give at
+    (:func:`fit_pair`): its gain per token against the bytes' ratio, its fixed cost, what the two give at
     ``anchor_ctx``, and at the Llama shape whether any context could reach the all-compressible bar."""
     parts = []
     for shape in fit["shape"].unique():
-        pair = _fit_pair(fit, shape, anchor_ctx)
+        pair = fit_pair(fit, shape, anchor_ctx)
         if pair is None:
             continue
         o, b = pair
@@ -521,7 +521,7 @@ def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_con
             text += (f" The all-compressible bar ({bar:.2f}×) is {'below' if per_token >= bar else 'above'} the gain "
                      "per token" + (", which no context can exceed." if per_token < bar else "."))
         parts.append(text)
-    return (f"Fitted over contexts {fit.contexts.iloc[0]} at batch {fit.batch.iloc[0]} (commit "
+    return (f"Fitted over {fit.n_contexts.iloc[0]} contexts, {fit.contexts.iloc[0]} tokens, at batch {fit.batch.iloc[0]} (commit "
             f"{', '.join(sorted(set(fit.commit)))}; the largest distance of a point from its line is "
             f"{fit.max_resid_us.max():.1f} µs):\n\n" + "\n".join(f"- {p}" for p in parts))
 
