@@ -139,7 +139,7 @@ def test_context_text_sets_the_gain_per_token_against_the_bar_and_the_shapes_bas
     text = latency.context_text(latency.context_fit(_context_sweep()))
     assert "per token ours is **1.333×** faster" in text and "which no context can exceed" in text
     assert text.startswith("Fitted over 3 contexts, 1024–16384 tokens, at batch 64 (commit abc1234")
-    assert "torch SDPA 6.0 + 11.00" in text and "+3.0 µs against" in text        # SmolLM2: the faster baseline
+    assert "torch SDPA 6.0 + 11.00" in text and "a launch costs 3.0 µs more than the baseline's" in text and "2.0 µs less" in text        # SmolLM2: the faster baseline
     assert f"the lines give {(12 + 60 * 8) / (10 + 45 * 8):.3f}×" in text
     fast = latency.context_text(latency.context_fit(_context_sweep(baseline_us_per_1k=63.0)))
     assert "per token ours is **1.400×** faster" in fast and "is below the gain per token." in fast
@@ -153,7 +153,7 @@ def test_targets_text_cites_the_context_fit_only_where_one_is_given():
     fit = latency.context_fit(_context_sweep())
     text = latency.targets_text(table, latency.read_ncu(folder), fit)
     assert "ours is 1.333× faster: no context reaches 1.35×" in text
-    assert "each launch costs +3.0 µs against torch SDPA's" in text and "not isolated here" not in text
+    assert "each launch costs 3.0 µs more than torch SDPA's" in text and "not isolated here" not in text
     assert "Fixed and per-token cost" not in latency.targets_text(table, latency.read_ncu(folder))
 
 

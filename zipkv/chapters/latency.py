@@ -203,8 +203,9 @@ def _fixed_cost_clause(fit) -> str:
     if pair is None:
         return " -- the likely cause, not isolated here"
     o, b = pair
-    return (f"; the context sweep (\"Fixed and per-token cost\", {o.commit}) separates the fixed cost from the read rate: each launch costs "
-            f"{o.fixed_us - b.fixed_us:+.1f} µs against {METHOD_LABELS[b.method]}'s, and per token ours reads at "
+    return (f"; the context sweep (\"Fixed and per-token cost\", {o.commit}) separates the fixed cost from the read "
+            "rate: each launch costs "
+            f"{_more_or_less(o.fixed_us - b.fixed_us)} than {METHOD_LABELS[b.method]}'s, and per token ours reads at "
             f"{o.stream_tbps / b.stream_tbps:.0%} of its rate ({b.us_per_1k / o.us_per_1k:.3f}× faster per token, "
             f"the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×)")
 
@@ -485,6 +486,10 @@ def context_fit(sweep: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _more_or_less(us: float) -> str:
+    return f"{abs(us):.1f} µs {'more' if us > 0 else 'less'}"
+
+
 def fit_pair(fit: pd.DataFrame, shape: str, anchor_ctx: int = ZIPFUSION_PAPER.anchor_context):
     """The all-compressed kernel's and its baseline's rows of :func:`context_fit` at ``shape`` (the baseline of
     issue 13's bars: FlashInfer TC at the Llama-3.1-8B shape, elsewhere the fastest baseline at ``anchor_ctx``),
@@ -514,14 +519,15 @@ def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_con
                 f"tokens, {METHOD_LABELS[b.method]} {b.fixed_us:.1f} + {b.us_per_1k:.2f}; per token ours is "
                 f"**{per_token:.3f}×** faster (the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×: it streams at "
                 f"{o.stream_tbps:.2f} TB/s, {o.stream_tbps / b.stream_tbps:.0%} of the baseline's {b.stream_tbps:.2f}), "
-                f"and a launch costs {o.fixed_us - b.fixed_us:+.1f} µs against the baseline's: at {anchor_ctx} tokens "
+                f"and a launch costs {_more_or_less(o.fixed_us - b.fixed_us)} than the baseline's: at {anchor_ctx} tokens "
                 f"the lines give {at(b) / at(o):.3f}×.")
         if shape == SHAPE:
             bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
             text += (f" The all-compressible bar ({bar:.2f}×) is {'below' if per_token >= bar else 'above'} the gain "
                      "per token" + (", which no context can exceed." if per_token < bar else "."))
         parts.append(text)
-    return (f"Fitted over {fit.n_contexts.iloc[0]} contexts, {fit.contexts.iloc[0]} tokens, at batch {fit.batch.iloc[0]} (commit "
+    return (f"Fitted over {fit.n_contexts.iloc[0]} contexts, {fit.contexts.iloc[0]} tokens, at batch "
+            f"{fit.batch.iloc[0]} (commit "
             f"{', '.join(sorted(set(fit.commit)))}; the largest distance of a point from its line is "
             f"{fit.max_resid_us.max():.1f} µs):\n\n" + "\n".join(f"- {p}" for p in parts))
 
