@@ -379,11 +379,11 @@ def mix_table(sweep: pd.DataFrame):
 
 
 SWEEPS = ("zipfusion_split_sweep.csv",)
+"""The committed H200 sweep of the Gluon kernel's split count and ring depth (``bench attention --splits ...
+--stages 2 3``) that :func:`split_sweep` reads."""
 CONTEXT_SWEEP = "zipfusion_latency_context_sweep.csv"
 """The committed context sweep (``bench attention --contexts 1024 ... 16384 --batches 64 --kernels gluon``, both
 shapes) that :func:`context_fit` reads."""
-"""The committed H200 sweep of the Gluon kernel's split count and ring depth (``bench attention --splits ...
---stages 2 3``) that :func:`split_sweep` reads."""
 
 
 def read_sweeps(folder) -> list[pd.DataFrame]:
@@ -527,8 +527,7 @@ def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_con
                      "per token" + (", which no context can exceed." if per_token < bar else "."))
         parts.append(text)
     return (f"Fitted over {fit.n_contexts.iloc[0]} contexts, {fit.contexts.iloc[0]} tokens, at batch "
-            f"{fit.batch.iloc[0]} (commit "
-            f"{', '.join(sorted(set(fit.commit)))}; the largest distance of a point from its line is "
+            f"{fit.batch.iloc[0]} (commit {', '.join(sorted(set(fit.commit)))}; the largest distance of a point from its line is "
             f"{fit.max_resid_us.max():.1f} µs):\n\n" + "\n".join(f"- {p}" for p in parts))
 
 
