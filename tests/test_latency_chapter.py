@@ -168,3 +168,15 @@ def test_findings_row_reads_the_committed_context_sweep_beside_the_chapters_tabl
     row = findings.findings(tmp_path, claim).iloc[0]
     assert row.verdict == findings.BEYOND and row.our_value.startswith("1.333× FlashInfer TC per token (the bytes allow 1.340×)")
     assert "10.0 against 12.0 µs fixed per launch" in row.our_value
+
+
+def test_targets_section_reads_the_report_and_the_fit_committed_in_its_folder():
+    from zipkv.book import REPO_ROOT
+
+    folder = REPO_ROOT / "results/paper"
+    table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
+    section = latency.targets_section(table, folder)
+    assert section.startswith("**This project's bars (issue 13)")
+    assert section.endswith(latency.targets_text(table, latency.read_ncu(folder), latency.read_context_fit(folder)))
+    assert "Fixed and per-token cost" in section and "Why, from Nsight Compute" in section
+    assert "needs a GPU and none is committed" in latency.mix_text(None)

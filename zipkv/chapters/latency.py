@@ -261,6 +261,13 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None) -> str:
     return "\n".join(lines)
 
 
+def targets_section(table: pd.DataFrame, folder) -> str:
+    """:func:`targets_text` under its heading, with the Nsight report and the context sweep's fit committed in
+    ``folder`` (``results/paper``; each left out where absent)."""
+    return ("**This project's bars (issue 13) at the anchor, and why they are missed:**\n\n"
+            + targets_text(table, read_ncu(folder), read_context_fit(folder)))
+
+
 def _per_token_clause(fit) -> str:
     """At the Llama-3.1-8B shape, the all-compressed kernel's gain per token over FlashInfer TC from the context
     sweep's fit, against the all-compressible bar ("" without a fit)."""
@@ -347,9 +354,12 @@ def mix_figure(sweep: pd.DataFrame):
     return fig
 
 
-def mix_text(sweep: pd.DataFrame) -> str:
+def mix_text(sweep: pd.DataFrame | None) -> str:
     """What the sweep shows: each share's latency against its bytes at FlashInfer TC's read rate, and the commit
-    and date it ran at (a sweep is committed on its own and may predate the chapter's main table)."""
+    and date it ran at (a sweep is committed on its own and may predate the chapter's main table); without a
+    sweep (None), that one needs a GPU."""
+    if sweep is None:
+        return "The compressed-share sweep (`zipkv.bench.mix_sweep`) needs a GPU and none is committed yet."
     z = _sweep_rows(sweep)
     auto, dev = z[z.routing == "auto"].set_index("kv_data"), z[z.routing == "device"].set_index("kv_data")
     fi = sweep[sweep.method == "flashinfer_tc"].iloc[0]
