@@ -180,3 +180,31 @@ def test_targets_section_reads_the_report_and_the_fit_committed_in_its_folder():
     assert section.endswith(latency.targets_text(table, latency.read_ncu(folder), latency.read_context_fit(folder)))
     assert "Fixed and per-token cost" in section and "Why, from Nsight Compute" in section
     assert "needs a GPU and none is committed" in latency.mix_text(None)
+
+
+def test_the_fit_sets_the_per_token_bar_against_the_streaming_read_bandwidth_of_its_sweep():
+    """1.35× per token over FlashInfer TC's 60 µs per 1K needs 200 MB per 44.4 µs = 4.50 TB/s: above a measured
+    streaming read of 4.40 TB/s (the bar is out of reach of any kernel reading these bytes), below one of 4.60."""
+    slow = latency.context_fit(_context_sweep().assign(read_bw_tbps=4.4))
+    assert slow.read_bw_tbps.tolist() == pytest.approx([4.4] * len(slow))
+    text = latency.context_text(slow)
+    assert "Ours streams at 101% of the streaming-read bandwidth measured with the sweep (4.40 TB/s)" in text
+    assert ("per token it needs ours to stream at 4.50 TB/s; 102% of the streaming-read bandwidth measured in the "
+            "same run, 4.40 TB/s: more than HBM gives a kernel that only reads.") in text
+    fast = latency.context_text(latency.context_fit(_context_sweep().assign(read_bw_tbps=4.6)))
+    assert "4.50 TB/s; 98% of the streaming-read bandwidth" in fast and "more than HBM" not in fast
+    assert "streaming-read" not in latency.context_text(latency.context_fit(_context_sweep()))   # a sweep without it
+
+
+def test_targets_text_sets_the_bars_bandwidth_against_the_runs_streaming_read_where_measured():
+    from zipkv.book import REPO_ROOT
+
+    table = pd.read_csv(REPO_ROOT / "results/paper/zipfusion_attention_latency.csv").drop(columns="read_bw_tbps",
+                                                                                          errors="ignore")
+    assert "streaming-read" not in latency.targets_text(table)
+    slow, fast = (latency.targets_text(table.assign(read_bw_tbps=bw)) for bw in (1.0, 100.0))
+    assert "of the streaming-read bandwidth measured in the same run, 1.00 TB/s: more than HBM gives" in slow
+    assert "of the streaming-read bandwidth measured in the same run, 100.00 TB/s)" in fast
+    assert "more than HBM" not in fast
+    assert "% of the streaming-read bandwidth (1.00 TB/s)" in latency.anchor_text(table.assign(read_bw_tbps=1.0), None)
+    assert "streaming-read" not in latency.anchor_text(table, None)
