@@ -124,7 +124,7 @@ def test_attention_shapes_are_the_models_shapes():
 def test_the_module_layout_keeps_the_old_names():
     """``python -m zipkv bench`` and the chapters call these through ``zipkv.bench``."""
     for name in ("attention_benchmark", "pack_benchmark", "measured_compressible_fraction", "tune_decode_attention",
-                 "write_tuning", "nsight_report", "nsight_targets", "ColdTimer", "copy_bandwidth", "read_bandwidth"):
+                 "write_tuning", "nsight_report", "nsight_targets", "ColdTimer", "copy_bandwidth"):
         assert callable(getattr(bench, name)), name
 
 
@@ -161,31 +161,3 @@ def test_an_ncu_report_is_read_by_the_targets_its_header_names():
     assert nsight_report.report_targets(headless) is None
     with pytest.raises(ValueError, match=f"report has {len(older)} kernel blocks, expected {len(nsight.NCU_TARGETS)}"):
         nsight_report.parse(headless, nsight.NCU_TARGETS, nsight.NCU_KERNELS, nsight.NCU_STALLS)
-
-
-@pytest.mark.parametrize("n, programs, block", [(1, 1, 16), (4096 * 3 + 17, 5, 1024), (70_000, 3, 4096)])
-def test_the_streaming_read_reads_every_word_once(n, programs, block):
-    """read_bandwidth's kernel: the programs' partial sums add up to the buffer's sum (a word skipped or read
-    twice changes it), program p summing the tiles p, p + programs, ... (CPU: Triton's interpreter)."""
-    from zipkv.kernels.stream_read import stream_sum
-
-    words = torch.randint(0, 1000, (n,), dtype=torch.int32, generator=torch.Generator().manual_seed(n))
-    partial = stream_sum(words, programs, block=block, num_warps=4)
-    tiles = torch.nn.functional.pad(words, (0, -n % block)).view(-1, block).sum(1)
-    expected = torch.zeros(programs, dtype=torch.int64).index_add_(0, torch.arange(len(tiles)) % programs, tiles)
-    assert partial.tolist() == expected.tolist()
-
-
-def test_the_streaming_read_refuses_bad_arguments():
-    from zipkv.kernels.stream_read import stream_sum
-
-    words = torch.zeros(64, dtype=torch.int32)
-    with pytest.raises(TypeError, match="words"):
-        stream_sum(words.float(), 1)
-    with pytest.raises(ValueError, match="words"):
-        stream_sum(torch.zeros(64, 2, dtype=torch.int32)[:, 0], 1)
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="programs"):
-            stream_sum(words, bad)
-    with pytest.raises(ValueError, match="block"):
-        stream_sum(words, 1, block=100)

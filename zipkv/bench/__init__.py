@@ -1,7 +1,6 @@
 """GPU benchmarks, one module per thing measured:
 
-* :mod:`~zipkv.bench.timing`: cold-L2 medians (:class:`ColdTimer`), the copy and streaming-read bandwidths of the
-  same run;
+* :mod:`~zipkv.bench.timing`: cold-L2 medians (:class:`ColdTimer`) and the copy bandwidth of the same run;
 * :mod:`~zipkv.bench.baselines`: FlashInfer's paged decode (tensor-core and CUDA-core paths), torch SDPA and the
   fp32 reference;
 * :mod:`~zipkv.bench.attention`: decode-attention latency of every method (ZipFusion Fig. 4);
@@ -19,11 +18,11 @@ from zipkv.bench.baselines import FlashInferDecode, sdpa_decode
 from zipkv.bench.nsight import (NCU_KERNELS, NCU_METRICS, NCU_SECTIONS, NCU_STALLS, NCU_TARGETS, nsight_report,
                                 nsight_targets)
 from zipkv.bench.pack import pack_benchmark
-from zipkv.bench.timing import L2_FLUSH_BYTES, ColdTimer, copy_bandwidth, read_bandwidth
+from zipkv.bench.timing import L2_FLUSH_BYTES, ColdTimer, copy_bandwidth
 from zipkv.bench.tune import TUNE_GRID, TUNE_PROGRAMS_PER_SM, choose_best, tune_decode_attention, write_tuning
 
 __all__ = ["ATTENTION_SHAPES", "KERNEL_LAYOUTS", "METHODS", "attention_benchmark", "measured_compressible_fraction",
            "mix_sweep", "sweep_fractions",
            "FlashInferDecode", "sdpa_decode", "NCU_KERNELS", "NCU_METRICS", "NCU_SECTIONS", "NCU_STALLS",
            "NCU_TARGETS", "nsight_report", "nsight_targets", "pack_benchmark", "L2_FLUSH_BYTES", "ColdTimer",
-           "copy_bandwidth", "read_bandwidth", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "tune_decode_attention", "choose_best", "write_tuning"]
+           "copy_bandwidth", "TUNE_GRID", "TUNE_PROGRAMS_PER_SM", "tune_decode_attention", "choose_best", "write_tuning"]

@@ -8,7 +8,7 @@ import torch
 from zipkv import format as kvformat
 from zipkv import models
 from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, nhd_pages, reference_attention, sdpa_decode
-from zipkv.bench.timing import ColdTimer, copy_bandwidth, read_bandwidth
+from zipkv.bench.timing import ColdTimer, copy_bandwidth
 
 __all__ = ["ATTENTION_SHAPES", "METHODS", "KERNEL_LAYOUTS", "attention_benchmark", "measured_compressible_fraction",
            "mix_mask", "mix_sweep", "sweep_fractions", "with_bytes_bound", "compressible_kv", "attention_inputs"]
@@ -98,8 +98,7 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     Returns a DataFrame with one row per (shape, ctx, batch, kv_data, method[, kernel]): latency_us (median of
     ``reps`` cold-L2 calls), bytes_read, tbps, frac_copy_bw, rel_rms_error, max_abs_error, zipkv's compressed
     block fractions and fractions of page-heads holding both kinds (``frac_mixed_pages_k`` / ``_v``),
-    speedup_vs_flashinfer_tc / _cuda, copy_bw_tbps, read_bw_tbps (:func:`~zipkv.bench.timing.read_bandwidth`, the
-    ceiling of a kernel that only reads) and the device.
+    speedup_vs_flashinfer_tc / _cuda, copy_bw_tbps and the device.
     """
     import pandas as pd
     from tqdm.auto import tqdm
@@ -114,7 +113,7 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
         raise ValueError(f"methods {sorted(unknown)} unknown: expected names from {METHODS}")
     model = ATTENTION_SHAPES[shape]
     q_heads, kv_heads, head_dim = model.q_heads, model.kv_heads, model.head_dim
-    copy_bw, read_bw = copy_bandwidth(), read_bandwidth()
+    copy_bw = copy_bandwidth()
     timer = ColdTimer()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows = []
@@ -194,7 +193,6 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
         torch.cuda.empty_cache()
     table = pd.DataFrame(rows)
     table["copy_bw_tbps"] = copy_bw / 1e12
-    table["read_bw_tbps"] = read_bw / 1e12
     table["device"] = torch.cuda.get_device_name()
     return table
 

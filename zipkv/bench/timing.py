@@ -1,18 +1,14 @@
-"""GPU timing: cold-L2 medians (:class:`ColdTimer`), the copy bandwidth measured in the same process
-(:func:`copy_bandwidth`), the anchor every benchmark's fraction of bandwidth is computed against, and the
-streaming-read bandwidth (:func:`read_bandwidth`), the ceiling of a kernel that only reads."""
+"""GPU timing: cold-L2 medians (:class:`ColdTimer`) and the copy bandwidth measured in the same process
+(:func:`copy_bandwidth`), the anchor every benchmark's fraction of bandwidth is computed against."""
 from __future__ import annotations
 
 import statistics
 
 import torch
 
-__all__ = ["ColdTimer", "copy_bandwidth", "read_bandwidth", "READ_LAUNCHES", "L2_FLUSH_BYTES"]
+__all__ = ["ColdTimer", "copy_bandwidth", "L2_FLUSH_BYTES"]
 
 L2_FLUSH_BYTES = 256 << 20
-READ_LAUNCHES = [(programs_per_sm, block, warps) for programs_per_sm in (2, 4, 8) for block, warps in
-                 ((4096, 8), (16384, 16))]
-"""Launch shapes :func:`read_bandwidth` tries: (programs per SM, words per tile, warps)."""
 
 
 class ColdTimer:
@@ -57,18 +53,3 @@ def copy_bandwidth(nbytes: int = 4 << 30, device: str = "cuda", reps: int = 10) 
     micros = timer(lambda: dst.copy_(src), reps=reps)
     del src, dst
     return 2 * nbytes / (micros * 1e-6)
-
-
-def read_bandwidth(nbytes: int = 4 << 30, device: str = "cuda", reps: int = 10) -> float:
-    """Streaming-read bandwidth in bytes/s: ``nbytes`` read once by :func:`zipkv.kernels.stream_read.stream_sum`
-    (each word summed, one int32 written per program), median time, the fastest of :data:`READ_LAUNCHES`. A
-    kernel that reads its bytes once and writes next to nothing (decode attention) cannot stream faster."""
-    from zipkv.kernels.stream_read import stream_sum
-
-    words = torch.ones(nbytes // 4, dtype=torch.int32, device=device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    timer = ColdTimer(device=device)
-    best = min(timer(lambda: stream_sum(words, per_sm * sms, block=block, num_warps=warps), reps=reps)
-               for per_sm, block, warps in READ_LAUNCHES)
-    del words
-    return nbytes // 4 * 4 / (best * 1e-6)
