@@ -155,3 +155,20 @@ def test_bad_results_dir_is_a_clear_error(tmp_path, bad):
     with pytest.raises((ValueError, TypeError)):
         findings.findings(tmp_path / "missing" if bad else bad)
 
+
+
+def test_every_claim_links_to_a_chapter_of_the_book():
+    """The page links each row to the chapter that shows it; a row naming no chapter of ``_toc.yml`` would read
+    "(no chapter yet)"."""
+    docs = findings.chapter_docs(book.REPO_ROOT / "_toc.yml")
+    assert sorted({c.chapter for c in findings.CLAIMS} - set(docs)) == []
+
+
+def test_the_pack_row_waits_for_the_pack_table_beside_the_latency_chapters(tmp_path):
+    claim = [c for c in findings.CLAIMS if c.ours is findings._pack]
+    pd.DataFrame({"shape": ["llama3.1-8b"]}).to_csv(tmp_path / "zipfusion_attention_latency.csv", index=False)
+    assert findings.findings(tmp_path, claim).iloc[0].verdict == "not yet run"
+    pd.DataFrame({"head_dim": [64, 128], "input_tbps": [2.5, 2.25]}).to_csv(
+        tmp_path / "zipfusion_pack_throughput.csv", index=False)
+    row = findings.findings(tmp_path, claim).iloc[0]
+    assert row.verdict == findings.BEYOND and row.our_value.startswith("2.25 TB/s of input, slowest head_dim")
