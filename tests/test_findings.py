@@ -89,6 +89,8 @@ def test_columns_and_one_row_per_claim():
     assert len(table) == len(findings.CLAIMS)
     assert set(table.verdict) <= set(findings.VERDICTS)
     assert not table.our_value.str.contains("table incomplete").any(), table[table.our_value.str.contains("incomplete")]
+    same_ends = table.our_value.str.contains(r"(?<![\d.])(\d+(?:\.\d+)?)–\1(?![\d.])")   # "2.2–2.2 ms" reads as one value
+    assert not same_ends.any(), table[same_ends].our_value.tolist()
 
 
 def test_committed_findings_csv_is_current():

@@ -244,7 +244,7 @@ def _restore_ms(column: str):
         t = res["zipfusion_restore_baselines"]
         t = t[t.codec.isin(RESTORE_CODECS)].groupby("codec")[column].mean()  # the methods that restore first
         lo, hi = _span(t)
-        return Measured((lo, hi), f"{lo:.1f}–{hi:.1f} ms ({len(t)} codecs)")
+        return Measured((lo, hi), f"{_fmt((lo, hi), '{:.1f} ms')} ({len(t)} codecs)")
     return ours
 
 
