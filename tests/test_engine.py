@@ -243,6 +243,27 @@ def test_a_blocked_request_is_checked_again_only_after_space_returns(compress):
     assert len(failed) < len(res.stats["steps"]) // 2
 
 
+@pytest.mark.parametrize("compress", ["prompt", "all"])
+def test_a_request_whose_packed_pages_find_no_chunk_is_admitted_raw(compress):
+    """A budget of one 16-page chunk per layer: packed pages need a compressed chunk of their own beside the raw
+    one that holds every request's last page, so no request fits packed -- each is admitted raw instead (its full
+    pages then compressed in place), as many at once as without compression, with the same (lossless) tokens."""
+    from zipkv.engine import kv_budget_for
+
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
+    prompts = [list(range(3 + i, 43 + i)) for i in range(4)]
+    budget = kv_budget_for(model.config, 2, 40 + 16)
+    assert budget == model.config.num_hidden_layers * 16 * 2 * 2 * 2 * 32 * 16        # one chunk per layer
+    kw = dict(attention="reference", eos_token_id=None)
+    raw = Engine(model, budget, compress="none", **kw).generate(prompts, 16)
+    got = Engine(model, budget, compress=compress, **kw).generate(prompts, 16)
+    assert got.outputs == raw.outputs and [len(o) for o in got.outputs] == [16] * 4
+    assert got.stats["admitted_raw"] == 4 and raw.stats["admitted_raw"] == 0
+    assert got.stats["max_batch"] == raw.stats["max_batch"] > 1
+    assert got.stats["frac_compressed_k"] > 0.3                              # the prompts' full pages, in place
+    assert got.stats["memory"]["running"] == 0 and got.stats["memory"]["outstanding"] == 0
+
+
 def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_compressed_pages():
     """``k_layout="auto"``: the mma layouts for compressed pages under the fused kernel on CUDA at head_dim 64 / 128
     within the Gluon kernel's group size; the token layouts on the CPU, for the reference, the uncompressed cache,

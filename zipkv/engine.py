@@ -487,6 +487,7 @@ class Engine:
         self.compress = "none" if restore is not None else compress
         self.reserve_ratio, self.max_batch, self.overlap = reserve_ratio, max_batch, overlap
         self.eos = _eos_ids(model, eos_token_id)
+        self.admitted_raw = 0     # requests of the last generate admitted raw with compression on (_admit_raw)
 
     # ------------------------------------------------------------------ model pieces
 
@@ -570,15 +571,24 @@ class Engine:
         if self.restore is not None:
             return self._admit_restore(req, remaining)
         if self.compress != "none":
-            return self._admit_packed(req, cached, remaining)
+            return self._admit_packed(req, cached, remaining) or self._admit_raw(req, cached, remaining)
+        return self._admit_raw(req, cached, remaining)
+
+    def _admit_raw(self, req: _Running, cached: int, remaining: int) -> bool:
+        """Prefill into raw pages (:meth:`zipkv.memory.KVMemory.admit`). With compression on, the path of a request
+        whose packed pages find no room while its raw ones do -- compressed chunks are whole chunks of the pool, so
+        a budget of few chunks per layer may hold a request raw only --: its full pages are then compressed as
+        decode-filled ones are, in place, moving into a compressed chunk once one is free."""
         if not self.memory.can_admit(cached, remaining, reserve_ratio=self.reserve_ratio):
             return False
+        req.staged = None                                     # packed pages that found no room: prefilled again
         kv, first = self._prefill(req)
         self.memory.admit(req.rid, cached, remaining, reserve_ratio=self.reserve_ratio)
         for l, (k, v) in enumerate(kv):
             self.memory.write(l, req.rid, 0, k, v)
         self._started(req, first)
         if self.compress != "none":
+            self.admitted_raw += 1
             self.memory.compress()                            # nothing reads the prompt's pages yet
         self.memory.keep_raw()
         self.memory.reads_done()
@@ -639,10 +649,9 @@ class Engine:
             return self.restore.fits(n_pages) and self.memory.can_admit(tail, req.max_new - len(req.out),
                                                                         reserve_ratio=self.reserve_ratio)
         cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
-        if self.compress != "none":
-            return req.staged is not None and self.memory.can_admit_packed(req.staged[0], req.max_new - len(req.out),
-                                                                           reserve_ratio=self.reserve_ratio)
-        return self.memory.can_admit(cached, req.max_new - len(req.out), reserve_ratio=self.reserve_ratio)
+        packed = (self.compress != "none" and req.staged is not None
+                  and self.memory.can_admit_packed(req.staged[0], req.max_new - len(req.out), reserve_ratio=self.reserve_ratio))
+        return packed or self.memory.can_admit(cached, req.max_new - len(req.out), reserve_ratio=self.reserve_ratio)
 
     def _free(self, rid):
         self.memory.free(rid)
@@ -678,13 +687,15 @@ class Engine:
         ``KVMemory.space_returns``); overlapped, that interval holds the next step's
         preparation and launch, so the steps' seconds add up to the decode's wall time --, ``mode`` -- ``"warmup"``,
         ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
-        ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_at`` (decode steps run before each
+        ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_raw`` (requests admitted with raw pages
+        although compression is on: their packed pages found no room, their raw ones did), ``admitted_at`` (decode steps run before each
         request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
         format over the running requests' pages at the first decode step), ``stored_bits_per_value`` (bits
         stored per cached value then, payloads included), ``kv_budget_bytes``, ``memory`` (final
         :meth:`KVMemory.stats`).
         """
         waiting = self._validate(prompts, max_new_tokens, prefixes)
+        self.admitted_raw = 0
         running, done, steps, admitted_at, flights = [], {}, [], {}, []
         retracted = prefill_s = 0.0
         frac, bits = (float("nan"), float("nan")), float("nan")
@@ -824,6 +835,7 @@ class Engine:
                      graph_capture_seconds=sum(s["capture_seconds"] for s in steps),
                      prefill_seconds=prefill_s, steps=steps,
                      max_batch=max((s["batch"] for s in steps), default=0), retracted=int(retracted),
+                     admitted_raw=self.admitted_raw,
                      admitted_at=[admitted_at.get(i) for i in range(len(prompts))],
                      kv_budget_bytes=self.kv_budget_bytes, memory=self.memory.stats())
         return GenerateResult([done[i] for i in range(len(prompts))], stats)

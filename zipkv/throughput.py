@@ -233,7 +233,8 @@ def _run_columns(st: dict) -> dict:
     return dict(batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],
                 frac_compressed_k=st["frac_compressed_k"], frac_compressed_v=st["frac_compressed_v"],
                 stored_bits_per_value=st["stored_bits_per_value"], timed_steps=st["timed_steps"],
-                step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]), overlap=st["overlap"])
+                step_ms=1e3 * st["decode_seconds"] / max(1, st["timed_steps"]), overlap=st["overlap"],
+                admitted_raw=st["admitted_raw"])
 
 
 def _llama_setting(small, tokenizer, books, *, device, context, new_tokens, uncompressed_max_batch, kv_windows,
