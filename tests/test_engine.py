@@ -523,6 +523,19 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     assert "3 of 4 rows" in throughput.bars_need_text(big.assign(overlap=[True, True, True, False]), 32)
 
 
+def test_the_committed_throughput_runs_admitted_every_zipfusion_prefix_packed():
+    """The paper's setup (§IV-A: prefixes pre-compressed) held in the committed GPU run: no ZipFusion request fell
+    back to raw admission, and its rows carry the compressed fractions of the real-KV prefixes."""
+    import pandas as pd
+
+    from zipkv.book import REPO_ROOT
+
+    table = pd.read_csv(REPO_ROOT / "results/paper/zipfusion_throughput.csv")
+    zf = table[table.method == "zipfusion"]
+    assert len(zf) and (table.admitted_raw == 0).all(), table[["model", "method", "batch", "admitted_raw"]]
+    assert (zf.frac_compressed_k > 0.5).all() and (zf.frac_compressed_v > 0.5).all()
+
+
 def test_paper_rows_fall_back_to_the_committed_gpu_table(tmp_path):
     import pandas as pd
 
