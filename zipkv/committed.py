@@ -38,7 +38,7 @@ def read_committed_csv(path: str | Path) -> pd.DataFrame:
         text = _git(["show", f"HEAD:{rel}"], top)
     except ValueError:
         raise ValueError(f"from_results: {rel} is not committed at HEAD; run the chapter instead") from None
-    return pd.read_csv(io.StringIO(text), float_precision="round_trip")
+    return pd.read_csv(io.StringIO(text))             # pandas 3 parses floats exactly (round trip)
 
 
 def origin(path: str | Path) -> dict:
