@@ -21,7 +21,7 @@ def test_the_readme_examples_are_found():
 @pytest.mark.slow
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
 def test_a_readme_example_runs_as_written(index, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     done = subprocess.run([sys.executable, "-c", EXAMPLES[index]], cwd=tmp_path, env=env, capture_output=True,
