@@ -552,7 +552,7 @@ class Engine:
                 raise ValueError(f"prompts[{i}] must hold token ids in [0, {self.model.config.vocab_size})")
             pre = prefixes[i] if prefixes is not None else None
             cached = len(ids) + (pre.length if pre is not None else 0)
-            self.memory._check_new(None, cached, max_new_tokens, self.reserve_ratio)   # never fits: ValueError
+            self.memory._check_new(f"prompts[{i}]", cached, max_new_tokens, self.reserve_ratio)   # never fits: ValueError
             if self.restore is not None and (cached - 1) // fmt.PAGE_TOKENS > self.restore.buffer_pages:
                 raise ValueError(f"prompts[{i}]: its {cached} cached tokens need {(cached - 1) // fmt.PAGE_TOKENS} pages "
                                  f"of the restore buffer, which holds {self.restore.buffer_pages}")
