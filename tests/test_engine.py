@@ -15,6 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 
 from conftest import tiny_llama  # noqa: E402
@@ -262,6 +264,32 @@ def test_a_request_whose_packed_pages_find_no_chunk_is_admitted_raw(compress):
     assert got.stats["max_batch"] == raw.stats["max_batch"] > 1
     assert got.stats["frac_compressed_k"] > 0.3                              # the prompts' full pages, in place
     assert got.stats["memory"]["running"] == 0 and got.stats["memory"]["outstanding"] == 0
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pages=st.integers(2, 40), pages_per_chunk=st.sampled_from([1, 2, 4, 16]), new=st.integers(1, 12),
+       reserve=st.sampled_from([1.0, 0.5, 0.2]), prompts=st.lists(st.lists(st.integers(1, 119), min_size=1, max_size=60),
+                                                                  min_size=1, max_size=5))
+def test_compression_never_changes_what_a_budget_generates(tiny_engine_model, pages, pages_per_chunk, new, reserve,
+                                                           prompts):
+    """Any budget, chunk size, reservation and prompts: the engine with compression (prompt pages only, or every
+    full page) gives the uncompressed engine's greedy tokens (the format is lossless), or refuses the same input
+    with the same ValueError -- never an error of its own."""
+    model = tiny_engine_model
+    budget = pages * model.config.num_hidden_layers * 2 * 2 * 32 * 32
+    kw = dict(attention="reference", pages_per_chunk=pages_per_chunk, reserve_ratio=reserve, eos_token_id=None)
+    got = {}
+    for compress in ("none", "prompt", "all"):
+        try:
+            got[compress] = Engine(model, budget, compress=compress, **kw).generate(prompts, new).outputs
+        except ValueError as err:
+            got[compress] = str(err)
+    assert got["prompt"] == got["none"] and got["all"] == got["none"]
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_model():
+    return tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
 
 
 def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_compressed_pages():
