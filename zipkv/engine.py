@@ -15,7 +15,8 @@ One step of the loop (:meth:`Engine.generate`):
    (:meth:`zipkv.memory.KVMemory.admit`). Compressed: its full pages are packed first and admitted at their
    packed size (:meth:`~zipkv.memory.KVMemory.admit_packed`: a pre-compressed prefix never needs its raw
    size in memory), the last, partial page raw; a request that does not fit yet keeps its packed pages
-   while it waits.
+   while it waits. A request whose raw pages fit where its packed ones do not (packed pages need compressed chunks,
+   whole chunks of the pool) is admitted raw, its full pages then compressed in place (``stats["admitted_raw"]``).
 2. **Decode step** for every running request: a slot for the new token (:meth:`~zipkv.memory.KVMemory.alloc`;
    when there is none, a request is retracted in SGLang's ``retract_decode`` order and requeued with
    the tokens it has, to be prefilled again), then the model layer by layer: projections, RoPE at each
@@ -575,10 +576,10 @@ class Engine:
         return self._admit_raw(req, cached, remaining)
 
     def _admit_raw(self, req: _Running, cached: int, remaining: int) -> bool:
-        """Prefill into raw pages (:meth:`zipkv.memory.KVMemory.admit`). With compression on, the path of a request
-        whose packed pages find no room while its raw ones do -- compressed chunks are whole chunks of the pool, so
-        a budget of few chunks per layer may hold a request raw only --: its full pages are then compressed as
-        decode-filled ones are, in place, moving into a compressed chunk once one is free."""
+        """Prefill into raw pages (:meth:`zipkv.memory.KVMemory.admit`). With compression on, this is the path of a
+        request whose packed pages find no room while its raw pages do (compressed chunks are whole chunks of the pool,
+        so a budget of few chunks per layer may hold a request only raw); its full pages are then compressed like
+        decode-filled ones: in place, and moved into a compressed chunk once one is free."""
         if not self.memory.can_admit(cached, remaining, reserve_ratio=self.reserve_ratio):
             return False
         req.staged = None                                     # packed pages that found no room: prefilled again
@@ -687,9 +688,9 @@ class Engine:
         ``KVMemory.space_returns``); overlapped, that interval holds the next step's
         preparation and launch, so the steps' seconds add up to the decode's wall time --, ``mode`` -- ``"warmup"``,
         ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
-        ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_raw`` (requests admitted with raw pages
-        although compression is on: their packed pages found no room, their raw ones did), ``admitted_at`` (decode steps run before each
-        request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
+        ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_raw`` (requests admitted with raw
+        pages although compression is on: their packed pages found no room, their raw ones did), ``admitted_at``
+        (decode steps run before each request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
         format over the running requests' pages at the first decode step), ``stored_bits_per_value`` (bits
         stored per cached value then, payloads included), ``kv_budget_bytes``, ``memory`` (final
         :meth:`KVMemory.stats`).
