@@ -245,17 +245,22 @@ def test_a_blocked_request_is_checked_again_only_after_space_returns(compress):
     assert len(failed) < len(res.stats["steps"]) // 2
 
 
+@pytest.fixture(scope="module")
+def tiny_engine_model():
+    return tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("compress", ["prompt", "all"])
-def test_a_request_whose_packed_pages_find_no_chunk_is_admitted_raw(compress):
+def test_a_request_whose_packed_pages_find_no_chunk_is_admitted_raw(tiny_engine_model, compress):
     """A budget of one 16-page chunk per layer: packed pages need a compressed chunk of their own beside the raw
     one that holds every request's last page, so no request fits packed -- each is admitted raw instead (its full
     pages then compressed in place), as many at once as without compression, with the same (lossless) tokens."""
     from zipkv.engine import kv_budget_for
 
-    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
+    model = tiny_engine_model
     prompts = [list(range(3 + i, 43 + i)) for i in range(4)]
     budget = kv_budget_for(model.config, 2, 40 + 16)
-    assert budget == model.config.num_hidden_layers * 16 * 2 * 2 * 2 * 32 * 16        # one chunk per layer
+    assert budget == 16 * _page_bytes(model)                                          # one chunk per layer
     kw = dict(attention="reference", eos_token_id=None)
     raw = Engine(model, budget, compress="none", **kw).generate(prompts, 16)
     got = Engine(model, budget, compress=compress, **kw).generate(prompts, 16)
@@ -276,7 +281,7 @@ def test_compression_never_changes_what_a_budget_generates(tiny_engine_model, pa
     full page) gives the uncompressed engine's greedy tokens (the format is lossless), or refuses the same input
     with the same ValueError -- never an error of its own."""
     model = tiny_engine_model
-    budget = pages * model.config.num_hidden_layers * 2 * 2 * 32 * 32
+    budget = pages * _page_bytes(model)
     kw = dict(attention="reference", pages_per_chunk=pages_per_chunk, reserve_ratio=reserve, eos_token_id=None)
     got = {}
     for compress in ("none", "prompt", "all"):
@@ -285,11 +290,6 @@ def test_compression_never_changes_what_a_budget_generates(tiny_engine_model, pa
         except ValueError as err:
             got[compress] = str(err)
     assert got["prompt"] == got["none"] and got["all"] == got["none"]
-
-
-@pytest.fixture(scope="module")
-def tiny_engine_model():
-    return tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
 
 
 def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_compressed_pages():
