@@ -345,12 +345,81 @@ def test_page_kinds_follow_every_descriptor_change():
     assert res.stats["frac_compressed_k"] > 0 and set(map(len, res.outputs)) == {20}
 
 
+def _tiny_model(model_type, **extra):
+    """A 2-layer random bf16 ``model_type`` model (4 query / 2 KV heads of 32 dims), Q/K/V weights × 20 so that
+    attention is far from uniform, with this file's fp32 reference attention."""
+    import transformers
+    torch.manual_seed(3)
+    cfg = transformers.AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.weight.mul_(20.0)
+    model.config._attn_implementation = "zipkv_reference"
+    return model.to(torch.bfloat16)
+
+
+FAMILY_EXTRAS = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_window=None, num_local_experts=4,
+                                                                        num_experts_per_tok=2)}
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "mixtral", "qwen2", "qwen3", "gemma"])
+def test_every_decoder_family_the_engine_takes_gives_generates_tokens(model_type):
+    """Each model type of ``DECODE_MODEL_TYPES`` besides Llama (the embedded model's, tested above): the engine's
+    decode steps, with pages compressed as they fill, give ``model.generate``'s greedy tokens."""
+    from zipkv.engine import DECODE_MODEL_TYPES
+    assert model_type in DECODE_MODEL_TYPES
+    model = _tiny_model(model_type, **FAMILY_EXTRAS.get(model_type, {}))
+    prompts = [list(range(3, 40)), list(range(50, 61)), list(range(70, 75))]
+    ref = _generate(model, prompts, 12)
+    res = Engine(model, 8 * _page_bytes(model), compress="all", pages_per_chunk=2).generate(prompts, 12)
+    _assert_tokens_of_generate(res.outputs, ref)
+    assert res.stats["frac_compressed_k"] > 0
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("gemma2", {}),                                                    # logit soft-capping, extra norms
+    ("granite", dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015)),
+    ("olmo2", {}),                                                     # norms after the blocks
+    ("phi3", {}),                                                      # fused QKV, partial RoPE
+])
+def test_a_model_whose_decoder_layer_the_engine_does_not_compute_is_refused(model_type, extra):
+    """The prefill runs the model's own forward but a decode step the Llama-family layer: for these models the two
+    differ (Granite's multipliers gave other tokens than ``generate`` from the second one on), so the engine refuses
+    them before allocating anything."""
+    import transformers
+    cfg = transformers.AutoConfig.for_model(model_type, vocab_size=128, hidden_size=128, intermediate_size=128,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=f"model_type '{model_type}'"):
+        Engine(model, 10**6)
+
+
+def test_a_sliding_window_model_serves_requests_inside_its_window_and_refuses_longer_ones():
+    """Mistral's ``sliding_window`` applies to every layer; the engine attends to the whole cache, which is the
+    model's attention as long as no query is more than the window past the first key."""
+    model = _tiny_model("mistral", sliding_window=24)
+    eng = Engine(model, 8 * _page_bytes(model), compress="all", pages_per_chunk=2)
+    prompts = [list(range(3, 16)), list(range(50, 61))]                  # 13 + 12 - 1 = 24 tokens: inside
+    _assert_tokens_of_generate(eng.generate(prompts, 12).outputs, _generate(model, prompts, 12))
+    with pytest.raises(ValueError, match=r"prompts\[1\]: its last decode step queries position 24, .* window of 24"):
+        eng.generate([[5, 6], list(range(3, 17))], 12)
+    assert not eng.memory.requests and eng.memory.used_bytes() == 0
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda e: e.generate([[1, 2, 3]], 0), "max_new_tokens"),
     (lambda e: e.generate([[1, 2, 3]], -1), "max_new_tokens"),
     (lambda e: e.generate([[1, 2, 3], []], 4), "prompts\\[1\\] is empty"),
     (lambda e: e.generate([[1, 2], list(range(100)) * 20], 4), r"request 'prompts\[1\]': 2000 prompt \+ 4 new tokens .* holds at most"),
-    (lambda e: e.generate([[1, 2, 300]], 4), "token ids"),
+    (lambda e: e.generate([[1, 2, 300]], 4), r"token ids in \[0, 128\), got 300"),
+    (lambda e: e.generate([[1, 2.0]], 4), r"integer token ids .* got 2.0"),
+    (lambda e: e.generate([torch.tensor([[1, 2, 3]])], 4), r"1-D sequence .* shape \(1, 3\)"),
 ])
 def test_bad_input_is_refused_before_anything_runs(call, match):
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)

@@ -51,6 +51,7 @@ before attention (ZipFusion §II-B's setting), its bytes counted in the same bud
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -60,7 +61,7 @@ from zipkv import format as fmt
 from zipkv.memory import KVMemory, copy_to_device, free_extent, to_device
 from zipkv.paged import PagedKVCache, page_kinds_of
 
-__all__ = ["Engine", "Prefix", "GenerateResult"]
+__all__ = ["Engine", "Prefix", "GenerateResult", "DECODE_MODEL_TYPES", "kv_budget_for"]
 
 
 @dataclass
@@ -379,6 +380,39 @@ class _Flight:
         return self.host.tolist()
 
 
+DECODE_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
+"""``config.model_type`` of the models whose decoder layer :meth:`Engine._decode_forward` computes exactly as the model's
+own forward does (pre-norm residual blocks, full-width RoPE, softmax(q·k·scaling) attention, no logit or residual
+multipliers; Qwen 3's per-head q/k norms; Mixtral's expert MLP); ``tests/test_engine.py`` checks each against
+``model.generate``. Others (Gemma 2 / 3, Granite, OLMo 2, Phi-3, StableLM, ...) are refused: their prefill would
+run the model's own forward but their decode steps a different layer."""
+
+
+def _decode_window(model) -> int | None:
+    """The sliding attention window of any of ``model``'s layers (transformers' rule: a query at position ``p``
+    sees the keys at positions ``> p − W``), or None where every layer attends to the whole cache. Mistral-style
+    configs apply ``sliding_window`` to every layer; configs with ``layer_types`` to their ``"sliding_attention"``
+    layers only."""
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if window is None or (types and "sliding_attention" not in types):
+        return None
+    return int(window)
+
+
+def _check_model(model):
+    """Refuse, before anything is allocated, a model whose decode step the engine would compute wrongly."""
+    cfg = getattr(model, "config", None)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in DECODE_MODEL_TYPES or not hasattr(model, "model") or not hasattr(model, "lm_head"):
+        raise ValueError(f"model: the engine's decode step computes the Llama-family decoder layer of model types "
+                         f"{DECODE_MODEL_TYPES}; got {type(model).__name__} (model_type {kind!r}), whose layers "
+                         f"differ (its decode steps would not be the model's)")
+    if next(model.parameters()).dtype != torch.bfloat16:
+        raise TypeError(f"model must be in torch.bfloat16 (the KV format is BF16), got {next(model.parameters()).dtype}")
+
+
 def _eos_ids(model, eos_token_id):
     if eos_token_id == "model":
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -403,7 +437,8 @@ def default_layouts(attention: str, device, compress: str, restore, head_dim: in
 
 
 class Engine:
-    """Batch greedy decoding of ``model`` (a Hugging Face Llama-family ``*ForCausalLM`` in bf16) within
+    """Batch greedy decoding of ``model`` (a Hugging Face Llama-family ``*ForCausalLM`` in bf16, one of
+    :data:`DECODE_MODEL_TYPES`; others, and requests that reach past a sliding window, are refused) within
     ``kv_budget_bytes`` of KV memory.
 
     compress: ``"all"`` (or True: prompt pages after prefill and every page the decode fills, after the
@@ -433,11 +468,11 @@ class Engine:
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
                  num_splits: int | None = None, overlap: bool = True):
+        _check_model(model)
         cfg = model.config
         self.model, self.inner = model, model.model
         self.device = next(model.parameters()).device
-        if next(model.parameters()).dtype != torch.bfloat16:
-            raise TypeError(f"model must be in torch.bfloat16 (the KV format is BF16), got {next(model.parameters()).dtype}")
+        self.window = _decode_window(model)
         if attention not in ("auto", "kernel", "reference"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'reference', got {attention!r}")
         if attention == "auto":
@@ -546,13 +581,25 @@ class Engine:
             raise ValueError(f"prefixes must hold one entry (or None) per prompt: {len(prefixes)} for {len(prompts)} prompts")
         out = []
         for i, p in enumerate(prompts):
+            if isinstance(p, torch.Tensor) and p.dim() != 1:
+                raise ValueError(f"prompts[{i}] must be a 1-D sequence of token ids, got a tensor of shape "
+                                 f"{tuple(p.shape)} (one prompt per entry: pass ids[0], not the [1, n] batch)")
             ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty: a request needs at least one prompt token")
-            if any(not isinstance(t, int) or not 0 <= t < self.model.config.vocab_size for t in ids):
-                raise ValueError(f"prompts[{i}] must hold token ids in [0, {self.model.config.vocab_size})")
+            bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)
+                        or not 0 <= t < self.model.config.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"prompts[{i}] must hold integer token ids in [0, {self.model.config.vocab_size}), "
+                                 f"got {bad!r}")
+            ids = [int(t) for t in ids]
             pre = prefixes[i] if prefixes is not None else None
             cached = len(ids) + (pre.length if pre is not None else 0)
+            last = (pre.position if pre is not None else 0) + len(ids) + max_new_tokens - 2   # last position fed
+            if self.window is not None and last >= self.window:
+                raise ValueError(f"prompts[{i}]: its last decode step queries position {last}, but the model attends "
+                                 f"within a sliding window of {self.window} tokens (config.sliding_window) and the "
+                                 f"engine to the whole cache: keep prompt + max_new_tokens - 1 <= {self.window}")
             self.memory._check_new(f"prompts[{i}]", cached, max_new_tokens, self.reserve_ratio)   # never fits: ValueError
             if self.restore is not None and (cached - 1) // fmt.PAGE_TOKENS > self.restore.buffer_pages:
                 raise ValueError(f"prompts[{i}]: its {cached} cached tokens need {(cached - 1) // fmt.PAGE_TOKENS} pages "
