@@ -294,3 +294,69 @@ def test_real_gemma_3_270m_loads_from_its_gguf():
     assert windows.count(None) == 3 and windows.count(512) == 15
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "tied embeddings"
     assert model.config.final_logit_softcapping is None and model.config.attn_logit_softcapping is None
+
+
+def _tiny_family(model_type, **extra):
+    """A 2-layer random fp32 ``model_type`` model (4 query / 2 KV heads of 32 dims) with Q/K weights × 10, so that
+    attention is far from uniform."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for name in ("q_proj", "k_proj", "qkv_proj"):
+                if hasattr(layer.self_attn, name):
+                    getattr(layer.self_attn, name).weight.mul_(10.0)
+    return model
+
+
+FAMILIES = {"granite": dict(attention_multiplier=0.1, embedding_multiplier=12.0, residual_multiplier=0.22),
+            "phi3": dict(partial_rotary_factor=0.5),            # RoPE on the first half of each head only
+            "cohere": {}}                                       # RoPE pairs neighbouring dimensions
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_captured_queries_keys_values_give_the_models_attention_output(model_type):
+    """softmax(q·k/√d)·v over the captured tensors equals what each layer's attention hands its output projection,
+    for a model whose logit scale is not 1/√d (Granite), one with a partial rotary embedding (Phi-3) and one that
+    rotates neighbouring dimensions (Cohere)."""
+    import math
+    model = _tiny_family(model_type, **FAMILIES[model_type])
+    seen = []
+    hooks = [layer.self_attn.o_proj.register_forward_pre_hook(lambda mod, args: seen.append(args[0][0].clone()))
+             for layer in model.model.layers]
+    cap = models.capture(model, torch.randint(3, 128, (40,), generator=torch.Generator().manual_seed(0)))
+    for h in hooks:
+        h.remove()
+    for lc, out in zip(cap.layers, seen):
+        H, T, D = lc.keys.shape
+        q = lc.queries.view(H, -1, T, D)
+        s = torch.einsum("hgtd,hsd->hgts", q, lc.keys) / math.sqrt(D) + torch.full((T, T), float("-inf")).triu(1)
+        o = torch.einsum("hgts,hsd->thgd", s.softmax(-1), lc.values).reshape(T, -1)
+        assert torch.allclose(o, out, rtol=1e-4, atol=1e-5), (o - out).abs().max()
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "cohere"])
+def test_rope_is_the_models_own_rotation(model_type):
+    """``Rope.apply`` equals the modeling file's ``apply_rotary_pos_emb`` (Phi-3: only the leading half of each
+    head turns; Cohere: dimensions 2i and 2i + 1 pair), and ``invert`` undoes it."""
+    import sys
+    model = _tiny_family(model_type, **FAMILIES[model_type])
+    rope = models.Rope.of(model)
+    x = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(100, 109)
+    cos, sin = model.model.rotary_emb(x, pos[None])
+    want, _ = sys.modules[type(model).__module__].apply_rotary_pos_emb(x[None], x[None], cos, sin)
+    assert torch.allclose(rope.apply(x, pos), want[0], atol=1e-5)
+    assert torch.allclose(rope.invert(rope.apply(x, pos), pos), x, atol=1e-5)
+
+
+def test_a_model_whose_layers_capture_cannot_reach_is_refused():
+    """StableLM's layers do not pass the forward's keyword arguments on to its attention: capture would see no
+    layer at all, and says so."""
+    model = _tiny_family("stablelm")
+    with pytest.raises(ValueError, match="in 0 of its 2 layers"):
+        models.capture(model, torch.arange(3, 20))

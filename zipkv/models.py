@@ -246,24 +246,22 @@ def model_shape(model) -> ModelShape:
     return ModelShape.from_config(model.config, name=model.config.name_or_path or None)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rope:
     """The model's own rotary position embedding, applied or undone at given positions.
 
-    Uses the model's ``rotary_emb`` module, so RoPE scaling (Llama 3.1's, YaRN, …) is exactly
-    the model's. KVSculpt (§3.3) undoes RoPE on content vectors and re-applies it at future
+    Uses the model's ``rotary_emb`` module and its modeling file's ``rotate_half``, so RoPE scaling (Llama 3.1's,
+    YaRN, …) and the pairing of dimensions (halves for Llama, neighbours for Cohere) are exactly the model's; where
+    the rotary embedding is narrower than a head (Phi-3's and StableLM's ``partial_rotary_factor``) only the leading
+    dimensions rotate, as in the model. KVSculpt (§3.3) undoes RoPE on content vectors and re-applies it at future
     positions to make synthetic queries. Models whose layers differ in RoPE (Gemma 3: base 10,000 on
     its sliding-window layers, 1,000,000 on its global ones) have one ``Rope`` per layer type:
     ``layer_type`` is passed to ``rotary_emb`` (``None`` for one RoPE shared by all layers).
     """
 
-    def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None = None):
+    def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None = None, rotate_half=None):
         self.rotary_emb = rotary_emb
         self.layer_type = layer_type
+        self.rotate_half = rotate_half or _halves
 
     @classmethod
     def of(cls, model, layer: int | None = None) -> "Rope":
@@ -274,17 +272,21 @@ class Rope:
                 break
         else:
             raise ValueError(f"model {type(model).__name__} has no rotary_emb module: expected a RoPE model")
+        rotate = getattr(sys.modules.get(type(module).__module__), "rotate_half", None)
+        if rotate is None:
+            raise ValueError(f"model {type(model).__name__}: its modeling module {type(module).__module__} defines no "
+                             "rotate_half, so zipkv cannot tell how its RoPE pairs dimensions")
         types = _rope_layer_types(model, module)
         if types is None:
-            return cls(module)
+            return cls(module, None, rotate)
         if layer is None:
             if len(set(types)) == 1:
-                return cls(module, types[0])
+                return cls(module, types[0], rotate)
             raise ValueError(f"model {type(model).__name__} has a RoPE per layer type {sorted(set(types))}: "
                              "expected Rope.of(model, layer) with a layer index")
         if not 0 <= layer < len(types):
             raise ValueError(f"layer={layer}: expected 0 <= layer < {len(types)} (the model's layers)")
-        return cls(module, types[layer])
+        return cls(module, types[layer], rotate)
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor):
         if positions.ndim != 1 or positions.shape[0] != x.shape[-2]:
@@ -298,15 +300,25 @@ class Rope:
             cos, sin = self.rotary_emb(probe, position_ids, self.layer_type)
         return cos[0].to(x.dtype), sin[0].to(x.dtype)
 
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor, sign: int) -> torch.Tensor:
+        cos, sin = self._cos_sin(x, positions)
+        n = cos.shape[-1]                                    # < head_dim: a partial rotary embedding
+        turned = x[..., :n] * cos + sign * self.rotate_half(x[..., :n]) * sin
+        return turned if n == x.shape[-1] else torch.cat([turned, x[..., n:]], dim=-1)
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [..., T, head_dim] to ``positions`` [T]."""
-        cos, sin = self._cos_sin(x, positions)
-        return x * cos + _rotate_half(x) * sin
+        return self._rotate(x, positions, 1)
 
     def invert(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the rotation of ``x`` [..., T, head_dim] taken at ``positions`` [T]."""
-        cos, sin = self._cos_sin(x, positions)
-        return x * cos - _rotate_half(x) * sin
+        return self._rotate(x, positions, -1)
+
+
+def _halves(x: torch.Tensor) -> torch.Tensor:
+    """Llama's ``rotate_half``: dimension ``i`` pairs with ``i + head_dim/2``."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rope_layer_types(model, rotary_emb) -> list[str] | None:
@@ -338,18 +350,20 @@ def sliding_windows(model) -> list[int | None]:
 
 def _query_factor(model) -> float:
     """The factor that makes ``q·k/√d`` the model's attention logit: ``scaling·√d`` (1 for Llama's ``1/√d``;
-    Gemma 3 scales by ``query_pre_attn_scalar^-1/2``). Models that soft-cap attention logits are refused.
+    Gemma 3 scales by ``query_pre_attn_scalar^-1/2``, Granite by ``attention_multiplier``), from an attention
+    module's own ``scaling`` where it has one. Models that soft-cap attention logits are refused.
     ``model``: a model or one of its attention modules (both carry ``.config``)."""
     config = model.config
     if getattr(config, "attn_logit_softcapping", None) is not None:
         raise ValueError(f"model {type(model).__name__} soft-caps its attention logits (attn_logit_softcapping="
                          f"{config.attn_logit_softcapping}): zipkv's distillers and the SDPA cache path assume "
                          "softmax(q·k/√d) attention")
-    scalar = getattr(config, "query_pre_attn_scalar", None)
-    if scalar is None:
-        return 1.0
     d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return math.sqrt(d / scalar)
+    scaling = getattr(model, "scaling", None)             # an attention module's own (Granite: attention_multiplier)
+    if scaling is not None:
+        return float(scaling) * math.sqrt(d)
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    return 1.0 if scalar is None else math.sqrt(d / scalar)
 
 
 @dataclass
@@ -510,6 +524,10 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
               logits_to_keep=1, zipkv_capture=layers)
     finally:
         model.set_attn_implementation(previous)
+    if len(layers) != model.config.num_hidden_layers:
+        raise ValueError(f"model {type(model).__name__}: its forward reached zipkv's capturing attention in "
+                         f"{len(layers)} of its {model.config.num_hidden_layers} layers; capture needs every layer to "
+                         "call transformers' attention interface with the forward's keyword arguments")
     ropes = [Rope.of(model, layer) for layer in range(len(layers))]
     shared = Rope.of(model) if len({r.layer_type for r in ropes}) == 1 else None
     return Capture(layers=layers, positions=positions.cpu(), rope=shared, shape=model_shape(model), ropes=ropes)
