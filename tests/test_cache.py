@@ -398,3 +398,26 @@ def test_gemma_window_pairs_alone_give_the_same_logits(gemma, gemma_ids, gemma_c
     shortv = [vs if w is None else [v[1:] for v in vs] for vs, w in zip(values, gemma_cap.windows)]
     c = E.teacher_force(gemma, K.CompressedCache(short, shortv, n_context=GN), gemma_ids[GN:]).logits
     assert (c - a).abs().max() > 1e-4
+
+
+def test_mistral_style_window_masks_every_layer():
+    """A ``sliding_window`` without ``layer_types`` (Mistral's config) masks every layer: the capture and the
+    evaluation cache follow the model beyond the window, and ``zipkv.compress``, with no global layer left to
+    distil, says so instead of returning an uncompressed cache."""
+    from transformers import MistralConfig, MistralForCausalLM
+    from zipkv import compress, models
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             sliding_window=16, max_position_embeddings=256)).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 97, (GN + GC,), generator=torch.Generator().manual_seed(7))
+    cap = models.capture(model, ids[:GN])
+    assert models.sliding_windows(model) == cap.windows == [16, 16]
+    with torch.no_grad():
+        plain = model(ids[None]).logits[0, GN:]
+    forced = E.teacher_force(model, K.CompressedCache.from_capture(cap), ids[GN:])
+    torch.testing.assert_close(forced.logits, plain, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"every layer attends within a sliding window \(\[16\] tokens"):
+        compress(model, ids[:GN], ratio=0.5, m=8)

@@ -42,6 +42,7 @@ from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+from .models import attention_window
 
 __all__ = ["DistilledCache", "DistilledLayer", "attach", "compress", "detach"]
 
@@ -315,7 +316,7 @@ def _mask_hook(module, args, kwargs):
     layer = cache.layers[module.layer_idx]
     group = module.config.num_attention_heads // layer.heads
     kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype,
-                                                   window=getattr(module, "sliding_window", None),
+                                                   window=attention_window(module),
                                                    n_context=cache.n_context)
     layer.armed = True
     return args, kwargs

@@ -389,16 +389,10 @@ run the model's own forward but their decode steps a different layer."""
 
 
 def _decode_window(model) -> int | None:
-    """The sliding attention window of any of ``model``'s layers (transformers' rule: a query at position ``p``
-    sees the keys at positions ``> p − W``), or None where every layer attends to the whole cache. Mistral-style
-    configs apply ``sliding_window`` to every layer; configs with ``layer_types`` to their ``"sliding_attention"``
-    layers only."""
-    cfg = model.config
-    window = getattr(cfg, "sliding_window", None)
-    types = getattr(cfg, "layer_types", None)
-    if window is None or (types and "sliding_attention" not in types):
-        return None
-    return int(window)
+    """The smallest sliding attention window of ``model``'s layers (:func:`zipkv.models.sliding_windows`), or None
+    where every layer attends to the whole cache."""
+    from zipkv.models import sliding_windows
+    return min((w for w in sliding_windows(model) if w is not None), default=None)
 
 
 def _check_model(model):

@@ -338,14 +338,27 @@ def _rope_layer_types(model, rotary_emb) -> list[str] | None:
 def sliding_windows(model) -> list[int | None]:
     """Per decoder layer, its sliding attention window ``W`` (a query at position ``p`` sees the keys at
     positions ``> p − W``, as transformers' ``sliding_window_overlay``), or ``None`` for a global layer.
-    Llama-family models: ``None`` everywhere; Gemma 3: ``config.sliding_window`` on its sliding layers."""
+    Llama-family models: ``None`` everywhere; Gemma 3 (and Qwen 2 with ``use_sliding_window``):
+    ``config.sliding_window`` on the layers ``config.layer_types`` names sliding; Mistral-style configs, a
+    ``sliding_window`` without ``layer_types``: every layer (transformers masks them all by it)."""
     config = model.config
     layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
-    if window is None or not types:
+    if window is None:
         return [None] * layers
+    if not types:
+        return [int(window)] * layers
     return [int(window) if t == "sliding_attention" else None for t in types[:layers]]
+
+
+def attention_window(module) -> int | None:
+    """The sliding window of one attention module (:func:`sliding_windows`' rule for its layer): its own
+    ``sliding_window`` where it keeps one (Gemma 3, Qwen 2), else its config's (Mistral passes
+    ``config.sliding_window`` straight to the attention call)."""
+    if hasattr(module, "sliding_window"):
+        return None if module.sliding_window is None else int(module.sliding_window)
+    return sliding_windows(module)[module.layer_idx]
 
 
 def _query_factor(model) -> float:
@@ -476,7 +489,7 @@ def _capture_attention(module, query, key, value, attention_mask, *, zipkv_captu
         factor = _query_factor(module)
         queries = query[0].detach().clone() if factor == 1.0 else query[0].detach() * factor
         zipkv_capture.append(LayerCapture(keys=key[0].detach().clone(), values=value[0].detach().clone(),
-                                          queries=queries, window=getattr(module, "sliding_window", None)))
+                                          queries=queries, window=attention_window(module)))
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, **kwargs)
 
 

@@ -254,7 +254,14 @@ def compressed_layers(capture) -> list[int]:
     layer of a Llama-family model; Gemma 3's global layers, its sliding-window layers kept as the model keeps
     them, :meth:`zipkv.models.Capture.kept_pairs`)."""
     layers = getattr(capture, "compressed_layers", None)
-    return list(range(len(capture.layers))) if layers is None else list(layers)
+    layers = list(range(len(capture.layers))) if layers is None else list(layers)
+    if not layers:
+        windows = sorted({w for w in capture.windows if w is not None})
+        raise ValueError(f"every layer attends within a sliding window ({windows} tokens, config.sliding_window), "
+                         "which the distillers keep as the model does: no layer is left to compress (where contexts "
+                         "and continuations stay shorter than the window it changes nothing: set "
+                         "model.config.sliding_window = None)")
+    return layers
 
 
 def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
