@@ -250,6 +250,50 @@ def tiny_engine_model():
     return tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
 
 
+def test_a_distilled_cache_is_served_as_a_prefix():
+    """``Prefix.from_cache`` of ``zipkv.compress``'s cache: kept whole (k + m = N, exact pairs), the engine's tokens are
+    ``generate``'s on the whole context; distilled to half, each token the engine picks is, within two bf16 steps,
+    the top of the logits that Hugging Face's forward gives over the same DistilledCache and the tokens before it.
+    Caches the engine cannot hold (adaptive budgets, a logit bias, appended tokens) are refused."""
+    import zipkv
+    from zipkv.cache import DistilledCache
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (48,), generator=torch.Generator().manual_seed(2))
+    prompt, n = [7, 8, 9], 10
+    budget = 16 * _page_bytes(model)
+
+    whole = zipkv.compress(model, ids, ratio=1.0, method="attention_score", m=8)
+    model.config._attn_implementation = "zipkv_reference"
+    ref = _generate(model, [ids.tolist() + prompt], n)
+    res = Engine(model, budget, pages_per_chunk=2).generate([prompt], n, prefixes=[Prefix.from_cache(whole)])
+    _assert_tokens_of_generate(res.outputs, ref)
+
+    model.set_attn_implementation("eager")
+    half = zipkv.compress(model, ids, ratio=0.5, m=8, steps=5)
+    prefix = Prefix.from_cache(half)
+    assert (prefix.length, prefix.position) == (24, 48)
+    out = Engine(model, budget, pages_per_chunk=2, eos_token_id=None).generate([prompt], n, prefixes=[prefix]).outputs[0]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out[:-1]]), past_key_values=half).logits[0, len(prompt) - 1:].float()
+    half.reset()
+    top = logits.max(-1).values
+    picked = logits.gather(-1, torch.tensor(out)[:, None])[:, 0]
+    step = 2.0 ** (torch.floor(torch.log2(top.abs())) - 7)
+    assert bool((top - picked <= 2 * step).all()), (top - picked).tolist()
+
+    pilot = DistilledCache.from_padded([(layer.keys[0, :, :layer.cached], layer.values[0, :, :layer.cached],
+                                         layer.valid.clone()) for layer in half.layers], 48)
+    pilot.layers[0].valid[0, 0] = False
+    with pytest.raises(ValueError, match="pairs per layer and KV head"):
+        Prefix.from_cache(pilot)
+    biased = DistilledCache.from_padded([(layer.keys[0, :, :layer.cached], layer.values[0, :, :layer.cached],
+                                          layer.valid, torch.full(layer.valid.shape, 0.5)) for layer in half.layers], 48)
+    with pytest.raises(ValueError, match="layer 0 adds a logit bias"):
+        Prefix.from_cache(biased)
+    with pytest.raises(TypeError, match="DistilledCache"):
+        Prefix.from_cache([])
+
+
 @pytest.mark.parametrize("compress", ["prompt", "all"])
 def test_a_request_whose_packed_pages_find_no_chunk_is_admitted_raw(tiny_engine_model, compress):
     """A budget of one 16-page chunk per layer: packed pages need a compressed chunk of their own beside the raw

@@ -77,6 +77,34 @@ class Prefix:
     length: int
     n_tokens: int | None = None
 
+    @classmethod
+    def from_cache(cls, cache) -> "Prefix":
+        """The pairs of a :class:`zipkv.cache.DistilledCache` (``zipkv.compress``'s, before anything is appended), standing
+        for its ``n_context`` tokens: the engine serves them as a request's start, its prompt (the tokens after the
+        context) continuing at position ``n_context``. The engine's pages hold one number of pairs for every layer and
+        KV head and its attention adds no logit bias, so a cache with adaptive budgets (``budget="pilot"``), with a
+        bias (Attention Matching), with pairs per sequence or with appended tokens is a ``ValueError``."""
+        from zipkv.cache import DistilledCache
+        if not isinstance(cache, DistilledCache):
+            raise TypeError(f"cache must be a zipkv.cache.DistilledCache, got {type(cache).__name__}")
+        if cache.get_seq_length():
+            raise ValueError(f"cache holds {cache.get_seq_length()} appended tokens: call cache.reset() first")
+        lengths = cache.lengths
+        if lengths.ndim != 2:
+            raise ValueError("cache holds pairs per sequence: a Prefix is one context")
+        if bool((lengths != lengths[0, 0]).any()):
+            raise ValueError(f"cache keeps {lengths.min().item()}-{lengths.max().item()} pairs per layer and KV head: the "
+                             "engine's pages need one number for all (compress with budget='uniform')")
+        kv = []
+        for l, layer in enumerate(cache.layers):
+            if bool((layer.bias[layer.valid] != 0).any()):
+                raise ValueError(f"cache layer {l} adds a logit bias to its pairs: the engine's attention has none")
+            keep = layer.valid                                                   # [H, P], the same count per head
+            H, D = keep.shape[0], layer.keys.shape[-1]
+            kv.append((layer.keys[0, :, :layer.cached][keep].view(H, -1, D),
+                       layer.values[0, :, :layer.cached][keep].view(H, -1, D)))
+        return cls(kv, int(lengths[0, 0]), n_tokens=cache.n_context)
+
     def layer(self, l):
         return self.kv(l) if callable(self.kv) else self.kv[l]
 
