@@ -250,6 +250,31 @@ def tiny_engine_model():
     return tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("where", ["decode", "prefill"])
+def test_an_interrupted_generate_leaves_the_engine_usable(tiny_engine_model, where):
+    """A KeyboardInterrupt (Jupyter's stop button) in the fifth decode step or the second prefill: every page of the
+    run is freed, and the next ``generate`` on the same engine gives the tokens of an uninterrupted one."""
+    model = tiny_engine_model
+    eng = Engine(model, 10 * _page_bytes(model), pages_per_chunk=2, eos_token_id=None)
+    prompts = [list(range(3, 40)), list(range(50, 61)), list(range(70, 75))]
+    want = eng.generate(prompts, 12).outputs
+    name = "step" if where == "decode" else "_prefill"
+    owner = eng.graphs if where == "decode" else eng
+    original, calls = getattr(owner, name), []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == (5 if where == "decode" else 2):
+            raise KeyboardInterrupt
+        return original(*args)
+    setattr(owner, name, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        eng.generate(prompts, 12)
+    setattr(owner, name, original)
+    assert not eng.memory.requests and eng.memory.used_bytes() == 0
+    assert eng.generate(prompts, 12).outputs == want
+
+
 def test_a_distilled_cache_is_served_as_a_prefix():
     """``Prefix.from_cache`` of ``zipkv.compress``'s cache: kept whole (k + m = N, exact pairs), the engine's tokens are
     ``generate``'s on the whole context; distilled to half, each token the engine picks is, within two bf16 steps,

@@ -723,6 +723,14 @@ class Engine:
                   and self.memory.can_admit_packed(req.staged[0], req.max_new - len(req.out), reserve_ratio=self.reserve_ratio))
         return packed or self.memory.can_admit(cached, req.max_new - len(req.out), reserve_ratio=self.reserve_ratio)
 
+    def _abandon(self):
+        """Free every request of a run that stopped on an exception (KeyboardInterrupt included): the memory is as
+        before it, so that the next :meth:`generate` starts clean. Steps still in flight finish first on the one
+        stream that later work is queued on, so no page freed here is written again before they are done."""
+        for rid in list(self.memory.requests):
+            self._free(rid)
+        self.memory.reads_done()
+
     def _free(self, rid):
         self.memory.free(rid)
         if self.restore is not None:
@@ -807,90 +815,96 @@ class Engine:
             if bar:
                 bar.update(got)
 
-        while waiting or running or flights:
-            if max_decode_steps is not None and len(steps) + len(flights) >= max_decode_steps:
-                if not flights:
-                    break
-                read()
-                continue
-            retire()
-            # a blocked request is checked again only once memory has given space back: the check walks every
-            # layer's chunks (milliseconds at Llama-8B's shape), and it prefills, which waits for the device; an
-            # attempt therefore runs with nothing in flight, so the time left out of the steps is its own
-            while (waiting and (self.max_batch is None or len(running) < self.max_batch)
-                   and waiting[0].blocked != self.memory.space_returns):
-                while flights:
-                    read()
-                t0 = time.perf_counter()
-                admitted = self._admit(waiting[0])
-                prefill_s += time.perf_counter() - t0
-                if clock is not None:
-                    clock += time.perf_counter() - t0      # admission is prefill time, not a step's
-                if not admitted:
-                    waiting[0].blocked = self.memory.space_returns
-                    break
-                running.append(waiting.pop(0))
-                admitted_at.setdefault(running[-1].rid, len(steps) + len(flights))
-                if bar:
-                    bar.update(1)
-            retire()
-            batch = [r for r in running if len(r.out) + r.pending < r.max_new]
-            if not batch:
-                if flights:
-                    read()
-                elif waiting and not self.memory.requests and not self._admit_possible(waiting[0]):
-                    raise RuntimeError("generate: a request does not fit an empty memory (internal error)")
-                continue
-            t0 = time.perf_counter()
-            for r in list(batch):
-                if r not in running:
-                    continue
-                while self.memory.alloc(r.rid, 1) is None:             # no room: retract by policy
-                    victim = self.memory.retract([x.rid for x in running])
-                    if self.restore is not None:
-                        self.restore.release(victim)
-                    vr = next(x for x in running if x.rid == victim)
-                    leave(vr)
-                    waiting.insert(0, vr)
-                    retracted += 1
-                    if vr is r:
+        try:
+            while waiting or running or flights:
+                if max_decode_steps is not None and len(steps) + len(flights) >= max_decode_steps:
+                    if not flights:
                         break
-            batch = [r for r in batch if r in running]
-            if not batch:
-                continue
-            rids = [r.rid for r in batch]
-            if not steps and not flights:
-                frac, bits = self.memory.compressed_fraction(rids), self._stored_bits(rids)
-            last = [self.memory.cache_len(rid) - 1 for rid in rids]         # the new token's slot
-            key = self.attention.plan(rids)
-            if flights and not (self.overlap and self.graphs.replays(key)):
-                pre = time.perf_counter() - t0             # a warm-up or capture runs with nothing in flight
-                while flights:
                     read()
-                steps[-1]["seconds"] -= pre                # this step's host work so far ran before that read
-                clock -= pre
-            elif not flights:
-                clock = t0
-            carry = None
-            if flights:                                    # tokens still on the device: the step in flight's
-                at = {id(r): i for i, (r, _) in enumerate(flights[-1].rows)}
-                carry = (flights[-1].tokens, torch.tensor([at[id(r)] if r.pending else -1 for r in batch]))
-            inp = torch.tensor([[0 if r.pending else r.out[-1] for r in batch], [r.position for r in batch],
-                                [self.memory.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
-                                [t % fmt.PAGE_TOKENS for t in last]], dtype=torch.int64)
-            with torch.no_grad():
-                out, mode, capture_s = self.graphs.run(key, inp, carry)
-            clock += capture_s
-            for r in batch:
-                r.position, r.pending = r.position + 1, r.pending + 1
-            if self.compress == "all":
-                self.memory.compress()                      # the pages this step filled, after its reads
-            self.memory.keep_raw()
-            st = self.memory.snapshot()                     # during the step, before finished requests leave
-            flights.append(_Flight([(r, r.epoch) for r in batch], out, mode, capture_s,
-                                   {k: st[k] for k in ("used_bytes", "chunks_free", "chunks_held", "reassigned")}))
-            while len(flights) > (1 if self.overlap else 0):
-                read()
+                    continue
+                retire()
+                # a blocked request is checked again only once memory has given space back: the check walks every
+                # layer's chunks (milliseconds at Llama-8B's shape), and it prefills, which waits for the device; an
+                # attempt therefore runs with nothing in flight, so the time left out of the steps is its own
+                while (waiting and (self.max_batch is None or len(running) < self.max_batch)
+                       and waiting[0].blocked != self.memory.space_returns):
+                    while flights:
+                        read()
+                    t0 = time.perf_counter()
+                    admitted = self._admit(waiting[0])
+                    prefill_s += time.perf_counter() - t0
+                    if clock is not None:
+                        clock += time.perf_counter() - t0      # admission is prefill time, not a step's
+                    if not admitted:
+                        waiting[0].blocked = self.memory.space_returns
+                        break
+                    running.append(waiting.pop(0))
+                    admitted_at.setdefault(running[-1].rid, len(steps) + len(flights))
+                    if bar:
+                        bar.update(1)
+                retire()
+                batch = [r for r in running if len(r.out) + r.pending < r.max_new]
+                if not batch:
+                    if flights:
+                        read()
+                    elif waiting and not self.memory.requests and not self._admit_possible(waiting[0]):
+                        raise RuntimeError("generate: a request does not fit an empty memory (internal error)")
+                    continue
+                t0 = time.perf_counter()
+                for r in list(batch):
+                    if r not in running:
+                        continue
+                    while self.memory.alloc(r.rid, 1) is None:             # no room: retract by policy
+                        victim = self.memory.retract([x.rid for x in running])
+                        if self.restore is not None:
+                            self.restore.release(victim)
+                        vr = next(x for x in running if x.rid == victim)
+                        leave(vr)
+                        waiting.insert(0, vr)
+                        retracted += 1
+                        if vr is r:
+                            break
+                batch = [r for r in batch if r in running]
+                if not batch:
+                    continue
+                rids = [r.rid for r in batch]
+                if not steps and not flights:
+                    frac, bits = self.memory.compressed_fraction(rids), self._stored_bits(rids)
+                last = [self.memory.cache_len(rid) - 1 for rid in rids]         # the new token's slot
+                key = self.attention.plan(rids)
+                if flights and not (self.overlap and self.graphs.replays(key)):
+                    pre = time.perf_counter() - t0             # a warm-up or capture runs with nothing in flight
+                    while flights:
+                        read()
+                    steps[-1]["seconds"] -= pre                # this step's host work so far ran before that read
+                    clock -= pre
+                elif not flights:
+                    clock = t0
+                carry = None
+                if flights:                                    # tokens still on the device: the step in flight's
+                    at = {id(r): i for i, (r, _) in enumerate(flights[-1].rows)}
+                    carry = (flights[-1].tokens, torch.tensor([at[id(r)] if r.pending else -1 for r in batch]))
+                inp = torch.tensor([[0 if r.pending else r.out[-1] for r in batch], [r.position for r in batch],
+                                    [self.memory.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
+                                    [t % fmt.PAGE_TOKENS for t in last]], dtype=torch.int64)
+                with torch.no_grad():
+                    out, mode, capture_s = self.graphs.run(key, inp, carry)
+                clock += capture_s
+                for r in batch:
+                    r.position, r.pending = r.position + 1, r.pending + 1
+                if self.compress == "all":
+                    self.memory.compress()                      # the pages this step filled, after its reads
+                self.memory.keep_raw()
+                st = self.memory.snapshot()                     # during the step, before finished requests leave
+                flights.append(_Flight([(r, r.epoch) for r in batch], out, mode, capture_s,
+                                       {k: st[k] for k in ("used_bytes", "chunks_free", "chunks_held", "reassigned")}))
+                while len(flights) > (1 if self.overlap else 0):
+                    read()
+        except BaseException:                             # an interrupt or error: the engine stays usable
+            if bar:
+                bar.close()
+            self._abandon()
+            raise
         if bar:
             bar.close()
         for r in running + waiting:
