@@ -250,15 +250,18 @@ def tiny_engine_model():
     return tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the fused kernel, CUDA graphs and overlapped steps need CUDA"))])
 @pytest.mark.parametrize("where", ["decode", "prefill"])
-def test_an_interrupted_generate_leaves_the_engine_usable(tiny_engine_model, where):
-    """A KeyboardInterrupt (Jupyter's stop button) in the fifth decode step or the second prefill: every page of the
-    run is freed, and the next ``generate`` on the same engine gives the tokens of an uninterrupted one."""
-    model = tiny_engine_model
+def test_an_interrupted_generate_leaves_the_engine_usable(where, device):
+    """A KeyboardInterrupt (Jupyter's stop button) at the fifth decode step's launch or in the second prefill (on CUDA
+    with a step in flight and captured graphs): every page of the run is freed, and the next ``generate`` on the same
+    engine gives the tokens of an uninterrupted one."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32, seed=5).to(device, torch.bfloat16)
     eng = Engine(model, 10 * _page_bytes(model), pages_per_chunk=2, eos_token_id=None)
     prompts = [list(range(3, 40)), list(range(50, 61)), list(range(70, 75))]
     want = eng.generate(prompts, 12).outputs
-    name = "step" if where == "decode" else "_prefill"
+    name = "run" if where == "decode" else "_prefill"
     owner = eng.graphs if where == "decode" else eng
     original, calls = getattr(owner, name), []
 
