@@ -235,7 +235,8 @@ def test_kvsculpt_starts_at_select_fit():
 
 @pytest.mark.parametrize("bad", [dict(value_every=0), dict(steps=-1), dict(steps=2.5), dict(inner_iterations=0),
                                  dict(history_size=0), dict(lr=0.0), dict(lr=float("nan")), dict(ridge=-1e-3),
-                                 dict(steps=True)])
+                                 dict(steps=True), dict(device="gpu")]
+                         + ([] if torch.cuda.is_available() else [dict(device="cuda")]))
 def test_sculpt_config_refuses_bad_settings(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=rf"SculptConfig\({name}="):

@@ -154,6 +154,13 @@ class SculptConfig:
                 raise ValueError(f"SculptConfig({name}={value!r}): expected a finite number {'>' if positive else '≥'} 0")
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise TypeError(f"SculptConfig(dtype={self.dtype!r}): expected a floating torch.dtype such as torch.float32")
+        if self.device is not None:
+            try:
+                device = torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"SculptConfig(device={self.device!r}): expected a torch device such as 'cpu' or 'cuda'") from None
+            if device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"SculptConfig(device={self.device!r}): this machine has no CUDA GPU")
 
 
 Solver = Callable[[Sequence[Problem], SculptConfig], list[Solution]]
