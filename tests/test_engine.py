@@ -501,6 +501,34 @@ def test_bad_input_is_refused_before_anything_runs(call, match):
     assert not eng.memory.requests and eng.memory.used_bytes() == 0
 
 
+def _pairs(heads=2, n=30, dim=32, layers=2):
+    return [(torch.randn(heads, n, dim).to(torch.bfloat16), torch.randn(heads, n, dim).to(torch.bfloat16))
+            for _ in range(layers)]
+
+
+@pytest.mark.parametrize("prefix, error, match", [
+    (Prefix(_pairs(), 40), ValueError, r"prefixes\[1\]: prefix layer 0: expected .* \[2, 40, 32\] .* got shapes \[\(2, 30, 32\)"),
+    (Prefix(_pairs(), 20), ValueError, r"\[2, 20, 32\]"),
+    (Prefix(_pairs(heads=3), 30), ValueError, r"got shapes \[\(3, 30, 32\)"),
+    (Prefix(_pairs(dim=16), 30), ValueError, r"got shapes \[\(2, 30, 16\)"),
+    (Prefix(_pairs(layers=1), 30), ValueError, r"prefixes\[1\].kv must hold one \(keys, values\) per layer: 2 layers, got 1"),
+    (Prefix([k for k, _ in _pairs()], 30), ValueError, r"got shapes \[\(2, 30, 32\)\]"),
+    (Prefix(_pairs(), 0), ValueError, r"prefixes\[1\].length must be an int >= 1"),
+    (Prefix(_pairs(), 30, n_tokens=0), ValueError, r"prefixes\[1\].n_tokens must be None or an int >= 1"),
+    ("30 pairs", TypeError, r"prefixes\[1\] must be a zipkv.engine.Prefix or None, got str"),
+    (Prefix(lambda l: _pairs()[l], 40), ValueError, r"prefix layer 0: expected .* \[2, 40, 32\]"),   # built at prefill
+])
+def test_a_prefix_the_engine_cannot_serve_is_refused(prefix, error, match):
+    """Pairs that are not ``[kv_heads, length, head_dim]`` per layer (before: a length that the tensors did not have
+    ran silently with the wrong cache length) and lengths that are not positive. A prefix built per layer on demand is
+    checked as each layer is built, in the prefill; the run's pages are freed then."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)
+    eng = Engine(model, 10 * _page_bytes(model), pages_per_chunk=2)
+    with pytest.raises(error, match=match):
+        eng.generate([[1, 2, 3], [4, 5]], 4, prefixes=[None, prefix])
+    assert not eng.memory.requests and eng.memory.used_bytes() == 0
+
+
 def test_budget_and_model_errors():
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32)
     with pytest.raises(TypeError, match="bfloat16"):

@@ -105,8 +105,38 @@ class Prefix:
                        layer.values[0, :, :layer.cached][keep].view(H, -1, D)))
         return cls(kv, int(lengths[0, 0]), n_tokens=cache.n_context)
 
-    def layer(self, l):
-        return self.kv(l) if callable(self.kv) else self.kv[l]
+    def layer(self, l, shape: tuple | None = None):
+        """Layer ``l``'s ``(keys, values)``; with ``shape`` (``(kv_heads, head_dim)``), a ``ValueError`` unless each is
+        ``[kv_heads, length, head_dim]``."""
+        kv = self.kv(l) if callable(self.kv) else self.kv[l]
+        if shape is not None:
+            want = (shape[0], self.length, shape[1])
+            got = [tuple(getattr(t, "shape", ())) for t in (kv if isinstance(kv, (tuple, list)) else [kv])]
+            if len(got) != 2 or any(g != want for g in got):
+                raise ValueError(f"prefix layer {l}: expected (keys, values) of shape {list(want)} each "
+                                 f"([kv_heads, length, head_dim]), got shapes {got}")
+        return kv
+
+    def check(self, name: str, num_layers: int, kv_heads: int, head_dim: int):
+        """A ``TypeError`` / ``ValueError`` naming ``name`` for a prefix the engine cannot serve: lengths that are not
+        positive ints, or (``kv`` a list) another number of layers or a layer not ``[kv_heads, length, head_dim]``. A
+        function ``kv`` is checked per layer as it is built (:meth:`layer` with ``shape``)."""
+        if self.length is None or isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
+            raise ValueError(f"{name}.length must be an int >= 1 (pairs stored), got {self.length!r}")
+        if self.n_tokens is not None and (isinstance(self.n_tokens, bool) or not isinstance(self.n_tokens, int)
+                                          or self.n_tokens < 1):
+            raise ValueError(f"{name}.n_tokens must be None or an int >= 1 (tokens the pairs stand for), "
+                             f"got {self.n_tokens!r}")
+        if callable(self.kv):
+            return
+        if not isinstance(self.kv, (list, tuple)) or len(self.kv) != num_layers:
+            raise ValueError(f"{name}.kv must hold one (keys, values) per layer: {num_layers} layers, got "
+                             f"{len(self.kv) if isinstance(self.kv, (list, tuple)) else type(self.kv).__name__}")
+        for l in range(num_layers):
+            try:
+                self.layer(l, (kv_heads, head_dim))
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from None
 
     @property
     def position(self) -> int:
@@ -558,7 +588,7 @@ class Engine:
         start = 0
         if req.prefix is not None:
             for l in range(self.memory.num_layers):
-                k, v = req.prefix.layer(l)
+                k, v = req.prefix.layer(l, (self.kv_heads, self.head_dim))
                 past.update(k[None].to(self.device, torch.bfloat16), v[None].to(self.device, torch.bfloat16), l)
             start = req.prefix.position
         ids = torch.tensor([tokens], device=self.device)
@@ -616,6 +646,10 @@ class Engine:
                                  f"got {bad!r}")
             ids = [int(t) for t in ids]
             pre = prefixes[i] if prefixes is not None else None
+            if pre is not None:
+                if not isinstance(pre, Prefix):
+                    raise TypeError(f"prefixes[{i}] must be a zipkv.engine.Prefix or None, got {type(pre).__name__}")
+                pre.check(f"prefixes[{i}]", self.memory.num_layers, self.kv_heads, self.head_dim)
             cached = len(ids) + (pre.length if pre is not None else 0)
             last = (pre.position if pre is not None else 0) + len(ids) + max_new_tokens - 2   # last position fed
             if self.window is not None and last >= self.window:
