@@ -328,6 +328,24 @@ def test_bad_requests_are_refused_before_anything_is_allocated(kwargs, match):
     assert list(m.requests) == ["running"]
 
 
+@pytest.mark.parametrize("layer, shape, dtype, start, match", [
+    (2, (H, 5, D), torch.bfloat16, 0, r"layer must be an int in \[0, 2\), got 2"),
+    (0, (H, 5, D // 2), torch.bfloat16, 0, rf"k must be bf16 \[kv_heads={H}, n, head_dim={D}\]"),
+    (0, (H + 1, 5, D), torch.bfloat16, 0, "k must be bf16"),
+    (0, (H, 5, D), torch.float32, 0, "got torch.float32"),
+    (0, (H, 5, D), torch.bfloat16, 18, r"tokens \[18, 23\) lie outside request 'a''s cache of 20"),
+])
+def test_a_write_of_the_wrong_tokens_is_refused_and_writes_nothing(layer, shape, dtype, start, match):
+    """``write`` (the prefill's path into the pages) checks its layer, the K/V shapes and dtype and the token range
+    before touching the pool (before: torch's own errors from the indexing, or none for an out-of-range layer index)."""
+    m = KVMemory(2, H, D, 2 * 4 * 2 * H * 2 * 16 * D, pages_per_chunk=2)
+    m.admit("a", 20, 5)
+    pool = m.pool.clone()
+    with pytest.raises(ValueError, match=match):
+        m.write(layer, "a", start, torch.ones(shape, dtype=dtype), torch.ones(shape, dtype=dtype))
+    assert torch.equal(m.pool, pool)
+
+
 def test_budget_smaller_than_one_page_per_layer():
     with pytest.raises(ValueError, match="smaller than one page per layer"):
         KVMemory(4, H, D, 4 * 2 * H * 2 * 16 * D - 1)

@@ -731,6 +731,13 @@ class KVMemory:
 
     def write(self, layer: int, rid, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write tokens ``start ..`` of request ``rid`` in ``layer``: k, v bf16 ``[kv_heads, n, head_dim]``."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"write: layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 3 \
+                    or (t.shape[0], t.shape[2]) != (self.kv_heads, self.head_dim) or t.shape != k.shape:
+                raise ValueError(f"write: {name} must be bf16 [kv_heads={self.kv_heads}, n, head_dim={self.head_dim}] "
+                                 f"like k, got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
         n = k.shape[1]
         pages, offsets = self.slots(rid, start, n)
         for p in set(pages.tolist()):
