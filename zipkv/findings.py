@@ -206,6 +206,19 @@ def _compressible(res: Results):
                           f"V {100 * t.V_channel.mean():.1f} % channel-major (SmolLM2, PG19)")
 
 
+def _distilled_prefix(res: Results):
+    """The distilled-prefix chapter's bytes (KVSculpt's pairs in ZipFusion's format over the raw context), per
+    ratio, and its lossless runs."""
+    t = res["distilled_prefix"]
+    full = t[t.method == "full context"]
+    parts = [f"r = {r:g}: {100 * g.memory_vs_raw_context.mean():.1f} % (V blocks compressible "
+             f"{100 * g.frac_compressed_v.mean():.0f} %)" for r, g in t[t.method != "full context"].groupby("ratio")]
+    return Measured(None, "a KVSculpt prefix stored in ZipFusion's format takes, of the raw context's bytes, "
+                          + "; ".join(parts) + f" (the model's own KV: {100 * full.memory_vs_raw_context.mean():.1f} %, "
+                          f"V {100 * full.frac_compressed_v.mean():.0f} %); packed pages lossless in "
+                          f"{int(t.lossless.sum())} of {len(t)} runs")
+
+
 def _pack(res: Results):
     """The pack kernel's table, committed beside the latency chapter's (which shows it), or None without it."""
     if not res.has("zipfusion_pack_throughput"):
@@ -537,6 +550,8 @@ CLAIMS: list[Claim] = [
           _pack),
     Claim(Z, "beyond", "compiled decode kernels: registers and spills", "zipfusion_kernel_resources", None,
           _resources),
+    Claim(Z, "beyond", "both papers together: a KVSculpt-distilled prefix in ZipFusion pages, served by the engine",
+          "distilled_prefix", None, _distilled_prefix),
     # KVSculpt
     Claim(K, "Abstract, Table 1", "KL reduction over Select+Fit, r ∈ {0.3, 0.5, 0.7}", "kvsculpt_main",
           _span(pv.KVSCULPT_TABLE1_IMPROVEMENT.values()), _improvement_span),
