@@ -53,8 +53,12 @@ def serve_distilled(model, windows, ratios, *, m: int, n_synthetic: int, steps: 
     import pandas as pd
     from tqdm.auto import tqdm
 
-    import zipkv
+    from zipkv.cache import DistilledCache
+    from zipkv.distill import batched, kvsculpt
     from zipkv.engine import Engine, Prefix, kv_budget_for
+    from zipkv.models import capture
+
+    config = kvsculpt.SculptConfig(steps=steps, progress=False)
 
     rows = []
     for index, w in enumerate(tqdm(windows, desc="windows", disable=not progress)):
@@ -68,14 +72,14 @@ def serve_distilled(model, windows, ratios, *, m: int, n_synthetic: int, steps: 
             engine = Engine(model, budget, compress=compress, attention="reference", cuda_graphs=False, eos_token_id=None)
             return engine.generate([prompt], new_tokens, prefixes=[prefix], progress=False).outputs[0]
 
+        cap = capture(model, ids)                          # one forward: the full context's KV, and what each ratio distils
         caches = [("full context", 1.0, None)] + [
-            (f"kvsculpt r={r}", r, zipkv.compress(model, ids, ratio=r, m=m, n_synthetic=n_synthetic, steps=steps,
-                                                  progress=False)) for r in ratios]
+            (f"kvsculpt r={r}", r, DistilledCache.from_compressed(
+                kvsculpt.compress(cap, r, "kvsculpt", m=m, n_synthetic=n_synthetic, config=config, solver=batched.solve),
+                model, context_ids=ids)) for r in ratios]     # zipkv.compress's cache, without a capture per ratio
         reference = None
         for method, ratio, cache in caches:
             if cache is None:
-                from zipkv.models import capture
-                cap = capture(model, ids)
                 kv = [(layer.keys, layer.values) for layer in cap.layers]
                 prompt, prefix = ids.tolist() + first, None
             else:
