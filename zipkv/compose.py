@@ -66,11 +66,13 @@ def serve_distilled(model, windows, ratios, *, m: int, n_synthetic: int, steps: 
         n_context = int(ids.numel())
         budget = kv_budget_for(model.config, requests=1, tokens_per_request=n_context + new_tokens + 1)
 
+        # the torch reference attention reads every page through the format's decoder, the same arithmetic for packed
+        # and raw pages: equal tokens mean the stored bytes decode to the pairs bit for bit
+        engines = {compress: Engine(model, budget, compress=compress, attention="reference", cuda_graphs=False,
+                                    eos_token_id=None) for compress in ("all", "none")}
+
         def generate(prompt, prefix, compress):
-            # the torch reference attention reads every page through the format's decoder, the same arithmetic for
-            # packed and raw pages: equal tokens mean the stored bytes decode to the pairs bit for bit
-            engine = Engine(model, budget, compress=compress, attention="reference", cuda_graphs=False, eos_token_id=None)
-            return engine.generate([prompt], new_tokens, prefixes=[prefix], progress=False).outputs[0]
+            return engines[compress].generate([prompt], new_tokens, prefixes=[prefix], progress=False).outputs[0]
 
         cap = capture(model, ids)                          # one forward: the full context's KV, and what each ratio distils
         caches = [("full context", 1.0, None)] + [
