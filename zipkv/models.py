@@ -258,10 +258,10 @@ class Rope:
     ``layer_type`` is passed to ``rotary_emb`` (``None`` for one RoPE shared by all layers).
     """
 
-    def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None = None, rotate_half=None):
+    def __init__(self, rotary_emb: torch.nn.Module, layer_type: str | None, rotate_half):
         self.rotary_emb = rotary_emb
         self.layer_type = layer_type
-        self.rotate_half = rotate_half or _halves
+        self.rotate_half = rotate_half
 
     @classmethod
     def of(cls, model, layer: int | None = None) -> "Rope":
@@ -313,12 +313,6 @@ class Rope:
     def invert(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo the rotation of ``x`` [..., T, head_dim] taken at ``positions`` [T]."""
         return self._rotate(x, positions, -1)
-
-
-def _halves(x: torch.Tensor) -> torch.Tensor:
-    """Llama's ``rotate_half``: dimension ``i`` pairs with ``i + head_dim/2``."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _rope_layer_types(model, rotary_emb) -> list[str] | None:

@@ -56,7 +56,7 @@ def figure(table: pd.DataFrame):
     x = range(len(s))
     left.bar(x, s.memory_vs_raw_context, color="tab:blue", alpha=0.7, label="stored in ZipFusion's format")
     left.scatter(x, s.pairs / table.n_context.iloc[0], marker="_", s=600, color="black", label="the pairs raw (KVSculpt alone)")
-    for i, (method, d) in enumerate(table.groupby("method", sort=False)):
+    for i, (_, d) in enumerate(table.groupby("method", sort=False)):
         left.scatter([i] * len(d), d.memory_vs_raw_context, color="black", s=10, zorder=3)
     left.set(xticks=list(x), ylabel="stored bytes / raw BF16 context bytes", ylim=(0, 1.05),
              title="Memory of the prefix")
