@@ -10,6 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from zipkv import format as fmt  # noqa: E402
@@ -189,10 +190,16 @@ def test_errors(small):
         call(q, PagedKVCache(cache.pool, cache.desc, 96), ip, idx, last)
     with pytest.raises(ValueError, match="num_splits must be >= 1"):
         call(q, cache, ip, idx, last, num_splits=0)
-    with pytest.raises(ValueError, match="pages_per_tile must be a power of two"):
+    with pytest.raises(ValueError, match="pages_per_tile must be an int >= 1 and a power of two"):
         call(q, cache, ip, idx, last, pages_per_tile=3)
     with pytest.raises(ValueError, match="launch must be a dict with keys from"):
         call(q, cache, ip, idx, last, launch={"warps": 4})
+    for bad in (0, True, 2.0):                       # 0 became the default, True was kept, 2.0 crashed later
+        with pytest.raises(ValueError, match=rf"pages_per_tile must be an int >= 1 and a power of two, got {bad!r}"):
+            plan(ip, idx, last, cache, 4, pages_per_tile=bad)
+    for key, bad in (("stages", 0), ("num_warps", 3), ("maxnreg", -1), ("programs_per_sm", 1.5)):
+        with pytest.raises(ValueError, match=rf"launch\['{key}'\] must be an int"):
+            plan(ip, idx, last, cache, 4, launch={key: bad})
     for bad in (float("nan"), float("inf"), 0.0, -0.125):
         with pytest.raises(ValueError, match=f"softmax_scale must be a finite positive number, got {bad!r}"):
             call(q, cache, ip, idx, last, softmax_scale=bad)
@@ -227,6 +234,13 @@ def test_build_errors():
         build_paged_cache(k, k, [21])
     with pytest.raises(ValueError, match="compress must be"):
         build_paged_cache(k, k, compress="all")
+    for empty in (k[:0], k[:, :0], k[:, :, :0]):     # batch, kv_heads or tokens 0: torch's errors or a later crash
+        with pytest.raises(ValueError, match=r"k must have shape \[batch, kv_heads, T, head_dim\] with batch, kv_heads"):
+            build_paged_cache(empty, empty)
+    with pytest.raises(TypeError, match=r"seq_lens must hold integer lengths, got \[17.9\]"):   # was cut to 17
+        build_paged_cache(k, k, [17.9])
+    cache, *_ = build_paged_cache(k, k, torch.tensor([17]), compress=np.float32(0.5))
+    assert cache.num_pages == 2
 
 
 def _request_mask(lens, H, D, kinds):

@@ -259,6 +259,9 @@ def test_errors():
         F.unpack(payload[:, :100], meta)
     with pytest.raises(ValueError, match="enable must be a bool tensor"):
         F.pack(good, enable=torch.ones(3, 2, dtype=torch.bool))
+    for bad in ([False, False], None, "yes"):       # read as one truth value, these packed every block or none
+        with pytest.raises(TypeError, match=r"enable must be a bool or a bool tensor \[..., n_blocks\], got"):
+            F.pack(good, enable=bad)
     with pytest.raises(ValueError, match="head_dim must be one of"):
         F.n_blocks(48)
     for layout in F.MMA_LAYOUTS:

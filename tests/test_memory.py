@@ -68,6 +68,11 @@ class MemoryMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError, match="holds at most"):
                 self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
             return
+        # with its held chunks taken, the empty budget holds (chunks left // layers) chunks of pages per layer
+        if hold and (self.m.num_chunks - hold) // L * self.m.pages_per_chunk < (prompt + max_new - 1 + 15) // 16:
+            with pytest.raises(ValueError, match="never fits"):
+                self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
+            return
         expect = self.m.can_admit(prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
         free_before, held_before = self.m._n_free, self.m.held_bytes()
         ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
@@ -344,6 +349,61 @@ def test_a_write_of_the_wrong_tokens_is_refused_and_writes_nothing(layer, shape,
     with pytest.raises(ValueError, match=match):
         m.write(layer, "a", start, torch.ones(shape, dtype=dtype), torch.ones(shape, dtype=dtype))
     assert torch.equal(m.pool, pool)
+
+
+def _state(m):
+    return (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m._free_ids), m.stats()["chunks_free"],
+            sorted(map(str, m.requests)), [dict(loc) for loc in m._loc])
+
+
+@pytest.mark.parametrize("other", [dict(head_dim=64), dict(kv_heads=2), dict(layers=3)])
+def test_a_packed_request_of_another_memory_is_refused_before_anything_changes(other):
+    """Admitting a ``Packed`` made by a memory of another shape took pages and chunks and then failed, leaking them
+    (another head_dim or KV-head count), or dropped layers silently (more layers)."""
+    layers, heads, dim = other.get("layers", 2), other.get("kv_heads", H), other.get("head_dim", D)
+    src = KVMemory(layers, heads, dim, 16 * layers * 2 * heads * 2 * 16 * dim, pages_per_chunk=4)
+    one = (1 + torch.rand(heads, 40, dim)).bfloat16()
+    packed = src.pack([(one, one)] * layers)
+    m = KVMemory(2, H, D, 16 * 2 * m_page(), pages_per_chunk=4)
+    m.admit("running", 20, 5)
+    before = _state(m)
+    for call in (lambda: m.admit_packed("new", packed, 4), lambda: m.can_admit_packed(packed, 4)):
+        with pytest.raises(ValueError, match="packed"):
+            call()
+        assert _state(m) == before
+    with pytest.raises(ValueError, match=r"kv must hold one \(k, v\) pair per layer \(2\), got 3"):
+        m.pack([(torch.zeros(H, 40, D).bfloat16(),) * 2] * 3)
+    with pytest.raises(TypeError, match="kv: k and v must be torch.bfloat16"):
+        m.pack([(torch.zeros(H, 40, D),) * 2] * 2)
+
+
+def test_requests_that_can_never_fit_are_errors_not_waits():
+    """``admit`` returns None for "not now"; a request whose held chunks leave no room for its pages even in the
+    empty budget, or an ``alloc`` past what the budget ever holds, would wait (or retract others) forever."""
+    m = KVMemory(2, H, D, 8 * 2 * m_page(), pages_per_chunk=2)          # 8 chunks of 2 pages: 8 pages per layer
+    m.admit("a", 20, 5)
+    before = _state(m)
+    with pytest.raises(ValueError, match="hold_chunks=100: .* never fits the budget's 8 chunks"):
+        m.admit("r", 10, 4, hold_chunks=100)
+    with pytest.raises(ValueError, match="hold_chunks=6: .* never fits"):
+        m.can_admit(100, 20, hold_chunks=6)
+    with pytest.raises(ValueError, match="n_tokens=1000000: request 'a' would hold"):
+        m.alloc("a", 10**6)
+    with pytest.raises(ValueError, match="n_tokens must be an int >= 1, got True"):
+        m.alloc("a", True)
+    with pytest.raises(ValueError, match="unknown request 'zz'"):
+        m.retract(candidates=["zz"])
+    with pytest.raises(ValueError, match=r"tokens \[5, 2\) lie outside"):
+        m.slots("a", 5, -3)
+    assert _state(m) == before
+    assert m.admit("r", 10, 4, hold_chunks=2) is not None                 # room for 2 held + its pages: fine
+
+
+def test_none_is_a_request_id_like_any_other():
+    m = KVMemory(2, H, D, 8 * 2 * m_page(), pages_per_chunk=2)
+    assert m.admit(None, 10, 4) is not None
+    assert m.can_admit(10, 4) and m.admit("b", 10, 4) is not None      # the checks' own id is not None any more
+    m.free(None)
 
 
 def test_budget_smaller_than_one_page_per_layer():

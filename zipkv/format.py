@@ -365,6 +365,8 @@ def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Ten
     """
     d = _check_pages(pages)
     _check_layout(layout)
+    if not isinstance(enable, (bool, torch.Tensor)):   # a list or None would read as one truth value
+        raise TypeError(f"enable must be a bool or a bool tensor [..., n_blocks], got {type(enable).__name__}")
     nb = PAGE_TOKENS * d // BLOCK_VALUES
     lead = pages.shape[:-2]
     raw = to_blocks(pages, layout).contiguous().view(torch.uint8)   # [..., nb, 1024]

@@ -154,6 +154,10 @@ def copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.copy_(src.pin_memory(), non_blocking=True)
 
 
+_PROBE = object()
+"""The request id admission checks use for a request that is not admitted (no caller's id can equal it)."""
+
+
 def _pages_for(tokens: int) -> int:
     return -(-tokens // fmt.PAGE_TOKENS)
 
@@ -501,9 +505,18 @@ class KVMemory:
         prompt_pages = _pages_for(prompt_len)
         return prompt_pages, math.ceil(reserve_ratio * (need - prompt_pages))
 
-    def _fits(self, prompt_pages, reserve, hold_chunks):
+    def _check_hold(self, prompt_len, max_new_tokens, hold_chunks):
+        """A request that holds ``hold_chunks`` chunks must fit, with them, into the empty budget: else it never will."""
         if not isinstance(hold_chunks, int) or isinstance(hold_chunks, bool) or hold_chunks < 0:
             raise ValueError(f"hold_chunks must be an int >= 0, got {hold_chunks!r}")
+        need = _pages_for(prompt_len + max_new_tokens - 1)
+        if hold_chunks and (hold_chunks > self.num_chunks
+                            or self._capacity([0] * self.num_layers, self.num_chunks - hold_chunks) < need):
+            raise ValueError(f"hold_chunks={hold_chunks}: with {need} pages per layer for {prompt_len} prompt + "
+                             f"{max_new_tokens} new tokens, the request never fits the budget's {self.num_chunks} "
+                             f"chunks of {self.pages_per_chunk} pages")
+
+    def _fits(self, prompt_pages, reserve, hold_chunks):
         if hold_chunks > self._n_free:
             return False
         free = [self._layer_free_slots(l) for l in range(self.num_layers)]
@@ -512,7 +525,8 @@ class KVMemory:
     def can_admit(self, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0,
                   hold_chunks: int = 0) -> bool:
         """Whether :meth:`admit` would take this request now (SGLang ``PrefillAdder``'s budget check)."""
-        prompt_pages, reserve = self._check_new(None, prompt_len, max_new_tokens, reserve_ratio)
+        prompt_pages, reserve = self._check_new(_PROBE, prompt_len, max_new_tokens, reserve_ratio)
+        self._check_hold(prompt_len, max_new_tokens, hold_chunks)
         return self._fits(prompt_pages, reserve, hold_chunks)
 
     def admit(self, rid, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0, hold_chunks: int = 0):
@@ -525,6 +539,7 @@ class KVMemory:
         the caller keeps on its behalf outside the pages (a restore-before-attention codec's payload of a
         compressed prefix: the budget counts it, rounded up to chunks)."""
         prompt_pages, reserve = self._check_new(rid, prompt_len, max_new_tokens, reserve_ratio)
+        self._check_hold(prompt_len, max_new_tokens, hold_chunks)
         if not self._fits(prompt_pages, reserve, hold_chunks):
             return None
         held = []
@@ -546,6 +561,9 @@ class KVMemory:
         """Pack the full pages of a request's KV (per layer ``(k, v)`` bf16 ``[kv_heads, n, head_dim]``, the
         same ``n`` in every layer) with the memory's packer, outside the pool: the input of
         :meth:`admit_packed`."""
+        if not isinstance(kv, (list, tuple)) or len(kv) != self.num_layers:
+            raise ValueError(f"kv must hold one (k, v) pair per layer ({self.num_layers}), got "
+                             f"{len(kv) if isinstance(kv, (list, tuple)) else type(kv).__name__}")
         n_tok = kv[0][0].shape[1]
         n, H, sb = n_tok // fmt.PAGE_TOKENS, self.kv_heads, self.slot_bytes
         slots, metas, units, tails = [], [], [], []
@@ -553,6 +571,8 @@ class KVMemory:
             if k.shape != (H, n_tok, self.head_dim) or v.shape != k.shape:
                 raise ValueError(f"kv: every layer's k and v must have shape {(H, n_tok, self.head_dim)}, got "
                                  f"{tuple(k.shape)} and {tuple(v.shape)}")
+            if k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+                raise TypeError(f"kv: k and v must be torch.bfloat16, got {k.dtype} and {v.dtype}")
             buf = torch.zeros(n * 2 * H * sb + sb, dtype=torch.uint8, device=self.device)   # pad: see self.pool
             view = buf[: n * 2 * H * sb].view(torch.bfloat16).view(n, 2, H, sb // 2)
             for i, x in enumerate((k, v)):
@@ -596,11 +616,27 @@ class KVMemory:
             need.append(new)
         return need
 
+    def _check_packed(self, packed) -> None:
+        """``packed`` must come from :meth:`pack` of a memory of this one's shape (layers, KV heads, head_dim)."""
+        if not isinstance(packed, Packed):
+            raise TypeError(f"packed must be a KVMemory.pack result (Packed), got {type(packed).__name__}")
+        want = (packed.n_pages, 2, self.kv_heads, fmt.n_blocks(self.head_dim))
+        for name, per_layer in (("meta", packed.meta), ("slots", packed.slots), ("units", packed.units)):
+            if len(per_layer) != self.num_layers:
+                raise ValueError(f"packed.{name} holds {len(per_layer)} layers; this memory has {self.num_layers}")
+        for l in range(self.num_layers):
+            if tuple(packed.meta[l].shape) != want or tuple(packed.slots[l].shape) != (*want[:3], self.slot_bytes):
+                raise ValueError(f"packed, layer {l}: metadata {tuple(packed.meta[l].shape)} and slots "
+                                 f"{tuple(packed.slots[l].shape)}, expected {want} and {(*want[:3], self.slot_bytes)} "
+                                 f"(kv_heads={self.kv_heads}, head_dim={self.head_dim}): packed by another memory?")
+
     def can_admit_packed(self, packed: Packed | int, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> bool:
         """Whether :meth:`admit_packed` would take ``packed`` now. Given only a token count (before packing),
         a necessary condition: its last page and its reservation fit raw."""
+        if not isinstance(packed, int) or isinstance(packed, bool):
+            self._check_packed(packed)
         tokens = packed if isinstance(packed, int) else packed.tokens
-        prompt_pages, reserve = self._check_new(None, tokens, max_new_tokens, reserve_ratio)
+        prompt_pages, reserve = self._check_new(_PROBE, tokens, max_new_tokens, reserve_ratio)
         n_full = tokens // fmt.PAGE_TOKENS
         if isinstance(packed, int):
             return self._fits(prompt_pages - n_full, reserve, 0)
@@ -619,6 +655,7 @@ class KVMemory:
         they go straight into compressed chunks of each layer, counted at their packed size, and only the last,
         partial page is raw. Otherwise as :meth:`admit` (reservation, ``None`` when it does not fit now);
         the caller writes ``packed.tail`` into the last page (:meth:`write`)."""
+        self._check_packed(packed)
         prompt_pages, reserve = self._check_new(rid, packed.tokens, max_new_tokens, reserve_ratio)
         if not self.can_admit_packed(packed, max_new_tokens, reserve_ratio=reserve_ratio):
             return None
@@ -661,8 +698,11 @@ class KVMemory:
         from capacity nobody else was promised. Returns the new page ids (maybe ``[]``), or ``None``
         (nothing changed) when there is no room -- the caller retracts a request (:meth:`retract`)."""
         r = self._request(rid)
-        if not isinstance(n_tokens, int) or n_tokens < 1:
+        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
             raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+        if _pages_for(r.cache_len + n_tokens) > self.max_request_pages:
+            raise ValueError(f"n_tokens={n_tokens}: request {rid!r} would hold {r.cache_len + n_tokens} tokens, more "
+                             f"than the budget's {self.max_request_pages} uncompressed pages per layer ever hold")
         need = _pages_for(r.cache_len + n_tokens) - len(r.pages)
         from_reserve = min(need, r.reserved)
         if need > from_reserve and self.capacity_pages() < self.outstanding + need - from_reserve:
@@ -690,7 +730,7 @@ class KVMemory:
         """Retract one running request (SGLang ``retract_decode`` order: fewest tokens decoded since admission, then the
         longest prompt), free it and return its id; the caller requeues it. candidates: ids to choose
         from (default all running)."""
-        rids = list(self.requests) if candidates is None else list(candidates)
+        rids = list(self.requests) if candidates is None else [self._request_key(q) for q in candidates]
         if not rids:
             raise ValueError("retract: no running request to retract")
         victim = min(rids, key=lambda q: (self.requests[q].cache_len - self.requests[q].prompt_len,
@@ -714,7 +754,8 @@ class KVMemory:
     def slots(self, rid, start: int, n: int):
         """Page ids and in-page offsets of tokens ``start .. start + n - 1`` of request ``rid``."""
         r = self._request(rid)
-        if start < 0 or start + n > r.cache_len:
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, n)) or n < 0 \
+                or start < 0 or start + n > r.cache_len:
             raise ValueError(f"tokens [{start}, {start + n}) lie outside request {rid!r}'s cache of {r.cache_len}")
         t = torch.arange(start, start + n)
         pages = torch.tensor(r.pages, dtype=torch.int64)[t // fmt.PAGE_TOKENS]

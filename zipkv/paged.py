@@ -23,6 +23,7 @@ Page kinds (:data:`PAGE_KINDS`, the values of :meth:`PagedKVCache.page_kinds`, o
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -223,8 +224,9 @@ def _check_kv(x, name):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.bfloat16:
         raise TypeError(f"{name} must have dtype torch.bfloat16, got {x.dtype}")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must have shape [batch, kv_heads, T, head_dim], got {tuple(x.shape)}")
+    if x.dim() != 4 or min(x.shape[:3]) < 1:
+        raise ValueError(f"{name} must have shape [batch, kv_heads, T, head_dim] with batch, kv_heads and T >= 1, "
+                         f"got {tuple(x.shape)}")
     fmt._check_head_dim(x.shape[-1], f"{name} (shape {tuple(x.shape)})")
 
 
@@ -258,7 +260,9 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     B, H, T, D = k.shape
     check_layouts(k_layout, v_layout, D)
     dev = k.device
-    lens = [T] * B if seq_lens is None else [int(x) for x in seq_lens]
+    lens = [T] * B if seq_lens is None else (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens))
+    if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in lens):
+        raise TypeError(f"seq_lens must hold integer lengths, got {lens}")
     if len(lens) != B or any(not 1 <= x <= T for x in lens):
         raise ValueError(f"seq_lens must hold {B} lengths in [1, {T}], got {lens}")
     T16 = fmt.PAGE_TOKENS
@@ -282,7 +286,7 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
         enable = torch.ones(P, 2, H, nb, dtype=torch.bool, device=dev)
     elif compress == "none":
         enable = torch.zeros(P, 2, H, nb, dtype=torch.bool, device=dev)
-    elif isinstance(compress, float) and 0.0 <= compress <= 1.0:
+    elif isinstance(compress, numbers.Real) and not isinstance(compress, numbers.Integral) and 0.0 <= compress <= 1.0:
         gen = torch.Generator().manual_seed(seed)
         enable = (torch.rand(P, 2, H, nb, generator=gen) < compress).to(dev)
     else:

@@ -298,6 +298,12 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     scale = _check_scale(softmax_scale, D)
     if launch is not None and (not isinstance(launch, dict) or set(launch) - set(LAUNCH_KEYS)):
         raise ValueError(f"launch must be a dict with keys from {LAUNCH_KEYS}, got {launch!r}")
+    given = [(f"launch[{k!r}]", k, x) for k, x in (launch or {}).items()]
+    for label, name, x in given + ([("pages_per_tile", "pages_per_tile", pages_per_tile)] if pages_per_tile is not None else []):
+        least, power_of_two = (0, False) if name == "maxnreg" else (1, name in ("num_warps", "pages_per_tile"))
+        if isinstance(x, bool) or not isinstance(x, numbers.Integral) or x < least or (power_of_two and x & (x - 1)):
+            raise ValueError(f"{label} must be an int >= {least}{' and a power of two' if power_of_two else ''}"
+                             f"{' (0: no register cap)' if name == 'maxnreg' else ''}, got {x!r}")
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be >= 1, got {num_splits!r}")
