@@ -750,6 +750,29 @@ def test_paper_rows_fall_back_to_the_committed_gpu_table(tmp_path):
         e2e, {"zipfusion": dict(identical=3, requests=3, first_difference=[])}, requests=3, context=64, new_tokens=8)
 
 
+def test_the_chapter_table_and_the_end_to_end_speed_read_the_committed_rows():
+    """The chapter shows a compact table (ratios at the same batch kind, the paper's numbers where printed) and says
+    how fast each method decoded end to end, with the cache's share of the step where a GPU bandwidth is known."""
+    import pandas as pd
+
+    from zipkv import throughput
+
+    from zipkv.book import REPO_ROOT
+
+    table = pd.read_csv(REPO_ROOT / "results" / "paper" / "zipfusion_throughput.csv")
+    compact = throughput.compact_table(table).set_index(["model", "method", "batch"])
+    z = compact.loc[(throughput.THROUGHPUT_PAPER_MODEL, "zipfusion", 57)]
+    u = table[(table.method == "uncompressed") & (table.batch == table.max_batch)
+              & (table.model == throughput.THROUGHPUT_PAPER_MODEL)]
+    assert z["vs uncompressed"] == pytest.approx(z["tokens/s"] / u.tokens_per_s.iloc[0])
+    assert z["paper max batch"] == 57 and len(compact.columns) <= 12
+    e2e = table[table.model != throughput.THROUGHPUT_PAPER_MODEL].set_index("method")
+    text = throughput.e2e_speed_text(table, copy_tbps=4.0)
+    assert f"zipfusion {e2e.tokens_per_s['zipfusion']:,.0f} ({e2e.tokens_per_s['zipfusion'] / e2e.tokens_per_s['uncompressed']:.2f}×)" in text
+    assert f"{e2e.kv_budget_bytes['uncompressed'] / 4e6:.0f} µs at 4.00 TB/s" in text
+    assert "TB/s" not in throughput.e2e_speed_text(table)                       # no GPU bandwidth: no such sentence
+
+
 def test_repeated_largest_batch_runs_show_their_median_and_spread():
     """figure5's repeats: the row is the median run (its own step time, not a mean of runs), every run's tokens/s is
     kept, the text gives each round's ratio and the figure whiskers from the slowest to the fastest run; an even or

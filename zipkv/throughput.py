@@ -557,6 +557,64 @@ def e2e_text(table, same: dict, *, requests: int, context: int, new_tokens: int)
             "summation order), so near-ties in a bf16 model's logits may break differently.")
 
 
+def e2e_speed_text(table, copy_tbps: float | None = None) -> str:
+    """The end-to-end run's tokens/s per method beside uncompressed's (the embedded model's rows of ``table``), and
+    what reading the whole KV budget once would take at ``copy_tbps`` (a copy bandwidth measured on the same GPU
+    model) against the step."""
+    e2e = table[table.model != THROUGHPUT_PAPER_MODEL].set_index("method")
+    base = e2e.tokens_per_s["uncompressed"]
+    parts = [f"{m} {e2e.tokens_per_s[m]:,.0f} ({e2e.tokens_per_s[m] / base:.2f}×)" for m in e2e.index if m != "uncompressed"]
+    text = (f"Its decode tokens/s at batch {int(e2e.batch['uncompressed'])}: uncompressed {base:,.0f}, " + ", ".join(parts)
+            + f"; a step takes {e2e.step_ms['uncompressed']:.2f} ms uncompressed.")
+    if copy_tbps:
+        read_us = e2e.kv_budget_bytes["uncompressed"] / (copy_tbps * 1e6)
+        text += (f" Reading the whole KV budget ({e2e.kv_budget_bytes['uncompressed'] / 2**20:.1f} MiB) once takes about "
+                 f"{read_us:.0f} µs at {copy_tbps:.2f} TB/s (the copy bandwidth measured in \"Decode attention latency\", "
+                 "median over its runs): "
+                 f"{read_us / 10 / e2e.step_ms['uncompressed']:.1f} % of the step, so fewer bytes cannot speed this step up,"
+                 " and each method's extra launches and fixed costs show instead (not broken down here).")
+    return text + " This run checks the engine end to end and shows its memory; the Llama-3.1-8B-shape rows measure speed."
+
+
+def measured_copy_bandwidth(latency_csv) -> float | None:
+    """Median copy bandwidth (TB/s) of the latency chapter's runs (its ``copy_bw_tbps`` column), or None without it."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    if latency_csv is None or not Path(latency_csv).is_file():
+        return None
+    t = pd.read_csv(latency_csv)
+    return float(t.copy_bw_tbps.median()) if "copy_bw_tbps" in t and t.copy_bw_tbps.notna().any() else None
+
+
+def compact_table(table):
+    """The chapter's table as a reader compares it: per model, method and batch, tokens/s and its ratio to
+    uncompressed at the same batch kind (the fixed batch, or each method's largest), the step, the stored bits and
+    the compressed shares, and the paper's largest batch and tokens/s where it prints them. The full table
+    (per-step times, profiles) is the results CSV."""
+    import pandas as pd
+
+    from zipkv import paper_values as pv
+
+    t = table.copy()
+    t["batch kind"] = ["largest" if b == mb else "fixed" for b, mb in zip(t.batch, t.max_batch)]
+    base = t[t.method == "uncompressed"].set_index(["model", "batch kind"]).tokens_per_s
+    t["vs uncompressed"] = [tps / base.get((mdl, kind), float("nan"))
+                            for tps, mdl, kind in zip(t.tokens_per_s, t.model, t["batch kind"])]
+    bars = paper_bars()
+    paper = pv.ZIPFUSION_MAX_BATCH["Llama-3.1-8B"]
+    in_paper = t.model == THROUGHPUT_PAPER_MODEL
+    t["paper max batch"] = [paper.get(m) if p else None for m, p in zip(t.method, in_paper)]
+    t["paper tokens/s"] = [bars.get((k, m)) if p else None for m, k, p in zip(t.method, t["batch kind"], in_paper)]
+    cols = {"model": "model", "method": "method", "batch": "batch", "max_batch": "max batch", "tokens_per_s": "tokens/s",
+            "vs uncompressed": "vs uncompressed", "step_ms": "step (ms)", "stored_bits_per_value": "bits per value",
+            "frac_compressed_k": "K compressed", "frac_compressed_v": "V compressed", "paper max batch": "paper max batch",
+            "paper tokens/s": "paper tokens/s"}
+    out = t[[c for c in cols if c in t]].rename(columns=cols)
+    return pd.DataFrame(out).reset_index(drop=True)
+
+
 def agreement_text(same: dict) -> str:
     """One sentence from :func:`_e2e`'s ``same``: per method, requests whose greedy tokens equal uncompressed's."""
     parts = []

@@ -183,7 +183,7 @@ def _small_shape_why(ncu, small_row, big_row, small_fi, big_fi, fit=None) -> str
         pages = row.ctx // fmt.PAGE_TOKENS
         return (pages if shape.head_dim == 128 else pages // 2) / row.num_splits
     n_small, n_big = units(small_row, EMBEDDED_SHAPE), units(big_row, PAPER_MODELS["Llama-3.1-8B-Instruct"])
-    return (f" Why, from Nsight Compute (\"Inside the kernels\"; {ncu.device.split('commit: ')[-1]}): at this shape "
+    return (f" Why, from Nsight Compute (section \"Inside the kernels\"): at this shape "
             f"DRAM is {v('DRAM Throughput', small):.0f} % busy under the all-compressed kernel and "
             f"{v('DRAM Throughput', 'SmolLM2 decode uncompressed'):.0f} % under the uncompressed one, against "
             f"{v('DRAM Throughput', big):.0f} % and {v('DRAM Throughput', 'decode uncompressed'):.0f} % at the Llama "
@@ -203,7 +203,7 @@ def _fixed_cost_clause(fit) -> str:
     if pair is None:
         return " -- the likely cause, not isolated here"
     o, b = pair
-    return (f"; the context sweep (\"Fixed and per-token cost\", {o.commit}) separates the fixed cost from the read "
+    return (f"; the context sweep (section \"Fixed and per-token cost\") separates the fixed cost from the read "
             "rate: each launch costs "
             f"{_more_or_less(o.fixed_us - b.fixed_us)} than {METHOD_LABELS[b.method]}'s, and per token ours reads at "
             f"{o.stream_tbps / b.stream_tbps:.0%} of its rate ({b.us_per_1k / o.us_per_1k:.3f}× faster per token, "
@@ -265,7 +265,7 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None) -> str:
 def targets_section(table: pd.DataFrame, folder) -> str:
     """:func:`targets_text` under its heading, with the Nsight report and the context sweep's fit committed in
     ``folder`` (``results/paper``; each left out where absent)."""
-    return ("**This project's bars (issue 13) at the anchor, and why they are missed:**\n\n"
+    return ("**This project's bars at the anchor point, met and missed (why, from measurements):**\n\n"
             + targets_text(table, read_ncu(folder), read_context_fit(folder)))
 
 
@@ -287,7 +287,7 @@ def _per_token_clause(fit) -> str:
         return ""
     o, b = pair
     per_token, bar = b.us_per_1k / o.us_per_1k, PROJECT_TARGETS.speedup_vs_flashinfer_tc
-    return (f" Per token, with each launch's fixed cost set apart (\"Fixed and per-token cost\", {o.commit}), ours is "
+    return (f" Per token, with each launch's fixed cost set apart (section \"Fixed and per-token cost\"), ours is "
             f"{per_token:.3f}× faster" + (f": no context reaches {bar:.2f}×." if per_token < bar else "."))
 
 
@@ -465,9 +465,11 @@ def split_text(table: pd.DataFrame) -> str:
         text += f" At {len(table) - len(timed)} point(s) the plan's count was not among those timed."
     if "three_vs_two_slots" in table and table.three_vs_two_slots.notna().any():
         slots = table.dropna(subset=["three_vs_two_slots"])
-        best = slots.loc[slots.three_vs_two_slots.idxmin()]
-        text += (f" Three ring slots {'never beat' if best.three_vs_two_slots >= 1 else 'beat'} two at a point's "
-                 f"fastest split ({len(slots)} points; closest: {name(best)}, {best.three_vs_two_slots:.3f}×).")
+        best, worst = (slots.loc[slots.three_vs_two_slots.idxmin()], slots.loc[slots.three_vs_two_slots.idxmax()])
+        wins = int((slots.three_vs_two_slots < 1).sum())
+        text += (f" Each at its fastest split, three ring slots take {best.three_vs_two_slots:.3f}–"
+                 f"{worst.three_vs_two_slots:.3f}× two slots' time: faster at {wins} of {len(slots)} points "
+                 f"(most at {name(best)}), slower at the others (most at {name(worst)}).")
     return text
 
 

@@ -63,8 +63,13 @@ def speed_figure(timings: pd.DataFrame, embedded_name: str, ratio_sweep_context:
 
 
 def speed_table(timings: pd.DataFrame):
+    """The timings, with the paper's seconds (§7: a 2048-token context of Qwen2.5-1.5B at r = 0.3, A100) beside the
+    row it compares with."""
     table = timings[["problem_shape", "ctx", "ratio", "solver", "seconds", "speedup", "problems", "reference_problems"]]
-    return table.style.format({"seconds": "{:.2f}", "speedup": "{:.1f}×", "ratio": "{:.1f}"}, na_rep="–").hide(axis="index")
+    paper = table.problem_shape.str.startswith("Qwen") & (table.ctx == 2048) & (table.ratio == 0.3)
+    table = table.assign(paper_seconds=[pv.KVSCULPT_SECONDS_PER_CONTEXT if p else None for p in paper])
+    return table.style.format({"seconds": "{:.2f}", "speedup": "{:.1f}×", "ratio": "{:.1f}", "paper_seconds": "{:.0f}"},
+                              na_rep="–").hide(axis="index")
 
 
 def quality_summary(losses: pd.DataFrame) -> tuple[pd.DataFrame, str]:
