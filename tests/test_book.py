@@ -163,6 +163,20 @@ def test_gpu_only_profile_without_a_gpu_is_one_line_before_anything_runs(tmp_pat
     assert book.plan("quick", root=root)[0].device == "cpu"          # the notebook's default
 
 
+def test_from_results_renders_the_gpu_chapters_that_can_on_a_cpu(monkeypatch):
+    """``--from-results``: the chapters that declare ``from_results`` get it, on the CPU, under the profile's other
+    parameters (before, re-rendering meant editing params/paper.yaml); a chapter that cannot is named."""
+    monkeypatch.setattr(book, "cuda_available", lambda: False)
+    jobs = {j.name: j for j in book.plan("paper", from_results=True)}
+    assert "zipfusion_attention_latency" in jobs and "kvsculpt_optimizer" not in jobs
+    for job in jobs.values():
+        assert job.parameters["from_results"] is True and job.device in (None, "cpu"), job
+    assert jobs["model_data_kv_cache"].parameters["context"] == 2048                # the paper profile's setting
+    book.preflight(list(jobs.values()), "paper", force=True)                       # no "needs a CUDA GPU"
+    with pytest.raises(ValueError, match=r"--from-results: \['kvsculpt_optimizer'\] cannot be rendered"):
+        book.plan("paper", ["kvsculpt_optimizer", "kvsculpt_main"], from_results=True)
+
+
 def test_paper_profile_on_a_cpu_machine_is_one_line_and_leaves_git_clean():
     """The issue's bar: `python -m zipkv book --profile paper --only model_data_kv_cache` without a GPU."""
     def status():

@@ -1,6 +1,6 @@
 """Command line.
 
-``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force]`` — execute the notebooks, build the book.
+``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force] [--from-results]`` — execute the notebooks, build the book.
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput; zipkv.bench).
 ``python -m zipkv bench tune [--kernel gluon] [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
     book.add_argument("--force", action="store_true",
                       help="replace executed notebooks in book/ that another profile made")
+    book.add_argument("--from-results", action="store_true",
+                      help="render the chapters that can be from their committed results tables, on the CPU "
+                           "(from_results = True; no GPU needed)")
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
     bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format", "engine"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
@@ -145,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.html_only:
                 index = pipeline.build_html(Path(root).resolve())
             else:
-                index = pipeline.build(args.profile, args.only, root, html=not args.no_html, force=args.force)
+                index = pipeline.build(args.profile, args.only, root, html=not args.no_html, force=args.force,
+                                      from_results=args.from_results)
         except (ValueError, pipeline.NotebookFailed, RuntimeError) as err:
             print(f"zipkv book: {err}", file=sys.stderr)
             return 1

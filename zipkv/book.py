@@ -104,8 +104,16 @@ def declared_parameters(source: Path) -> dict:
     return declared
 
 
-def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT) -> list[NotebookJob]:
-    """Check the profile against the notebooks and return what to run, before running anything."""
+FROM_RESULTS = "from_results"
+"""The parameter of a chapter that can be re-rendered from its committed results table (:mod:`zipkv.committed`)."""
+
+
+def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT, *,
+         from_results: bool = False) -> list[NotebookJob]:
+    """Check the profile against the notebooks and return what to run, before running anything.
+
+    from_results: render the chapters that declare :data:`FROM_RESULTS` from their committed tables, on the CPU
+    (``from_results = True``, ``device = "cpu"``): all of them, or those of ``only``, which must all declare it."""
     settings = load_profile(profile, root)
     sources = notebook_sources(root)
     unknown_sections = sorted(set(settings) - set(sources))
@@ -118,6 +126,13 @@ def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT) ->
         if missing:
             raise ValueError(f"--only {missing}: no such notebook; expected names from {sorted(sources)}")
         names = [n for n in names if n in only]
+    if from_results:
+        cannot = [n for n in names if FROM_RESULTS not in declared_parameters(sources[n])]
+        if only and cannot:
+            raise ValueError(f"--from-results: {cannot} cannot be rendered from committed results (no "
+                             f"{FROM_RESULTS!r} parameter); those that can: "
+                             f"{sorted(n for n, s in sources.items() if FROM_RESULTS in declared_parameters(s))}")
+        names = [n for n in names if n not in cannot]
     jobs = []
     for name in names:
         source = sources[name]
@@ -127,6 +142,10 @@ def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT) ->
         if unknown:
             raise ValueError(f"notebook {name!r} has no parameter(s) {unknown} (given in params/{profile}.yaml); "
                              f"it declares {sorted(declared)}")
+        if from_results:
+            given[FROM_RESULTS] = True
+            if "device" in declared:
+                given["device"] = "cpu"
         if RESULTS_PARAMETER not in declared:
             raise ValueError(f"notebook {name!r} must declare the parameter {RESULTS_PARAMETER!r} "
                              "(where it saves its main table)")
@@ -422,14 +441,15 @@ def build_html(root: Path = REPO_ROOT) -> Path:
 
 
 def build(profile: str = "quick", only: list[str] | None = None, root: Path = REPO_ROOT,
-          html: bool = True, *, force: bool = False) -> Path | None:
+          html: bool = True, *, force: bool = False, from_results: bool = False) -> Path | None:
     """Execute the notebooks of ``profile`` (all, or those named in ``only``), then build the HTML.
 
-    ``force`` replaces executed notebooks that another profile made (each replacement is printed)."""
+    ``force`` replaces executed notebooks that another profile made (each replacement is printed);
+    ``from_results`` renders the chapters that can be from their committed tables (:func:`plan`)."""
     from tqdm.auto import tqdm
 
     root = Path(root).resolve()
-    jobs = plan(profile, only, root)
+    jobs = plan(profile, only, root, from_results=from_results)
     preflight(jobs, profile, root, force=force)
     replaced = {j.name: p for j in jobs if (p := executed_profile(j.executed)) not in (None, profile)}
     with tqdm(jobs, desc=f"notebooks ({profile})", unit="notebook") as bar:
