@@ -163,6 +163,24 @@ def test_gpu_only_profile_without_a_gpu_is_one_line_before_anything_runs(tmp_pat
     assert book.plan("quick", root=root)[0].device == "cpu"          # the notebook's default
 
 
+def test_the_commit_stamp_ignores_executed_notebooks_but_not_code(tmp_path):
+    """A batch's earlier chapters rewrite book/; the later ones' provenance must still name a clean commit, while a
+    changed source file marks it."""
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+    (tmp_path / "book").mkdir()
+    (tmp_path / "book" / "a.ipynb").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qam", "x", "--allow-empty")
+    git("add", ".")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "y")
+    (tmp_path / "book" / "a.ipynb").write_text('{"changed": 1}')
+    assert not book._git_commit(tmp_path).endswith("uncommitted changes")
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert book._git_commit(tmp_path).endswith("+uncommitted changes")
+
+
 def test_from_results_renders_the_gpu_chapters_that_can_on_a_cpu(monkeypatch):
     """``--from-results``: the chapters that declare ``from_results`` get it, on the CPU, under the profile's other
     parameters (before, re-rendering meant editing params/paper.yaml); a chapter that cannot is named."""

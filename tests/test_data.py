@@ -109,3 +109,18 @@ def test_manifest_pg_ids_may_be_digit_strings(tmp_path):
     (folder / "manifest.json").write_text('[{"pg_id": "0"}]')
     (book,) = data.load_books(folder)
     assert (book.pg_id, book.title, book.text) == (0, "", "some text")
+
+
+def test_window_and_book_arguments_are_checked():
+    from zipkv import data
+
+    books = data.load_books(limit=2)
+    for kwargs, err, match in ((dict(n=1.5), TypeError, "n=1.5: expected an int"),
+                               (dict(n=1, context=64.0), TypeError, "context=64.0"),
+                               (dict(n=1, context=True), TypeError, "context=True")):
+        with pytest.raises(err, match=match):
+            data.windows(None, books, **kwargs)
+    with pytest.raises(TypeError, match="books: expected a list of zipkv.data.Book"):
+        data.windows(None, books[0], 1)
+    with pytest.raises(ValueError, match="limit=-1: expected None or an int ≥ 1"):
+        data.load_books(limit=-1)

@@ -360,3 +360,31 @@ def test_a_model_whose_layers_capture_cannot_reach_is_refused():
     model = _tiny_family("stablelm")
     with pytest.raises(ValueError, match="in 0 of its 2 layers"):
         models.capture(model, torch.arange(3, 20))
+
+
+def test_a_gguf_is_converted_once_wherever_it_is_installed(tmp_path, monkeypatch):
+    """The conversion is keyed by the file's content: a reinstalled package or another virtualenv (same bytes, another
+    path or mtime) reuses the copy (before, every fresh virtualenv converted again and left a 540 MB copy behind)."""
+    monkeypatch.setenv("ZIPKV_CACHE", str(tmp_path / "cache"))
+    a, b, other = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in ((a, b"GGUF same bytes"), (b, b"GGUF same bytes"), (other, b"GGUF other bytes")):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    key = models._content_key(a)
+    assert models._content_key(b) == key != models._content_key(other)
+    target = tmp_path / "cache" / f"m-{key}"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    (target / "model.safetensors").write_text("")
+    assert models.converted_gguf(b) == target                  # found, nothing converted (the bytes are no model)
+    assert str(b.resolve()) in (tmp_path / "cache" / "gguf-keys.json").read_text()
+
+
+def test_load_model_checks_its_arguments_before_loading_weights():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda': this machine has no CUDA GPU"):
+            models.load_model(device="cuda")
+    with pytest.raises(ValueError, match="device='bogus': expected a torch device"):
+        models.load_model(device="bogus")
+    with pytest.raises(TypeError, match="name=123: expected None"):
+        models.load_model(123)

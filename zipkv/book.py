@@ -222,8 +222,9 @@ def _git_commit(root: Path) -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
                                 text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        # book/ holds this pipeline's executed notebooks: a batch's earlier chapters must not mark its later ones
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)book"],
+                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
         return commit + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout; set ZIPKV_COMMIT)"

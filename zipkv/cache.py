@@ -86,6 +86,12 @@ class DistilledLayer(DynamicLayer):
         self.valid = valid.to(keys.device)
         self.bias = bias.to(device=keys.device, dtype=torch.float32)
         self.armed = False
+        self._start = (self.keys, self.values, self.valid, self.bias)   # what restart() returns to (no copies)
+
+    def restart(self) -> None:
+        """Back to the compressed context: no appended tokens and its own batch rows (``generate`` with beams or
+        several sequences grows the rows; appending and reordering make new tensors, never writing these)."""
+        self.keys, self.values, self.valid, self.bias = self._start
 
     @property
     def heads(self) -> int:
@@ -254,9 +260,10 @@ class DistilledCache(Cache):
         return self.n_context + self.get_seq_length()
 
     def reset(self) -> None:
-        """Drop every appended token: back to the compressed context (before another ``generate``)."""
+        """Drop every appended token and every row ``generate`` added (beams, a batch of continuations): back to the
+        compressed context (before another ``generate``)."""
         for layer in self.layers:
-            layer.crop(-layer.get_seq_length())
+            layer.restart()
 
     def fresh(self) -> "DistilledCache":
         """A new cache over the same compressed context (shared tensors), with nothing appended."""

@@ -9,6 +9,7 @@ the ``datasets`` library; :func:`windows` cuts token windows from them.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 import re
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ def load_books(folder: str | os.PathLike | None = None, *, limit: int | None = N
     ``folder=None`` uses :func:`default_books_dir`, else the PG19 test split from the
     ``datasets`` library (needs a network). ``limit`` keeps the first ``limit`` books.
     """
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1):
+        raise ValueError(f"limit={limit!r}: expected None or an int ≥ 1 (the first books to keep)")
     if folder is None:
         folder = default_books_dir()
         if folder is None:
@@ -150,6 +153,11 @@ def windows(
     reused; each window starts at a seeded random character offset past the first
     :data:`FRONT_MATTER_CHARS` characters. The same arguments always give the same windows.
     """
+    for name, value in (("n", n), ("context", context), ("continuation", continuation), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name}={value!r}: expected an int")
+    if not isinstance(books, (list, tuple)) or not all(isinstance(b, Book) for b in books):
+        raise TypeError(f"books: expected a list of zipkv.data.Book (zipkv.data.load_books), got {type(books).__name__}")
     if n < 1:
         raise ValueError(f"n={n}: expected at least one window")
     if context < 1 or continuation < 0:

@@ -111,14 +111,43 @@ def _converted_embedded_model() -> Path:
     return converted_gguf(embedded_gguf_path())
 
 
+def _content_key(gguf: Path) -> str:
+    """The first 12 hex digits of the file's SHA-256: the same model file gets the same key wherever it is installed
+    (another virtualenv, a reinstalled package), so it is converted once. The digest of a path, size and mtime seen
+    before is remembered in ``cache_dir()/gguf-keys.json`` (hashing ~100 MB takes a quarter of a second)."""
+    import json
+
+    stat = gguf.stat()
+    seen = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    index_path = cache_dir() / "gguf-keys.json"
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError):
+        index = {}
+    if isinstance(index, dict) and isinstance(index.get(seen), str):
+        return index[seen]
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    key = digest.hexdigest()[:12]
+    try:                                              # best effort: a read-only cache only costs the hashing again
+        index_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = index_path.with_name(f"{index_path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps({**(index if isinstance(index, dict) else {}), seen: key}))
+        partial.replace(index_path)
+    except OSError:
+        pass
+    return key
+
+
 def converted_gguf(gguf: str | os.PathLike) -> Path:
     """A safetensors model folder made from the GGUF file ``gguf`` once (de-quantized to float32, kept
-    under :func:`cache_dir`, keyed by the file's path, size and mtime) and reused by later loads."""
+    under :func:`cache_dir`, keyed by the file's content: :func:`_content_key`) and reused by later loads."""
     gguf = Path(gguf).expanduser()
     if not gguf.is_file() or gguf.suffix != ".gguf":
         raise ValueError(f"gguf={str(gguf)!r}: expected the path of an existing .gguf model file")
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = _content_key(gguf)
     target = cache_dir() / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
@@ -216,6 +245,14 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     """
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype={dtype!r}: expected a torch.dtype such as torch.bfloat16")
+    if name is not None and not isinstance(name, (str, os.PathLike)):
+        raise TypeError(f"name={name!r}: expected None (the embedded model), a path or a Hugging Face model id")
+    try:                                                  # before the weights load, not after
+        where = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: expected a torch device such as 'cpu' or 'cuda'") from None
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this machine has no CUDA GPU (torch.cuda.is_available() is False)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 

@@ -28,6 +28,7 @@ a uniform or pilot-MSE budget (§3.5), returning a :class:`CompressedCache` (per
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -271,7 +272,8 @@ def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
     """
     if not 0 <= m < n_context:
         raise ValueError(f"m={m}: expected 0 ≤ m < N={n_context}")
-    if not (isinstance(ratio, (int, float)) and math.isfinite(ratio)) or not m / n_context < ratio <= 1:
+    if (not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not math.isfinite(ratio)
+            or not m / n_context < ratio <= 1):
         raise ValueError(f"ratio={ratio!r}: expected m/N = {m}/{n_context} = {m / n_context:.4g} < ratio ≤ 1 "
                          "(r = (k + m)/N)")
     k = round(ratio * n_context) - m
@@ -298,6 +300,9 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
     if m + n_synthetic == 0:
         raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
                          "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale={scale!r}: expected a finite positive attention score scale, or None for 1/√d")
     L = len(capture.layers)
     if L == 0:
         raise ValueError("capture has no layers")
@@ -432,11 +437,20 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
             problems = [replace(p, k=int(ks[p.layer, p.head])) for p in problems]
     else:
         ks = torch.as_tensor(budget)
-        if tuple(ks.shape) != (L, H) or ks.is_floating_point():
+        if tuple(ks.shape) != (L, H) or ks.is_floating_point() or ks.dtype == torch.bool:
             raise ValueError(f"budget has shape {tuple(ks.shape)} and dtype {ks.dtype}: expected [layers, kv_heads] = "
                              f"[{L}, {H}] integers")
+        if not bool(((ks[kept] >= 1) & (ks[kept] <= N - m)).all()):
+            raise ValueError(f"budget: compressed pairs per head must lie in [1, N − m = {N - m}], got "
+                             f"{int(ks[kept].min())}–{int(ks[kept].max())}")
         problems = [replace(p, k=int(ks[p.layer, p.head])) for p in problems]
-    solutions = run_method(method, problems, config=cfg, joint_config=joint_config, seed=seed, solver=solver)
+        ratio = (float(ks[kept].double().mean()) + m) / N      # what the budget keeps, not the ratio argument
+    # A head that keeps every old pair keeps them as they are: the exact cache (zero loss), which a fit of its
+    # values on a few training queries would only perturb.
+    fit = [p for p in problems if p.k < p.n - p.m]
+    fitted = iter(run_method(method, fit, config=cfg, joint_config=joint_config, seed=seed, solver=solver) if fit else [])
+    solutions = [next(fitted) if p.k < p.n - p.m else
+                 Solution(p.keys[:N - m], p.values[:N - m], 0.0, 0.0, indices=torch.arange(N - m)) for p in problems]
     keys = [[None] * H for _ in range(L)]
     values = [[None] * H for _ in range(L)]
     for p, s in zip(problems, solutions):
