@@ -760,7 +760,7 @@ def test_the_chapter_table_and_the_end_to_end_speed_read_the_committed_rows():
     from zipkv.book import REPO_ROOT
 
     table = pd.read_csv(REPO_ROOT / "results" / "paper" / "zipfusion_throughput.csv")
-    compact = throughput.compact_table(table).set_index(["model", "method", "batch"])
+    compact = throughput.compact_table(table).data.set_index(["model", "method", "batch"])
     z = compact.loc[(throughput.THROUGHPUT_PAPER_MODEL, "zipfusion", 57)]
     u = table[(table.method == "uncompressed") & (table.batch == table.max_batch)
               & (table.model == throughput.THROUGHPUT_PAPER_MODEL)]

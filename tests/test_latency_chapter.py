@@ -178,7 +178,7 @@ def test_targets_section_reads_the_report_and_the_fit_committed_in_its_folder():
     folder = REPO_ROOT / "results/paper"
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
     section = latency.targets_section(table, folder)
-    assert section.startswith("**This project's bars (issue 13)")
+    assert section.startswith("**This project's bars at the anchor point, met and missed")
     assert section.endswith(latency.targets_text(table, latency.read_ncu(folder), latency.read_context_fit(folder)))
     assert "Fixed and per-token cost" in section and "Why, from Nsight Compute" in section
     assert "needs a GPU and none is committed" in latency.mix_text(None)

@@ -589,7 +589,7 @@ def measured_copy_bandwidth(latency_csv) -> float | None:
 
 
 def compact_table(table):
-    """The chapter's table as a reader compares it: per model, method and batch, tokens/s and its ratio to
+    """The chapter's table as a reader compares it (a pandas Styler): per model, method and batch, tokens/s and its ratio to
     uncompressed at the same batch kind (the fixed batch, or each method's largest), the step, the stored bits and
     the compressed shares, and the paper's largest batch and tokens/s where it prints them. The full table
     (per-step times, profiles) is the results CSV."""
@@ -611,8 +611,10 @@ def compact_table(table):
             "vs uncompressed": "vs uncompressed", "step_ms": "step (ms)", "stored_bits_per_value": "bits per value",
             "frac_compressed_k": "K compressed", "frac_compressed_v": "V compressed", "paper max batch": "paper max batch",
             "paper tokens/s": "paper tokens/s"}
-    out = t[[c for c in cols if c in t]].rename(columns=cols)
-    return pd.DataFrame(out).reset_index(drop=True)
+    out = t[[c for c in cols if c in t]].rename(columns=cols).reset_index(drop=True)
+    return out.style.format({"tokens/s": "{:,.0f}", "vs uncompressed": "{:.3f}×", "step (ms)": "{:.2f}",
+                             "bits per value": "{:.2f}", "K compressed": "{:.1%}", "V compressed": "{:.1%}",
+                             "paper max batch": "{:.0f}", "paper tokens/s": "{:,.0f}"}, na_rep="–").hide(axis="index")
 
 
 def agreement_text(same: dict) -> str:
