@@ -191,6 +191,21 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
                                                             r"budget: compressed pairs per head must lie in \[1, ")):
         with pytest.raises(ValueError, match=match):
             zipkv.compress(model, ids[:N], m=6, n_synthetic=4, steps=1, **kwargs)
+    with pytest.raises(TypeError, match="seed=1.5: expected an int"):
+        zipkv.compress(model, ids[:N], m=6, seed=1.5)
+    with pytest.raises(TypeError, match=r"SculptConfig\(dtype=torch.bfloat16\): expected torch.float32 or"):
+        zipkv.compress(model, ids[:N], m=6, dtype=torch.bfloat16)             # failed in the V-step, after the capture
+    with pytest.raises(TypeError, match="solver=3: expected"):
+        zipkv.compress(model, ids[:N], m=6, solver=3)
+    implementation = model.config._attn_implementation
+    model.config._attn_implementation = "flex_attention"                    # refused before the capture, not at generate
+    try:
+        with pytest.raises(ValueError, match="attn_implementation='flex_attention': a DistilledCache needs one of"):
+            zipkv.compress(model, ids[:N], m=6)
+    finally:
+        model.config._attn_implementation = implementation
+    cache = zipkv.compress(model, ids[:N], ratio=0.5, m=6, n_synthetic=4, steps=1, solver="reference")
+    assert torch.equal(cache.lengths, torch.full((2, 2), 15))                    # a solver by name, as the CLI names it
     cache = zipkv.compress(model, ids[:N], ratio=np.float32(0.5), method="select_fit", m=6, n_synthetic=4)
     assert torch.equal(cache.lengths, torch.full((2, 2), 15))                    # a numpy ratio is a ratio
     budget = torch.tensor([[4, 4], [4, 4]])

@@ -38,6 +38,7 @@ only the tokens that follow the context; inputs that repeat the context are refu
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -370,7 +371,7 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
         past_key_values=cache, ...)`` where ``next_ids`` are the tokens after the context.
     """
     from .distill import batched
-    from .distill.kvsculpt import METHODS, budget_for_ratio, compress as compress_capture
+    from .distill.kvsculpt import METHODS, budget_for_ratio, compress as compress_capture, solver_named
     from .distill.problem import SculptConfig
     from .models import capture
 
@@ -382,6 +383,17 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     budget_for_ratio(ratio, ids.numel(), settings.get("m", 256))  # a bad ratio fails before the forward pass
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation not in SUPPORTED_ATTENTION:                  # else generate refuses the cache afterwards
+        raise ValueError(f"attn_implementation={implementation!r}: a DistilledCache needs one of "
+                         f"{list(SUPPORTED_ATTENTION)} (per-head masks); model.set_attn_implementation('sdpa')")
+    seed = settings.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed={seed!r}: expected an int")
+    if isinstance(settings.get("solver"), str):                   # a name, as kvsculpt_main's parameter takes it
+        settings["solver"] = solver_named(settings["solver"])
+    elif settings.get("solver") is not None and not callable(settings["solver"]):
+        raise TypeError(f"solver={settings['solver']!r}: expected 'batched', 'reference' or a batch solver function")
     fields = {name: settings.pop(name) for name in list(settings) if name in SculptConfig.__dataclass_fields__}
     if fields:
         if settings.get("config") is not None:

@@ -152,8 +152,8 @@ class SculptConfig:
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                     or value < 0 or (positive and value == 0)):
                 raise ValueError(f"SculptConfig({name}={value!r}): expected a finite number {'>' if positive else '≥'} 0")
-        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
-            raise TypeError(f"SculptConfig(dtype={self.dtype!r}): expected a floating torch.dtype such as torch.float32")
+        if self.dtype not in (torch.float32, torch.float64):   # the V-step's triangular solve needs one of these
+            raise TypeError(f"SculptConfig(dtype={self.dtype!r}): expected torch.float32 or torch.float64")
         if self.device is not None:
             try:
                 device = torch.device(self.device)
