@@ -185,6 +185,7 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
     import numpy as np
 
     import zipkv
+    from zipkv.models import capture
 
     for kwargs, match in ((dict(scale=0.0), "scale=0.0"), (dict(scale=float("nan")), "scale=nan"),
                           (dict(ratio=True), "ratio=True"), (dict(budget=torch.zeros(2, 2, dtype=torch.long)),
@@ -197,6 +198,9 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
         zipkv.compress(model, ids[:N], m=6, dtype=torch.bfloat16)             # failed in the V-step, after the capture
     with pytest.raises(TypeError, match="solver=3: expected"):
         zipkv.compress(model, ids[:N], m=6, solver=3)
+    full = C.DistilledCache.from_compressed(K.CompressedCache.from_capture(capture(model, ids[:N])), model)
+    layers = [(layer.keys[0], layer.values[0], layer.valid) for layer in full.layers]
+    assert C.DistilledCache.from_padded(layers, np.int64(N)).n_context == N      # was refused: "expected N ≥ 1"
     implementation = model.config._attn_implementation
     model.config._attn_implementation = "flex_attention"                    # refused before the capture, not at generate
     try:

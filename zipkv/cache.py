@@ -204,8 +204,9 @@ class DistilledCache(Cache):
                  compressed=None):
         if not layers:
             raise ValueError("a DistilledCache needs at least one layer")
-        if not isinstance(n_context, int) or n_context < 1:
+        if isinstance(n_context, bool) or not isinstance(n_context, numbers.Integral) or n_context < 1:
             raise ValueError(f"n_context={n_context!r}: expected the original context length N ≥ 1")
+        n_context = int(n_context)
         sequences = sorted({layer.keys.shape[0] for layer in layers if layer.per_sequence})
         if len(sequences) > 1:
             raise ValueError(f"layers hold per-sequence pairs for {sequences} sequences: expected one batch size")
