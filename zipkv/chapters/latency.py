@@ -258,7 +258,10 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None) -> str:
             f"{_bar(fastest.latency_us / sc.latency_us, goal.smollm2_speedup_vs_fastest)}; measured mix ({sm.kernel} kernel, "
             f"{sm.latency_us:.1f} µs, {sm.tbps:.2f} TB/s): {_bar(fastest.latency_us / sm.latency_us, goal.smollm2_mix_speedup_vs_fastest)}. "
             f"The bytes allow {fastest.bytes_read / sc.bytes_read:.3f}× and {fastest.bytes_read / sm.bytes_read:.3f}× at the "
-            f"baseline's bandwidth." + _small_shape_why(ncu, sc, comp, s[s.method == "flashinfer_tc"].iloc[0], fi, fit))
+            f"baseline's bandwidth.")
+        why = _small_shape_why(ncu, sc, comp, s[s.method == "flashinfer_tc"].iloc[0], fi, fit)
+        if why:                                              # a sub-item: the shape's reason, from the profiles
+            lines.append("  -" + why)
     return "\n".join(lines)
 
 
