@@ -593,8 +593,6 @@ def compact_table(table):
     uncompressed at the same batch kind (the fixed batch, or each method's largest), the step, the stored bits and
     the compressed shares, and the paper's largest batch and tokens/s where it prints them. The full table
     (per-step times, profiles) is the results CSV."""
-    import pandas as pd
-
     from zipkv import paper_values as pv
 
     t = table.copy()
