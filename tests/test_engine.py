@@ -439,18 +439,33 @@ FAMILY_EXTRAS = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_w
                                                                         num_experts_per_tok=2)}
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "mixtral", "qwen2", "qwen3", "gemma"])
-def test_every_decoder_family_the_engine_takes_gives_generates_tokens(model_type):
-    """Each model type of ``DECODE_MODEL_TYPES`` besides Llama (the embedded model's, tested above): the engine's
-    decode steps, with pages compressed as they fill, give ``model.generate``'s greedy tokens."""
+@pytest.mark.parametrize("fused_ops", [False, True], ids=["modules", "fused"])
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma"])
+def test_every_decoder_family_the_engine_takes_gives_generates_tokens(model_type, fused_ops, monkeypatch):
+    """Each model type of ``DECODE_MODEL_TYPES``: the engine's decode steps, with pages compressed as they fill, give
+    ``model.generate``'s greedy tokens -- through the model's modules, and through the fused step kernels
+    (``fused_ops=True``, here in Triton's interpreter), which replace exactly the norms and MLPs that compute
+    Llama's: not Gemma's (its norm scales by ``1 + weight``, its MLP is GELU) nor Mixtral's expert MLP."""
     from zipkv.engine import DECODE_MODEL_TYPES
+    from zipkv.kernels import fused_ops as kernels
     assert model_type in DECODE_MODEL_TYPES
+    calls = {name: 0 for name in ("add_rms_norm", "rotary", "silu_mul")}
+    for name in calls:
+        def spy(*args, _name=name, _f=getattr(kernels, name)):
+            calls[_name] += 1
+            return _f(*args)
+        monkeypatch.setattr(kernels, name, spy)
     model = _tiny_model(model_type, **FAMILY_EXTRAS.get(model_type, {}))
     prompts = [list(range(3, 40)), list(range(50, 61)), list(range(70, 75))]
     ref = _generate(model, prompts, 12)
-    res = Engine(model, 8 * _page_bytes(model), compress="all", pages_per_chunk=2).generate(prompts, 12)
+    res = Engine(model, 8 * _page_bytes(model), compress="all", pages_per_chunk=2,
+                 fused_ops=fused_ops).generate(prompts, 12)
     _assert_tokens_of_generate(res.outputs, ref)
     assert res.stats["frac_compressed_k"] > 0
+    used = {name for name, n in calls.items() if n}
+    expected = set() if not fused_ops else {"rotary"} | ({"add_rms_norm"} if model_type != "gemma" else set()) \
+        | ({"silu_mul"} if model_type not in ("gemma", "mixtral") else set())
+    assert used == expected
 
 
 @pytest.mark.parametrize("model_type, extra", [
@@ -541,6 +556,8 @@ def test_budget_and_model_errors():
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="num_splits must be a positive int"):
             Engine(model, 10**6, num_splits=bad)
+    with pytest.raises(TypeError, match="fused_ops must be a bool or None, got str"):
+        Engine(model, 10**6, fused_ops="yes")
     from zipkv import codecs
     with pytest.raises(TypeError, match="restore must be"):
         Engine(model, 10**6, compress="prompt", restore="splitzip")

@@ -36,13 +36,14 @@ A request's **cache length** (pairs stored) is kept apart from its **position** 
 a :class:`Prefix` distilled by KVSculpt holds ``k + m`` pairs for ``N`` tokens; its prompt and outputs
 continue at position ``N``.
 
-:class:`_Attention` is the only place that calls into ``zipkv.kernels``: the plan/run API of
+:class:`_Attention` is the only place that calls into the attention kernels: the plan/run API of
 ``zipkv.kernels.decode_attention`` (a plan per layer and batch composition, over a static page table updated in
 place), ``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
 the torch reference (``attention="reference"``). **CUDA graphs** (:class:`_StepGraph`): the whole decode step --
 embeddings, every layer's projections, KV writes, (restores,) attention and MLP, the greedy argmax -- reads its
 per-step inputs from one static device buffer and is captured once per batch composition, then replayed; the host
-only copies tokens, positions and slots in, updates the page table in place and reads the tokens back.
+only copies tokens, positions and slots in, updates the page table in place and reads the tokens back. The step's
+norms, rotary embedding and gated MLP product run as one kernel each on the GPU (:class:`_StepOps`).
 
 **Restore-before-attention baselines** (``restore=codec``, :class:`_Restore`): the same loop, with each
 request's prefix pages kept as a :mod:`zipkv.codecs` payload and decoded per layer into one shared restore buffer
@@ -355,6 +356,50 @@ class _Attention:
         return self.plans[layer].run(q.contiguous())
 
 
+RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+"""Norm classes that compute Llama's RMSNorm (fp32 statistics, ``weight * bf16(normed)``), the one
+:func:`zipkv.kernels.fused_ops.add_rms_norm` computes."""
+
+GATED_SILU_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
+"""MLP classes computing ``down(act(gate(x)) * up(x))``; with a SiLU ``act`` the product is
+:func:`zipkv.kernels.fused_ops.silu_mul`."""
+
+
+class _StepOps:
+    """The elementwise pieces of the decode step: residual add + norm, rotary embedding, the MLP's gated product.
+    ``fused``: through one kernel each (:mod:`zipkv.kernels.fused_ops`, which rounds where the modules do) wherever
+    a module computes exactly what the kernel does (:data:`RMS_NORMS`, :data:`GATED_SILU_MLPS` with SiLU, a
+    power-of-two head_dim); elsewhere, and with ``fused=False``, through the model's own modules and
+    ``apply_rotary_pos_emb``. Shapes: the residual stream ``[B, hidden]``; q, k ``[B, heads, head_dim]``."""
+
+    def __init__(self, head_dim: int, fused: bool):
+        self.fused, self.fused_rotary = fused, fused and head_dim & (head_dim - 1) == 0
+        if fused:
+            from zipkv.kernels import fused_ops
+            self.kernels = fused_ops
+
+    def add_norm(self, h, delta, norm):
+        """``(h + delta, norm(h + delta))`` (delta None: no add)."""
+        if self.fused and type(norm).__name__ in RMS_NORMS:
+            return self.kernels.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
+        h = h if delta is None else h + delta
+        return h, norm(h[:, None])[:, 0]
+
+    def rotary(self, q, k, cos, sin):
+        """Rotated ``(q, k)``, q contiguous."""
+        if self.fused_rotary:
+            return self.kernels.rotary(q.contiguous(), k.contiguous(), cos, sin)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        return q.contiguous(), k
+
+    def mlp(self, mlp, x):
+        if self.fused and type(mlp).__name__ in GATED_SILU_MLPS \
+                and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"):
+            return mlp.down_proj(self.kernels.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
+        return mlp(x[:, None])[:, 0]
+
+
 class _StepGraph:
     """The whole decode step captured in a CUDA graph, one per batch composition (ZipFusion §IV-A: the
     framework runs use CUDA graphs). The step reads its inputs from a static buffer ``[4, batch]`` (tokens,
@@ -512,14 +557,16 @@ class Engine:
     (SGLang's overlap scheduler): the step takes its input tokens from the previous step's output on the device,
     so the host's scheduling, page-table updates and graph launch of step n + 1 run while the GPU computes step
     n; a request that meets its stop token runs one more step, whose token is dropped. False: launch a step,
-    wait for its tokens, then prepare the next.
+    wait for its tokens, then prepare the next. fused_ops: the decode step's norms, rotary embedding and
+    gated MLP product through one kernel each (:class:`_StepOps`, :mod:`zipkv.kernels.fused_ops`) instead of the
+    modules' chains of small kernels; None (default): on CUDA; True on the CPU needs ``TRITON_INTERPRET=1``.
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
                  k_layout: str = "auto", v_layout: str = "auto", pages_per_chunk: int = 16,
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
-                 num_splits: int | None = None, overlap: bool = True):
+                 num_splits: int | None = None, overlap: bool = True, fused_ops: bool | None = None):
         _check_model(model)
         cfg = model.config
         self.model, self.inner = model, model.model
@@ -536,6 +583,13 @@ class Engine:
             raise ValueError(f"compress must be 'all', 'prompt', 'none' or a bool, got {compress!r}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
+        if fused_ops is not None and not isinstance(fused_ops, bool):
+            raise TypeError(f"fused_ops must be a bool or None, got {type(fused_ops).__name__}")
+        if fused_ops and self.device.type != "cuda":
+            from zipkv.kernels import fused_ops as kernels
+            if not kernels.launchable(self.device):
+                raise ValueError(f"fused_ops=True: the model is on {self.device}, where the Triton kernels run only in "
+                                 f"Triton's interpreter (start Python with TRITON_INTERPRET=1), or pass fused_ops=None")
         if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
@@ -571,6 +625,7 @@ class Engine:
         self.attention = _Attention(self.memory, attention, self.q_heads, model.model.layers[0].self_attn.scaling,
                                     static_kinds=compress == "none" or restore is not None, restore=self.restore,
                                     num_splits=num_splits)
+        self.step_ops = _StepOps(self.head_dim, self.device.type == "cuda" if fused_ops is None else fused_ops)
         self.graphs = _StepGraph(self._decode_forward, self.device, cuda_graphs)
         self.compress = "none" if restore is not None else compress
         self.reserve_ratio, self.max_batch, self.overlap = reserve_ratio, max_batch, overlap
@@ -602,25 +657,26 @@ class Engine:
         """One new token per running request through every layer. inp int64 ``[4, batch]``: tokens,
         positions, page ids and in-page offsets of the new tokens. Returns the logits' argmax ``[batch]``.
         Neither syncs nor allocates on the host: it is the step a CUDA graph captures."""
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         tokens, positions, pages, offsets = inp
-        B = tokens.shape[0]
+        B, ops = tokens.shape[0], self.step_ops
         h = self.inner.embed_tokens(tokens[:, None])                          # [B, 1, hidden]
-        cos, sin = self.inner.rotary_emb(h, position_ids=positions[:, None])
+        cos, sin = (t[:, 0] for t in self.inner.rotary_emb(h, position_ids=positions[:, None]))   # [B, head_dim]
+        h, delta = h[:, 0], None                                              # the residual stream [B, hidden]
         for l, layer in enumerate(self.inner.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(B, 1, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(B, 1, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(B, 1, -1, self.head_dim).transpose(1, 2)
+            h, x = ops.add_norm(h, delta, layer.input_layernorm)
+            q = attn.q_proj(x).view(B, -1, self.head_dim)                     # [B, heads, head_dim]
+            k = attn.k_proj(x).view(B, -1, self.head_dim)
+            v = attn.v_proj(x).view(B, -1, self.head_dim)
             if hasattr(attn, "q_norm"):                                     # Qwen3-style per-head norms
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.memory.write_tokens(l, pages, offsets, k[:, :, 0], v[:, :, 0])
-            o = self.attention.run(l, q[:, :, 0].contiguous())                 # [B, Hq, D]
-            h = h + attn.o_proj(o.reshape(B, 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.lm_head(self.inner.norm(h[:, -1])).argmax(-1)
+            q, k = ops.rotary(q, k, cos, sin)
+            self.memory.write_tokens(l, pages, offsets, k, v)
+            o = self.attention.run(l, q)                                      # [B, Hq, D]
+            delta = attn.o_proj(o.reshape(B, -1))
+            h, x = ops.add_norm(h, delta, layer.post_attention_layernorm)
+            delta = ops.mlp(layer.mlp, x)
+        return self.model.lm_head(ops.add_norm(h, delta, self.inner.norm)[1]).argmax(-1)
 
     # ------------------------------------------------------------------ scheduling
 
