@@ -161,3 +161,26 @@ def test_an_ncu_report_is_read_by_the_targets_its_header_names():
     assert nsight_report.report_targets(headless) is None
     with pytest.raises(ValueError, match=f"report has {len(older)} kernel blocks, expected {len(nsight.NCU_TARGETS)}"):
         nsight_report.parse(headless, nsight.NCU_TARGETS, nsight.NCU_KERNELS, nsight.NCU_STALLS)
+
+
+def test_gpu_samples_are_parsed_and_summarised_over_the_window_asked_for(monkeypatch):
+    from zipkv.bench import power
+    assert power.parse_sample("1980, 639.48, 0x0000000000000000") == (1980.0, 639.48, 0)
+    assert power.parse_sample("1725, 695.95, 0x0000000000000004") == (1725.0, 695.95, 4)
+    assert power.parse_sample("clocks.current.sm [MHz], power.draw [W], x") is None
+    assert power.parse_sample("[N/A], 80.0, 0x0") is None
+    s = power.summarize([(1980.0, 600.0, 0), (1725.0, 700.0, 4), (1900.0, 690.0, 4 | 1)])
+    assert s == dict(sm_clock_mhz=1900.0, power_w=690.0, power_w_max=700.0, frac_power_capped=2 / 3)
+    assert all(v != v for v in power.summarize([]).values())
+    mon = power.GpuMonitor()
+    mon.samples = [(10.0, (1980.0, 600.0, 0)), (19.5, (1700.0, 700.0, 4)), (20.0, (1750.0, 698.0, 4))]
+    mon.end = 20.0
+    assert mon.summary(1.0) == dict(sm_clock_mhz=1725.0, power_w=699.0, power_w_max=700.0, frac_power_capped=1.0)
+    assert mon.summary()["frac_power_capped"] == 2 / 3
+    monkeypatch.setattr(power.shutil, "which", lambda name: None)
+    with power.GpuMonitor() as mon:                                 # no nvidia-smi: nothing sampled, NaNs
+        pass
+    assert not mon.available and all(v != v for v in mon.summary().values())
+    for bad in (dict(index=-1), dict(index=True), dict(interval_ms=5)):
+        with pytest.raises(ValueError, match="must be"):
+            power.GpuMonitor(**bad)

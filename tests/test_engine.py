@@ -843,3 +843,27 @@ def test_repeated_runs_alternate_the_methods_and_replace_only_their_largest_batc
     assert out[3]["model"] == "m" and "tokens_per_s_runs" not in out[4]
     with pytest.raises(RuntimeError, match="admission should not depend on the run"):
         throughput.repeat_largest(first, lambda m: dict(method=m, batch=39, tokens_per_s=1.0), 3)
+
+
+def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
+    import pandas as pd
+
+    from zipkv import throughput
+    from zipkv.settings import THROUGHPUT_UNFUSED_MODEL
+
+    def rows(tps, step, power, clock, capped):
+        return pd.DataFrame({"method": ["uncompressed", "zipfusion"], "batch": [46, 57], "max_batch": [46, 57],
+                             "tokens_per_s": tps, "step_ms": step, "power_w": power, "power_w_max": [p + 3 for p in power],
+                             "sm_clock_mhz": clock, "frac_power_capped": capped})
+    fused = rows([2600.0, 3200.0], [17.7, 17.8], [630.0, 694.0], [1980.0, 1905.0], [0.0, 0.4])
+    modules = rows([2300.0, 2990.0], [20.0, 19.1], [575.0, 652.0], [1980.0, 1980.0], [0.0, 0.0])
+    text = throughput.power_text(fused, modules.assign(model=THROUGHPUT_UNFUSED_MODEL))
+    assert "694 W (largest sample 697 W), SM clock 1905 MHz, the power cap lowering the clock in 40% of the samples" in text
+    assert "ratio is 1.300× against 1.231× fused" in text and "reaches the power cap" in text
+    assert "1.13× and 1.07× the tokens/s" in text
+    calm = throughput.power_text(fused.assign(frac_power_capped=0.0), modules)
+    assert "reaches the power cap" not in calm and calm.endswith("the tokens/s).")
+    assert throughput.power_text(fused.drop(columns="power_w")) == ""
+    table = pd.concat([fused.assign(model=throughput.THROUGHPUT_PAPER_MODEL), modules.assign(model=THROUGHPUT_UNFUSED_MODEL)])
+    got, note = throughput.paper_rows(table, None, THROUGHPUT_UNFUSED_MODEL)
+    assert got.tokens_per_s.tolist() == [2300.0, 2990.0] and note == ""

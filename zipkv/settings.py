@@ -43,7 +43,12 @@ ZIPFUSION_PAPER = ZipFusionBenchmark()
 
 THROUGHPUT_PAPER_MODEL = "Llama-3.1-8B shapes (random weights)"
 """``model`` of the rows of ``zipfusion_throughput.csv`` in the paper's Fig. 5 setting (§IV-A); the chapter's other
-rows are the embedded model end to end (a smaller budget, every full page compressed as it fills)."""
+rows are the same setting with the modules' step kernels (:data:`THROUGHPUT_UNFUSED_MODEL`) and the embedded model
+end to end (a smaller budget, every full page compressed as it fills)."""
+
+THROUGHPUT_UNFUSED_MODEL = "Llama-3.1-8B shapes, modules' step kernels"
+"""``model`` of the rows of ``zipfusion_throughput.csv`` in the Fig. 5 setting run with the model's own modules for the
+decode step's norms, rotary embedding and MLP product (``Engine(fused_ops=False)``) instead of the fused kernels."""
 
 
 @dataclass(frozen=True)

@@ -13,16 +13,17 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from contextlib import nullcontext
 
 import torch
 
 from zipkv import format as fmt
 from zipkv.engine import Engine, Prefix, kv_budget_for
-from zipkv.settings import THROUGHPUT_PAPER_MODEL
+from zipkv.settings import THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "random_llama", "real_kv_blocks", "real_prefix",
            "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
-           "largest_batch_budget", "figure5", "verdict", "bars_need_text", "plot_throughput", "plot_memory_timeline",
+           "largest_batch_budget", "figure5", "verdict", "bars_need_text", "power_text", "plot_throughput", "plot_memory_timeline",
            "REPEATED", "repeat_largest", "median_run", "runs_text", "runs_caption"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -157,7 +158,10 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
     ``step_ms - replay_ms`` (the host work the engine's overlapped steps do not hide behind the GPU; below zero
     where they also hide part of the replay's launch), ``<kind>_ms``, the GPU's idle time by the kind of
     kernel it waits before, ``gap_before_<kind>_ms``, and the five costliest ``top_gaps`` as JSON; CUDA graphs only).
-    Returns a row of the chapter's table plus the run's ``stats``."""
+    On CUDA the row also has the GPU's median SM clock, median and largest power and the share of samples the power
+    cap limited over the decode steps (:class:`zipkv.bench.power.GpuMonitor`: ``sm_clock_mhz``, ``power_w``,
+    ``power_w_max``, ``frac_power_capped``) and ``fused_ops`` (the engine's step kernels, ``engine_kw``'s
+    ``fused_ops``). Returns a row of the chapter's table plus the run's ``stats``."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {sorted(METHODS)}, got {method!r}")
     if (method in RESTORE) != (codec is not None):
@@ -179,9 +183,12 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
         engine_kw = dict(restore=codec, restore_buffer_pages=pages, **engine_kw)
     engine = Engine(model, kv_budget_bytes, compress=METHODS[method], max_batch=batch, eos_token_id=None, **engine_kw)
     steps = new_tokens - 1 if timed_steps is None else timed_steps
-    res = engine.generate(prompts, new_tokens, prefixes=prefixes, max_decode_steps=steps, progress=False)
+    from zipkv.bench.power import GpuMonitor
+    with GpuMonitor(engine.device.index or 0) if engine.device.type == "cuda" else nullcontext() as monitor:
+        res = engine.generate(prompts, new_tokens, prefixes=prefixes, max_decode_steps=steps, progress=False)
     st = res.stats
-    row = dict(method=method, **_run_columns(st),
+    power = monitor.summary(st["decode_seconds"]) if monitor is not None else {}
+    row = dict(method=method, **_run_columns(st), fused_ops=engine.step_ops.fused, **power,
                step_ms_each=json.dumps([round(1e3 * x["seconds"], 3) for x in st["steps"]]),
                graph_capture_s=st["graph_capture_seconds"])
     if profile and engine.graphs.graph is not None:
@@ -531,18 +538,18 @@ def divergence_gap(model, ids, reference_token: int, other_token: int) -> float:
     return float((logits[reference_token] - logits[other_token]).abs())
 
 
-def paper_rows(table, committed_csv=None):
-    """``(rows, note)``: the Fig. 5-setting rows of ``table`` (``model`` = :data:`THROUGHPUT_PAPER_MODEL`), else --
-    a run without them, e.g. the CPU profile -- those of the committed GPU table ``committed_csv``, with a note
-    saying so."""
+def paper_rows(table, committed_csv=None, model: str = THROUGHPUT_PAPER_MODEL):
+    """``(rows, note)``: the Fig. 5-setting rows of ``table`` (``model``: :data:`THROUGHPUT_PAPER_MODEL`, or
+    :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL` for the runs with the modules' step kernels), else -- a run
+    without them, e.g. the CPU profile -- those of the committed GPU table ``committed_csv``, with a note saying so."""
     from pathlib import Path
 
     import pandas as pd
 
-    rows = table[table.model == THROUGHPUT_PAPER_MODEL]
+    rows = table[table.model == model]
     if rows.empty and committed_csv is not None and Path(committed_csv).exists():
         committed = pd.read_csv(committed_csv)
-        return (committed[committed.model == THROUGHPUT_PAPER_MODEL],
+        return (committed[committed.model == model],
                 f"Llama-8B-shape rows: the committed GPU run (`{committed_csv}`).")
     return rows, ""
 
@@ -550,7 +557,7 @@ def paper_rows(table, committed_csv=None):
 def e2e_text(table, same: dict, *, requests: int, context: int, new_tokens: int) -> str:
     """The end-to-end paragraph: the embedded model's run (``table``'s rows outside the Fig. 5 setting) and how
     far each method's greedy tokens agree with uncompressed's (:func:`agreement_text`)."""
-    e2e = table[table.model != THROUGHPUT_PAPER_MODEL]
+    e2e = table[~table.model.isin([THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL])]
     return (f"End to end ({e2e.model.iloc[0]}, {requests} PG19 windows of {context} tokens, {new_tokens} new tokens, "
             f"budget {e2e.kv_budget_bytes.iloc[0] / 2**20:.1f} MiB), {agreement_text(same)}. The stored KV is "
             "bit-exact for every method; on a GPU each method reads it through another attention kernel (another "
@@ -561,7 +568,7 @@ def e2e_speed_text(table, copy_tbps: float | None = None) -> str:
     """The end-to-end run's tokens/s per method beside uncompressed's (the embedded model's rows of ``table``), and
     what reading the whole KV budget once would take at ``copy_tbps`` (a copy bandwidth measured on the same GPU
     model) against the step."""
-    e2e = table[table.model != THROUGHPUT_PAPER_MODEL].set_index("method")
+    e2e = table[~table.model.isin([THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL])].set_index("method")
     base = e2e.tokens_per_s["uncompressed"]
     parts = [f"{m} {e2e.tokens_per_s[m]:,.0f} ({e2e.tokens_per_s[m] / base:.2f}×)" for m in e2e.index if m != "uncompressed"]
     text = (f"Its decode tokens/s at batch {int(e2e.batch['uncompressed'])}: uncompressed {base:,.0f}, " + ", ".join(parts)
@@ -633,7 +640,7 @@ def agreement_text(same: dict) -> str:
 def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256, timed_steps=None, restore_timed_steps=None,
             fixed_batch=32, uncompressed_max_batch=46, kv_windows=2, kv_window_context=2048, e2e_requests=12,
             e2e_context=1024, e2e_new_tokens=64, e2e_budget_requests=4, e2e_pages_per_chunk=16, pages_per_chunk=16,
-            seed=0, progress_csv=None, profile=False, repeats=1):
+            seed=0, progress_csv=None, profile=False, repeats=1, unfused=False):
     """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens)`` (``e2e_same_tokens``: per method,
     :func:`token_agreement` with the uncompressed run).
 
@@ -648,7 +655,9 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
     there as they are measured (a long GPU run keeps what it measured). profile: each Llama-shape row also gets its
     decode-step breakdown (``decode_throughput(profile=True)``; :func:`step_table`). repeats: runs of each of
     :data:`REPEATED`'s methods at its largest batch (an odd number; after every method's first run, in rounds that
-    alternate the methods), whose median run is the row (:func:`median_run`)."""
+    alternate the methods), whose median run is the row (:func:`median_run`). unfused: also run :data:`REPEATED` at
+    their largest batches with the model's own modules for the step's norms, rotary and MLP product
+    (``fused_ops=False``), as rows of model :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL`."""
     import pandas as pd
     from zipkv import data
     if shape not in ("llama3.1-8b", None):
@@ -687,6 +696,12 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
         if repeats > 1:
             big = repeat_largest(big, lambda m: decode_throughput(model, m, timed_steps=timed_steps, profile=profile,
                                                                   **common), repeats)
+            done(big + rows)
+        if unfused:
+            for m in REPEATED:
+                r = decode_throughput(model, m, timed_steps=timed_steps, profile=profile, fused_ops=False, **common)
+                big.append({"model": THROUGHPUT_UNFUSED_MODEL, **{k: v for k, v in r.items() if k != "stats"},
+                            "max_batch": r["batch"]})
             done(big + rows)
         rows = big + rows
         del model
@@ -848,6 +863,39 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
             f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
             f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
             f"batch {u.batch}. " + scheduler_text(big))
+
+
+def power_text(big, unfused=None) -> str:
+    """The GPU's power and SM clock over the largest-batch decode steps of uncompressed and ZipFusion (rows ``big``,
+    columns of :class:`zipkv.bench.power.GpuMonitor`), and -- given ``unfused``, the same two methods run with the
+    model's own modules for the step's norms, rotary embedding and MLP product -- their step times and tokens/s ratio
+    beside the fused ones'. Empty for rows without power columns."""
+    if "power_w" not in big.columns:
+        return ""
+    at = lambda rows, m: rows[(rows.method == m) & (rows.batch == rows.max_batch)]                   # noqa: E731
+    z, u = at(big, "zipfusion"), at(big, "uncompressed")
+    if z.empty or u.empty or z.power_w.isna().iloc[0]:
+        return ""
+    z, u = z.iloc[0], u.iloc[0]
+
+    def gpu(r):
+        return (f"{r.power_w:.0f} W (largest sample {r.power_w_max:.0f} W), SM clock {r.sm_clock_mhz:.0f} MHz, the power "
+                f"cap lowering the clock in {r.frac_power_capped:.0%} of the samples")
+    text = (f"**Power.** Over the decode steps at the largest batches the GPU drew a median {gpu(z)} for ZipFusion, and "
+            f"{gpu(u)} for uncompressed.")
+    if unfused is not None and not at(unfused, "zipfusion").empty and not at(unfused, "uncompressed").empty:
+        zm, um = at(unfused, "zipfusion").iloc[0], at(unfused, "uncompressed").iloc[0]
+        text += (f" With the model's own modules for the step's norms, rotary embedding and MLP product instead of the "
+                 f"fused kernels (same budget, same batches), the steps take {um.step_ms:.2f} ms (uncompressed) and "
+                 f"{zm.step_ms:.2f} ms (ZipFusion) against {u.step_ms:.2f} and {z.step_ms:.2f} ms fused, the tokens/s "
+                 f"ratio is {zm.tokens_per_s / um.tokens_per_s:.3f}× against {z.tokens_per_s / u.tokens_per_s:.3f}× "
+                 f"fused, and ZipFusion's GPU draws {gpu(zm)}: the fused kernels make both engines faster "
+                 f"({u.tokens_per_s / um.tokens_per_s:.2f}× and {z.tokens_per_s / zm.tokens_per_s:.2f}× the tokens/s)")
+        if z.frac_power_capped > zm.frac_power_capped and z.power_w > zm.power_w:
+            text += (", and ZipFusion's shorter fused step, whose attention rebuilds every value, reaches the power cap, "
+                     "which lowers the clock that rebuilding depends on")
+        text += "."
+    return text
 
 
 def scheduler_text(big) -> str:
