@@ -6,7 +6,9 @@
 * :mod:`~zipkv.bench.attention`: decode-attention latency of every method (ZipFusion Fig. 4);
 * :mod:`~zipkv.bench.pack`: the pack kernel's throughput;
 * :mod:`~zipkv.bench.nsight`: the kernels under Nsight Compute;
-* :mod:`~zipkv.bench.tune`: launch tuning of the Triton decode kernel.
+* :mod:`~zipkv.bench.tune`: launch tuning of the Triton decode kernel;
+* :mod:`~zipkv.bench.engine`: a captured decode step's GPU time by kernel kind;
+* :mod:`~zipkv.bench.power`: the GPU's SM clock, power draw and power-cap share during a run.
 
 Every timing is reported with the bytes it moved and its fraction of the copy bandwidth measured in the same
 process, never against a typed-in constant. The names below are re-exported (``from zipkv import bench;
