@@ -394,6 +394,7 @@ class _StepOps:
         return q.contiguous(), k
 
     def mlp(self, mlp, x):
+        """The MLP block's output for the normed stream ``x`` ``[B, hidden]``."""
         if self.fused and type(mlp).__name__ in GATED_SILU_MLPS \
                 and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"):
             return mlp.down_proj(self.kernels.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
