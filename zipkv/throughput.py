@@ -22,7 +22,7 @@ from zipkv.engine import Engine, Prefix, kv_budget_for
 from zipkv.settings import THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "random_llama", "real_kv_blocks", "real_prefix",
-           "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_text", "decode_throughput",
+           "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_rows", "e2e_text", "decode_throughput",
            "largest_batch_budget", "figure5", "verdict", "bars_need_text", "power_text", "plot_throughput", "plot_memory_timeline",
            "REPEATED", "repeat_largest", "median_run", "runs_text", "runs_caption"]
 
@@ -554,10 +554,16 @@ def paper_rows(table, committed_csv=None, model: str = THROUGHPUT_PAPER_MODEL):
     return rows, ""
 
 
+def e2e_rows(table):
+    """The end-to-end rows of the chapter's ``table``: the embedded model's, outside the Fig. 5 setting (neither
+    :data:`THROUGHPUT_PAPER_MODEL` nor :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL`)."""
+    return table[~table.model.isin([THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL])]
+
+
 def e2e_text(table, same: dict, *, requests: int, context: int, new_tokens: int) -> str:
     """The end-to-end paragraph: the embedded model's run (``table``'s rows outside the Fig. 5 setting) and how
     far each method's greedy tokens agree with uncompressed's (:func:`agreement_text`)."""
-    e2e = table[~table.model.isin([THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL])]
+    e2e = e2e_rows(table)
     return (f"End to end ({e2e.model.iloc[0]}, {requests} PG19 windows of {context} tokens, {new_tokens} new tokens, "
             f"budget {e2e.kv_budget_bytes.iloc[0] / 2**20:.1f} MiB), {agreement_text(same)}. The stored KV is "
             "bit-exact for every method; on a GPU each method reads it through another attention kernel (another "
@@ -568,7 +574,7 @@ def e2e_speed_text(table, copy_tbps: float | None = None) -> str:
     """The end-to-end run's tokens/s per method beside uncompressed's (the embedded model's rows of ``table``), and
     what reading the whole KV budget once would take at ``copy_tbps`` (a copy bandwidth measured on the same GPU
     model) against the step."""
-    e2e = table[~table.model.isin([THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL])].set_index("method")
+    e2e = e2e_rows(table).set_index("method")
     base = e2e.tokens_per_s["uncompressed"]
     parts = [f"{m} {e2e.tokens_per_s[m]:,.0f} ({e2e.tokens_per_s[m] / base:.2f}×)" for m in e2e.index if m != "uncompressed"]
     text = (f"Its decode tokens/s at batch {int(e2e.batch['uncompressed'])}: uncompressed {base:,.0f}, " + ", ".join(parts)
