@@ -23,7 +23,7 @@ from zipkv.settings import THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "random_llama", "real_kv_blocks", "real_prefix",
            "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_rows", "e2e_text", "decode_throughput",
-           "largest_batch_budget", "figure5", "verdict", "bars_need_text", "power_text", "plot_throughput", "plot_memory_timeline",
+           "largest_batch_budget", "figure5", "MEMORY_TIMELINE_CAPTION", "verdict", "bars_need_text", "power_text", "plot_throughput", "plot_memory_timeline",
            "REPEATED", "repeat_largest", "median_run", "runs_text", "runs_caption"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -712,6 +712,14 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
         rows = big + rows
         del model
     return dict(table=done(rows), e2e_runs=runs, e2e_same_tokens=same)
+
+
+MEMORY_TIMELINE_CAPTION = (
+    "Left: KV bytes held by pages per layer over the decode steps of the embedded model's ZipFusion run (first and "
+    "last layer, and the range over all layers): layers compress differently, so they hold different bytes for the "
+    "same pages. Right: running requests, chunks free in the shared pool, and chunks reassigned from one layer to "
+    "another (cumulative). One run.")
+"""The caption of :func:`plot_memory_timeline`'s figure in the chapter."""
 
 
 REPEATED = ("uncompressed", "zipfusion")
