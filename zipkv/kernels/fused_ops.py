@@ -2,12 +2,12 @@
 add + RMSNorm, the rotary embedding of q and k, and the SiLU-gated product of the MLP.
 
 Each replaces the chain of small kernels that the Hugging Face modules launch per call (RMSNorm alone launches
-seven: casts, square, mean, add, rsqrt, two products) with one launch, and rounds to BF16 exactly where the
+eight: two casts, square, mean, add, rsqrt, two products) with one launch, and rounds to BF16 exactly where the
 modules do, so that its output equals theirs bit for bit -- except RMSNorm's mean of squares, summed in another
 order (fp32; the normalised value is rounded to BF16 afterwards, so it rarely moves a bit) and the exponential
 of SiLU, which is libdevice's ``expf`` (the one PyTorch's CUDA kernel calls) on the GPU and numpy's in Triton's
-interpreter. A decode step of a small batch is a few thousand such kernels, each launch-bound: fusing them
-shortens the fixed part of every step ("Decode throughput under a memory budget").
+interpreter. A decode step runs tens of such small kernels per layer, each about as short as a kernel can be:
+fusing them shortens the fixed part of every step ("Decode throughput under a memory budget").
 
 Values travel as int16 BF16 bit patterns and are converted with integer ops (:func:`_f32`, :func:`_bf16`,
 round to nearest even, NaN to PyTorch's quiet NaN): exact on the GPU and in Triton's interpreter, whose
