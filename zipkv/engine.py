@@ -373,7 +373,9 @@ class _StepOps:
     ``apply_rotary_pos_emb``. Shapes: the residual stream ``[B, hidden]``; q, k ``[B, heads, head_dim]``."""
 
     def __init__(self, head_dim: int, fused: bool):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
         self.fused, self.fused_rotary = fused, fused and head_dim & (head_dim - 1) == 0
+        self.apply_rotary = apply_rotary_pos_emb
         if fused:
             from zipkv.kernels import fused_ops
             self.kernels = fused_ops
@@ -389,8 +391,7 @@ class _StepOps:
         """Rotated ``(q, k)``, q contiguous."""
         if self.fused_rotary:
             return self.kernels.rotary(q.contiguous(), k.contiguous(), cos, sin)
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-        q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+        q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
         return q.contiguous(), k
 
     def mlp(self, mlp, x):

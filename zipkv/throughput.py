@@ -23,7 +23,7 @@ from zipkv.settings import THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "random_llama", "real_kv_blocks", "real_prefix",
            "make_codec", "restore_buffer_pages", "token_agreement", "divergence_gap", "agreement_text", "paper_rows", "e2e_rows", "e2e_text", "decode_throughput",
-           "largest_batch_budget", "figure5", "MEMORY_TIMELINE_CAPTION", "verdict", "bars_need_text", "power_text", "plot_throughput", "plot_memory_timeline",
+           "largest_batch_budget", "figure5", "MEMORY_TIMELINE_CAPTION", "verdict", "bars_need_text", "largest_batch_rows", "power_text", "plot_throughput", "plot_memory_timeline",
            "REPEATED", "repeat_largest", "median_run", "runs_text", "runs_caption"]
 
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -754,7 +754,7 @@ def runs_text(big) -> str:
     """How the largest-batch rows of :data:`REPEATED` were measured (their ``tokens_per_s_runs``): the runs, the
     tokens/s ratio of each round (the methods' i-th runs) and their spread; one run where there are no repeats."""
     import pandas as pd
-    rows = {m: big[(big.method == m) & (big.batch == big.max_batch)].iloc[0] for m in REPEATED}
+    rows = {m: largest_batch_rows(big, m).iloc[0] for m in REPEATED}
     if "tokens_per_s_runs" not in big.columns or any(pd.isna(r.get("tokens_per_s_runs")) for r in rows.values()):
         return "One run per method and batch, no spread."
     runs = {m: json.loads(r.tokens_per_s_runs) for m, r in rows.items()}
@@ -791,7 +791,7 @@ def bar_checks(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256
     """The chapter's numbers from the Llama-8B-shape rows ``big`` (requests of ``context`` input and ``new_tokens``
     output tokens): per bar of :data:`BARS` the measured ratio, and what explains a shortfall (step times, stored
     bits, the capacity bound and the bits per prefix value the batch bar needs)."""
-    at_max = lambda m: big[(big.method == m) & (big.batch == big.max_batch)].iloc[0]       # noqa: E731
+    at_max = lambda m: largest_batch_rows(big, m).iloc[0]                                   # noqa: E731
     at_fixed = lambda m: big[(big.method == m) & (big.batch == fixed_batch)].iloc[0]       # noqa: E731
     z, u = at_max("zipfusion"), at_max("uncompressed")
     token_bytes = 2 * 2 * LLAMA_8B["num_hidden_layers"] * LLAMA_8B["num_key_value_heads"] * LLAMA_8B["head_dim"]
@@ -879,6 +879,11 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
             f"batch {u.batch}. " + scheduler_text(big))
 
 
+def largest_batch_rows(rows, method: str):
+    """The rows of ``method`` in ``rows`` (the chapter's table) run at that method's largest batch."""
+    return rows[(rows.method == method) & (rows.batch == rows.max_batch)]
+
+
 def power_text(big, unfused=None) -> str:
     """The GPU's power and SM clock over the largest-batch decode steps of uncompressed and ZipFusion (rows ``big``,
     columns of :class:`zipkv.bench.power.GpuMonitor`), and -- given ``unfused``, the same two methods run with the
@@ -886,7 +891,7 @@ def power_text(big, unfused=None) -> str:
     beside the fused ones'. Empty for rows without power columns."""
     if "power_w" not in big.columns:
         return ""
-    at = lambda rows, m: rows[(rows.method == m) & (rows.batch == rows.max_batch)]                   # noqa: E731
+    at = largest_batch_rows
     z, u = at(big, "zipfusion"), at(big, "uncompressed")
     if z.empty or u.empty or z.power_w.isna().iloc[0]:
         return ""
