@@ -202,3 +202,33 @@ def test_mixed_pages_every_block_combination(G, D):
         ref2 = decode_attention_reference(q, uni, ip2, idx2, last2)
         check(decode_attention(q, uni, ip2, idx2, last2, num_splits=2, path="mixed"), ref2)
         check(decode_attention(q, uni, ip2, idx2, last2, num_splits=2), ref2)
+
+
+@needs_gpu
+@pytest.mark.parametrize("D", [128, 64])
+@pytest.mark.parametrize("G", [1, 3, 8])
+def test_packed_pages_give_the_raw_pages_bits(D, G):
+    """Lossless through the kernel: the same data packed (every eligible block, or half of them; mixed pages, wide
+    blocks raw) and raw, at the same split count, give bit-identical outputs through every specialisation --
+    COMPRESSED, MIXED and RAW. The rebuild fixes the exponent base at 128 and the kernel undoes it with a power of
+    two per token on the scores and on P, which commutes with every rounding in normal range ("The lossless format"
+    checks the same on the embedded model's captured KV, every layer)."""
+    lens = [16 * 40 + 7, 16 * 25, 16 * 33 + 1]
+    q, k, v = make_inputs(3, 2, G, max(lens), seed=D + G, outliers=False, D=D)
+    k[:, :, 16 * 3 + 5, 7] *= 3e4                          # two raw blocks in otherwise compressible pages
+    v[:, :, 16 * 9 + 2, 1] *= 1e-6
+    raw = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma", compress="none")
+    full = [16 * (n // 16) for n in lens]
+    q2, k2, v2 = make_inputs(3, 2, G, max(lens), seed=D + G, outliers=False, D=D)
+    for splits in (1, 3):
+        want = decode_attention(q, *raw, num_splits=splits)
+        for compress in ("eligible", 0.5):
+            packed = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma", compress=compress)
+            assert packed[0].kind() == "mixed"
+            for path in ("auto", "mixed"):
+                assert torch.equal(decode_attention(q, *packed, num_splits=splits, path=path), want)
+        # a uniform all-compressed cache (full pages, no wide block) against the same pages raw: COMPRESSED vs RAW
+        packed = build_paged_cache(k2, v2, full, k_layout="k_mma", v_layout="v_mma")
+        plain = build_paged_cache(k2, v2, full, k_layout="k_mma", v_layout="v_mma", compress="none")
+        assert packed[0].kind() == "compressed" and plain[0].kind() == "raw"
+        assert torch.equal(decode_attention(q2, *packed, num_splits=splits), decode_attention(q2, *plain, num_splits=splits))

@@ -868,3 +868,27 @@ def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
     table = pd.concat([fused.assign(model=throughput.THROUGHPUT_PAPER_MODEL), modules.assign(model=THROUGHPUT_UNFUSED_MODEL)])
     got, note = throughput.paper_rows(table, None, THROUGHPUT_UNFUSED_MODEL)
     assert got.tokens_per_s.tolist() == [2300.0, 2990.0] and note == ""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel needs a CUDA GPU")
+@pytest.mark.parametrize("compress", ["all", "prompt"])
+def test_compressed_engine_gives_the_uncompressed_tokens_through_the_same_kernel(compress):
+    """ZipFusion's engine (the mma layouts, the Gluon kernel) and the uncompressed engine in the same layouts, at the
+    same split count, under a budget that holds every request at once: the same greedy tokens, every one -- the
+    kernel reads packed pages into its raw pages' bits (test_decode_mma), so compression changes nothing. (The
+    default uncompressed engine reads token-layout pages through the Triton kernel: another summation order.)"""
+    from zipkv import data, models
+    from zipkv.engine import kv_budget_for
+    model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
+    ws = data.windows(tok, data.load_books(limit=4), n=4, context=512, continuation=0)
+    prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (512, 300, 97, 200))]
+    n = 48
+    budget = kv_budget_for(model.config, len(prompts), 512 + n)
+    kw = dict(eos_token_id=None, num_splits=2)
+    raw = Engine(model, budget, compress="none", k_layout="k_mma", v_layout="v_mma", **kw)
+    got = Engine(model, budget, compress=compress, **kw)
+    assert got.memory.layouts == raw.memory.layouts == ("k_mma", "v_mma")
+    want, res = raw.generate(prompts, n), got.generate(prompts, n)
+    assert res.stats["frac_compressed_k"] > 0.3 and res.stats["max_batch"] == want.stats["max_batch"] == 4
+    assert res.outputs == want.outputs

@@ -89,3 +89,8 @@ def _glue(name: str, obj) -> None:
 def markdown(text: str) -> None:
     """Show MyST markdown prose computed by the notebook (rendered as MyST in the book)."""
     _display(text, f"<p>{_inline_html(text)}</p>")
+
+
+def count(n: int, noun: str) -> str:
+    """``"1 window"``, ``"3 windows"``: a count and its noun (plural by an s)."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -567,7 +567,9 @@ def e2e_text(table, same: dict, *, requests: int, context: int, new_tokens: int)
     return (f"End to end ({e2e.model.iloc[0]}, {requests} PG19 windows of {context} tokens, {new_tokens} new tokens, "
             f"budget {e2e.kv_budget_bytes.iloc[0] / 2**20:.1f} MiB), {agreement_text(same)}. The stored KV is "
             "bit-exact for every method; on a GPU each method reads it through another attention kernel (another "
-            "summation order), so near-ties in a bf16 model's logits may break differently.")
+            "summation order), so near-ties in a bf16 model's logits may break differently. Through the same kernel "
+            "and split count, ZipFusion's packed pages give the raw pages' attention output bit for bit, and the "
+            "same tokens (\"The lossless format\").")
 
 
 def e2e_speed_text(table, copy_tbps: float | None = None) -> str:

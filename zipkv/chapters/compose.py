@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from zipkv import report
+
 __all__ = ["summary", "verdict", "figure"]
 
 
@@ -38,12 +40,8 @@ def verdict(table: pd.DataFrame) -> tuple[str, str]:
              f"{int(s.windows.sum())} runs" + (" (lossless)" if lossless else ": **not lossless**") + ". ")
     follow = "; ".join(f"r = {row.ratio:g}: {row.first_difference:.1f}" for _, row in distilled.iterrows())
     text += (f"The engine's greedy tokens from the distilled prefix follow the full context's for the first "
-             f"{follow} of {int(full.new_tokens)} tokens on average ({_count(table.window.nunique(), 'window')}).")
+             f"{follow} of {int(full.new_tokens)} tokens on average ({report.count(table.window.nunique(), 'window')}).")
     return text, ("tip" if lossless else "warning")
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def figure(table: pd.DataFrame):

@@ -1,12 +1,14 @@
 """Chapter "The lossless format" (ZipFusion Fig. 2, §III-B): one block bit by bit, stored bits per
 value per layer, and the bit-exact round trip of a captured cache through the torch reference and
-the Triton pack kernel."""
+the Triton pack kernel; and whether the decode kernels read it without changing a bit (attention outputs, and the
+engine's greedy tokens)."""
 from __future__ import annotations
 
 import pandas as pd
 import torch
 
 from zipkv import format as kvformat
+from zipkv import report
 from zipkv.kernels.pack import pack_pages  # first: on a CPU it sets TRITON_INTERPRET before Triton loads
 
 
@@ -95,3 +97,132 @@ def round_trip(captures, k_layout: str, v_layout: str, kernel_layers: int) -> tu
                         mismatches.append(("triton", i, tensor))
                     checked["triton"] += flat.shape[0]
     return checked, mismatches
+
+
+READ_SPLITS = (1, 2)
+"""Split-KV factors at which :func:`read_identity` compares (1: one program per request and head; 2: the
+splits' partial outputs merged)."""
+
+GENERATION_SPLITS = 2
+"""The split-KV factor both engines of :func:`generation_identity` use on a GPU: one summation order for both."""
+
+
+def read_kernels(device, head_dim: int, group: int) -> list[tuple[str, str, str]]:
+    """The decode kernels :func:`read_identity` runs on ``device``: ``(kernel, layout, path)`` -- the Triton kernel
+    (token layouts, its mixed specialisation, which takes every page; on the CPU in Triton's interpreter) and, on
+    CUDA at a head_dim and GQA group it takes, the Gluon kernel (mma layouts, routed by page kinds: a raw cache
+    through its all-raw specialisation, a packed one through its mixed one)."""
+    from zipkv.kernels import decode_mma
+
+    kernels = [("triton", "token", "mixed")]
+    if torch.device(device).type == "cuda" and head_dim in kvformat.MMA_HEAD_DIMS and group <= decode_mma.MAX_GROUP[head_dim]:
+        kernels.insert(0, ("gluon", "mma", "auto"))
+    return kernels
+
+
+@torch.no_grad()
+def read_identity(captures, kernel_layers: int) -> pd.DataFrame:
+    """Does the fused decode kernel read the format without changing a bit of its output (§III-C)? Per capture,
+    layer (the first ``kernel_layers``), kernel (:func:`read_kernels`) and split count (:data:`READ_SPLITS`): the
+    captured queries of the window's last token ``[1, q_heads, d]`` attend to the captured cache of the tokens
+    before it (its last page partial, so raw), stored once raw and once packed (every compressible block of the
+    full pages), through the same kernel. Columns: window, layer, kernel, path, splits, frac_compressed (of the
+    packed cache's K and V blocks), outputs (values compared), identical (bit-identical outputs), max_abs_diff."""
+    from zipkv.kernels.decode_attention import build_paged_cache, decode_attention
+
+    rows = []
+    for w, c in enumerate(captures):
+        for i, layer in enumerate(c.layers[:kernel_layers]):
+            q = layer.queries[None, :, -1].contiguous()
+            k, v = (t[None, :, :-1].contiguous() for t in (layer.keys, layer.values))
+            for kernel, layout, path in read_kernels(q.device, k.shape[-1], q.shape[1] // k.shape[1]):
+                kl, vl = ("k_mma", "v_mma") if layout == "mma" else ("token", "token")
+                raw, packed = (build_paged_cache(k, v, k_layout=kl, v_layout=vl, compress=mode)
+                               for mode in ("none", "eligible"))
+                st = packed[0].stats()
+                for splits in READ_SPLITS:
+                    a, b = (decode_attention(q, *cache, num_splits=splits, path=path) for cache in (raw, packed))
+                    rows.append(dict(window=w, layer=i, kernel=kernel, path=path, splits=splits,
+                                     frac_compressed=(st["frac_k"] + st["frac_v"]) / 2, outputs=a.numel(),
+                                     identical=int((a.view(torch.int16) == b.view(torch.int16)).sum()),
+                                     max_abs_diff=float((a.float() - b.float()).abs().max())))
+    return pd.DataFrame(rows)
+
+
+def generation_identity(model, prompts, new_tokens: int) -> pd.DataFrame:
+    """Greedy tokens of :class:`zipkv.engine.Engine` with every full page compressed (``compress="all"``) against the
+    uncompressed engine, under a budget that holds every request at once (one batch composition, so the
+    model's matrix products see the same batch in both). On CUDA two uncompressed engines: in the mma layouts,
+    read by the same Gluon kernel with the same split count (:data:`GENERATION_SPLITS`) as ZipFusion -- and the
+    default uncompressed engine (token layouts, the Triton kernel's all-raw path, its own split count: another
+    summation order). Elsewhere (the CPU, or a model the Gluon kernel does not take) both engines use the torch
+    reference attention. One row per comparison and
+    request: comparison, request, identical, first_difference (index of the first differing new token, or None)."""
+    from zipkv.engine import Engine, kv_budget_for
+    from zipkv.throughput import token_agreement
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kernels = read_kernels(next(model.parameters()).device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads)
+    budget = kv_budget_for(cfg, len(prompts), max(len(p) for p in prompts) + new_tokens)
+    if kernels[0][0] == "gluon":
+        zip_settings = dict(compress="all", num_splits=GENERATION_SPLITS)
+        engines = {"uncompressed, same kernel": dict(compress="none", k_layout="k_mma", v_layout="v_mma",
+                                                     num_splits=GENERATION_SPLITS),
+                   "uncompressed, default kernel": dict(compress="none")}
+    else:
+        zip_settings = dict(compress="all", attention="reference")
+        engines = {"uncompressed, reference attention": dict(compress="none", attention="reference")}
+    zip_tokens = Engine(model, budget, eos_token_id=None, **zip_settings).generate(prompts, new_tokens).outputs
+    rows = []
+    for name, settings in engines.items():
+        other = Engine(model, budget, eos_token_id=None, **settings).generate(prompts, new_tokens).outputs
+        for r, (z, o) in enumerate(zip(zip_tokens, other)):
+            agree = token_agreement([z], [o])
+            rows.append(dict(comparison=name, request=r, identical=bool(agree["identical"]),
+                             first_difference=(agree["first_difference"] or [None])[0]))
+    return pd.DataFrame(rows)
+
+
+def identity_text(reads: pd.DataFrame, generations: pd.DataFrame, *, new_tokens: int) -> str:
+    """The section's finding: bit-identical attention outputs per kernel, and identical greedy tokens per comparison."""
+    parts = []
+    for kernel, g in reads.groupby("kernel", sort=False):
+        same = int(g.identical.sum()) == int(g.outputs.sum())
+        parts.append(f"the {kernel} kernel ({'routed by page kinds' if g.path.iloc[0] == 'auto' else 'its mixed specialisation'}, "
+                     f"{report.count(g.window.nunique(), 'window')} × {report.count(g.layer.nunique(), 'layer')} × splits "
+                     f"{'/'.join(map(str, sorted(g.splits.unique())))}): {int(g.identical.sum()):,} of "
+                     f"{int(g.outputs.sum()):,} outputs bit-identical" + ("" if same else
+                     f" (**not identical**: largest difference {g.max_abs_diff.max():.3g})"))
+    text = ("Over packed pages (the captured cache, " + f"{reads.frac_compressed.mean():.1%} of its blocks compressed) "
+            "and the same pages raw, " + "; ".join(parts) + ". ")
+    gen = []
+    for name, g in generations.groupby("comparison", sort=False):
+        firsts = sorted(int(x) for x in g.first_difference.dropna())
+        gen.append(f"{name}: {int(g.identical.sum())} of {len(g)} requests"
+                   + (f" (the others first differ at new token {', '.join(map(str, firsts))})" if firsts else ""))
+    return text + (f"Greedy generation of {new_tokens} tokens, ZipFusion (every full page compressed) against " + "; ".join(gen)
+                   + " identical.")
+
+
+def identity_table(reads: pd.DataFrame, generations: pd.DataFrame) -> pd.DataFrame:
+    """The two checks as one table, a row each: ``check`` "read" (:func:`read_identity`'s columns) or "generation"
+    (:func:`generation_identity`'s)."""
+    return pd.concat([reads.assign(check="read"), generations.assign(check="generation")], ignore_index=True)
+
+
+def all_identical(reads: pd.DataFrame, generations: pd.DataFrame) -> bool:
+    """Every output read bit-identically, and every request's tokens identical where both engines read through
+    the same kernel (the default-kernel comparison may differ: another summation order)."""
+    same_kernel = generations[generations.comparison != "uncompressed, default kernel"]
+    return int(reads.identical.sum()) == int(reads.outputs.sum()) and bool(same_kernel.identical.all())
+
+
+def identity_verdict(reads: pd.DataFrame, generations: pd.DataFrame) -> str:
+    """One sentence for the chapter's verdict: the reads and the same-kernel generations."""
+    same_kernel = generations[generations.comparison != "uncompressed, default kernel"]
+    kernels = " and ".join(reads.kernel.unique())
+    return (f"The decode kernels ({kernels}) read packed pages into **{int(reads.identical.sum()):,} of "
+            f"{int(reads.outputs.sum()):,}** attention outputs bit-identical to the same pages raw, and the engine's "
+            f"greedy tokens with every full page compressed equal the uncompressed cache's in "
+            f"**{int(same_kernel.identical.sum())} of {len(same_kernel)}** requests ({same_kernel.comparison.iloc[0]}).")
