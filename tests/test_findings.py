@@ -203,3 +203,23 @@ def test_the_pack_row_waits_for_the_pack_table_beside_the_latency_chapters(tmp_p
         tmp_path / "zipfusion_pack_throughput.csv", index=False)
     row = findings.findings(tmp_path, claim).iloc[0]
     assert row.verdict == findings.BEYOND and row.our_value.startswith("2.25 TB/s of input, slowest head_dim")
+
+
+def test_the_read_identity_row_waits_for_a_gpu_run_of_the_lossless_chapter(tmp_path):
+    """The row reads the lossless chapter's side table; a CPU run (reference attention only, no same-kernel
+    comparison) leaves it "not yet run"; a GPU run's counts appear as they are, a changed bit included."""
+    claim = [c for c in findings.CLAIMS if c.ours is findings._read_identity]
+    pd.DataFrame({"layer": [0]}).to_csv(tmp_path / "zipfusion_lossless_format.csv", index=False)
+    side = tmp_path / "zipfusion_lossless_identity.csv"
+    reads = pd.DataFrame({"check": ["read"] * 2, "kernel": ["gluon", "triton"], "outputs": [576, 576],
+                          "identical": [576, 575]})
+    cpu = pd.DataFrame({"check": ["generation"], "comparison": ["uncompressed, reference attention"], "identical": [True]})
+    pd.concat([reads, cpu]).to_csv(side, index=False)
+    assert findings.findings(tmp_path, claim).iloc[0].verdict == "not yet run"
+    gpu = pd.DataFrame({"check": ["generation"] * 3, "comparison": ["uncompressed, same kernel"] * 2 + ["uncompressed, default kernel"],
+                        "identical": [True, True, False]})
+    pd.concat([reads, gpu]).to_csv(side, index=False)
+    row = findings.findings(tmp_path, claim).iloc[0]
+    assert row.verdict == findings.BEYOND
+    assert row.our_value == ("1,151 of 1,152 attention outputs bit-identical (gluon, triton); greedy tokens identical "
+                             "in 2 of 2 requests")
