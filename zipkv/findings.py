@@ -196,11 +196,13 @@ def _lossless_exact(res: Results):
 
 
 def _read_identity(res: Results):
+    from zipkv.chapters.lossless import SAME_KERNEL
+
     if not res.has("zipfusion_lossless_identity"):
         return None
     t = res["zipfusion_lossless_identity"]
     reads, gens = t[t.check == "read"], t[t.check == "generation"]
-    same = gens[gens.comparison == "uncompressed, same kernel"]
+    same = gens[gens.comparison == SAME_KERNEL]
     if reads.empty or same.empty:              # a run without the Gluon kernel (the CPU)
         return None
     kernels = ", ".join(sorted(reads.kernel.unique()))

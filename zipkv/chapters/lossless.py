@@ -106,6 +106,11 @@ splits' partial outputs merged)."""
 GENERATION_SPLITS = 2
 """The split-KV factor both engines of :func:`generation_identity` use on a GPU: one summation order for both."""
 
+SAME_KERNEL, DEFAULT_KERNEL, REFERENCE = ("uncompressed, same kernel", "uncompressed, default kernel",
+                                          "uncompressed, reference attention")
+""":func:`generation_identity`'s comparisons: the uncompressed engine through ZipFusion's kernel and split count,
+through its own default (another summation order), and (off the GPU) both through the torch reference."""
+
 
 def read_kernels(device, head_dim: int, group: int) -> list[tuple[str, str, str]]:
     """The decode kernels :func:`read_identity` runs on ``device``: ``(kernel, layout, path)`` -- the Triton kernel
@@ -125,7 +130,7 @@ def read_identity(captures, kernel_layers: int) -> pd.DataFrame:
     """Does the fused decode kernel read the format without changing a bit of its output (§III-C)? Per capture,
     layer (the first ``kernel_layers``), kernel (:func:`read_kernels`) and split count (:data:`READ_SPLITS`): the
     captured queries of the window's last token ``[1, q_heads, d]`` attend to the captured cache of the tokens
-    before it (its last page partial, so raw), stored once raw and once packed (every compressible block of the
+    before it (a partial last page stays raw), stored once raw and once packed (every compressible block of the
     full pages), through the same kernel. Columns: window, layer, kernel, path, splits, frac_compressed (of the
     packed cache's K and V blocks), outputs (values compared), identical (bit-identical outputs), max_abs_diff."""
     from zipkv.kernels.decode_attention import build_paged_cache, decode_attention
@@ -167,12 +172,11 @@ def generation_identity(model, prompts, new_tokens: int) -> pd.DataFrame:
     budget = kv_budget_for(cfg, len(prompts), max(len(p) for p in prompts) + new_tokens)
     if kernels[0][0] == "gluon":
         zip_settings = dict(compress="all", num_splits=GENERATION_SPLITS)
-        engines = {"uncompressed, same kernel": dict(compress="none", k_layout="k_mma", v_layout="v_mma",
-                                                     num_splits=GENERATION_SPLITS),
-                   "uncompressed, default kernel": dict(compress="none")}
+        engines = {SAME_KERNEL: dict(compress="none", k_layout="k_mma", v_layout="v_mma", num_splits=GENERATION_SPLITS),
+                   DEFAULT_KERNEL: dict(compress="none")}
     else:
         zip_settings = dict(compress="all", attention="reference")
-        engines = {"uncompressed, reference attention": dict(compress="none", attention="reference")}
+        engines = {REFERENCE: dict(compress="none", attention="reference")}
     zip_tokens = Engine(model, budget, eos_token_id=None, **zip_settings).generate(prompts, new_tokens).outputs
     rows = []
     for name, settings in engines.items():
@@ -214,13 +218,13 @@ def identity_table(reads: pd.DataFrame, generations: pd.DataFrame) -> pd.DataFra
 def all_identical(reads: pd.DataFrame, generations: pd.DataFrame) -> bool:
     """Every output read bit-identically, and every request's tokens identical where both engines read through
     the same kernel (the default-kernel comparison may differ: another summation order)."""
-    same_kernel = generations[generations.comparison != "uncompressed, default kernel"]
+    same_kernel = generations[generations.comparison != DEFAULT_KERNEL]
     return int(reads.identical.sum()) == int(reads.outputs.sum()) and bool(same_kernel.identical.all())
 
 
 def identity_verdict(reads: pd.DataFrame, generations: pd.DataFrame) -> str:
     """One sentence for the chapter's verdict: the reads and the same-kernel generations."""
-    same_kernel = generations[generations.comparison != "uncompressed, default kernel"]
+    same_kernel = generations[generations.comparison != DEFAULT_KERNEL]
     kernels = " and ".join(reads.kernel.unique())
     return (f"The decode kernels ({kernels}) read packed pages into **{int(reads.identical.sum()):,} of "
             f"{int(reads.outputs.sum()):,}** attention outputs bit-identical to the same pages raw, and the engine's "
