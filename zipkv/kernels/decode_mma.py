@@ -40,7 +40,8 @@ computed; full units run without a token mask, the last unit of a range after th
   block with b = 0 gets 0: exact for an all-zero block; a value below 2^-126 would be flushed). A power of
   two commutes with every rounding in normal range, so at the same split count the kernel's output over packed
   pages is its output over the same pages raw, bit for bit, whichever specialisation reads them
-  (``tests/test_decode_mma.py``, "The lossless format"; an H200 probe at 9fbb6cf: ZipFusion's engine and the
+  (``tests/test_decode_mma.py``, "The lossless format"; an H200 probe at 9fbb6cf,
+  ``results/paper/zipfusion_lossless_probe.txt``: ZipFusion's engine and the
   uncompressed engine in these layouts gave the same greedy tokens for 8 of 8 PG19 windows of 1024 tokens and 64
   new ones, the uncompressed engine in the token layouts -- the Triton kernel -- for 4 of 8).
 * RAW: raw blocks (bf16 in the raw byte order of :func:`zipkv.format.raw_index`): the uncompressed
