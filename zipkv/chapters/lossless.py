@@ -192,21 +192,24 @@ def identity_text(reads: pd.DataFrame, generations: pd.DataFrame, *, new_tokens:
     """The section's finding: bit-identical attention outputs per kernel, and identical greedy tokens per comparison."""
     parts = []
     for kernel, g in reads.groupby("kernel", sort=False):
-        same = int(g.identical.sum()) == int(g.outputs.sum())
-        parts.append(f"the {kernel} kernel ({'routed by page kinds' if g.path.iloc[0] == 'auto' else 'its mixed specialisation'}, "
-                     f"{report.count(g.window.nunique(), 'window')} × {report.count(g.layer.nunique(), 'layer')} × splits "
-                     f"{'/'.join(map(str, sorted(g.splits.unique())))}): {int(g.identical.sum()):,} of "
-                     f"{int(g.outputs.sum()):,} outputs bit-identical" + ("" if same else
-                     f" (**not identical**: largest difference {g.max_abs_diff.max():.3g})"))
-    text = ("Over packed pages (the captured cache, " + f"{reads.frac_compressed.mean():.1%} of its blocks compressed) "
-            "and the same pages raw, " + "; ".join(parts) + ". ")
+        identical, outputs = int(g.identical.sum()), int(g.outputs.sum())
+        how = "routed by page kinds" if g.path.iloc[0] == "auto" else "its mixed specialisation"
+        splits = "/".join(map(str, sorted(g.splits.unique())))
+        part = (f"the {kernel} kernel ({how}, {report.count(g.window.nunique(), 'window')} × "
+                f"{report.count(g.layer.nunique(), 'layer')} × splits {splits}): {identical:,} of {outputs:,} outputs "
+                "bit-identical")
+        if identical != outputs:
+            part += f" (**not identical**: largest difference {g.max_abs_diff.max():.3g})"
+        parts.append(part)
+    text = (f"Over packed pages (the captured cache, {100 * reads.frac_compressed.mean():.1f} % of its blocks "
+            "compressed) and the same pages raw, " + "; ".join(parts) + ". ")
     gen = []
     for name, g in generations.groupby("comparison", sort=False):
         firsts = sorted(int(x) for x in g.first_difference.dropna())
-        gen.append(f"{name}: {int(g.identical.sum())} of {len(g)} requests"
+        gen.append(f"{name}: {int(g.identical.sum())} of {len(g)} requests identical"
                    + (f" (the others first differ at new token {', '.join(map(str, firsts))})" if firsts else ""))
-    return text + (f"Greedy generation of {new_tokens} tokens, ZipFusion (every full page compressed) against " + "; ".join(gen)
-                   + " identical.")
+    return (text + f"Greedy generation of {new_tokens} tokens, ZipFusion (every full page compressed) against "
+            + "; ".join(gen) + ".")
 
 
 def identity_table(reads: pd.DataFrame, generations: pd.DataFrame) -> pd.DataFrame:
@@ -225,8 +228,9 @@ def all_identical(reads: pd.DataFrame, generations: pd.DataFrame) -> bool:
 def identity_verdict(reads: pd.DataFrame, generations: pd.DataFrame) -> str:
     """One sentence for the chapter's verdict: the reads and the same-kernel generations."""
     same_kernel = generations[generations.comparison != DEFAULT_KERNEL]
-    kernels = " and ".join(reads.kernel.unique())
-    return (f"The decode kernels ({kernels}) read packed pages into **{int(reads.identical.sum()):,} of "
+    kernels = reads.kernel.unique()
+    subject = f"kernels ({' and '.join(kernels)}) read" if len(kernels) > 1 else f"kernel ({kernels[0]}) reads"
+    return (f"The decode {subject} packed pages into **{int(reads.identical.sum()):,} of "
             f"{int(reads.outputs.sum()):,}** attention outputs bit-identical to the same pages raw, and the engine's "
             f"greedy tokens with every full page compressed equal the uncompressed cache's in "
             f"**{int(same_kernel.identical.sum())} of {len(same_kernel)}** requests ({same_kernel.comparison.iloc[0]}).")
