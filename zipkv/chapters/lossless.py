@@ -166,10 +166,11 @@ def generation_identity(model, prompts, new_tokens: int) -> pd.DataFrame:
     from zipkv.engine import Engine, kv_budget_for
     from zipkv.throughput import token_agreement
 
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kernels = read_kernels(next(model.parameters()).device, head_dim, cfg.num_attention_heads // cfg.num_key_value_heads)
-    budget = kv_budget_for(cfg, len(prompts), max(len(p) for p in prompts) + new_tokens)
+    from zipkv.models import ModelShape
+
+    shape = ModelShape.from_config(model.config)
+    kernels = read_kernels(next(model.parameters()).device, shape.head_dim, shape.group_size)
+    budget = kv_budget_for(model.config, len(prompts), max(len(p) for p in prompts) + new_tokens)
     if kernels[0][0] == "gluon":
         zip_settings = dict(compress="all", num_splits=GENERATION_SPLITS)
         engines = {SAME_KERNEL: dict(compress="none", k_layout="k_mma", v_layout="v_mma", num_splits=GENERATION_SPLITS),
@@ -218,16 +219,22 @@ def identity_table(reads: pd.DataFrame, generations: pd.DataFrame) -> pd.DataFra
     return pd.concat([reads.assign(check="read"), generations.assign(check="generation")], ignore_index=True)
 
 
+def _same_kernel(generations: pd.DataFrame) -> pd.DataFrame:
+    """The comparisons whose two engines read through the same kernel (the default-kernel one may differ: another
+    summation order)."""
+    return generations[generations.comparison != DEFAULT_KERNEL]
+
+
 def all_identical(reads: pd.DataFrame, generations: pd.DataFrame) -> bool:
     """Every output read bit-identically, and every request's tokens identical where both engines read through
-    the same kernel (the default-kernel comparison may differ: another summation order)."""
-    same_kernel = generations[generations.comparison != DEFAULT_KERNEL]
+    the same kernel."""
+    same_kernel = _same_kernel(generations)
     return int(reads.identical.sum()) == int(reads.outputs.sum()) and bool(same_kernel.identical.all())
 
 
 def identity_verdict(reads: pd.DataFrame, generations: pd.DataFrame) -> str:
     """One sentence for the chapter's verdict: the reads and the same-kernel generations."""
-    same_kernel = generations[generations.comparison != DEFAULT_KERNEL]
+    same_kernel = _same_kernel(generations)
     kernels = reads.kernel.unique()
     subject = f"kernels ({' and '.join(kernels)}) read" if len(kernels) > 1 else f"kernel ({kernels[0]}) reads"
     return (f"The decode {subject} packed pages into **{int(reads.identical.sum()):,} of "
