@@ -364,22 +364,21 @@ def test_compression_never_changes_what_a_budget_generates(tiny_engine_model, pa
     assert got["prompt"] == got["none"] and got["all"] == got["none"]
 
 
-def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_compressed_pages():
-    """``k_layout="auto"``: the mma layouts for compressed pages under the fused kernel on CUDA at head_dim 64 / 128
-    within the Gluon kernel's group size; the token layouts on the CPU, for the reference, the uncompressed cache,
-    the restore baselines, other head_dims and larger groups. An explicit layout is kept."""
+def test_auto_layouts_are_the_mma_layouts_only_where_the_gluon_kernel_reads_the_pages():
+    """``k_layout="auto"``: the mma layouts under the fused kernel on CUDA at head_dim 64 / 128 within the Gluon
+    kernel's group size, compressed or not; the token layouts on the CPU, for the reference, the restore baselines,
+    other head_dims and larger groups. An explicit layout is kept."""
     from zipkv.engine import default_layouts
     from zipkv.kernels import decode_mma
     mma, token = ("k_mma", "v_mma"), ("token", "token")
-    assert default_layouts("kernel", "cuda", "all", None, 64, 3) == mma          # SmolLM2
-    assert default_layouts("kernel", "cuda:0", "prompt", None, 128, 4) == mma    # Llama-3.1-8B
-    assert default_layouts("kernel", "cuda", "all", None, 64, decode_mma.MAX_GROUP[64]) == mma
-    assert default_layouts("kernel", "cuda", "all", None, 64, decode_mma.MAX_GROUP[64] + 1) == token
-    assert default_layouts("kernel", "cuda", "all", None, 32, 2) == token
-    assert default_layouts("kernel", "cuda", "none", None, 128, 4) == token
-    assert default_layouts("kernel", "cuda", "prompt", object(), 128, 4) == token
-    assert default_layouts("reference", "cuda", "all", None, 128, 4) == token
-    assert default_layouts("kernel", "cpu", "all", None, 128, 4) == token
+    assert default_layouts("kernel", "cuda", None, 64, 3) == mma          # SmolLM2
+    assert default_layouts("kernel", "cuda:0", None, 128, 4) == mma       # Llama-3.1-8B
+    assert default_layouts("kernel", "cuda", None, 64, decode_mma.MAX_GROUP[64]) == mma
+    assert default_layouts("kernel", "cuda", None, 64, decode_mma.MAX_GROUP[64] + 1) == token
+    assert default_layouts("kernel", "cuda", None, 32, 2) == token
+    assert default_layouts("kernel", "cuda", object(), 128, 4) == token
+    assert default_layouts("reference", "cuda", None, 128, 4) == token
+    assert default_layouts("kernel", "cpu", None, 128, 4) == token
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=64).to(torch.bfloat16)
     assert Engine(model, 10**6, attention="kernel").memory.layouts == token       # the CPU: token layouts
     assert Engine(model, 10**6, attention="reference", v_layout="v_mma").memory.layouts == ("token", "v_mma")
@@ -614,30 +613,30 @@ def test_overlapped_steps_prepare_and_launch_without_a_host_sync(compress, monke
 
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's bf16 path needs a CUDA GPU")
-@pytest.mark.parametrize("compress", ["all", "all-token", "none", "splitzip"])
+@pytest.mark.parametrize("compress", ["all", "all-token", "none", "none-token", "splitzip"])
 def test_fused_kernel_greedy_tokens_on_gpu(compress):
     """On the GPU the engine runs the fused kernel (bf16 tensor-core dots, bf16 P for P @ V) -- or, for
     ``"splitzip"``, the restore baseline: Triton decoder into the shared buffer, raw decode kernel -- with each
     batch composition's decode step captured in a CUDA graph, and ``model.generate`` Hugging Face's bf16
     attention: neither is the other's arithmetic, so tokens are generate's up to a near-tie
     (:func:`_assert_tokens_of_generate`). The H200 run of ee8fe49 diverged so at token 2 of one request, top-2
-    logits 18.875 / 18.75 (one bf16 step). ``"all"`` takes the default layouts (the mma layouts and the Gluon
-    kernel at SmolLM2's head_dim 64, group 3), ``"all-token"`` the Triton kernel's."""
+    logits 18.875 / 18.75 (one bf16 step). ``"all"`` and ``"none"`` take the default layouts (the mma layouts and the
+    Gluon kernel at SmolLM2's head_dim 64, group 3), ``"all-token"`` and ``"none-token"`` the Triton kernel's."""
     from zipkv import codecs, data, models
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
     ws = data.windows(tok, data.load_books(limit=4), n=4, context=256, continuation=0)
     prompts = [w.context_ids[:n].tolist() for w, n in zip(ws, (5, 200, 97, 31))]
     n = 32
     kw = dict(compress=compress)
-    if compress == "all-token":
-        kw = dict(compress="all", k_layout="token", v_layout="token")
+    if compress.endswith("-token"):
+        kw = dict(compress=compress.removesuffix("-token"), k_layout="token", v_layout="token")
     if compress == "splitzip":
         with torch.no_grad():
             calib = model(torch.tensor([ws[3].context_ids.tolist()], device="cuda"), use_cache=True).past_key_values.layers[2].keys
         kw = dict(compress="prompt", restore=codecs.SplitZip.calibrate(calib), restore_buffer_pages=16)
     # 20 pages: not all four requests fit at once (their pages at full length: 3 + 15 + 8 + 4)
     eng = Engine(model, kv_budget_bytes=20 * _page_bytes(model), pages_per_chunk=2, **kw)
-    assert eng.memory.layouts == (("k_mma", "v_mma") if compress == "all" else ("token", "token"))
+    assert eng.memory.layouts == (("k_mma", "v_mma") if compress in ("all", "none") else ("token", "token"))
     res = eng.generate(prompts, n)
     assert len(set(res.stats["admitted_at"])) > 1
     assert res.stats["cuda_graphs"] and res.stats["graph_error"] is None
@@ -874,10 +873,10 @@ def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the Gluon kernel needs a CUDA GPU")
 @pytest.mark.parametrize("compress", ["all", "prompt"])
 def test_compressed_engine_gives_the_uncompressed_tokens_through_the_same_kernel(compress):
-    """ZipFusion's engine (the mma layouts, the Gluon kernel) and the uncompressed engine in the same layouts, at the
-    same split count, under a budget that holds every request at once: the same greedy tokens, every one -- the
-    kernel reads packed pages into its raw pages' bits (test_decode_mma), so compression changes nothing. (The
-    default uncompressed engine reads token-layout pages through the Triton kernel: another summation order.)"""
+    """ZipFusion's engine and the uncompressed engine, both in their default layouts (the mma layouts, the Gluon
+    kernel) at the same split count, under a budget that holds every request at once: the same greedy tokens, every
+    one -- the kernel reads packed pages into its raw pages' bits (test_decode_mma), so compression changes nothing.
+    (An uncompressed engine in the token layouts reads through the Triton kernel: another summation order.)"""
     from zipkv import data, models
     from zipkv.engine import kv_budget_for
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
@@ -886,9 +885,71 @@ def test_compressed_engine_gives_the_uncompressed_tokens_through_the_same_kernel
     n = 48
     budget = kv_budget_for(model.config, len(prompts), 512 + n)
     kw = dict(eos_token_id=None, num_splits=2)
-    raw = Engine(model, budget, compress="none", k_layout="k_mma", v_layout="v_mma", **kw)
+    raw = Engine(model, budget, compress="none", **kw)
     got = Engine(model, budget, compress=compress, **kw)
     assert got.memory.layouts == raw.memory.layouts == ("k_mma", "v_mma")
     want, res = raw.generate(prompts, n), got.generate(prompts, n)
     assert res.stats["frac_compressed_k"] > 0.3 and res.stats["max_batch"] == want.stats["max_batch"] == 4
     assert res.outputs == want.outputs
+
+
+def test_the_chapter_compares_zipfusion_with_the_engines_own_uncompressed_default_too():
+    """The chapter's uncompressed baseline is pinned to the token layouts (the Triton kernel, SGLang's FlashInfer
+    stand-in) whatever the engine's default; the mma-layout uncompressed rows (the engine's default on a GPU) get
+    their own sentence -- the ratio over them, whether the tokens/s bar holds against them -- and one in the
+    verdict, while the end-to-end rows leave them out."""
+    import pandas as pd
+
+    from zipkv import throughput
+    from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL
+
+    assert throughput.engine_settings("uncompressed") == dict(compress="none", k_layout="token", v_layout="token")
+    assert throughput.engine_settings("zipfusion") == dict(compress="prompt")
+    big = pd.DataFrame({"method": ["uncompressed", "zipfusion"] * 2, "batch": [32, 32, 46, 57], "max_batch": [46, 57] * 2,
+                        "tokens_per_s": [2200.0, 2450.0, 2600.0, 3250.0], "step_ms": [14.5, 13.1, 17.7, 17.5],
+                        "kv_budget_bytes": [2**30] * 4, "frac_compressed_k": [0, 0.8] * 2, "frac_compressed_v": [0, 0.9] * 2,
+                        "stored_bits_per_value": [16.0, 12.6] * 2})
+    mma = throughput.median_run([dict(model=THROUGHPUT_MMA_BASELINE_MODEL, method="uncompressed", batch=46, max_batch=46,
+                                      tokens_per_s=t, step_ms=ms) for t, ms in ((2650.0, 17.36), (2640.0, 17.42), (2660.0, 17.3))])
+    mma = pd.DataFrame([mma])
+    text = throughput.mma_baseline_text(big, mma)
+    assert "the median of 3 runs: 2,650, 2,640, 2,660 tokens/s) it takes 17.36 ms per step against 17.70 ms" in text
+    assert "**1.226×** its 2,650 (over the token layouts: 1.250×)" in text and text.endswith("missed by 0.024.")
+    assert throughput.mma_baseline_text(big, mma.assign(tokens_per_s=2500.0)).endswith("bar is met.")
+    assert throughput.mma_baseline_text(big, mma.iloc[:0]).endswith("This run did not time the mma-layout engine (`mma_baseline`).")
+    verdict, _ = throughput.verdict(big, 32, mma_rows=mma)
+    assert "(the mma layouts, the Gluon kernel's raw path; batch 46): **1.226×** tokens/s." in verdict
+    assert "Gluon" not in throughput.verdict(big, 32)[0]
+    table = pd.concat([big.assign(model="SmolLM2"), mma])
+    assert throughput.e2e_rows(table).model.unique().tolist() == ["SmolLM2"]
+
+
+def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to_end_runs(monkeypatch):
+    """figure5(mma_baseline=True), its runs stubbed: uncompressed runs ``repeats`` more times in the mma layouts at
+    its largest batch, the median a row of THROUGHPUT_MMA_BASELINE_MODEL; the chapter's other rows and the end-to-end
+    runs come back untouched."""
+    from zipkv import data, throughput
+    from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL
+
+    e2e_runs, cols = {"zipfusion": object()}, dict(kv_budget_bytes=2**30, frac_compressed_k=0.0, frac_compressed_v=0.0)
+    monkeypatch.setattr(throughput, "_e2e", lambda *a, **k: ([dict(model="SmolLM2", method="uncompressed", batch=4,
+                                                                   max_batch=4, tokens_per_s=1.0, **cols)], e2e_runs, {}, (None, None)))
+    monkeypatch.setattr(data, "load_books", lambda *a, **k: [])
+    monkeypatch.setattr(throughput, "real_kv_blocks", lambda *a, **k: None)
+    monkeypatch.setattr(throughput, "make_codec", lambda *a, **k: None)
+    monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (None, {}))
+    calls, mma_speeds = [], iter([2650.0, 2640.0, 2660.0])
+
+    def run(model, method, batch=None, **kw):
+        calls.append((method, batch, kw.get("k_layout")))
+        tps = next(mma_speeds) if kw.get("k_layout") == "k_mma" else 1000.0 + len(calls)
+        return dict(method=method, batch=batch or 46, tokens_per_s=tps, stats={}, **cols)
+    monkeypatch.setattr(throughput, "decode_throughput", run)
+    out = throughput.figure5(device="cpu", mma_baseline=True, repeats=3)
+    mma_calls = [c for c in calls if c[2] == "k_mma"]
+    assert mma_calls == [("uncompressed", None, "k_mma")] * 3 and calls[-3:] == mma_calls
+    t = out["table"]
+    row = t[t.model == THROUGHPUT_MMA_BASELINE_MODEL]
+    assert len(row) == 1 and row.tokens_per_s.iloc[0] == 2650.0 and row.tokens_per_s_runs.iloc[0] == "[2650.0, 2640.0, 2660.0]"
+    assert out["e2e_runs"] is e2e_runs and (t.model == "SmolLM2").sum() == 1
+    assert len(t[t.model == throughput.THROUGHPUT_PAPER_MODEL]) == 2 * len(throughput.METHODS)

@@ -216,7 +216,7 @@ def test_the_read_identity_row_waits_for_a_gpu_run_of_the_lossless_chapter(tmp_p
     cpu = pd.DataFrame({"check": ["generation"], "comparison": ["uncompressed, reference attention"], "identical": [True]})
     pd.concat([reads, cpu]).to_csv(side, index=False)
     assert findings.findings(tmp_path, claim).iloc[0].verdict == "not yet run"
-    gpu = pd.DataFrame({"check": ["generation"] * 3, "comparison": ["uncompressed, same kernel"] * 2 + ["uncompressed, default kernel"],
+    gpu = pd.DataFrame({"check": ["generation"] * 3, "comparison": ["uncompressed, same kernel"] * 2 + ["uncompressed, Triton kernel"],
                         "identical": [True, True, False]})
     pd.concat([reads, gpu]).to_csv(side, index=False)
     row = findings.findings(tmp_path, claim).iloc[0]

@@ -42,7 +42,7 @@ def _tables(read_same=True, gen_same=True):
     reads = pd.DataFrame(dict(window=[0, 0, 1, 1], layer=[0] * 4, kernel=["gluon", "triton"] * 2,
                               path=["auto", "mixed"] * 2, splits=[1] * 4, frac_compressed=[0.8] * 4, outputs=[576] * 4,
                               identical=[576, 576, 576, 576 if read_same else 570], max_abs_diff=[0, 0, 0, 0 if read_same else 2e-3]))
-    gens = pd.DataFrame(dict(comparison=["uncompressed, same kernel"] * 2 + ["uncompressed, default kernel"] * 2,
+    gens = pd.DataFrame(dict(comparison=["uncompressed, same kernel"] * 2 + ["uncompressed, Triton kernel"] * 2,
                              request=[0, 1, 0, 1], identical=[True, gen_same, True, False],
                              first_difference=[None, None if gen_same else 3, None, 7]))
     return reads, gens
@@ -50,12 +50,12 @@ def _tables(read_same=True, gen_same=True):
 
 def test_the_sentences_count_what_the_tables_hold():
     reads, gens = _tables()
-    assert lossless.all_identical(reads, gens)            # the default kernel's difference is another summation order
+    assert lossless.all_identical(reads, gens)            # the Triton kernel's difference is another summation order
     verdict = lossless.identity_verdict(reads, gens)
     assert verdict.startswith("The decode kernels (gluon and triton) read packed pages") and "**2,304 of 2,304**" in verdict and "**2 of 2** requests (uncompressed, same kernel)" in verdict
     text = lossless.identity_text(reads, gens, new_tokens=16)
     assert "the gluon kernel (routed by page kinds, 2 windows × 1 layer × splits 1)" in text
-    assert "uncompressed, default kernel: 1 of 2 requests identical (the others first differ at new token 7)." in text
+    assert "uncompressed, Triton kernel: 1 of 2 requests identical (the others first differ at new token 7)." in text
     assert "not identical" not in text
 
 

@@ -520,14 +520,15 @@ def _eos_ids(model, eos_token_id):
     return {int(x) for x in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])}
 
 
-def default_layouts(attention: str, device, compress: str, restore, head_dim: int, group: int) -> tuple[str, str]:
-    """The cache layouts ``k_layout="auto"`` / ``v_layout="auto"`` choose: the mma layouts (``k_mma``, ``v_mma``) when
-    compressed pages are read by the fused kernel on CUDA at a head_dim and GQA group the Gluon kernel takes
-    (``zipkv.format.MMA_HEAD_DIMS``, ``decode_mma.MAX_GROUP``) -- its pipelined path reads compressed, raw and mixed
-    pages, faster than the Triton kernel on compressed ones ("Decode attention latency"); the token layouts otherwise
-    (the torch reference, the uncompressed baseline, whose raw pages the Triton kernel's raw path reads fastest, and
-    the restore baselines, which restore into raw token-layout pages)."""
-    if attention != "kernel" or torch.device(device).type != "cuda" or compress == "none" or restore is not None:
+def default_layouts(attention: str, device, restore, head_dim: int, group: int) -> tuple[str, str]:
+    """The cache layouts ``k_layout="auto"`` / ``v_layout="auto"`` choose: the mma layouts (``k_mma``, ``v_mma``) under
+    the fused kernel on CUDA at a head_dim and GQA group the Gluon kernel takes (``zipkv.format.MMA_HEAD_DIMS``,
+    ``decode_mma.MAX_GROUP``), compressed or not -- its pipelined path reads compressed, raw and mixed pages, faster than
+    the Triton kernel reads token-layout ones ("Decode attention latency", raw pages included), and one kernel for
+    both means that compressing changes no token at the same split count ("The lossless format"); the token layouts
+    otherwise (the torch reference, other shapes, and the restore baselines, which restore into raw token-layout
+    pages)."""
+    if attention != "kernel" or torch.device(device).type != "cuda" or restore is not None:
         return ("token", "token")
     from zipkv.kernels import decode_mma
     if head_dim in fmt.MMA_HEAD_DIMS and group <= decode_mma.MAX_GROUP[head_dim]:
@@ -551,7 +552,7 @@ class Engine:
     the codecs' torch decoders) or ``"auto"`` (kernel on CUDA, reference elsewhere). cuda_graphs: capture
     each batch composition's decode step in a CUDA graph (:class:`_StepGraph`; on CUDA only). k_layout /
     v_layout: block arrangements of the cache (``zipkv.format``) or ``"auto"`` (:func:`default_layouts`: the mma
-    layouts for compressed pages under the fused kernel). pages_per_chunk, reserve_ratio: see
+    layouts under the fused kernel where the Gluon kernel takes the shape). pages_per_chunk, reserve_ratio: see
     :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. num_splits: the decode kernel's split-KV
     factor (default: its plan's choice, :func:`zipkv.kernels.decode_attention.plan`). eos_token_id: stop token(s),
     ``"model"`` (the model's generation config, like ``model.generate``) or None (always
@@ -598,7 +599,7 @@ class Engine:
             raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        auto = default_layouts(attention, self.device, compress, restore, self.head_dim, self.q_heads // self.kv_heads)
+        auto = default_layouts(attention, self.device, restore, self.head_dim, self.q_heads // self.kv_heads)
         k_layout, v_layout = (a if lay == "auto" else lay for lay, a in zip((k_layout, v_layout), auto))
         L = cfg.num_hidden_layers
         buffer_pages, budget = 0, kv_budget_bytes

@@ -43,12 +43,18 @@ ZIPFUSION_PAPER = ZipFusionBenchmark()
 
 THROUGHPUT_PAPER_MODEL = "Llama-3.1-8B shapes (random weights)"
 """``model`` of the rows of ``zipfusion_throughput.csv`` in the paper's Fig. 5 setting (§IV-A); the chapter's other
-rows are the same setting with the modules' step kernels (:data:`THROUGHPUT_UNFUSED_MODEL`) and the embedded model
+rows are the same setting with the modules' step kernels (:data:`THROUGHPUT_UNFUSED_MODEL`), the uncompressed engine
+in the mma layouts (:data:`THROUGHPUT_MMA_BASELINE_MODEL`) and the embedded model
 end to end (a smaller budget, every full page compressed as it fills)."""
 
 THROUGHPUT_UNFUSED_MODEL = "Llama-3.1-8B shapes, modules' step kernels"
 """``model`` of the rows of ``zipfusion_throughput.csv`` in the Fig. 5 setting run with the model's own modules for the
 decode step's norms, rotary embedding and MLP product (``Engine(fused_ops=False)``) instead of the fused kernels."""
+
+THROUGHPUT_MMA_BASELINE_MODEL = "Llama-3.1-8B shapes, uncompressed in the mma layouts"
+"""``model`` of the rows of ``zipfusion_throughput.csv`` in the Fig. 5 setting where the uncompressed engine stores its
+pages in the mma layouts, read by the Gluon kernel's all-raw path (the engine's default on a GPU), instead of the
+chapter's uncompressed baseline, the token layouts read by the Triton kernel's (``zipkv.throughput.BASELINE_LAYOUTS``)."""
 
 
 @dataclass(frozen=True)

@@ -106,10 +106,11 @@ splits' partial outputs merged)."""
 GENERATION_SPLITS = 2
 """The split-KV factor both engines of :func:`generation_identity` use on a GPU: one summation order for both."""
 
-SAME_KERNEL, DEFAULT_KERNEL, REFERENCE = ("uncompressed, same kernel", "uncompressed, default kernel",
-                                          "uncompressed, reference attention")
+SAME_KERNEL, TRITON_KERNEL, REFERENCE = ("uncompressed, same kernel", "uncompressed, Triton kernel",
+                                         "uncompressed, reference attention")
 """:func:`generation_identity`'s comparisons: the uncompressed engine through ZipFusion's kernel and split count,
-through its own default (another summation order), and (off the GPU) both through the torch reference."""
+through the Triton kernel in the token layouts (another summation order), and (off the GPU) both through the torch
+reference."""
 
 
 def read_kernels(device, head_dim: int, group: int) -> list[tuple[str, str, str]]:
@@ -157,10 +158,10 @@ def read_identity(captures, kernel_layers: int) -> pd.DataFrame:
 def generation_identity(model, prompts, new_tokens: int) -> pd.DataFrame:
     """Greedy tokens of :class:`zipkv.engine.Engine` with every full page compressed (``compress="all"``) against the
     uncompressed engine, under a budget that holds every request at once (one batch composition, so the
-    model's matrix products see the same batch in both). On CUDA two uncompressed engines: in the mma layouts,
-    read by the same Gluon kernel with the same split count (:data:`GENERATION_SPLITS`) as ZipFusion -- and the
-    default uncompressed engine (token layouts, the Triton kernel's all-raw path, its own split count: another
-    summation order). Elsewhere (the CPU, or a model the Gluon kernel does not take) both engines use the torch
+    model's matrix products see the same batch in both). On CUDA two uncompressed engines: in the default layouts
+    (the mma layouts), read by the same Gluon kernel with the same split count (:data:`GENERATION_SPLITS`) as
+    ZipFusion -- and in the token layouts (the Triton kernel's all-raw path, its own split count: another summation
+    order; the throughput chapter's uncompressed baseline). Elsewhere (the CPU, or a model the Gluon kernel does not take) both engines use the torch
     reference attention. One row per comparison and
     request: comparison, request, identical, first_difference (index of the first differing new token, or None)."""
     from zipkv.engine import Engine, kv_budget_for
@@ -173,8 +174,8 @@ def generation_identity(model, prompts, new_tokens: int) -> pd.DataFrame:
     budget = kv_budget_for(model.config, len(prompts), max(len(p) for p in prompts) + new_tokens)
     if kernels[0][0] == "gluon":
         zip_settings = dict(compress="all", num_splits=GENERATION_SPLITS)
-        engines = {SAME_KERNEL: dict(compress="none", k_layout="k_mma", v_layout="v_mma", num_splits=GENERATION_SPLITS),
-                   DEFAULT_KERNEL: dict(compress="none")}
+        engines = {SAME_KERNEL: dict(compress="none", num_splits=GENERATION_SPLITS),
+                   TRITON_KERNEL: dict(compress="none", k_layout="token", v_layout="token")}
     else:
         zip_settings = dict(compress="all", attention="reference")
         engines = {REFERENCE: dict(compress="none", attention="reference")}
@@ -220,9 +221,9 @@ def identity_table(reads: pd.DataFrame, generations: pd.DataFrame) -> pd.DataFra
 
 
 def _same_kernel(generations: pd.DataFrame) -> pd.DataFrame:
-    """The comparisons whose two engines read through the same kernel (the default-kernel one may differ: another
+    """The comparisons whose two engines read through the same kernel (the Triton-kernel one may differ: another
     summation order)."""
-    return generations[generations.comparison != DEFAULT_KERNEL]
+    return generations[generations.comparison != TRITON_KERNEL]
 
 
 def all_identical(reads: pd.DataFrame, generations: pd.DataFrame) -> bool:

@@ -44,8 +44,8 @@ computed; full units run without a token mask, the last unit of a range after th
   ``results/paper/zipfusion_lossless_probe.txt``: ZipFusion's engine and the
   uncompressed engine in these layouts gave the same greedy tokens for 8 of 8 PG19 windows of 1024 tokens and 64
   new ones, the uncompressed engine in the token layouts -- the Triton kernel -- for 4 of 8).
-* RAW: raw blocks (bf16 in the raw byte order of :func:`zipkv.format.raw_index`): the uncompressed
-  baseline, the same kernel with compression switched off.
+* RAW: raw blocks (bf16 in the raw byte order of :func:`zipkv.format.raw_index`): the same kernel with
+  compression switched off (the engine's uncompressed cache on a GPU, :func:`zipkv.engine.default_layouts`).
 * MIXED: any unit, each block as stored, in a ring slot of raw size. Each block covers fixed rows of the
   operand tiles (keys: the 4 token rows of the block; values: one of the 4 block rows of every value
   chunk), the slot holds each block's stored bytes in the rows it covers (:func:`_issue`: one address per
