@@ -19,34 +19,34 @@ def _profiled_rows():
 
 
 def test_step_table_takes_a_separate_profile_when_the_run_has_none(tmp_path):
-    from zipkv import throughput
+    from zipkv.chapters import throughput as chapter
     from zipkv.book import REPO_ROOT
     csv = REPO_ROOT / "results/paper/zipfusion_engine_profile.csv"
     import pandas as pd
     unprofiled = _profiled_rows().drop(columns=["replay_ms", "host_ms"])
-    steps, note = throughput.step_table(unprofiled, csv)
+    steps, note = chapter.step_table(unprofiled, csv)
     assert str(csv) in note and len(steps) == len(pd.read_csv(csv))
     kernels = steps[["attention_ms", "gemm_ms", "restore_ms", "kv_write_ms", "other_ms"]].sum(axis=1)
     assert ((steps.gaps_ms - (steps.replay_ms - kernels)).abs() < 1e-9).all()
-    assert throughput.step_table(unprofiled, tmp_path / "absent.csv")[0].empty
-    assert len(throughput.step_section(unprofiled, tmp_path / "absent.csv")) == 1
+    assert chapter.step_table(unprofiled, tmp_path / "absent.csv")[0].empty
+    assert len(chapter.step_section(unprofiled, tmp_path / "absent.csv")) == 1
 
 
 def test_step_text_states_the_measured_ratio():
-    from zipkv import throughput
-    steps, note = throughput.step_table(_profiled_rows())
+    from zipkv.chapters import throughput as chapter
+    steps, note = chapter.step_table(_profiled_rows())
     assert note == ""                                        # the rows carry their own breakdown
     u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
     z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
-    assert f"= {z.batch / u.batch * u.step_ms / z.step_ms:.3f}×" in throughput.step_text(steps)
+    assert f"= {z.batch / u.batch * u.step_ms / z.step_ms:.3f}×" in chapter.step_text(steps)
 
 
 def test_step_text_says_how_fast_each_kernel_reads_its_bytes():
-    from zipkv import throughput
-    steps, _ = throughput.step_table(_profiled_rows())
+    from zipkv.chapters import throughput as chapter
+    steps, _ = chapter.step_table(_profiled_rows())
     u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
     z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
-    text = throughput.step_text(steps)
+    text = chapter.step_text(steps)
     raw_mb = (8192 + u.timed_steps + 1) * 2 * 8 * 128 * 2 / 1e6                # K and V of every cached token, bf16
     assert f"the uncompressed kernel reads {raw_mb:.1f} MB at " in text
     share = z.attention_us_per_request_layer / u.attention_us_per_request_layer
@@ -73,13 +73,13 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
 
 
 def test_step_text_says_where_the_idle_time_sits():
-    from zipkv import throughput
+    from zipkv.chapters import throughput as chapter
     rows = _profiled_rows().drop(columns=["launch_ms"], errors="ignore")      # added below
     rows[[c for c in rows.columns if c.startswith("gap_before_")]] = 0.0
     rows["gap_before_attention_ms"] = [0.1, 0.2, 0.3, 0.9]
     rows["gap_before_gemm_ms"] = [0.05, 0.05, 0.05, 0.4]
-    steps, _ = throughput.step_table(rows)
-    text = throughput.step_text(steps)
+    steps, _ = chapter.step_table(rows)
+    text = chapter.step_text(steps)
     z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
     assert f"ZipFusion at batch {z.batch} 0.90 ms before attention kernels, 0.40 ms before gemm kernels" in text
     assert f"({0.9 + 0.4:.2f} ms between kernels in all)" in text
@@ -87,11 +87,11 @@ def test_step_text_says_where_the_idle_time_sits():
              ((m, steps[steps.method == m].sort_values("batch").iloc[-1]) for m in ("uncompressed", "zipfusion"))}
     for m, ms in short.items():                                  # replay idle time the profiled gaps do not cover
         assert (f"{m} {ms:.2f} ms" in text) == (ms > 0.1), (m, ms)
-    assert "gap_before" not in throughput.step_text(throughput.step_table(_profiled_rows())[0])
+    assert "gap_before" not in chapter.step_text(chapter.step_table(_profiled_rows())[0])
     assert "does not place" in text or not any(ms > 0.1 for ms in short.values())
     rows["launch_ms"] = [0.11, 0.12, 0.13, 1.14]                # the host's graph launch, measured with the replays
-    steps, _ = throughput.step_table(rows)
-    text = throughput.step_text(steps)
+    steps, _ = chapter.step_table(rows)
+    text = chapter.step_text(steps)
     u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
     said = f"the host takes {u.launch_ms:.2f} ms (uncompressed) and 1.14 ms (ZipFusion) to launch each timed replay"
     assert (said in text) == any(ms > 0.1 for ms in short.values()) and "does not place" not in text
@@ -99,14 +99,14 @@ def test_step_text_says_where_the_idle_time_sits():
 
 def test_step_text_reads_the_overlapped_rows_and_says_what_the_sequential_ones_take():
     import pandas as pd
-    from zipkv import throughput
+    from zipkv.chapters import throughput as chapter
     rows = _profiled_rows()
     seq = rows.assign(step_ms=rows.step_ms + [1.0, 2.0, 3.0, 4.0], overlap=False)
-    steps, _ = throughput.step_table(pd.concat([rows.assign(overlap=True), seq], ignore_index=True))
-    text = throughput.step_text(steps)
-    assert text.startswith(throughput.step_text(throughput.step_table(rows)[0]))     # the overlapped rows, as before
+    steps, _ = chapter.step_table(pd.concat([rows.assign(overlap=True), seq], ignore_index=True))
+    text = chapter.step_text(steps)
+    assert text.startswith(chapter.step_text(chapter.step_table(rows)[0]))     # the overlapped rows, as before
     last = lambda t, m: t[t.method == m].sort_values("batch").iloc[-1]                # noqa: E731
     su, sz = last(seq, "uncompressed"), last(seq, "zipfusion")
     assert f"takes {su.step_ms:.1f} ms uncompressed and {sz.step_ms:.1f} ms ZipFusion " \
            f"({sz.batch / su.batch * su.step_ms / sz.step_ms:.3f}× tokens/s)" in text
-    assert "overlap=False" not in throughput.step_text(throughput.step_table(rows.assign(overlap=True))[0])
+    assert "overlap=False" not in chapter.step_text(chapter.step_table(rows.assign(overlap=True))[0])

@@ -676,7 +676,8 @@ def test_decode_throughput_fixed_and_largest_batch():
 
 
 def test_token_agreement_counts_requests_and_first_differences():
-    from zipkv.throughput import agreement_text, token_agreement
+    from zipkv.throughput import token_agreement
+    from zipkv.chapters.throughput import agreement_text
 
     a = token_agreement([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 0]])
     assert a == dict(identical=1, requests=3, first_difference=[1, 2])
@@ -685,7 +686,8 @@ def test_token_agreement_counts_requests_and_first_differences():
 
 def test_token_agreement_measures_how_near_a_tie_each_first_difference_was():
     from conftest import tiny_llama
-    from zipkv.throughput import agreement_text, divergence_gap, token_agreement
+    from zipkv.throughput import divergence_gap, token_agreement
+    from zipkv.chapters.throughput import agreement_text
 
     model = tiny_llama()
     prompts = [[3, 4, 5], [6, 7]]
@@ -702,38 +704,38 @@ def test_token_agreement_measures_how_near_a_tie_each_first_difference_was():
 def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     import pandas as pd
 
-    from zipkv import throughput
+    from zipkv.chapters import throughput as chapter
 
     big = pd.DataFrame({"method": ["uncompressed", "uncompressed", "zipfusion", "zipfusion"], "batch": [32, 40, 32, 50],
                         "max_batch": [40, 40, 50, 50], "tokens_per_s": [1000.0, 1200.0, 900.0, 1400.0],
                         "kv_budget_bytes": [2**30] * 4, "frac_compressed_k": [0, 0, 0.8, 0.8],
                         "frac_compressed_v": [0, 0, 0.9, 0.9], "stored_bits_per_value": [16.0, 16.0, 12.8, 12.8],
                         "step_ms": [20.0, 25.0, 21.0, 30.0]})
-    c = throughput.bar_checks(big, 32)
+    c = chapter.bar_checks(big, 32)
     assert c["kv_requests"] == 50 * 12.8 / 16 and c["step_needed_ms"] == 25.0 * 50 / (40 * 1.25)
     # the bits per prefix value the batch bar needs are those at which the budget holds exactly that batch
     # (8192-token context: at the first decode step the 512 packed pages and one raw page of 16 slots for 8193 tokens)
     stored = (c["bits_needed"] * 8192 + 16 * 16) / 8193
-    at_needed = throughput.bar_checks(big.assign(stored_bits_per_value=[16.0, 16.0, stored, stored]), 32)
+    at_needed = chapter.bar_checks(big.assign(stored_bits_per_value=[16.0, 16.0, stored, stored]), 32)
     assert c["batch_needed"] == 50 and abs(at_needed["prefix_bits"] - c["bits_needed"]) < 1e-9
     assert abs(at_needed["capacity_bound"] - 50) < 1e-9
     # at the measured bits, the budget that holds the needed batch; budgets below one more raw request's bytes
     # still hold the uncompressed batch (40 requests of 528 pages of 16 tokens at 128 KiB per token)
-    grown = throughput.bar_checks(big.assign(kv_budget_bytes=c["budget_needed"]), 32)
+    grown = chapter.bar_checks(big.assign(kv_budget_bytes=c["budget_needed"]), 32)
     assert abs(grown["capacity_bound"] - c["batch_needed"]) < 1e-9
     assert c["budget_top"] == 41 * 528 * 16 * 2 * 2 * 32 * 8 * 128
-    assert f"a budget {c['budget_needed'] / 2**30 - 1:+.2%} larger" in throughput.bars_need_text(big, 32)
-    text, kind = throughput.verdict(big, 32)
+    assert f"a budget {c['budget_needed'] / 2**30 - 1:+.2%} larger" in chapter.bars_need_text(big, 32)
+    text, kind = chapter.verdict(big, 32)
     assert "**missed by" in text and kind == "warning"
     # a ratio a hair under the bar (1.2498 tokens/s here) is not printed as "missed by 0.000"
     hair = big.assign(tokens_per_s=[1000.0, 1200.0, 900.0, 1200.0 * 1.2498])
-    text, _ = throughput.verdict(hair, 32)
+    text, _ = chapter.verdict(hair, 32)
     assert "**missed by 0.0002** (1.2498×)" in text and "missed by 0.000**" not in text
-    assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in throughput.bars_need_text(big, 32)
-    assert throughput.bars_need_text(big, 32).startswith("One run per method and batch, no spread. ZipFusion stores")
-    assert "ran sequentially" in throughput.bars_need_text(big, 32)              # a table from before the column
-    assert "overlapped scheduler (`Engine" in throughput.bars_need_text(big.assign(overlap=True), 32)
-    assert "3 of 4 rows" in throughput.bars_need_text(big.assign(overlap=[True, True, True, False]), 32)
+    assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in chapter.bars_need_text(big, 32)
+    assert chapter.bars_need_text(big, 32).startswith("One run per method and batch, no spread. ZipFusion stores")
+    assert "ran sequentially" in chapter.bars_need_text(big, 32)              # a table from before the column
+    assert "overlapped scheduler (`Engine" in chapter.bars_need_text(big.assign(overlap=True), 32)
+    assert "3 of 4 rows" in chapter.bars_need_text(big.assign(overlap=[True, True, True, False]), 32)
 
 
 def test_the_committed_throughput_runs_admitted_every_zipfusion_prefix_packed():
@@ -752,17 +754,17 @@ def test_the_committed_throughput_runs_admitted_every_zipfusion_prefix_packed():
 def test_paper_rows_fall_back_to_the_committed_gpu_table(tmp_path):
     import pandas as pd
 
-    from zipkv import throughput
+    from zipkv.chapters import throughput as chapter
     from zipkv.settings import THROUGHPUT_PAPER_MODEL
 
     e2e = pd.DataFrame({"model": ["SmolLM2"], "method": ["zipfusion"], "kv_budget_bytes": [2**20]})
     gpu = pd.DataFrame({"model": [THROUGHPUT_PAPER_MODEL, "SmolLM2"], "method": ["zipfusion", "zipfusion"]})
     gpu.to_csv(tmp_path / "t.csv", index=False)
-    rows, note = throughput.paper_rows(e2e, tmp_path / "t.csv")
+    rows, note = chapter.paper_rows(e2e, tmp_path / "t.csv")
     assert rows.model.tolist() == [THROUGHPUT_PAPER_MODEL] and "committed GPU run" in note
-    rows, note = throughput.paper_rows(pd.concat([gpu, e2e]), tmp_path / "t.csv")
+    rows, note = chapter.paper_rows(pd.concat([gpu, e2e]), tmp_path / "t.csv")
     assert len(rows) == 1 and note == ""
-    assert "SmolLM2, 3 PG19 windows" in throughput.e2e_text(
+    assert "SmolLM2, 3 PG19 windows" in chapter.e2e_text(
         e2e, {"zipfusion": dict(identical=3, requests=3, first_difference=[])}, requests=3, context=64, new_tokens=8)
 
 
@@ -773,21 +775,23 @@ def test_the_chapter_table_and_the_end_to_end_speed_read_the_committed_rows():
 
     from zipkv import throughput
 
+    from zipkv.chapters import throughput as chapter
+
     from zipkv.book import REPO_ROOT
 
     table = pd.read_csv(REPO_ROOT / "results" / "paper" / "zipfusion_throughput.csv")
-    compact = throughput.compact_table(table).data.set_index(["model", "method", "batch"])
+    compact = chapter.compact_table(table).data.set_index(["model", "method", "batch"])
     z = compact.loc[(throughput.THROUGHPUT_PAPER_MODEL, "zipfusion", 57)]
     u = table[(table.method == "uncompressed") & (table.batch == table.max_batch)
               & (table.model == throughput.THROUGHPUT_PAPER_MODEL)]
     assert z["vs uncompressed"] == pytest.approx(z["tokens/s"] / u.tokens_per_s.iloc[0])
     assert z["paper max batch"] == 57 and len(compact.columns) <= 12
-    e2e = throughput.e2e_rows(table).set_index("method")
+    e2e = chapter.e2e_rows(table).set_index("method")
     assert set(e2e.model) == {"SmolLM2-135M-Instruct"}
-    text = throughput.e2e_speed_text(table, copy_tbps=4.0)
+    text = chapter.e2e_speed_text(table, copy_tbps=4.0)
     assert f"zipfusion {e2e.tokens_per_s['zipfusion']:,.0f} ({e2e.tokens_per_s['zipfusion'] / e2e.tokens_per_s['uncompressed']:.2f}×)" in text
     assert f"{e2e.kv_budget_bytes['uncompressed'] / 4e6:.0f} µs at 4.00 TB/s" in text
-    assert "TB/s" not in throughput.e2e_speed_text(table)                       # no GPU bandwidth: no such sentence
+    assert "TB/s" not in chapter.e2e_speed_text(table)                       # no GPU bandwidth: no such sentence
 
 
 def test_repeated_largest_batch_runs_show_their_median_and_spread():
@@ -801,6 +805,8 @@ def test_repeated_largest_batch_runs_show_their_median_and_spread():
 
     from zipkv import throughput
 
+    from zipkv.chapters import throughput as chapter
+
     matplotlib.use("Agg")
     runs = [dict(method="zipfusion", batch=50, max_batch=50, tokens_per_s=t, step_ms=ms)
             for t, ms in ((1400.0, 30.0), (1300.0, 32.0), (1500.0, 28.0))]
@@ -811,11 +817,11 @@ def test_repeated_largest_batch_runs_show_their_median_and_spread():
                                for t in (1000.0, 1100.0, 1200.0)])
     big = pd.DataFrame([dict(method="uncompressed", batch=32, max_batch=40, tokens_per_s=900.0, step_ms=20.0), u,
                         dict(method="zipfusion", batch=32, max_batch=50, tokens_per_s=950.0, step_ms=19.0), mid])
-    text = throughput.runs_text(big)
+    text = chapter.runs_text(big)
     assert "ran 3 times" in text and "1.400, 1.182, 1.250×" in text and "spread 1.182–1.400×" in text
-    assert "median of 3 runs" in throughput.runs_caption(big)
-    assert throughput.runs_text(big.drop(columns="tokens_per_s_runs")) == "One run per method and batch, no spread."
-    fig = throughput.plot_throughput(big, {}, 32)
+    assert "median of 3 runs" in chapter.runs_caption(big)
+    assert chapter.runs_text(big.drop(columns="tokens_per_s_runs")) == "One run per method and batch, no spread."
+    fig = chapter.plot_throughput(big, {}, 32)
     caps = [float(y) for line in fig.axes[1].lines for y in line.get_ydata()]   # the whiskers' caps
     assert sorted(caps) == [1000.0, 1200.0, 1300.0, 1500.0]                    # slowest and fastest runs
     for bad in (2, 0, True):
@@ -849,6 +855,8 @@ def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
     import pandas as pd
 
     from zipkv import throughput
+
+    from zipkv.chapters import throughput as chapter
     from zipkv.settings import THROUGHPUT_UNFUSED_MODEL
 
     def rows(tps, step, power, clock, capped):
@@ -857,15 +865,15 @@ def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
                              "sm_clock_mhz": clock, "frac_power_capped": capped})
     fused = rows([2600.0, 3200.0], [17.7, 17.8], [630.0, 694.0], [1980.0, 1905.0], [0.0, 0.4])
     modules = rows([2300.0, 2990.0], [20.0, 19.1], [575.0, 652.0], [1980.0, 1980.0], [0.0, 0.0])
-    text = throughput.power_text(fused, modules.assign(model=THROUGHPUT_UNFUSED_MODEL))
+    text = chapter.power_text(fused, modules.assign(model=THROUGHPUT_UNFUSED_MODEL))
     assert "694 W (largest sample 697 W), SM clock 1905 MHz, the power cap lowering the clock in 40% of the samples" in text
     assert "ratio is 1.300× against 1.231× fused" in text and "reaches the power cap" in text
     assert "1.13× and 1.07× the tokens/s" in text
-    calm = throughput.power_text(fused.assign(frac_power_capped=0.0), modules)
+    calm = chapter.power_text(fused.assign(frac_power_capped=0.0), modules)
     assert "reaches the power cap" not in calm and calm.endswith("the tokens/s).")
-    assert throughput.power_text(fused.drop(columns="power_w")) == ""
+    assert chapter.power_text(fused.drop(columns="power_w")) == ""
     table = pd.concat([fused.assign(model=throughput.THROUGHPUT_PAPER_MODEL), modules.assign(model=THROUGHPUT_UNFUSED_MODEL)])
-    got, note = throughput.paper_rows(table, None, THROUGHPUT_UNFUSED_MODEL)
+    got, note = chapter.paper_rows(table, None, THROUGHPUT_UNFUSED_MODEL)
     assert got.tokens_per_s.tolist() == [2300.0, 2990.0] and note == ""
 
 
@@ -901,6 +909,8 @@ def test_the_chapter_compares_zipfusion_with_the_engines_own_uncompressed_defaul
     import pandas as pd
 
     from zipkv import throughput
+
+    from zipkv.chapters import throughput as chapter
     from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL
 
     assert throughput.engine_settings("uncompressed") == dict(compress="none", k_layout="token", v_layout="token")
@@ -912,16 +922,16 @@ def test_the_chapter_compares_zipfusion_with_the_engines_own_uncompressed_defaul
     mma = throughput.median_run([dict(model=THROUGHPUT_MMA_BASELINE_MODEL, method="uncompressed", batch=46, max_batch=46,
                                       tokens_per_s=t, step_ms=ms) for t, ms in ((2650.0, 17.36), (2640.0, 17.42), (2660.0, 17.3))])
     mma = pd.DataFrame([mma])
-    text = throughput.mma_baseline_text(big, mma)
+    text = chapter.mma_baseline_text(big, mma)
     assert "the median of 3 runs: 2,650, 2,640, 2,660 tokens/s) it takes 17.36 ms per step against 17.70 ms" in text
     assert "**1.226×** its 2,650 (over the token layouts: 1.250×)" in text and text.endswith("missed by 0.024.")
-    assert throughput.mma_baseline_text(big, mma.assign(tokens_per_s=2500.0)).endswith("bar is met.")
-    assert throughput.mma_baseline_text(big, mma.iloc[:0]).endswith("This run did not time the mma-layout engine (`mma_baseline`).")
-    verdict, _ = throughput.verdict(big, 32, mma_rows=mma)
+    assert chapter.mma_baseline_text(big, mma.assign(tokens_per_s=2500.0)).endswith("bar is met.")
+    assert chapter.mma_baseline_text(big, mma.iloc[:0]).endswith("This run did not time the mma-layout engine (`mma_baseline`).")
+    verdict, _ = chapter.verdict(big, 32, mma_rows=mma)
     assert "(the mma layouts, the Gluon kernel's raw path; batch 46): **1.226×** tokens/s." in verdict
-    assert "Gluon" not in throughput.verdict(big, 32)[0]
+    assert "Gluon" not in chapter.verdict(big, 32)[0]
     table = pd.concat([big.assign(model="SmolLM2"), mma])
-    assert throughput.e2e_rows(table).model.unique().tolist() == ["SmolLM2"]
+    assert chapter.e2e_rows(table).model.unique().tolist() == ["SmolLM2"]
 
 
 def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to_end_runs(monkeypatch):

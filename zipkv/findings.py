@@ -520,9 +520,9 @@ def _beyond_other_ratios(res: Results):
 
 
 def _step_breakdown(res: Results):
-    """Where the throughput chapter's decode step goes at the largest batches (:func:`zipkv.throughput.step_table`):
+    """Where the throughput chapter's decode step goes at the largest batches (:func:`zipkv.chapters.throughput.step_table`):
     from the chapter's own profiled rows, else from the separate run ``zipfusion_engine_profile.csv``."""
-    from zipkv.throughput import overlapped_rows, step_row, step_table
+    from zipkv.chapters.throughput import overlapped_rows, step_row, step_table
 
     big = _fig5_rows(res) if res.has("zipfusion_throughput") else None
     if big is not None and "replay_ms" in big.columns and big.replay_ms.notna().any():
