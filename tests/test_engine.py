@@ -88,11 +88,12 @@ def smollm():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("compress,layouts", [("all", "token"), ("none", "token"), ("all", "mma")])
+@pytest.mark.parametrize("compress,layouts", [("all", "token"), ("none", "token"), ("all", "mma"), ("none", "mma")])
 def test_greedy_tokens_equal_generate(smollm, compress, layouts):
     """Four requests of 5-40 prompt tokens under a budget of 6 pages per layer: two run at first, the
     others are admitted at later steps as pages free up; pages compress as they fill (or never). ``"mma"``:
-    the Gluon kernel's layouts (written, packed and read here by the torch code)."""
+    the Gluon kernel's layouts, the engine's default on a GPU, compressed or not (written, packed and read here by
+    the torch code)."""
     model, prompts = smollm
     n = 12
     ref = _generate(model, prompts, n)

@@ -523,11 +523,11 @@ def _eos_ids(model, eos_token_id):
 def default_layouts(attention: str, device, restore, head_dim: int, group: int) -> tuple[str, str]:
     """The cache layouts ``k_layout="auto"`` / ``v_layout="auto"`` choose: the mma layouts (``k_mma``, ``v_mma``) under
     the fused kernel on CUDA at a head_dim and GQA group the Gluon kernel takes (``zipkv.format.MMA_HEAD_DIMS``,
-    ``decode_mma.MAX_GROUP``), compressed or not -- its pipelined path reads compressed, raw and mixed pages, faster than
-    the Triton kernel reads token-layout ones ("Decode attention latency", raw pages included), and one kernel for
-    both means that compressing changes no token at the same split count ("The lossless format"); the token layouts
-    otherwise (the torch reference, other shapes, and the restore baselines, which restore into raw token-layout
-    pages)."""
+    ``decode_mma.MAX_GROUP``), compressed or not -- its pipelined path reads compressed and mixed pages faster than the
+    Triton kernel reads token-layout ones, and raw pages as fast or faster ("Decode attention latency", the
+    uncompressed rows of both kernels), and one kernel for both means that compressing changes no token at the same
+    split count ("The lossless format"); the token layouts otherwise (the torch reference, other shapes, and the
+    restore baselines, which restore into raw token-layout pages)."""
     if attention != "kernel" or torch.device(device).type != "cuda" or restore is not None:
         return ("token", "token")
     from zipkv.kernels import decode_mma

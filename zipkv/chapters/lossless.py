@@ -161,9 +161,9 @@ def generation_identity(model, prompts, new_tokens: int) -> pd.DataFrame:
     model's matrix products see the same batch in both). On CUDA two uncompressed engines: in the default layouts
     (the mma layouts), read by the same Gluon kernel with the same split count (:data:`GENERATION_SPLITS`) as
     ZipFusion -- and in the token layouts (the Triton kernel's all-raw path, its own split count: another summation
-    order; the throughput chapter's uncompressed baseline). Elsewhere (the CPU, or a model the Gluon kernel does not take) both engines use the torch
-    reference attention. One row per comparison and
-    request: comparison, request, identical, first_difference (index of the first differing new token, or None)."""
+    order; the throughput chapter's uncompressed baseline). Elsewhere (the CPU, or a model the Gluon kernel does not
+    take) both engines use the torch reference attention. One row per comparison and request: comparison, request,
+    identical, first_difference (index of the first differing new token, or None)."""
     from zipkv.engine import Engine, kv_budget_for
     from zipkv.throughput import token_agreement
 

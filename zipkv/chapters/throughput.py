@@ -464,12 +464,12 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, m
 def mma_baseline_text(big, mma_rows) -> str:
     """ZipFusion's tokens/s at its largest batch (Llama-8B-shape rows ``big``) over the uncompressed engine's in the
     mma layouts (``mma_rows``, rows of :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`), beside the ratio over
-    the chapter's uncompressed baseline (:data:`zipkv.throughput.BASELINE_LAYOUTS`); where ``mma_rows`` is empty, that the run did not
-    time it."""
+    the chapter's uncompressed baseline (:data:`zipkv.throughput.BASELINE_LAYOUTS`); where ``mma_rows`` is empty,
+    that the run did not time it."""
     u, z = (largest_batch_rows(big, m).iloc[0] for m in ("uncompressed", "zipfusion"))
     text = ("**Against the engine's own uncompressed default.** On a GPU `Engine(compress=\"none\")` stores raw pages in "
-            "the mma layouts, read by the Gluon kernel's all-raw path, which \"Decode attention latency\" times faster "
-            "than the Triton kernel's; the chapter's uncompressed rows are the token layouts and the Triton kernel "
+            "the mma layouts, read by the Gluon kernel's all-raw path, which \"Decode attention latency\" times as fast "
+            "as the Triton kernel's or faster; the chapter's uncompressed rows are the token layouts and the Triton kernel "
             "(`zipkv.throughput.BASELINE_LAYOUTS`), the stand-in for SGLang's FlashInfer decode. ")
     if mma_rows is None or mma_rows.empty:
         return text + "This run did not time the mma-layout engine (`mma_baseline`)."
