@@ -24,7 +24,8 @@ import pandas as pd
 
 from zipkv import paper_values as pv
 from zipkv.committed import table1_kvsculpt
-from zipkv.settings import PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, ZIPFUSION_PAPER
+from zipkv.settings import (PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL,
+                            THROUGHPUT_UNFUSED_MODEL, ZIPFUSION_PAPER)
 
 COLUMNS = ["paper", "item", "claim", "paper_value", "our_value", "verdict", "tolerance", "chapter"]
 VERDICTS = ("reproduced", "exceeded", "not reproduced", "not comparable", "not yet run", "beyond the paper")
@@ -295,10 +296,11 @@ def _at_max_batch(t: pd.DataFrame) -> pd.DataFrame:
 
 
 def _fig5_rows(res: Results) -> pd.DataFrame:
-    """The throughput table's rows in the paper's Fig. 5 setting (all rows if it has none: an older table)."""
+    """The throughput table's rows in the paper's Fig. 5 setting (if it has none, an older table: all rows but the
+    side runs' of the same setting)."""
     t = res["zipfusion_throughput"]
     paper = t[t.model == THROUGHPUT_PAPER_MODEL]
-    return paper if len(paper) else t
+    return paper if len(paper) else t[~t.model.isin([THROUGHPUT_UNFUSED_MODEL, THROUGHPUT_MMA_BASELINE_MODEL])]
 
 
 def _max_batch_ratio(res: Results):
