@@ -165,8 +165,22 @@ def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):
             zipkv.compress(model, ids[:N], **kwargs)
     with pytest.raises(ValueError, match="input_ids"):
         zipkv.compress(model, torch.rand(N), m=6)
+    for args, kwargs, match in (((model, "hello world"), dict(m=6), "input_ids must be token ids .* got str"),
+                                ((None, ids[:N]), dict(m=6), "model must be a loaded Hugging Face causal LM .* got NoneType"),
+                                ((model, ids[:N]), dict(m="8"), "m='8': expected an int"),
+                                ((model, ids[:N]), dict(m=6, ratio="0.3"), "ratio='0.3': expected a real number"),
+                                ((model, ids[:N]), dict(m=6, ratio=True), "ratio=True: expected a real number")):
+        with pytest.raises(TypeError, match=match):
+            zipkv.compress(*args, **kwargs)
     cache = zipkv.compress(model, ids[:N], ratio=0.5, method="select_fit", m=6, n_synthetic=4)
     assert isinstance(cache, zipkv.DistilledCache) and torch.equal(cache.lengths, torch.full((2, 2), 15))
+    # a second generate from the same cache without reset(): a clear error, not a reshape deep in the model
+    first = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match=r"still holds the 3 tokens .* call cache.reset\(\)"):
+        model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
+    cache.reset()
+    again = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert torch.equal(first, again)
 
 
 @pytest.mark.parametrize("method", ["kvsculpt", "select_fit", "joint_opt"])
@@ -188,8 +202,8 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
     from zipkv.models import capture
 
     for kwargs, match in ((dict(scale=0.0), "scale=0.0"), (dict(scale=float("nan")), "scale=nan"),
-                          (dict(ratio=True), "ratio=True"), (dict(budget=torch.zeros(2, 2, dtype=torch.long)),
-                                                            r"budget: compressed pairs per head must lie in \[1, ")):
+                          (dict(budget=torch.zeros(2, 2, dtype=torch.long)),
+                           r"budget: compressed pairs per head must lie in \[1, ")):
         with pytest.raises(ValueError, match=match):
             zipkv.compress(model, ids[:N], m=6, n_synthetic=4, steps=1, **kwargs)
     with pytest.raises(TypeError, match="seed=1.5: expected an int"):

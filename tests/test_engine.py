@@ -20,7 +20,7 @@ from hypothesis import strategies as st  # noqa: E402
 from transformers import AttentionInterface  # noqa: E402
 
 from conftest import tiny_llama  # noqa: E402
-from zipkv.engine import Engine, Prefix  # noqa: E402
+from zipkv.engine import Engine, Prefix, kv_budget_for  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -507,13 +507,32 @@ def test_a_sliding_window_model_serves_requests_inside_its_window_and_refuses_lo
     (lambda e: e.generate([[1, 2, 300]], 4), r"token ids in \[0, 128\), got 300"),
     (lambda e: e.generate([[1, 2.0]], 4), r"integer token ids .* got 2.0"),
     (lambda e: e.generate([torch.tensor([[1, 2, 3]])], 4), r"1-D sequence .* shape \(1, 3\)"),
+    (lambda e: e.generate([[1, 2, 3]], 4, max_decode_steps=0), r"max_decode_steps must be an int >= 1 or None, got 0"),
+    (lambda e: e.generate([[1, 2, 3]], 4, max_decode_steps=True), r"max_decode_steps .* got True"),
+    (lambda e: e.generate([[1, 2, 3]], 4, max_decode_steps="3"), r"max_decode_steps .* got '3'"),
+    (lambda e: e.generate([[1, 2, 3], None], 4), r"prompts\[1\] must be a sequence of token ids, got NoneType"),
+    (lambda e: e.generate([5], 4), r"prompts\[0\] must be a sequence of token ids, got int"),
+    (lambda e: e.generate([[1, 2]], 4, prefixes=Prefix(_pairs(), 30)), r"prefixes must be a list .* got Prefix"),
 ])
 def test_bad_input_is_refused_before_anything_runs(call, match):
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)
     eng = Engine(model, 10 * 2 * 2 * 2 * 32 * 32, attention="reference")
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         call(eng)
     assert not eng.memory.requests and eng.memory.used_bytes() == 0
+
+
+def test_a_run_cut_short_by_max_decode_steps_gives_its_pages_back():
+    """Requests that ``max_decode_steps`` leaves unfinished keep the tokens they have, and the engine frees their pages
+    when ``generate`` returns, so the next call starts clean (before: 'request 0 is already running')."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)
+    eng = Engine(model, 10 * _page_bytes(model), attention="reference", pages_per_chunk=2)
+    prompts = [[1, 2, 3], [4, 5, 6, 7]]
+    short = eng.generate(prompts, 8, max_decode_steps=2)
+    assert [len(o) for o in short.outputs] == [3, 3]                      # the prefill's token and two steps'
+    assert not eng.memory.requests and eng.memory.used_bytes() == 0
+    full = eng.generate(prompts, 8)
+    assert [o[:3] for o in full.outputs] == short.outputs
 
 
 def _pairs(heads=2, n=30, dim=32, layers=2):
@@ -544,6 +563,16 @@ def test_a_prefix_the_engine_cannot_serve_is_refused(prefix, error, match):
     assert not eng.memory.requests and eng.memory.used_bytes() == 0
 
 
+def test_the_fused_kernel_on_a_cpu_without_the_interpreter_is_refused_when_the_engine_is_built(monkeypatch):
+    import zipkv.kernels
+
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)
+    monkeypatch.setattr(zipkv.kernels, "interpreted", lambda kernel: False)       # as if started without it
+    with pytest.raises(ValueError, match="attention='kernel': the model is on cpu: .* TRITON_INTERPRET=1"):
+        Engine(model, 10**6, attention="kernel")
+    Engine(model, 10**6, attention="reference")
+
+
 def test_budget_and_model_errors():
     model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32)
     with pytest.raises(TypeError, match="bfloat16"):
@@ -558,6 +587,26 @@ def test_budget_and_model_errors():
             Engine(model, 10**6, num_splits=bad)
     with pytest.raises(TypeError, match="fused_ops must be a bool or None, got str"):
         Engine(model, 10**6, fused_ops="yes")
+    for bad, error, match in ((1, ValueError, "compress must be"), ([], ValueError, "compress must be")):
+        with pytest.raises(error, match=match):
+            Engine(model, 10**6, compress=bad)
+    with pytest.raises(TypeError, match="reserve_ratio must be a number"):
+        Engine(model, 10**6, reserve_ratio="1")
+    with pytest.raises(ValueError, match="max_batch must be a positive int"):
+        Engine(model, 10**6, max_batch=True)
+    with pytest.raises(TypeError, match="cuda_graphs must be a bool, got str"):
+        Engine(model, 10**6, cuda_graphs="no")
+    for bad in ("eos", [1.5], -1, 10**9, []):
+        with pytest.raises(ValueError, match=r"eos_token_id must be 'model', None, or token ids in \[0, 128\)"):
+            Engine(model, 10**6, eos_token_id=bad)
+    assert Engine(model, 10**6, eos_token_id=[3, 7]).eos == {3, 7}
+    for kw, match in ((dict(requests=0), "requests must be an int >= 1, got 0"),
+                      (dict(tokens_per_request=2.5), "tokens_per_request must be an int >= 1, got 2.5"),
+                      (dict(pages_per_chunk=0), "pages_per_chunk must be an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=match):
+            kv_budget_for(model.config, **{**dict(requests=2, tokens_per_request=64), **kw})
+    with pytest.raises(TypeError, match="model_config must be a Hugging Face model config"):
+        kv_budget_for(None, 2, 64)
     from zipkv import codecs
     with pytest.raises(TypeError, match="restore must be"):
         Engine(model, 10**6, compress="prompt", restore="splitzip")

@@ -300,6 +300,10 @@ def _positions_hook(module, args, kwargs):
     embeds = kwargs.get("inputs_embeds")
     tokens = ids if ids is not None else embeds
     B, T = tokens.shape[:2]
+    if T == 0:    # generate sliced away every input token: the cache still holds an earlier generate's tokens
+        raise ValueError(f"no new input tokens: the DistilledCache still holds the {cache.get_seq_length()} tokens an "
+                         "earlier generate appended after the context, and generate feeds only the input beyond them; "
+                         "call cache.reset() before generating from the context again")
     mask = kwargs.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.bool().all()):
         raise ValueError("attention_mask has padding: every sequence after a DistilledCache continues at N, unpadded")
@@ -376,7 +380,14 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
     from .distill.problem import SculptConfig
     from .models import capture
 
-    ids = torch.as_tensor(input_ids)
+    if not hasattr(model, "config") or not hasattr(model, "model"):
+        raise TypeError(f"model must be a loaded Hugging Face causal LM (zipkv.models.load_model), got "
+                        f"{type(model).__name__}")
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"input_ids must be token ids (a tensor, list or array of ints), got {type(input_ids).__name__}"
+                        ) from None
     ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
     if ids.ndim != 1 or ids.numel() < 2 or ids.is_floating_point():
         raise ValueError(f"input_ids has shape {tuple(torch.as_tensor(input_ids).shape)} and dtype {ids.dtype}: "

@@ -513,11 +513,19 @@ def _check_model(model):
 
 
 def _eos_ids(model, eos_token_id):
-    if eos_token_id == "model":
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    """The stop tokens of ``eos_token_id`` (:class:`Engine`'s argument) as a set of ids in the vocabulary."""
+    if isinstance(eos_token_id, str) and eos_token_id == "model":
+        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        return set() if eos is None else {int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos])}
     if eos_token_id is None:
         return set()
-    return {int(x) for x in (eos_token_id if isinstance(eos_token_id, (list, tuple)) else [eos_token_id])}
+    ids = list(eos_token_id) if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+    vocab = model.config.vocab_size
+    bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab), None)
+    if bad is not None or not ids:
+        raise ValueError(f"eos_token_id must be 'model', None, or token ids in [0, {vocab}) (an int or a list), "
+                         f"got {eos_token_id!r}")
+    return {int(t) for t in ids}
 
 
 def default_layouts(attention: str, device, restore, head_dim: int, group: int) -> tuple[str, str]:
@@ -579,11 +587,19 @@ class Engine:
             raise ValueError(f"attention must be 'auto', 'kernel' or 'reference', got {attention!r}")
         if attention == "auto":
             attention = "kernel" if self.device.type == "cuda" else "reference"
+        if attention == "kernel" and self.device.type != "cuda":
+            from zipkv.kernels import check_launchable, decode_triton
+            check_launchable(decode_triton._decode_kernel, self.device, "attention='kernel': the model")
+        if isinstance(reserve_ratio, bool) or not isinstance(reserve_ratio, numbers.Real):
+            raise TypeError(f"reserve_ratio must be a number in (0, 1], got {type(reserve_ratio).__name__}")
         if not 0.0 < reserve_ratio <= 1.0:
             raise ValueError(f"reserve_ratio must lie in (0, 1], got {reserve_ratio!r}")
-        compress = {True: "all", False: "none"}.get(compress, compress)
-        if compress not in ("all", "prompt", "none"):
+        if isinstance(compress, bool):
+            compress = "all" if compress else "none"
+        if not isinstance(compress, str) or compress not in ("all", "prompt", "none"):
             raise ValueError(f"compress must be 'all', 'prompt', 'none' or a bool, got {compress!r}")
+        if not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be a bool, got {type(cuda_graphs).__name__}")
         if not isinstance(overlap, bool):
             raise TypeError(f"overlap must be a bool, got {type(overlap).__name__}")
         if fused_ops is not None and not isinstance(fused_ops, bool):
@@ -593,7 +609,7 @@ class Engine:
             if not kernels.launchable(self.device):
                 raise ValueError(f"fused_ops=True: the model is on {self.device}, where the Triton kernels run only in "
                                  f"Triton's interpreter (start Python with TRITON_INTERPRET=1), or pass fused_ops=None")
-        if max_batch is not None and (not isinstance(max_batch, int) or max_batch < 1):
+        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
         if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
             raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
@@ -688,6 +704,8 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+        if prefixes is not None and not isinstance(prefixes, (list, tuple)):
+            raise TypeError(f"prefixes must be a list (one Prefix or None per prompt), got {type(prefixes).__name__}")
         if prefixes is not None and len(prefixes) != len(prompts):
             raise ValueError(f"prefixes must hold one entry (or None) per prompt: {len(prefixes)} for {len(prompts)} prompts")
         out = []
@@ -695,6 +713,8 @@ class Engine:
             if isinstance(p, torch.Tensor) and p.dim() != 1:
                 raise ValueError(f"prompts[{i}] must be a 1-D sequence of token ids, got a tensor of shape "
                                  f"{tuple(p.shape)} (one prompt per entry: pass ids[0], not the [1, n] batch)")
+            if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
+                raise TypeError(f"prompts[{i}] must be a sequence of token ids, got {type(p).__name__}")
             ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty: a request needs at least one prompt token")
@@ -817,8 +837,9 @@ class Engine:
         return packed or self.memory.can_admit(cached, req.max_new - len(req.out), reserve_ratio=self.reserve_ratio)
 
     def _abandon(self):
-        """Free every request of a run that stopped on an exception (KeyboardInterrupt included): the memory is as
-        before it, so that the next :meth:`generate` starts clean. Steps still in flight finish first on the one
+        """Free every request still held when :meth:`generate` returns or stops on an exception (KeyboardInterrupt
+        included; or unfinished after ``max_decode_steps``): the memory is as before it, so that the next
+        :meth:`generate` starts clean. Steps still in flight finish first on the one
         stream that later work is queued on, so no page freed here is written again before they are done."""
         for rid in list(self.memory.requests):
             self._free(rid)
@@ -865,6 +886,9 @@ class Engine:
         stored per cached value then, payloads included), ``kv_budget_bytes``, ``memory`` (final
         :meth:`KVMemory.stats`).
         """
+        if max_decode_steps is not None and (isinstance(max_decode_steps, bool) or not isinstance(max_decode_steps, int)
+                                             or max_decode_steps < 1):
+            raise ValueError(f"max_decode_steps must be an int >= 1 or None, got {max_decode_steps!r}")
         waiting = self._validate(prompts, max_new_tokens, prefixes)
         self.admitted_raw = 0
         running, done, steps, admitted_at, flights = [], {}, [], {}, []
@@ -1002,6 +1026,7 @@ class Engine:
             bar.close()
         for r in running + waiting:
             done.setdefault(r.rid, r.out)
+        self._abandon()                                    # requests max_decode_steps left unfinished give back their pages
         timed = [s for s in steps if s["mode"] != "warmup"] or steps
         decode_s = sum(s["seconds"] for s in timed)
         stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], stored_bits_per_value=bits,
@@ -1026,6 +1051,12 @@ def kv_budget_for(model_config, requests: int, tokens_per_request: int, *, pages
     """The smallest KV budget (bytes) whose uncompressed capacity holds ``requests`` requests of
     ``tokens_per_request`` cached tokens each, in whole chunks per layer (rounding up to a chunk can make
     room for more requests when a request is smaller than a chunk; the engine measures its largest batch)."""
+    for name, value in (("requests", requests), ("tokens_per_request", tokens_per_request),
+                        ("pages_per_chunk", pages_per_chunk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if not all(hasattr(model_config, a) for a in ("num_key_value_heads", "num_hidden_layers", "num_attention_heads")):
+        raise TypeError(f"model_config must be a Hugging Face model config (model.config), got {type(model_config).__name__}")
     H = model_config.num_key_value_heads
     D = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
     layers = model_config.num_hidden_layers

@@ -9,7 +9,7 @@ import torch
 
 from zipkv import format as kvformat
 from zipkv import report
-from zipkv.kernels.pack import pack_pages  # first: on a CPU it sets TRITON_INTERPRET before Triton loads
+from zipkv.kernels.pack import pack_pages
 
 
 def block_bits(keys: torch.Tensor, layout: str, positions: int = 4) -> tuple[pd.DataFrame, str]:

@@ -268,12 +268,16 @@ def compressed_layers(capture) -> list[int]:
 def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
     """Compressed pairs per head ``k = round(r·N) − m`` for ratio ``r = (k + m)/N`` (§3.1).
 
-    Raises ``ValueError`` unless ``m/N < r ≤ 1`` and ``k ≥ 1``.
+    Raises ``TypeError`` unless ``ratio`` is a real number and ``m`` an int, ``ValueError`` unless ``m/N < r ≤ 1``
+    and ``k ≥ 1``.
     """
+    if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+        raise TypeError(f"m={m!r}: expected an int (the retain zone's token count)")
     if not 0 <= m < n_context:
         raise ValueError(f"m={m}: expected 0 ≤ m < N={n_context}")
-    if (not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not math.isfinite(ratio)
-            or not m / n_context < ratio <= 1):
+    if not isinstance(ratio, numbers.Real) or isinstance(ratio, bool):
+        raise TypeError(f"ratio={ratio!r}: expected a real number (r = (k + m)/N), got {type(ratio).__name__}")
+    if not math.isfinite(ratio) or not m / n_context < ratio <= 1:
         raise ValueError(f"ratio={ratio!r}: expected m/N = {m}/{n_context} = {m / n_context:.4g} < ratio ≤ 1 "
                          "(r = (k + m)/N)")
     k = round(ratio * n_context) - m

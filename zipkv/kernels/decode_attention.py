@@ -178,7 +178,9 @@ class DecodePlan:
             out = torch.empty_like(q)
         elif (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16 or out.shape != q.shape
               or not out.is_contiguous() or out.device != q.device):
-            raise ValueError(f"out must be a contiguous bf16 tensor {tuple(q.shape)} on {q.device}")
+            got = (f"{'a contiguous' if out.is_contiguous() else 'a non-contiguous'} {out.dtype} tensor "
+                   f"{tuple(out.shape)} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(f"out must be a contiguous bf16 tensor {tuple(q.shape)} on {q.device}, got {got}")
         if self._kinds_version is not None and cache.version != self._kinds_version:
             raise ValueError("the cache's page kinds changed since this plan chose its single specialised launch "
                              "(a uniform cache): plan again, or plan with routing='device'")
