@@ -110,3 +110,14 @@ def test_step_text_reads_the_overlapped_rows_and_says_what_the_sequential_ones_t
     assert f"takes {su.step_ms:.1f} ms uncompressed and {sz.step_ms:.1f} ms ZipFusion " \
            f"({sz.batch / su.batch * su.step_ms / sz.step_ms:.3f}× tokens/s)" in text
     assert "overlap=False" not in chapter.step_text(chapter.step_table(rows.assign(overlap=True))[0])
+
+
+def test_step_text_says_which_way_the_idle_time_moves_with_the_batch():
+    """The idle time between kernels is said to grow or shrink as the rows show (the H200 rows: it shrinks)."""
+    from zipkv.chapters import throughput as chapter
+    steps, _ = chapter.step_table(_profiled_rows())
+    rows = chapter.overlapped_rows(steps)
+    gaps = [chapter.step_row(rows, m, largest).gaps_ms for m in ("uncompressed", "zipfusion") for largest in (False, True)]
+    word = {(True, True): "grows", (False, False): "shrinks"}.get((gaps[1] > gaps[0], gaps[3] > gaps[2]), "changes")
+    assert f"idle time between the graph's kernels {word} with the batch" in chapter.step_text(steps)
+    assert chapter._trend(1.0, 2.0, 1.0, 3.0) == "grows" and chapter._trend(2.0, 1.0, 1.0, 3.0) == "changes"

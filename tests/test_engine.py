@@ -1013,3 +1013,18 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     assert len(row) == 1 and row.tokens_per_s.iloc[0] == 2650.0 and row.tokens_per_s_runs.iloc[0] == "[2650.0, 2640.0, 2660.0]"
     assert out["e2e_runs"] is e2e_runs and (t.model == "SmolLM2").sum() == 1
     assert len(t[t.model == throughput.THROUGHPUT_PAPER_MODEL]) == 2 * len(throughput.METHODS)
+
+
+def test_the_end_to_end_paragraph_takes_the_copy_bandwidth_measured_at_the_embedded_models_shape(tmp_path):
+    """The latency chapter measures the copy bandwidth per shape (it depends on the bytes copied): the end-to-end
+    paragraph takes the embedded model's rows, not a median over both shapes (which no run measured)."""
+    import pandas as pd
+
+    from zipkv.chapters import throughput as chapter
+
+    csv = tmp_path / "lat.csv"
+    pd.DataFrame({"shape": ["llama3.1-8b"] * 3 + ["smollm2-135m"] * 3,
+                  "copy_bw_tbps": [4.3, 4.31, 4.3, 3.85, 3.86, 3.85]}).to_csv(csv, index=False)
+    assert chapter.measured_copy_bandwidth(csv) == 3.85
+    assert chapter.measured_copy_bandwidth(csv, "llama3.1-8b") == 4.3
+    assert chapter.measured_copy_bandwidth(tmp_path / "absent.csv") is None

@@ -41,8 +41,8 @@ RESTORE = ("splitzip", "huffman")
 
 BASELINE_LAYOUTS = dict(k_layout="token", v_layout="token")
 """The cache layouts of the chapter's uncompressed method: token-layout pages, read by the Triton kernel's all-raw
-path -- the stand-in for SGLang's FlashInfer decode (within a few per cent of FlashInfer's tensor-core decode in
-"Decode attention latency") and the raw kernel the restore baselines' buffers go through. The engine's own default
+path -- the stand-in for SGLang's FlashInfer decode (timed beside FlashInfer's tensor-core decode in "Decode
+attention latency") and the raw kernel the restore baselines' buffers go through. The engine's own default
 for raw pages on a GPU, the mma layouts and the Gluon kernel (:func:`zipkv.engine.default_layouts`), runs as rows of
 :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL` (:func:`figure5`'s ``mma_baseline``)."""
 

@@ -66,6 +66,15 @@ def step_row(steps, method: str, largest: bool = True):
     return rows.iloc[-1 if largest else 0]
 
 
+def _trend(u_from: float, u_to: float, z_from: float, z_to: float) -> str:
+    """How a cost moves from the fixed batch to the largest, for both methods: grows, shrinks or (mixed) changes."""
+    if u_to > u_from and z_to > z_from:
+        return "grows"
+    if u_to < u_from and z_to < z_from:
+        return "shrinks"
+    return "changes"
+
+
 def step_text(steps, context: int = 8192) -> str:
     """Why the tokens/s ratio at the largest batches is what it is, from :func:`step_table`'s rows (``context``:
     tokens per request before the first decode step)."""
@@ -86,13 +95,15 @@ def step_text(steps, context: int = 8192) -> str:
             f"{u32.batch} the attention kernels take {per(u32):.2f} (uncompressed) and {per(z32):.2f} µs (ZipFusion) per request "
             f"and layer: the uncompressed kernel's per-request time grows {per(u) / per(u32):.2f}× from batch {u32.batch} to "
             f"{u.batch}, ZipFusion's {per(z) / per(z32):.2f}× from {z32.batch} to {z.batch}. "
-            + (f"Two costs outside the kernels grow with the batch: the host's share ({u32.host_ms:.1f} → {u.host_ms:.1f} ms "
-               f"uncompressed, {z32.host_ms:.1f} → {z.host_ms:.1f} ms ZipFusion) and "
+            + (f"Outside the kernels, the host's share {_trend(u32.host_ms, u.host_ms, z32.host_ms, z.host_ms)} with the "
+               f"batch ({u32.host_ms:.1f} → {u.host_ms:.1f} ms uncompressed, {z32.host_ms:.1f} → {z.host_ms:.1f} ms "
+               "ZipFusion), and "
                if max(r.host_ms for r in (u, z, u32, z32)) > 0 else
-               "The host's work is hidden (a mean step is no longer than a timed replay of its graph); a cost outside the "
-               "kernels that grows with the batch is ")
-            + f"the GPU's idle time between the graph's kernels (replay minus kernel time: "
-            f"{u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, {z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion)."
+               "The host's work is hidden (a mean step is no longer than a timed replay of its graph); outside the "
+               "kernels, ")
+            + f"the GPU's idle time between the graph's kernels {_trend(u32.gaps_ms, u.gaps_ms, z32.gaps_ms, z.gaps_ms)} "
+            f"with the batch (replay minus kernel time: {u32.gaps_ms:.2f} → {u.gaps_ms:.2f} ms uncompressed, "
+            f"{z32.gaps_ms:.2f} → {z.gaps_ms:.2f} ms ZipFusion)."
             + (_read_rates(u, z, context) if "stored_bits_per_value" in steps else "")
             + (_slow_steps(u, context) if "step_ms_median" in steps else "")
             + (_gap_places(u, z) if "gap_before_attention_ms" in steps else "")
@@ -279,15 +290,21 @@ def e2e_speed_text(table, copy_tbps: float | None = None) -> str:
     if copy_tbps:
         read_us = e2e.kv_budget_bytes["uncompressed"] / (copy_tbps * 1e6)
         text += (f" Reading the whole KV budget ({e2e.kv_budget_bytes['uncompressed'] / 2**20:.1f} MiB) once takes about "
-                 f"{read_us:.0f} µs at {copy_tbps:.2f} TB/s (the copy bandwidth measured in \"Decode attention latency\", "
-                 "median over its runs): "
+                 f"{read_us:.0f} µs at {copy_tbps:.2f} TB/s (the copy bandwidth measured in \"Decode attention latency\" "
+                 f"at its {E2E_COPY_SHAPE} shape, median over its runs): "
                  f"{read_us / 10 / e2e.step_ms['uncompressed']:.1f} % of the step, so fewer bytes cannot speed this step up,"
                  " and each method's extra launches and fixed costs show instead (not broken down here).")
     return text + " This run checks the engine end to end and shows its memory; the Llama-3.1-8B-shape rows measure speed."
 
 
-def measured_copy_bandwidth(latency_csv) -> float | None:
-    """Median copy bandwidth (TB/s) of the latency chapter's runs (its ``copy_bw_tbps`` column), or None without it."""
+E2E_COPY_SHAPE = "smollm2-135m"
+"""The latency chapter's shape whose copy bandwidth the end-to-end paragraph uses: the embedded model's, whose KV
+sizes are nearest the end-to-end run's budget (the copy bandwidth depends on the bytes copied)."""
+
+
+def measured_copy_bandwidth(latency_csv, shape: str = E2E_COPY_SHAPE) -> float | None:
+    """Median copy bandwidth (TB/s) of the latency chapter's runs at ``shape`` (its ``copy_bw_tbps`` column), or
+    None without it."""
     from pathlib import Path
 
     import pandas as pd
@@ -295,7 +312,10 @@ def measured_copy_bandwidth(latency_csv) -> float | None:
     if latency_csv is None or not Path(latency_csv).is_file():
         return None
     t = pd.read_csv(latency_csv)
-    return float(t.copy_bw_tbps.median()) if "copy_bw_tbps" in t and t.copy_bw_tbps.notna().any() else None
+    if "copy_bw_tbps" not in t:
+        return None
+    bw = t[t["shape"] == shape].copy_bw_tbps.dropna()
+    return float(bw.median()) if len(bw) else None
 
 
 def compact_table(table):
