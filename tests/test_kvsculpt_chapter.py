@@ -32,3 +32,17 @@ def test_the_appendix_verdict_gives_the_best_baselines_kl_and_its_margin():
     kl = _kl({("select_fit", 0.3): [0.02, 0.03], ("joint_opt", 0.3): [0.03, 0.03], ("random", 0.3): [0.5, 0.7]})
     text = chapter.appendix_verdict(kl)
     assert "best baseline by mean KL is Select+Fit at r = 0.3 (mean KL 0.025; next Joint Opt, 1.20× it)" in text
+
+
+def test_the_kl_sources_conclusion_says_how_much_kl_the_objective_gain_buys():
+    from zipkv.distill import kl_sources
+
+    def sources(all_layer_kvsculpt):
+        rows = [dict(window=0, layer=l, method=m, kl=kl, objective=obj)
+                for l in range(3) for m, kl, obj in (("select_fit", 0.01, 1.0), ("kvsculpt", 0.011, 0.1))]
+        return pd.DataFrame(rows + [dict(window=0, layer=-1, method="select_fit", kl=0.05, objective=float("nan")),
+                                    dict(window=0, layer=-1, method="kvsculpt", kl=all_layer_kvsculpt,
+                                         objective=float("nan"))])
+    text = kl_sources.conclusion(sources(0.05 / 1.05))
+    assert "with every layer compressed 0.95×, so on this model the objective gain buys little KL (the paper" in text
+    assert kl_sources.conclusion(sources(0.06)).endswith("does not buy a lower KL.")
