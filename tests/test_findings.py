@@ -242,3 +242,10 @@ def test_the_mma_baseline_row_waits_for_a_throughput_run_that_timed_it(tmp_path)
     pd.concat([fig5, mma]).to_csv(tmp_path / "zipfusion_throughput.csv", index=False)
     row = findings.findings(tmp_path, claim).iloc[0]
     assert row.verdict == findings.BEYOND and row.our_value == "1.226× (3,250 tokens/s at batch 57 over 2,650 at batch 46)"
+
+
+def test_the_summary_counts_the_papers_claims_only():
+    """A beyond-the-paper row not yet run reads "not yet run" in the table but is no claim of the paper."""
+    table = pd.DataFrame({"paper": ["ZipFusion"] * 3, "item": ["Fig. 4", "beyond", "beyond"],
+                          "verdict": ["reproduced", "not yet run", findings.BEYOND]})
+    assert findings.summary(table) == "**ZipFusion**: of 1 claims, 1 reproduced."
