@@ -22,7 +22,8 @@ TUNE_PROGRAMS_PER_SM = (2, 4, 8)
 GLUON_TUNE_GRID = dict(maxnreg=(0,), stages=(2, 3))
 """The Gluon kernel's options (one warp per program): a register cap (0: none; offline, sm_90a, its
 specialisations take 109-128 registers without spills at up to 8 query heads per KV head,
-:func:`zipkv.kernels.kernel_info.decode_mma_info`, so 13-16 programs fit on an SM) and the ring slots; then its
+:func:`zipkv.kernels.kernel_info.decode_mma_info`, so 13-16 programs fit on an SM at two ring slots) and the ring
+slots; then its
 split-KV target."""
 GLUON_TUNE_PROGRAMS_PER_SM = (4, 5, 6, 7, 8, 10, 12, 16)
 

@@ -87,8 +87,9 @@ __all__ = ["launch", "launch_config", "workspace", "MMA_LAUNCH"]
 MMA_LAUNCH = dict(programs_per_sm=6, stages=2, maxnreg=0)
 """Launch options of this kernel (one warp per program): the split-KV target in programs per SM and
 the pipeline depth (shared-memory ring slots); a plan's ``launch`` overrides them; the defaults for a GPU
-without tuned options. On the H200 every specialisation holds 13-16 programs per SM (:func:`resident_per_sm`);
-what a target changes is the split count it implies (:func:`zipkv.kernels.decode_attention.gluon_split_count`).
+without tuned options. On the H200 a specialisation holds 13-16 programs per SM with two ring slots and 8-11 with
+the three that its tuned options give the all-compressed and all-raw paths at head_dim 128 (:func:`resident_per_sm`,
+"Inside the kernels"); what a target changes is the split count it implies (:func:`zipkv.kernels.decode_attention.gluon_split_count`).
 ``bench tune --kernel gluon`` (8192 tokens x batch 64, ``results/paper/zipfusion_gluon_tuning.csv``): at head_dim
 128 (42181af) targets 4-8 within 0.4 % of each other (10-16: the all-compressed path 3 % slower); at head_dim 64
 (b97b35f, with the confirming rounds) targets under 6 up to 36 % slower, 6-16 within 5 % (mixed pages: 12)."""

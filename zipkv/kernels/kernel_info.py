@@ -165,11 +165,12 @@ def pack_info(head_dim: int = 128, layout: str = "token", *, pages_per_program: 
 
 
 def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: int = 8, splits: int = 2,
-                    slots: int | None = None, head_dim: int = 128, maxnreg: int = 0, arch: int = 90,
-                    keep_asm: bool = False) -> dict:
+                    slots: int | None = None, head_dim: int = 128, maxnreg: int | None = None, arch: int = 90,
+                    gpu_name: str = "NVIDIA H200", keep_asm: bool = False) -> dict:
     """Resources of the Gluon decode kernel (:mod:`zipkv.kernels.decode_mma`, one warp): ``path`` a page
     kind of :data:`zipkv.paged.PAGE_KINDS` (``"compressed"``, ``"raw"`` or ``"mixed"``: its pipelined
-    specialisation), ``slots`` ring slots (default its launch option)."""
+    specialisation), ``slots`` ring slots and ``maxnreg`` (default: the path's launch options on ``gpu_name``,
+    :func:`zipkv.kernels.decode_mma.launch_config`, as :func:`zipkv.kernels.decode_attention.plan` launches it)."""
     from zipkv import paged
     from zipkv.kernels import decode_mma as dm
 
@@ -178,7 +179,9 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
     sig = {"q_ptr": "*bf16", "pool_ptr": "*u8", "desc_ptr": "*i64", "indptr_ptr": "*i32", "indices_ptr": "*i32",
            "last_ptr": "*i32", "part_ptr": "*fp32", "lse_ptr": "*fp32", "out_ptr": "*bf16", "cnt_ptr": "*i32",
            "qk_scale": "fp32"}
-    stages = slots or dm.MMA_LAUNCH["stages"]
+    tune = dm.launch_config(path, gpu_name, head_dim)
+    stages = slots or tune["stages"]
+    maxnreg = tune["maxnreg"] if maxnreg is None else maxnreg
     cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits, KIND=paged.PAGE_KINDS.index(path), SLOTS=stages,
                HD=head_dim, NQ=dm.query_columns(q_heads // kv_heads))
     info = compile_info(dm._pipelined_kernel, sig, cst, num_warps=1, num_stages=stages, arch=arch,
