@@ -249,3 +249,13 @@ def test_the_summary_counts_the_papers_claims_only():
     table = pd.DataFrame({"paper": ["ZipFusion"] * 3, "item": ["Fig. 4", "beyond", "beyond"],
                           "verdict": ["reproduced", "not yet run", findings.BEYOND]})
     assert findings.summary(table) == "**ZipFusion**: of 1 claims, 1 reproduced."
+
+
+def test_a_chapter_judges_its_claim_as_the_findings_page_does():
+    claim = next(c for c in findings.CLAIMS if c.chapter == "kvsculpt_static_budget")
+    lo = claim.paper_value
+    assert findings.verdict_for("kvsculpt_static_budget", "static", lo) == "reproduced"
+    assert findings.verdict_for("kvsculpt_static_budget", "static", 1.0013) == findings.judge(lo, 1.0013, None, claim.slack)
+    assert findings.verdict_for("kvsculpt_static_budget", "static", 1.0013) == "not reproduced"
+    with pytest.raises(ValueError, match="expected one claim"):
+        findings.verdict_for("kvsculpt_static_budget", "nothing like this", 1.0)

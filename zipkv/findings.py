@@ -801,6 +801,16 @@ def markdown_table(table: pd.DataFrame, docs: dict[str, str], titles: dict[str, 
     return "\n\n".join(parts)
 
 
+def verdict_for(chapter: str, claim: str, ours) -> str:
+    """The findings page's verdict of ``ours`` on the claim of ``chapter`` (a notebook stem) whose text starts with
+    ``claim`` -- so that a chapter's own verdict and the findings page judge alike."""
+    found = [c for c in CLAIMS if c.chapter == chapter and c.claim.startswith(claim)]
+    if len(found) != 1:
+        raise ValueError(f"claim: expected one claim of {chapter!r} starting with {claim!r}, found {len(found)}")
+    c = found[0]
+    return judge(c.paper_value, ours, c.better, c.slack)
+
+
 def summary(table: pd.DataFrame) -> str:
     """One sentence per paper: how many of its claims each verdict holds."""
     parts = []
