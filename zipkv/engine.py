@@ -1053,7 +1053,7 @@ def kv_budget_for(model_config, requests: int, tokens_per_request: int, *, pages
     room for more requests when a request is smaller than a chunk; the engine measures its largest batch)."""
     for name, value in (("requests", requests), ("tokens_per_request", tokens_per_request),
                         ("pages_per_chunk", pages_per_chunk)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not all(hasattr(model_config, a) for a in ("num_key_value_heads", "num_hidden_layers", "num_attention_heads")):
         raise TypeError(f"model_config must be a Hugging Face model config (model.config), got {type(model_config).__name__}")
