@@ -1028,3 +1028,19 @@ def test_the_end_to_end_paragraph_takes_the_copy_bandwidth_measured_at_the_embed
     assert chapter.measured_copy_bandwidth(csv) == 3.85
     assert chapter.measured_copy_bandwidth(csv, "llama3.1-8b") == 4.3
     assert chapter.measured_copy_bandwidth(tmp_path / "absent.csv") is None
+
+
+def test_the_chapters_row_sets_and_its_cpu_verdict():
+    import pandas as pd
+
+    from zipkv.chapters import throughput as chapter
+    from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
+
+    table = pd.DataFrame({"model": [THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL, THROUGHPUT_MMA_BASELINE_MODEL] + ["SmolLM2"] * 4,
+                          "method": ["zipfusion", "zipfusion", "uncompressed", "uncompressed", "zipfusion", "splitzip", "huffman"],
+                          "batch": [57, 57, 46, 2, 3, 3, 2]})
+    big, modules, mma, note = chapter.setting_rows(table)
+    assert (big.model.tolist(), modules.model.tolist(), mma.model.tolist(), note) == (
+        [THROUGHPUT_PAPER_MODEL], [THROUGHPUT_UNFUSED_MODEL], [THROUGHPUT_MMA_BASELINE_MODEL], "")
+    text = chapter.e2e_verdict(table, {"zipfusion": dict(identical=4, requests=4, first_difference=[])})
+    assert "largest batch 2 (uncompressed) → 3 (ZipFusion), 3 (SplitZip), 2 (Huffman)" in text

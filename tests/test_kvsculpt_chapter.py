@@ -46,3 +46,17 @@ def test_the_kl_sources_conclusion_says_how_much_kl_the_objective_gain_buys():
     text = kl_sources.conclusion(sources(0.05 / 1.05))
     assert "with every layer compressed 0.95×, so on this model the objective gain buys little KL (the paper" in text
     assert kl_sources.conclusion(sources(0.06)).endswith("does not buy a lower KL.")
+
+
+def test_the_dampening_table_and_the_held_out_count_read_their_runs():
+    from zipkv.distill import analysis
+
+    runs = pd.DataFrame({"policy": ["uniform", "uniform", "static", "static", "pilot", "pilot"],
+                         "alpha": [0.0, 0.0, 1.0, 1.0, 1.0, 1.0], "kl": [0.02, 0.04, 0.03, 0.03, 0.06, 0.06],
+                         "k_min": [10, 10, 4, 6, 1, 2], "k_max": [10, 10, 20, 30, 40, 50]})
+    t = analysis.dampening_table(runs).set_index(["signal", "alpha"])
+    assert t.loc[("vnorm", 0.0)].vs_uniform == 1.0 and t.loc[("vnorm", 1.0)].vs_uniform == pytest.approx(1.0)
+    assert t.loc[("pilot", 1.0)].vs_uniform == pytest.approx(2.0) and (t.loc[("vnorm", 1.0)].k_min, t.loc[("vnorm", 1.0)].k_max) == (4, 30)
+    study = pd.DataFrame({"window": [0, 0, 0, 0, 1, 1], "layer": [2, 2, 5, 5, 2, 2],
+                          "optimizer": ["adam", "lbfgs"] * 3, "mse_heldout": [1.0, 2.0, 3.0, 2.0, 0.5, 0.6]})
+    assert analysis.held_out_wins(study, "adam", "lbfgs") == (2, 3)

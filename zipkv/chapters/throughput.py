@@ -259,6 +259,26 @@ def paper_rows(table, committed_csv=None, model: str = THROUGHPUT_PAPER_MODEL):
     return rows, ""
 
 
+def setting_rows(table, committed_csv=None):
+    """``(big, modules_rows, mma_rows, note)``: :func:`paper_rows` of the Fig. 5 setting, of its run with the
+    modules' step kernels and of the uncompressed engine in the mma layouts (each falling back to the committed GPU
+    table ``committed_csv``), and the note saying where the Fig. 5 rows come from."""
+    big, note = paper_rows(table, committed_csv)
+    modules_rows, _ = paper_rows(table, committed_csv, THROUGHPUT_UNFUSED_MODEL)
+    mma_rows, _ = paper_rows(table, committed_csv, THROUGHPUT_MMA_BASELINE_MODEL)
+    return big, modules_rows, mma_rows, note
+
+
+def e2e_verdict(table, same: dict) -> str:
+    """The verdict of a run without Llama-8B-shape rows run or committed: the end-to-end largest batches per method
+    under one budget and how far each method's tokens agree with uncompressed's (:func:`agreement_text`)."""
+    e2e = e2e_rows(table).set_index("method")
+    return (f"No Llama-8B-shape GPU run here or committed. End to end on the CPU (embedded model, reference attention): "
+            f"largest batch {e2e.batch['uncompressed']} (uncompressed) → {e2e.batch['zipfusion']} (ZipFusion), "
+            f"{e2e.batch['splitzip']} (SplitZip), {e2e.batch['huffman']} (Huffman) under the same budget; "
+            f"{agreement_text(same)}.")
+
+
 def e2e_rows(table):
     """The end-to-end rows of the chapter's ``table``: the embedded model's, outside the Fig. 5 setting (none of
     :data:`~zipkv.settings.THROUGHPUT_PAPER_MODEL`, :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL`,

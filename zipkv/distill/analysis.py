@@ -483,6 +483,29 @@ POLICIES = ("uniform", "static", "pilot", "head_pilot_layer", "head_pilot_head")
 (Table 6); 30-step per-head pilot averaged per layer, and per layer + head (Table 8)."""
 
 
+def held_out_wins(table, method: str, other: str) -> tuple[int, int]:
+    """Table 3's study (:func:`optimizer_study`'s ``table``): the (window, layer) pairs where ``method``'s objective on
+    the held-out continuation queries is below ``other``'s, and how many pairs there are."""
+    pairs = table.pivot_table(index=["window", "layer"], columns="optimizer", values="mse_heldout")
+    return int((pairs[method] < pairs[other]).sum()), len(pairs)
+
+
+def dampening_table(runs):
+    """Appendix B: per budget signal (``vnorm``: ‖V‖^α, the static policy; ``pilot``: pilot-MSE^α) and exponent α
+    (0: uniform), the mean KL over windows, its ratio to uniform's, the smallest and largest per-head budget and the
+    windows, from :func:`budget_sweep`'s ``runs`` (a DataFrame)."""
+    import pandas as pd
+
+    rows, u = [], runs[runs.policy == "uniform"]
+    for signal, policy in (("vnorm", "static"), ("pilot", "pilot")):
+        rows.append(dict(signal=signal, alpha=0.0, kl=u.kl.mean(), vs_uniform=1.0, k_min=u.k_min.min(),
+                         k_max=u.k_max.max(), windows=len(u)))
+        for a, d in runs[runs.policy == policy].groupby("alpha"):
+            rows.append(dict(signal=signal, alpha=a, kl=d.kl.mean(), vs_uniform=d.kl.mean() / u.kl.mean(),
+                             k_min=d.k_min.min(), k_max=d.k_max.max(), windows=len(d)))
+    return pd.DataFrame(rows)
+
+
 def versus_uniform(runs, policy: str, alpha: float, column: str):
     """Per window ``window, uniform_kl, <column>, vs_uniform`` for one policy and exponent of a sweep's ``runs``."""
     import pandas as pd
