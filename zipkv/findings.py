@@ -330,14 +330,13 @@ def _throughput_ratio(baselines: tuple[str, ...], minus_one: bool, batch: int | 
 def _vs_mma_baseline(res: Results):
     """ZipFusion's tokens/s at its largest batch over the uncompressed engine's in the mma layouts (the engine's own
     default on a GPU, the Gluon kernel's raw path), where the throughput run timed it."""
+    from zipkv.chapters.throughput import vs_mma_baseline
+
     t = res["zipfusion_throughput"]
-    mma = t[(t.model == THROUGHPUT_MMA_BASELINE_MODEL) & (t.method == "uncompressed")]
-    zf = _at_max_batch(_fig5_rows(res))
-    zf = zf[zf.method == "zipfusion"]
-    if mma.empty or zf.empty:
+    vs = vs_mma_baseline(_fig5_rows(res), t[(t.model == THROUGHPUT_MMA_BASELINE_MODEL) & (t.method == "uncompressed")])
+    if vs is None:
         return None
-    m, z = mma.iloc[0], zf.iloc[0]
-    ratio = z.tokens_per_s / m.tokens_per_s
+    ratio, z, m = vs
     return Measured(ratio, f"{ratio:.3f}× ({z.tokens_per_s:,.0f} tokens/s at batch {z.batch} over "
                            f"{m.tokens_per_s:,.0f} at batch {m.batch})")
 

@@ -496,11 +496,22 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, m
                  f"{b.batch}, {b.tokens_per_s:.0f} tokens/s, {b.step_ms:.1f} ms per step): **{c['vs_restore']:.2f}×** "
                  f"(paper {pv.ZIPFUSION_VS_BEST_LOSSLESS_BASELINE['Llama-3.1-8B']}×; bar {BARS['vs_restore']}×: "
                  f"{mark('vs_restore')}). ")
-    if mma_rows is not None and not mma_rows.empty:
-        m = mma_rows.iloc[0]
+    if (vs := vs_mma_baseline(big, mma_rows)) is not None:
+        ratio, _, m = vs
         text += (f"Against the engine's own uncompressed default on a GPU (the mma layouts, the Gluon kernel's raw path; "
-                 f"batch {m.batch}): **{z.tokens_per_s / m.tokens_per_s:.3f}×** tokens/s. ")
+                 f"batch {m.batch}): **{ratio:.3f}×** tokens/s. ")
     return text + "What the two bars would need: below the figure.", ("tip" if ok else "warning")
+
+
+def vs_mma_baseline(big, mma_rows):
+    """``(ratio, zipfusion_row, mma_row)``: ZipFusion's tokens/s at its largest batch (Llama-8B-shape rows ``big``)
+    over the uncompressed engine's in the mma layouts (``mma_rows``, rows of
+    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`); None where either is missing."""
+    z = largest_batch_rows(big, "zipfusion")
+    if mma_rows is None or mma_rows.empty or z.empty:
+        return None
+    z, m = z.iloc[0], mma_rows.iloc[0]
+    return z.tokens_per_s / m.tokens_per_s, z, m
 
 
 def mma_baseline_text(big, mma_rows) -> str:
@@ -513,11 +524,10 @@ def mma_baseline_text(big, mma_rows) -> str:
             "the mma layouts, read by the Gluon kernel's all-raw path, which \"Decode attention latency\" times as fast "
             "as the Triton kernel's or faster; the chapter's uncompressed rows are the token layouts and the Triton kernel "
             "(`zipkv.throughput.BASELINE_LAYOUTS`), the stand-in for SGLang's FlashInfer decode. ")
-    if mma_rows is None or mma_rows.empty:
+    if (vs := vs_mma_baseline(big, mma_rows)) is None:
         return text + "This run did not time the mma-layout engine (`mma_baseline`)."
-    m = mma_rows.iloc[0]
+    ratio, z, m = vs
     runs = json.loads(m.tokens_per_s_runs) if isinstance(m.get("tokens_per_s_runs"), str) else [m.tokens_per_s]
-    ratio = z.tokens_per_s / m.tokens_per_s
     how = "one run" if len(runs) == 1 else (f"the median of {len(runs)} runs: "
                                              f"{', '.join(f'{x:,.0f}' for x in runs)} tokens/s")
     return text + (f"At its largest batch ({m.batch}; {how}) it takes {m.step_ms:.2f} ms per step against "
