@@ -288,6 +288,20 @@ def decode_launch_sweep(x: torch.Tensor, splitzip: codecs.SplitZip, reps: int = 
     return pd.DataFrame(rows)
 
 
+def roundtrip_check(captures, splitzip: codecs.SplitZip, layers: int = 2) -> pd.DataFrame:
+    """Bit-exact encode -> Triton decode and -> torch reference on the first ``layers`` captured layers (K, V):
+    one row per (codec, layer, tensor) with ``exact``."""
+    rows = []
+    for i, layer in enumerate(captures[0][:layers]):
+        for tensor, x in zip("KV", layer):
+            for codec in (splitzip, codecs.Huffman()):
+                e = codec.encode(x)
+                same = [torch.equal(y.view(torch.int16), x.view(torch.int16))
+                        for y in (codecs.decode(e), codecs.decode_reference(e))]
+                rows.append(dict(codec=codec.name, layer=i, tensor=tensor, values=x.numel(), exact=all(same)))
+    return pd.DataFrame(rows)
+
+
 def main(argv=None):
     """``python -m zipkv.restore_baselines SAMPLE OUT_DIR``: the GPU run behind the chapter, from a saved sample
     (``torch.save(dict(layers=[(K, V), ...], codebook=[...]))``: every 4th layer of one 2048-token PG19 window (seed
@@ -332,123 +346,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
-
-
-# ----------------------------------------------------------------------------- the chapter's table, verdict, figure
-
-COLUMNS = ["codec", "tensor", "bits_per_value", "encode_gbps", "decode_gbps", "restore_ms_per_step",
-           "attention_ms_per_step", "ctx", "batch"]
-
-
-def roundtrip_check(captures, splitzip: codecs.SplitZip, layers: int = 2) -> pd.DataFrame:
-    """Bit-exact encode -> Triton decode and -> torch reference on the first ``layers`` captured layers (K, V):
-    one row per (codec, layer, tensor) with ``exact``."""
-    rows = []
-    for i, layer in enumerate(captures[0][:layers]):
-        for tensor, x in zip("KV", layer):
-            for codec in (splitzip, codecs.Huffman()):
-                e = codec.encode(x)
-                same = [torch.equal(y.view(torch.int16), x.view(torch.int16))
-                        for y in (codecs.decode(e), codecs.decode_reference(e))]
-                rows.append(dict(codec=codec.name, layer=i, tensor=tensor, values=x.numel(), exact=all(same)))
-    return pd.DataFrame(rows)
-
-
-def chapter_table(bits: pd.DataFrame, gpu: pd.DataFrame | None) -> pd.DataFrame:
-    """The chapter's main table: bits per value on real KV (``bits``, K and V rows) with the GPU run's
-    encode / decode GB/s beside them, and the GPU run's per-step restore and attention times (K+V rows)."""
-    table = bits.copy()
-    if gpu is None:
-        return table.reindex(columns=COLUMNS)
-    speeds = gpu[gpu.tensor.isin(["K", "V"])][["codec", "tensor", "encode_gbps", "decode_gbps"]]
-    table = table.merge(speeds, on=["codec", "tensor"], how="left")
-    steps = gpu[gpu.tensor == "K+V"].drop(columns=["encode_gbps", "decode_gbps"], errors="ignore")
-    real = bits.groupby("codec").bits_per_value.mean()
-    steps = steps.assign(bits_per_value=steps.codec.map(real).fillna(steps.bits_per_value))
-    table = pd.concat([table, steps], ignore_index=True)
-    table[["ctx", "batch"]] = table[["ctx", "batch"]].ffill().bfill().astype(int)
-    return table.reindex(columns=COLUMNS + [c for c in table.columns if c not in COLUMNS])
-
-
-def _against(x: float, lo: float, hi: float) -> str:
-    return "below" if x < lo else "above" if x > hi else "within"
-
-
-def verdict(table: pd.DataFrame):
-    """(text, kind) of the chapter's verdict (three sentences), from the table's numbers and the paper's;
-    :func:`details` says the rest."""
-    from zipkv import paper_values as pv
-
-    steps = table[table.tensor == "K+V"].set_index("codec")
-    if "restore_ms_per_step" not in steps or steps.restore_ms_per_step.isna().all():
-        bits = table[table.tensor.isin(["K", "V"])].groupby("codec").bits_per_value.mean()
-        return (f"On the embedded model's PG19 KV, bits per value (K and V averaged): ZipFusion {bits['zipfusion']:.2f}, "
-                f"SplitZip-style {bits['splitzip']:.2f}, Huffman {bits['huffman']:.2f}. No GPU timings: restore and "
-                "attention times need a GPU run."), "note"
-    sz, hf, zf, fi = (steps.loc[c] for c in ("splitzip", "huffman", "zipfusion", "flashinfer (bf16)"))
-    lo, hi = pv.ZIPFUSION_RESTORE_MS_RANGE
-    dec = _splitzip_decode_gbps(table)
-    best = min(sz.step_ms, hf.step_ms)
-    text = (f"Per decode step ({int(sz.batch)} × {int(sz.ctx)} tokens, 32 layers of Llama-3.1-8B attention, H200), "
-            f"restoring first costs **{sz.restore_ms_per_step:.2f} ms** (SplitZip-style) and **{hf.restore_ms_per_step:.2f} ms** "
-            f"(Huffman) on top of {sz.attention_ms_per_step:.2f} ms of attention (paper, H100: {lo}–{hi} ms of restore). "
-            f"ZipFusion's fused kernel reads the compressed cache in **{zf.step_ms:.2f} ms**, "
-            f"{best / zf.step_ms:.2f}× faster than the best restore-then-attend step and {fi.step_ms / zf.step_ms:.2f}× "
-            f"FlashInfer on BF16. The SplitZip-style decoder restores {dec / 1e3:.2f} TB/s of BF16 (this project's bar "
-            f"≥ 2 TB/s: {'met' if dec >= 2000 else 'missed'}; its authors report {pv.SPLITZIP_DECODE_GBPS / 1e3:.2f} TB/s).")
-    return text, "tip" if dec >= 2000 and zf.step_ms < best else "warning"
-
-
-def _splitzip_decode_gbps(table: pd.DataFrame) -> float:
-    return float(table[(table.codec == "splitzip") & table.tensor.isin(["K", "V"])].decode_gbps.min())
-
-
-def details(table: pd.DataFrame) -> str:
-    """What the verdict leaves out: bits per value, the paper's scope, the CUDA-graph replays (markdown)."""
-    from zipkv import paper_values as pv
-
-    steps = table[table.tensor == "K+V"].set_index("codec")
-    bits = table[table.tensor.isin(["K", "V"])].groupby("codec").bits_per_value.mean()
-    text = (f"On the embedded model's PG19 KV, bits per value (K and V averaged): ZipFusion {bits['zipfusion']:.2f}, "
-            f"SplitZip-style {bits['splitzip']:.2f}, Huffman {bits['huffman']:.2f}.")
-    if "restore_ms_per_step" not in steps or steps.restore_ms_per_step.isna().all():
-        return text
-    sz, hf = steps.loc["splitzip"], steps.loc["huffman"]
-    lo, hi = pv.ZIPFUSION_RESTORE_MS_RANGE
-    text += (f" The paper's {lo}–{hi} ms of restore sit beside about {pv.ZIPFUSION_RESTORE_OTHER_MS} ms for the rest of its "
-             f"instrumented step, which holds more than attention; ours times attention alone, on a GPU with more memory "
-             f"bandwidth: our restores lie {_against(sz.restore_ms_per_step, lo, hi)} and "
-             f"{_against(hf.restore_ms_per_step, lo, hi)} the paper's range. Restore + attention per step: SplitZip-style "
-             f"{sz.step_ms:.2f} ms, Huffman {hf.step_ms:.2f} ms.")
-    if "step_graph_ms" in steps and steps.step_graph_ms.notna().any():
-        g = steps.step_graph_ms
-        text += (f" Replayed as CUDA graphs (no host work between launches): SplitZip-style {g['splitzip']:.2f} ms, "
-                 f"Huffman {g['huffman']:.2f} ms, ZipFusion {g['zipfusion']:.2f} ms, FlashInfer {g['flashinfer (bf16)']:.2f} ms.")
-    return text
-
-
-def figure(table: pd.DataFrame):
-    """Stacked bars per method (restore | attention, ms per step), ours beside the paper's range."""
-    import matplotlib.pyplot as plt
-
-    from zipkv import paper_values as pv
-
-    steps = table[table.tensor == "K+V"].set_index("codec")
-    order = [c for c in ("flashinfer (bf16)", "zipfusion", "splitzip", "huffman") if c in steps.index]
-    fig, ax = plt.subplots(figsize=(8, 3.3))
-    x = range(len(order))
-    att = [steps.loc[c, "attention_ms_per_step"] for c in order]
-    res = [steps.loc[c, "restore_ms_per_step"] for c in order]
-    ax.bar(x, att, label="attention (H200, ours)", color="tab:blue")
-    ax.bar(x, res, bottom=att, label="restore into the shared buffer (H200, ours)", color="tab:orange")
-    p = len(order)
-    lo, hi = pv.ZIPFUSION_RESTORE_MS_RANGE
-    ax.bar([p], [pv.ZIPFUSION_RESTORE_OTHER_MS], color="tab:gray", alpha=0.6, label="paper: rest of the step (H100)")
-    ax.bar([p], [hi - lo], bottom=[pv.ZIPFUSION_RESTORE_OTHER_MS + lo], color="tab:red", alpha=0.4,
-           label=f"paper: restore {lo}–{hi} ms (H100)")
-    ax.bar([p], [lo], bottom=[pv.ZIPFUSION_RESTORE_OTHER_MS], color="tab:red", alpha=0.8)
-    ax.set_xticks(list(x) + [p], order + ["paper (3 codecs)"], rotation=15)
-    ax.set_ylabel("time per decode step (ms)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
