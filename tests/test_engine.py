@@ -754,6 +754,7 @@ def test_token_agreement_measures_how_near_a_tie_each_first_difference_was():
 def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     import pandas as pd
 
+    from zipkv import paper_values as pv
     from zipkv.chapters import throughput as chapter
 
     big = pd.DataFrame({"method": ["uncompressed", "uncompressed", "zipfusion", "zipfusion"], "batch": [32, 40, 32, 50],
@@ -777,6 +778,11 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     assert f"a budget {c['budget_needed'] / 2**30 - 1:+.2%} larger" in chapter.bars_need_text(big, 32)
     text, kind = chapter.verdict(big, 32)
     assert "**missed by" in text and kind == "warning"
+    assert "SplitZip-style's" not in text                        # no SplitZip row at batch 32: nothing said
+    with_sz = pd.concat([big, big.iloc[[0]].assign(method="splitzip", tokens_per_s=300.0, max_batch=32)], ignore_index=True)
+    paper_gain, paper_sz = pv.ZIPFUSION_GAIN_BATCH32["Llama-3.1-8B"], pv.ZIPFUSION_VS_SPLITZIP_BATCH32["Llama-3.1-8B"]
+    assert (f"at batch 32 it is {900 / 1000:.3f}× uncompressed's (paper +{paper_gain:.1%}) and {900 / 300:.2f}× "
+            f"SplitZip-style's (paper {paper_sz}×)") in chapter.verdict(with_sz, 32)[0]
     # a ratio a hair under the bar (1.2498 tokens/s here) is not printed as "missed by 0.000"
     hair = big.assign(tokens_per_s=[1000.0, 1200.0, 900.0, 1200.0 * 1.2498])
     text, _ = chapter.verdict(hair, 32)
