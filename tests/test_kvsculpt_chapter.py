@@ -60,3 +60,17 @@ def test_the_dampening_table_and_the_held_out_count_read_their_runs():
     study = pd.DataFrame({"window": [0, 0, 0, 0, 1, 1], "layer": [2, 2, 5, 5, 2, 2],
                           "optimizer": ["adam", "lbfgs"] * 3, "mse_heldout": [1.0, 2.0, 3.0, 2.0, 0.5, 0.6]})
     assert analysis.held_out_wins(study, "adam", "lbfgs") == (2, 3)
+
+
+def test_the_optimizer_table_labels_the_oracle_windows_and_averages_the_ratios_over_all():
+    import pandas as pd
+
+    from zipkv.distill import analysis
+
+    t = pd.DataFrame({"window": [0, 0, 0, 1, 1], "layer": [2] * 5,
+                      "optimizer": ["adam", "lbfgs", "oracle", "adam", "lbfgs"],
+                      "mse_train": [4.0, 2.0, 1.0, 1.0, 2.0], "mse_heldout": [3.0, 1.0, 1.0, 3.0, 3.0]})
+    row = analysis.optimizer_table(t, oracle_windows=1).loc[2]
+    assert row["Adam (window 0)"] == 4.0 and row["Gap (window 0)"] == 1.0            # 2 / 1 - 1, window 0 only
+    assert row["Adam / L-BFGS training (all windows)"] == 2.5 / 2.0                   # means over both windows
+    assert row["Adam / L-BFGS held-out (all windows)"] == 3.0 / 2.0

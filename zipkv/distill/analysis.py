@@ -490,6 +490,23 @@ def held_out_wins(table, method: str, other: str) -> tuple[int, int]:
     return int((pairs[method] < pairs[other]).sum()), len(pairs)
 
 
+def optimizer_table(table, oracle_windows: int):
+    """Table 3 as the chapter shows it, from :func:`optimizer_study`'s ``table``: per layer, Adam's, one L-BFGS run's
+    and the oracle's training objective and the oracle gap on the first ``oracle_windows`` windows (where the oracle
+    ran), and Adam / L-BFGS on the mean over all windows, training and held out."""
+    import pandas as pd
+
+    cols = ["mse_train", "mse_heldout"]
+    mean = table.pivot_table(index="layer", columns="optimizer", values=cols)
+    w0 = table[table.window < oracle_windows].pivot_table(index="layer", columns="optimizer", values=cols)
+    on = "window 0" if oracle_windows == 1 else f"windows 0–{oracle_windows - 1}"
+    return pd.DataFrame({f"Adam ({on})": w0.mse_train.adam, f"L-BFGS ({on})": w0.mse_train.lbfgs,
+                         f"Oracle ({on})": w0.mse_train.get("oracle"),
+                         f"Gap ({on})": w0.mse_train.lbfgs / w0.mse_train.oracle - 1 if "oracle" in w0.mse_train else None,
+                         "Adam / L-BFGS training (all windows)": mean.mse_train.adam / mean.mse_train.lbfgs,
+                         "Adam / L-BFGS held-out (all windows)": mean.mse_heldout.adam / mean.mse_heldout.lbfgs})
+
+
 def dampening_table(runs):
     """Appendix B: per budget signal (``vnorm``: ‖V‖^α, the static policy; ``pilot``: pilot-MSE^α) and exponent α
     (0: uniform), the mean KL over windows, its ratio to uniform's, the smallest and largest per-head budget and the
