@@ -70,7 +70,9 @@ def test_the_optimizer_table_labels_the_oracle_windows_and_averages_the_ratios_o
     t = pd.DataFrame({"window": [0, 0, 0, 1, 1], "layer": [2] * 5,
                       "optimizer": ["adam", "lbfgs", "oracle", "adam", "lbfgs"],
                       "mse_train": [4.0, 2.0, 1.0, 1.0, 2.0], "mse_heldout": [3.0, 1.0, 1.0, 3.0, 3.0]})
-    row = analysis.optimizer_table(t, oracle_windows=1).loc[2]
+    summary = analysis.optimizer_summary(t, oracle_windows=1)
+    row = summary.shown.loc[2]
     assert row["Adam (window 0)"] == 4.0 and row["Gap (window 0)"] == 1.0            # 2 / 1 - 1, window 0 only
     assert row["Adam / L-BFGS training (all windows)"] == 2.5 / 2.0                   # means over both windows
     assert row["Adam / L-BFGS held-out (all windows)"] == 3.0 / 2.0
+    assert summary.gap[2] == row["Gap (window 0)"] and summary.adam_x[2] == row["Adam / L-BFGS training (all windows)"]

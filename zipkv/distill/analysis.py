@@ -24,7 +24,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -490,21 +490,33 @@ def held_out_wins(table, method: str, other: str) -> tuple[int, int]:
     return int((pairs[method] < pairs[other]).sum()), len(pairs)
 
 
-def optimizer_table(table, oracle_windows: int):
-    """Table 3 as the chapter shows it, from :func:`optimizer_study`'s ``table``: per layer, Adam's, one L-BFGS run's
-    and the oracle's training objective and the oracle gap on the first ``oracle_windows`` windows (where the oracle
-    ran), and Adam / L-BFGS on the mean over all windows, training and held out."""
+class OptimizerSummary(NamedTuple):
+    """Table 3's numbers (:func:`optimizer_summary`): per-layer objectives on the oracle's windows (``w0``: columns
+    (``mse_train`` | ``mse_heldout``, optimizer)), Adam / L-BFGS on the mean over all windows (``adam_x`` training,
+    ``held_x`` held out), the oracle gap (``gap``), and the table the chapter shows (``shown``)."""
+    w0: object
+    adam_x: object
+    held_x: object
+    gap: object
+    shown: object
+
+
+def optimizer_summary(table, oracle_windows: int) -> OptimizerSummary:
+    """Table 3 from :func:`optimizer_study`'s ``table``: Adam's, one L-BFGS run's and the oracle's training objective
+    and the oracle gap on the first ``oracle_windows`` windows (where the oracle ran), and Adam / L-BFGS on the mean
+    over all windows, training and held out."""
     import pandas as pd
 
     cols = ["mse_train", "mse_heldout"]
     mean = table.pivot_table(index="layer", columns="optimizer", values=cols)
     w0 = table[table.window < oracle_windows].pivot_table(index="layer", columns="optimizer", values=cols)
+    adam_x, held_x = mean.mse_train.adam / mean.mse_train.lbfgs, mean.mse_heldout.adam / mean.mse_heldout.lbfgs
+    gap = w0.mse_train.lbfgs / w0.mse_train.oracle - 1
     on = "window 0" if oracle_windows == 1 else f"windows 0–{oracle_windows - 1}"
-    return pd.DataFrame({f"Adam ({on})": w0.mse_train.adam, f"L-BFGS ({on})": w0.mse_train.lbfgs,
-                         f"Oracle ({on})": w0.mse_train.get("oracle"),
-                         f"Gap ({on})": w0.mse_train.lbfgs / w0.mse_train.oracle - 1 if "oracle" in w0.mse_train else None,
-                         "Adam / L-BFGS training (all windows)": mean.mse_train.adam / mean.mse_train.lbfgs,
-                         "Adam / L-BFGS held-out (all windows)": mean.mse_heldout.adam / mean.mse_heldout.lbfgs})
+    shown = pd.DataFrame({f"Adam ({on})": w0.mse_train.adam, f"L-BFGS ({on})": w0.mse_train.lbfgs,
+                          f"Oracle ({on})": w0.mse_train.oracle, f"Gap ({on})": gap,
+                          "Adam / L-BFGS training (all windows)": adam_x, "Adam / L-BFGS held-out (all windows)": held_x})
+    return OptimizerSummary(w0, adam_x, held_x, gap, shown)
 
 
 def dampening_table(runs):
