@@ -3,6 +3,7 @@ import pandas as pd
 import pytest
 
 from zipkv import book, committed
+from zipkv.distill import analysis
 
 MAIN = book.REPO_ROOT / "results" / "paper" / "kvsculpt_main.csv"
 
@@ -37,3 +38,35 @@ def test_table1_kvsculpt_joins_only_the_same_windows_under_the_same_evaluation()
     assert rows[["window", "method", "kl"]].values.tolist() == [[0, "kvsculpt", 0.06]]
     other = main.assign(kl=main.kl.where(main.method != "select_fit", 0.051))  # another evaluation or window
     assert committed.table1_kvsculpt(beyond, other).empty
+
+
+SWEEP_CHAPTER = book.REPO_ROOT / "results" / "paper" / "kvsculpt_dampening.csv"
+PAPER_SWEEP = dict(ratio=0.3, m=256, n_synthetic=128, steps=100, n_windows=5, alphas=[0.3, 0.5, 0.7, 1.0], alpha=0.5,
+                   pilot_steps=60, head_pilot_steps=30, top_tokens=5, seed=0)
+
+
+def test_a_budget_chapter_renders_the_committed_sweep_it_would_have_solved():
+    """``from_results`` for the six budget chapters: the committed sweep's tables, and the chapter's table from them
+    equals the committed one (the run that solved it wrote that table from the same sweep)."""
+    sweep = analysis.committed_sweep(SWEEP_CHAPTER, **PAPER_SWEEP)
+    assert sweep.runs.window.nunique() == 5 and sweep.params["solver_device"].startswith("cuda")
+    table = analysis.dampening_table(sweep.runs)
+    assert table.to_csv(index=False) == committed.read_committed_text(SWEEP_CHAPTER)
+
+
+@pytest.mark.parametrize("change", [dict(ratio=0.5), dict(steps=60), dict(n_windows=3), dict(alphas=[0.5, 1.0])])
+def test_a_budget_chapter_with_other_parameters_than_the_committed_sweep_is_an_error(change):
+    name = next(iter(change))
+    with pytest.raises(ValueError, match=rf"other parameters: {name}="):
+        analysis.committed_sweep(SWEEP_CHAPTER, **{**PAPER_SWEEP, **change})
+
+
+def test_the_optimizer_chapter_from_results_checks_its_layers_and_windows():
+    args = dict(from_results=True, committed_csv=book.REPO_ROOT / "results" / "paper" / "kvsculpt_optimizer.csv",
+                model_name=None, books_dir=None, n_windows=5, context=2048, continuation=128, m=256, n_synthetic=128,
+                steps=100, seed=0, device="cpu", layers=[2, 15, 28], ratio=0.3, adam_lr=0.01, restarts=100,
+                oracle_windows=1)
+    table, note = analysis.optimizer_chapter(**args)
+    assert set(table.optimizer) == {"adam", "lbfgs", "oracle"} and "5 windows of N = 2048" in note
+    with pytest.raises(ValueError, match="the chapter asks for"):
+        analysis.optimizer_chapter(**{**args, "layers": [2, 14, 26]})

@@ -31,14 +31,18 @@ def _in_repo(path: str | Path) -> tuple[Path, str]:
     return top, path.relative_to(top).as_posix()
 
 
-def read_committed_csv(path: str | Path) -> pd.DataFrame:
-    """The CSV at ``path`` as committed at ``HEAD`` (exact floats), whatever the working copy holds."""
+def read_committed_text(path: str | Path) -> str:
+    """The file at ``path`` as committed at ``HEAD``, whatever the working copy holds."""
     top, rel = _in_repo(path)
     try:
-        text = _git(["show", f"HEAD:{rel}"], top)
+        return _git(["show", f"HEAD:{rel}"], top)
     except ValueError:
         raise ValueError(f"from_results: {rel} is not committed at HEAD; run the chapter instead") from None
-    return pd.read_csv(io.StringIO(text))             # pandas 3 parses floats exactly (round trip)
+
+
+def read_committed_csv(path: str | Path) -> pd.DataFrame:
+    """The CSV at ``path`` as committed at ``HEAD`` (exact floats), whatever the working copy holds."""
+    return pd.read_csv(io.StringIO(read_committed_text(path)))  # pandas 3 parses floats exactly (round trip)
 
 
 def origin(path: str | Path) -> dict:

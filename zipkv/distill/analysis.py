@@ -83,6 +83,99 @@ def sweep_cache(results_csv) -> Path | None:
     return None if results_csv is None else Path(results_csv).with_name("kvsculpt_budget_sweep.json")
 
 
+def committed_sweep(committed_csv, **expected) -> "BudgetSweep":
+    """The budget sweep committed at ``HEAD`` beside ``committed_csv`` (a budget chapter's ``from_results``).
+
+    ``expected``: the chapter's parameters that the sweep records (``ratio``, ``m``, ``n_synthetic``, ``alphas``,
+    ``alpha``, ``pilot_steps``, ``head_pilot_steps``, ``seed``; ``steps`` is checked against its solver settings,
+    ``n_windows`` against its windows);
+    a chapter asked for other values than the committed run used is an error, not a relabelled table.
+    """
+    import pandas as pd
+
+    from zipkv import committed
+
+    data = json.loads(committed.read_committed_text(sweep_cache(committed_csv)))
+    recorded = {**data["params"], "steps": data["params"]["config"]["steps"],
+                "n_windows": len(set(data["tables"]["runs"]["window"]))}
+    differ = {k: (v, recorded.get(k)) for k, v in expected.items()
+              if json.loads(json.dumps(v)) != recorded.get(k) and not (isinstance(v, (list, tuple)) and
+                                                                      [float(a) for a in v] == recorded.get(k))}
+    if differ:
+        raise ValueError("from_results: the committed budget sweep was made with other parameters: "
+                         + ", ".join(f"{k}={v!r} (committed: {c!r})" for k, (v, c) in differ.items())
+                         + "; run the chapter, or render it with the committed run's parameters")
+    return BudgetSweep(**{name: pd.DataFrame(t) for name, t in data["tables"].items()}, params=data["params"],
+                       seconds=data.get("seconds", {}))
+
+
+def committed_note(sweep: "BudgetSweep", context: int, continuation: int) -> str:
+    """The setting line of a budget chapter rendered from the committed sweep (:func:`committed_sweep`)."""
+    from zipkv.chapters.kvsculpt import setting_line
+
+    p = sweep.params
+    return ("**Setting.** " + setting_line(p["model"], sweep.runs.window.nunique(), context, continuation, p["m"],
+                                           p["n_synthetic"], p["config"]["steps"], "batched")
+            + f" Rendered from the committed sweep (solved on {p['solver_device']}; the provenance box names the run).")
+
+
+class BudgetChapter(NamedTuple):
+    """What a budget chapter (Tables 5–8, App. B, §6) shows: the sweep, its setting note, and the tokenizer
+    (``None`` unless asked for, when rendered from the committed sweep)."""
+    sweep: "BudgetSweep"
+    note: str
+    tokenizer: object
+
+
+def budget_chapter(*, from_results: bool, committed_csv, results_csv, model_name, books_dir, n_windows, context,
+                   continuation, m, n_synthetic, steps, seed, device, ratio, alphas, alpha, pilot_steps,
+                   head_pilot_steps, top_tokens: int = 5, with_tokenizer: bool = False) -> BudgetChapter:
+    """The budget sweep of a chapter: solved (:func:`chapter`, :func:`budget_sweep`, cached beside ``results_csv``) or,
+    with ``from_results``, the one committed beside ``committed_csv`` (:func:`committed_sweep`, no model needed
+    unless ``with_tokenizer``)."""
+    if from_results:
+        sweep = committed_sweep(committed_csv, ratio=ratio, m=m, n_synthetic=n_synthetic, steps=steps,
+                                n_windows=n_windows, alphas=alphas, alpha=alpha, pilot_steps=pilot_steps,
+                                head_pilot_steps=head_pilot_steps, top_tokens=top_tokens, seed=seed)
+        if with_tokenizer:
+            from zipkv import models
+            return BudgetChapter(sweep, committed_note(sweep, context, continuation), models.load_model(model_name)[1])
+        return BudgetChapter(sweep, committed_note(sweep, context, continuation), None)
+    ch = chapter(model_name=model_name, books_dir=books_dir, n_windows=n_windows, context=context,
+                 continuation=continuation, m=m, n_synthetic=n_synthetic, steps=steps, seed=seed, device=device)
+    sweep = budget_sweep(ch.model, ch.windows, ratio=ratio, m=m, n_synthetic=n_synthetic, config=ch.config,
+                         alphas=alphas, alpha=alpha, pilot_steps=pilot_steps, head_pilot_steps=head_pilot_steps,
+                         top_tokens=top_tokens, seed=seed, cache=sweep_cache(results_csv), model_name=model_name)
+    return BudgetChapter(sweep, ch.note, ch.tokenizer)
+
+
+def optimizer_chapter(*, from_results: bool, committed_csv, model_name, books_dir, n_windows, context, continuation,
+                      m, n_synthetic, steps, seed, device, layers, ratio, adam_lr, restarts, oracle_windows):
+    """Table 3's ``(table, note)``: :func:`optimizer_study` run (its ``table``), or with ``from_results`` the table
+    committed at ``committed_csv``, checked against the chapter's ``layers``, ``n_windows`` and ``oracle_windows``."""
+    if not from_results:
+        ch = chapter(model_name=model_name, books_dir=books_dir, n_windows=n_windows, context=context,
+                     continuation=continuation, m=m, n_synthetic=n_synthetic, steps=steps, seed=seed, device=device)
+        table, _ = optimizer_study(ch.model, ch.windows, layers=layers, ratio=ratio, m=m, n_synthetic=n_synthetic,
+                                   config=ch.config, adam_lr=adam_lr, restarts=restarts, oracle_windows=oracle_windows,
+                                   seed=seed)
+        return table, ch.note
+    from zipkv import committed, models
+    from zipkv.chapters.kvsculpt import setting_line
+
+    table = committed.read_committed_csv(committed_csv)
+    seen = dict(layers=sorted(table.layer.unique().tolist()), n_windows=table.window.nunique(),
+                oracle_windows=table[table.optimizer == "oracle"].window.nunique())
+    asked = dict(layers=sorted(layers), n_windows=n_windows, oracle_windows=oracle_windows)
+    if seen != asked:
+        raise ValueError(f"from_results: the committed table {committed_csv} has {seen}, the chapter asks for {asked}; "
+                         "run the chapter, or render it with the committed run's parameters")
+    note = ("**Setting.** " + setting_line(model_name or models.EMBEDDED_NAME, n_windows, context, continuation, m,
+                                           n_synthetic, steps, "batched")
+            + " Rendered from the committed table (the provenance box names the run).")
+    return table, note
+
+
 # --- one window, captured once --------------------------------------------------------------------------------
 
 
