@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from zipkv.distill import attention_matching, generalise
+from zipkv.distill import attention_matching
 from zipkv.distill.generalise import HeadTargets, _spd_solve
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -113,11 +113,13 @@ def test_step_text_reads_the_overlapped_rows_and_says_what_the_sequential_ones_t
 
 
 def test_step_text_says_which_way_the_idle_time_moves_with_the_batch():
-    """The idle time between kernels is said to grow or shrink as the rows show (the H200 rows: it shrinks)."""
+    """The idle time between kernels is said to grow or shrink as the rows show: the same rows with 5 ms more
+    idle time at each method's largest batch, then at its smallest."""
     from zipkv.chapters import throughput as chapter
-    steps, _ = chapter.step_table(_profiled_rows())
-    rows = chapter.overlapped_rows(steps)
-    gaps = [chapter.step_row(rows, m, largest).gaps_ms for m in ("uncompressed", "zipfusion") for largest in (False, True)]
-    word = {(True, True): "grows", (False, False): "shrinks"}.get((gaps[1] > gaps[0], gaps[3] > gaps[2]), "changes")
-    assert f"idle time between the graph's kernels {word} with the batch" in chapter.step_text(steps)
+    rows = _profiled_rows()
+    largest = rows.batch == rows.groupby("method").batch.transform("max")
+    for at, word in ((largest, "grows"), (~largest, "shrinks")):
+        steps, _ = chapter.step_table(rows.assign(replay_ms=rows.replay_ms + 5.0 * at))
+        assert f"idle time between the graph's kernels {word} with the batch" in chapter.step_text(steps)
     assert chapter._trend(1.0, 2.0, 1.0, 3.0) == "grows" and chapter._trend(2.0, 1.0, 1.0, 3.0) == "changes"
+    assert [chapter._moves(r) for r in (1.1, 0.97, 1.001)] == ["grows 1.10×", "shrinks to 0.97×", "stays (1.00×)"]

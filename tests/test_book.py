@@ -1,6 +1,5 @@
 """The book pipeline: profile and parameter checks, failures that name the notebook, and the
 published book opened in a real (headless Chromium) browser."""
-import json
 import os
 import shutil
 import subprocess

@@ -40,7 +40,13 @@ def test_serve_distilled_rows_on_a_tiny_model():
     table = compose.serve_distilled(model, [window], [0.5], m=8, n_synthetic=8, steps=2, new_tokens=6, progress=False)
     assert table.method.tolist() == ["full context", "kvsculpt r=0.5"]
     assert table.pairs.tolist() == [96, 48] and table.lossless.all()
-    assert table.first_difference.iloc[0] == 6
+    assert table.first_difference.between(0, 6).all()
+
+
+@pytest.mark.parametrize("a, b, first", [([1, 2, 3], [1, 2, 4], 2), ([5, 2], [1, 2], 0), ([1, 2, 3], [1, 2, 3], 3),
+                                         ([1, 2], [1, 2, 3], 2)])
+def test_first_difference_is_the_first_token_where_two_generations_part(a, b, first):
+    assert compose._first_difference(a, b) == first == compose._first_difference(b, a)
 
 
 def test_chapter_verdict_names_each_ratio_and_says_when_not_lossless():

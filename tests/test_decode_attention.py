@@ -355,7 +355,7 @@ def test_kinds_refresh_after_compress_in_place():
 
 
 def test_occupancy_from_compiled_resources():
-    from zipkv.kernels.kernel_info import H200_SM, programs_per_sm
+    from zipkv.kernels.occupancy import H200_SM, programs_per_sm
 
     assert programs_per_sm(32, 1, 0) == H200_SM["programs"]              # block-count limit
     assert programs_per_sm(255, 4, 0) < programs_per_sm(168, 4, 0)      # registers bind

@@ -778,6 +778,8 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     assert f"a budget {c['budget_needed'] / 2**30 - 1:+.2%} larger" in chapter.bars_need_text(big, 32)
     text, kind = chapter.verdict(big, 32)
     assert "**missed by" in text and kind == "warning"
+    # the misses are of this project's targets, said apart from the paper's numbers
+    assert "missed" not in text.split("*This project's own targets*")[0]
     assert "SplitZip-style's" not in text                        # no SplitZip row at batch 32: nothing said
     with_sz = pd.concat([big, big.iloc[[0]].assign(method="splitzip", tokens_per_s=300.0, max_batch=32)], ignore_index=True)
     paper_gain, paper_sz = pv.ZIPFUSION_GAIN_BATCH32["Llama-3.1-8B"], pv.ZIPFUSION_VS_SPLITZIP_BATCH32["Llama-3.1-8B"]
@@ -829,19 +831,18 @@ def test_the_chapter_table_and_the_end_to_end_speed_read_the_committed_rows():
     how fast each method decoded end to end, with the cache's share of the step where a GPU bandwidth is known."""
     import pandas as pd
 
-    from zipkv import throughput
-
-    from zipkv.chapters import throughput as chapter
-
+    from zipkv import paper_values as pv, throughput
     from zipkv.book import REPO_ROOT
+    from zipkv.chapters import throughput as chapter
 
     table = pd.read_csv(REPO_ROOT / "results" / "paper" / "zipfusion_throughput.csv")
     compact = chapter.compact_table(table).data.set_index(["model", "method", "batch"])
-    z = compact.loc[(throughput.THROUGHPUT_PAPER_MODEL, "zipfusion", 57)]
-    u = table[(table.method == "uncompressed") & (table.batch == table.max_batch)
-              & (table.model == throughput.THROUGHPUT_PAPER_MODEL)]
+    largest = lambda m: table[(table.method == m) & (table.batch == table.max_batch)                # noqa: E731
+                              & (table.model == throughput.THROUGHPUT_PAPER_MODEL)]
+    z = compact.loc[(throughput.THROUGHPUT_PAPER_MODEL, "zipfusion", int(largest("zipfusion").batch.iloc[0]))]
+    u = largest("uncompressed")
     assert z["vs uncompressed"] == pytest.approx(z["tokens/s"] / u.tokens_per_s.iloc[0])
-    assert z["paper max batch"] == 57 and len(compact.columns) <= 12
+    assert z["paper max batch"] == pv.ZIPFUSION_MAX_BATCH["Llama-3.1-8B"]["zipfusion"] and len(compact.columns) <= 12
     e2e = chapter.e2e_rows(table).set_index("method")
     assert set(e2e.model) == {"SmolLM2-135M-Instruct"}
     text = chapter.e2e_speed_text(table, copy_tbps=4.0)

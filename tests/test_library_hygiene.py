@@ -30,12 +30,11 @@ def test_importing_the_kernels_sets_nothing_and_a_cpu_launch_says_how():
                               "interpreter") and "TRITON_INTERPRET=1" in message
 
 
-def test_the_cpu_suite_runs_the_kernels_in_the_interpreter():
-    """conftest.py chose the interpreter before anything imported triton (no GPU here)."""
+def test_the_suite_runs_the_kernels_in_the_interpreter_only_without_a_gpu():
+    """conftest.py chose the interpreter before anything imported triton where there is no GPU, and only there."""
     from zipkv.kernels import pack
 
-    if not torch.cuda.is_available():
-        assert kernels.interpreted(pack._pack_kernel)
+    assert kernels.interpreted(pack._pack_kernel) == (not torch.cuda.is_available())
 
 
 BLOCK_BOOK_EXTRA = """

@@ -154,7 +154,7 @@ def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT, *,
         # Relative to the notebook's working directory (its own folder), so the executed copy reads well.
         given[RESULTS_PARAMETER] = os.path.relpath(results_csv, source.parent)
         jobs.append(NotebookJob(name, source, root / "book" / part / source.name, results_csv, given,
-                                {**declared_defaults(source, declared), **given}.get("device")))
+                                {**declared_defaults(declared), **given}.get("device")))
     return jobs
 
 
@@ -167,7 +167,7 @@ def preflight(jobs: list[NotebookJob], profile: str, root: Path = REPO_ROOT, *, 
         _check_overwrites(jobs, profile, Path(root))
 
 
-def declared_defaults(source: Path, declared: dict) -> dict:
+def declared_defaults(declared: dict) -> dict:
     """The default values of a notebook's parameters, where papermill can read them as literals."""
     import ast
 

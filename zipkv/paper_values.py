@@ -30,6 +30,10 @@ KVSCULPT_TABLE2 = pd.DataFrame({
     "improvement": [15.8, 1.2, 1.8, 40.5, 25.5],
 })
 KVSCULPT_EASY_KL = 0.01
+KVSCULPT_SELECT_FIT_ABOVE = 0.1
+"""§5.1: "Select+Fit remains at KL > 0.1 for all sequences, including the easy ones" (r = 0.3)."""
+KVSCULPT_ADAM_KL_RANGE = (8, 15)
+"""§5.2: Adam's per-layer MSE "translates to 8–15× worse end-to-end KL on easy sequences"."""
 """§5.1: a sequence is *easy* when KVSculpt's KL at r = 0.3 is below this."""
 
 KVSCULPT_TABLE1_SEQUENCES = 5
@@ -88,8 +92,6 @@ ZIPFUSION_VS_SPLITZIP_BATCH32 = {"Llama-3.1-8B": 2.51, "Qwen3-8B": 2.57}
 
 # --- KVSculpt analyses: abstract, §3.3, Tables 3-8, Appendix B, §6 ------------------------------------------
 
-KVSCULPT_LAYERS = 28
-"""Qwen2.5-1.5B-Instruct's decoder layers (Table 3 names layers of this model)."""
 KVSCULPT_LAYER_PILOT_MSE_SPREAD = 100.0
 """Abstract: per-layer pilot MSE varies by up to 100× across layers."""
 
@@ -184,8 +186,6 @@ KVSCULPT_TOP5_KL_SHARE = 0.82
 """§6.2: on the hardest sequence at r = 0.3, 82 % of the KL is in 5 of 128 tokens."""
 KVSCULPT_TOKEN_KL = {"max": 7.17, "mean": 0.117, "max_over_mean": 61.0}
 """§6.2: the hardest sequence's max and mean per-token KL (a 61× ratio)."""
-KVSCULPT_MSE_VS_KL = {"mse_ratio": 2.4, "kl_ratio": 14.0}
-"""§6.1: Seq 0 has 2.4× the per-layer MSE of Seq 1, yet Seq 1 has 14× the KL."""
 KVSCULPT_LAYER0_MSE_OVER_MEDIAN = (10.0, 100.0)
 """§3.5 / §5.4: Layer 0's pilot MSE is 10–100× the median layer's."""
 KVSCULPT_JOINT_OPT_GAIN = 1.04

@@ -20,7 +20,6 @@ import torch
 
 from zipkv import codecs, format as kvformat
 
-CODECS = ("zipfusion", "splitzip", "huffman")
 LLAMA = dict(layers=32, q_heads=32, kv_heads=8, head_dim=128)
 """Llama-3.1-8B's attention shape (ZipFusion §II-B measures it at 2048 tokens, batch 32)."""
 PAGE = kvformat.PAGE_TOKENS

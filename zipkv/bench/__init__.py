@@ -6,8 +6,9 @@
 * :mod:`~zipkv.bench.attention`: decode-attention latency of every method (ZipFusion Fig. 4);
 * :mod:`~zipkv.bench.pack`: the pack kernel's throughput;
 * :mod:`~zipkv.bench.nsight`: the kernels under Nsight Compute;
-* :mod:`~zipkv.bench.tune`: launch tuning of the Triton decode kernel;
+* :mod:`~zipkv.bench.tune`: launch tuning of the decode kernels (Triton, and Gluon with ``--kernel gluon``);
 * :mod:`~zipkv.bench.engine`: a captured decode step's GPU time by kernel kind;
+* :mod:`~zipkv.bench.distill`: KVSculpt's one-problem-at-a-time solver against the batched one (seconds per context);
 * :mod:`~zipkv.bench.power`: the GPU's SM clock, power draw and power-cap share during a run.
 
 Every timing is reported with the bytes it moved and its fraction of the copy bandwidth measured in the same

@@ -571,11 +571,6 @@ class BudgetSweep:
                    seconds=data.get("seconds", {}))
 
 
-POLICIES = ("uniform", "static", "pilot", "head_pilot_layer", "head_pilot_head")
-"""Budget policies of the sweep: uniform; ‖V‖^α per layer (Table 5); 60-step pilot-MSE^α per layer
-(Table 6); 30-step per-head pilot averaged per layer, and per layer + head (Table 8)."""
-
-
 def held_out_wins(table, method: str, other: str) -> tuple[int, int]:
     """Table 3's study (:func:`optimizer_study`'s ``table``): the (window, layer) pairs where ``method``'s objective on
     the held-out continuation queries is below ``other``'s, and how many pairs there are."""

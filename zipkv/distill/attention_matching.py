@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from .bias import BiasedCache
-from .generalise import HeadTargets, _spd_solve, future_queries, layer_targets, objective
+from .generalise import HeadTargets, _spd_solve, layer_targets, objective
 
 KEY_METHODS = ("highest", "omp", "lbfgs")
 """Attention Matching's key constructions (module docstring)."""

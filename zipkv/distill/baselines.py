@@ -190,7 +190,7 @@ def _joint_batch(batch: PreparedBatch, cfg: JointConfig, u: torch.Tensor | None,
             noise = torch.log(u) - torch.log1p(-u)
             del u
     tiny = torch.finfo(batch.dtype).tiny
-    n_q, d = batch.q.shape[1], batch.q.shape[2]
+    d = batch.q.shape[2]
     log_alpha = log_alpha0.detach().clone().requires_grad_(True)
     v_old = batch.v_old.detach().clone().requires_grad_(True)
     opt = torch.optim.Adam([{"params": [log_alpha], "lr": cfg.lr}, {"params": [v_old], "lr": cfg.value_lr}])

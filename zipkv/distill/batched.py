@@ -860,15 +860,3 @@ def make_solver(*, tile: int | None = TILE, freeze_rtol: float | None = None, cu
     def solver(problems: Sequence[Problem], config: SculptConfig | None = None) -> list[Solution]:
         return solve_batched(problems, config, tile=tile, freeze_rtol=freeze_rtol, cuda_graphs=cuda_graphs)[0]
     return solver
-
-
-_MOVED_TO_BENCH = ("bench_distill", "context_problems", "qwen_shaped_problems", "speed_sweep")
-
-
-def __getattr__(name):
-    # the speed benchmark and its problem builders live in zipkv.bench.distill (which imports this module)
-    if name in _MOVED_TO_BENCH:
-        from zipkv.bench import distill
-
-        return getattr(distill, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

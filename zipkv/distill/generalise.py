@@ -650,34 +650,3 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
     cache = _assemble(capture, inputs, solved, ks, m, ratio, time.perf_counter() - started)
     cache.method = method
     return cache
-
-
-def heldout_objective(capture_whole, n_context: int, cache: BiasedCache, m: int) -> torch.Tensor:
-    """``[L, H]`` KVSculpt's §3.2 objective of ``cache`` on the continuation's real queries (never trained on).
-
-    Args:
-        capture_whole: :func:`zipkv.models.capture` of context + continuation: keys ``[:N]`` are the context's
-            cache (causal attention), queries ``[N:]`` the held-out set.
-        n_context: ``N``.
-        cache: a :class:`BiasedCache` of the context whose first ``k_lh`` pairs replace the old zone.
-        m: its retain zone.
-    """
-    L = len(capture_whole.layers)
-    H = capture_whole.layers[0].keys.shape[0]
-    out = torch.zeros(L, H, dtype=torch.float64)
-    for layer, lc in enumerate(capture_whole.layers):
-        if getattr(lc, "window", None) is not None:
-            continue  # a sliding-window layer is not compressed (its window kept): no objective
-        g = lc.queries.shape[0] // H
-        d = lc.keys.shape[-1]
-        q = lc.queries[:, n_context:].float().reshape(H, g * (lc.queries.shape[1] - n_context), d)
-        keys, values = lc.keys[:, :n_context].float(), lc.values[:, :n_context].float()
-        t = HeadTargets.of(q, keys, values, m, 1.0 / math.sqrt(d))
-        for h in range(H):
-            k = cache.keys[layer][h].shape[0] - m
-            sub = HeadTargets(q=t.q[h:h + 1], s_old=t.s_old[h:h + 1], s_ret=t.s_ret[h:h + 1], lse=t.lse[h:h + 1],
-                              y=t.y[h:h + 1])
-            terms = objective(sub, cache.keys[layer][h][None, :k].float(), cache.values[layer][h][None, :k].float(),
-                              cache.bias[layer][h][None, :k].float(), values[h:h + 1, n_context - m:])
-            out[layer, h] = float(sum(terms))
-    return out

@@ -80,7 +80,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from zipkv import paged
-from zipkv.kernels import kernel_info, tuning
+from zipkv.kernels import occupancy, tuning
 
 __all__ = ["launch", "launch_config", "workspace", "MMA_LAUNCH"]
 
@@ -118,11 +118,11 @@ def shared_bytes(kind: int, slots: int) -> int:
 
 
 def resident_per_sm(kind: int, slots: int, shared_per_sm: int | None = None, group: int = 1) -> int:
-    """Programs of the pipelined kernel one SM holds at once (:func:`zipkv.kernels.kernel_info.programs_per_sm`
+    """Programs of the pipelined kernel one SM holds at once (:func:`zipkv.kernels.occupancy.programs_per_sm`
     at :data:`MAX_REGISTERS` for ``group`` query heads per KV head and :func:`shared_bytes`; ``shared_per_sm``
     default the H200's)."""
-    sm = dict(kernel_info.H200_SM, **({"shared_bytes": shared_per_sm} if shared_per_sm else {}))
-    return kernel_info.programs_per_sm(MAX_REGISTERS[query_columns(group)], 1, shared_bytes(kind, slots), sm)
+    sm = dict(occupancy.H200_SM, **({"shared_bytes": shared_per_sm} if shared_per_sm else {}))
+    return occupancy.programs_per_sm(MAX_REGISTERS[query_columns(group)], 1, shared_bytes(kind, slots), sm)
 
 
 MAX_GROUP = {128: 16, 64: 16}
@@ -147,7 +147,6 @@ K_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_w
 # Value block chunk in registers: [4 blocks, 8 lanes m, 16 values]: lanes = block (t1, t2), c0..c2.
 V_REGS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 16], threads_per_warp=[4, 8, 1],
                                        warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
-ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32], warps_per_cta=[1], order=[0]))
 # The same tiles as 32-bit words (MIXED pages): [16 tokens, 4 lanes q, 4 words] and [4 blocks, 8 lanes m, 4 words].
 K_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[8, 4, 1],
                                         warps_per_cta=[1, 1, 1], order=[2, 1, 0]))

@@ -5,14 +5,7 @@ import math
 
 import torch
 
-from zipkv import format as fmt
-
-__all__ = ["pack_reference", "decode_attention_reference", "gather_kv"]
-
-
-def pack_reference(pages: torch.Tensor, layout: str = "token"):
-    """Reference of :func:`zipkv.kernels.pack.pack_pages`: ``zipkv.format.pack``."""
-    return fmt.pack(pages, layout)
+__all__ = ["decode_attention_reference", "gather_kv"]
 
 
 def gather_kv(cache, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor):
