@@ -59,4 +59,4 @@ def test_chapter_verdict_names_each_ratio_and_says_when_not_lossless():
                                                      ("kvsculpt r=0.3", 0.3, 77, w == 0, 3))]
     text, kind = chapter.verdict(pd.DataFrame(rows))
     assert "r = 0.3 (77 pairs per KV head)" in text and "**not lossless**" in text and "in 3 of 4 runs" in text
-    assert kind == "warning" and "(2 windows)" in text
+    assert kind == "warning" and "for the first 3.0 (r = 0.3) of 16 tokens, on average over 2 windows." in text

@@ -223,3 +223,16 @@ def test_the_verdict_states_the_rule_behind_reproduced_on_real_kv():
     lo = pv.ZIPFUSION_SPEEDUP_RANGE[0]
     assert f"its lower end less 2 % ({lo / 1.02:.3f}×); our slowest point reaches {mix.min():.3f}×" in text
     assert ("not reproduced" in text) == (mix.min() < lo / 1.02) and kind == ("warning" if mix.min() < lo / 1.02 else "tip")
+
+
+def test_the_flush_text_places_both_speedups_against_the_target():
+    from zipkv.chapters import kernels
+    from zipkv.settings import PROJECT_TARGETS
+
+    target = PROJECT_TARGETS.speedup_vs_flashinfer_tc
+    def flushes(*speedups):
+        return pd.DataFrame([{"FlashInfer TC (µs)": 500.0, "zipkv compressed (µs)": 500.0 / s,
+                              "speedup vs FlashInfer TC": s} for s in speedups], index=["writing", "reading"])
+    assert f"{target - 0.05:.3f}× with the reading one, both below this project's {target:.2f}× target." in kernels.flush_text(
+        flushes(target - 0.06, target - 0.05))
+    assert "below and above respectively" in kernels.flush_text(flushes(target - 0.01, target + 0.01))

@@ -38,9 +38,10 @@ def verdict(table: pd.DataFrame) -> tuple[str, str]:
             f"per value): " + "; ".join(parts) + ". ")
     text += (f"Packed pages gave the raw pages' greedy tokens in {int(s.lossless_windows.sum())} of "
              f"{int(s.windows.sum())} runs" + (" (lossless)" if lossless else ": **not lossless**") + ". ")
-    follow = "; ".join(f"r = {row.ratio:g}: {row.first_difference:.1f}" for _, row in distilled.iterrows())
+    follow = " and ".join(f"{row.first_difference:.1f} (r = {row.ratio:g})" for _, row in distilled.iterrows())
     text += (f"The engine's greedy tokens from the distilled prefix follow the full context's for the first "
-             f"{follow} of {int(full.new_tokens)} tokens on average ({report.count(table.window.nunique(), 'window')}).")
+             f"{follow} of {int(full.new_tokens)} tokens, on average over "
+             f"{report.count(table.window.nunique(), 'window')}.")
     return text, ("tip" if lossless else "warning")
 
 

@@ -123,6 +123,10 @@ def flush_text(flushes: pd.DataFrame) -> str:
     side = lambda x: "above" if x >= target else "below"  # noqa: E731
     return (f"With the reading flush instead of the writing one FlashInfer TC took {r['FlashInfer TC (µs)']:.1f} µs instead of "
             f"{w['FlashInfer TC (µs)']:.1f}, ours {r['zipkv compressed (µs)']:.1f} instead of {w['zipkv compressed (µs)']:.1f} "
-            f"(two runs, two leases of the H200): speedup {w['speedup vs FlashInfer TC']:.3f}× with the writing flush ({side(w['speedup vs FlashInfer TC'])} "
-            f"this project's {target:.2f}× target), {r['speedup vs FlashInfer TC']:.3f}× with the reading one "
-            f"({side(r['speedup vs FlashInfer TC'])} it).")
+            f"(two runs, two leases of the H200): speedup {w['speedup vs FlashInfer TC']:.3f}× with the writing flush and "
+            f"{r['speedup vs FlashInfer TC']:.3f}× with the reading one, {_sides(side(w['speedup vs FlashInfer TC']), side(r['speedup vs FlashInfer TC']))} "
+            f"this project's {target:.2f}× target.")
+
+
+def _sides(first: str, second: str) -> str:
+    return f"both {first}" if first == second else f"{first} and {second} respectively"

@@ -50,7 +50,7 @@ def per_layer(sources: pd.DataFrame) -> pd.DataFrame:
 
 def summary(sources: pd.DataFrame) -> dict:
     """The chapter's numbers: rank correlation of the two ratios, their medians, the all-layer KLs,
-    and the layers contributing most to KVSculpt's single-layer KL."""
+    the layers contributing most to KVSculpt's single-layer KL, and the number of windows."""
     layers = per_layer(sources)
     everything = sources[sources.layer < 0].groupby("method").kl.mean()
     share = layers.kl_kvsculpt / layers.kl_kvsculpt.sum()
@@ -58,7 +58,8 @@ def summary(sources: pd.DataFrame) -> dict:
             "median_objective_ratio": float(layers.objective_ratio.median()),
             "median_kl_ratio": float(layers.kl_ratio.median()),
             "layers_worse": int((layers.kl_ratio > 1).sum()), "layers": len(layers),
-            "kl_all": everything.to_dict(), "top_layers": share.sort_values(ascending=False).head(3).to_dict()}
+            "kl_all": everything.to_dict(), "top_layers": share.sort_values(ascending=False).head(3).to_dict(),
+            "windows": int(sources.window.nunique())}
 
 
 def conclusion(sources: pd.DataFrame) -> str:
@@ -76,4 +77,5 @@ def conclusion(sources: pd.DataFrame) -> str:
     return (f"KVSculpt cuts the per-layer training objective to a median {s['median_objective_ratio']:.2g}× "
             f"Select+Fit's, yet with one layer compressed at a time its KL is a median {s['median_kl_ratio']:.2f}× "
             f"Select+Fit's (higher on {s['layers_worse']} of {s['layers']} layers) and with every layer compressed "
-            f"{1 / gain:.2f}×, so on this model " + tail)
+            f"{1 / gain:.2f}× (this chapter's {s['windows']} window{'s' if s['windows'] != 1 else ''}; Table 1's "
+            f"chapter has its own), so on this model " + tail)
