@@ -226,3 +226,13 @@ def heldout_figure(sources: pd.DataFrame, heldout: pd.DataFrame):
     ax.legend()
     ax.grid(alpha=0.3, which="both")
     return fig, held
+
+
+def error_table_beside_paper(table: pd.DataFrame) -> pd.DataFrame:
+    """§6's per-window table (:func:`zipkv.distill.analysis.error_table`) with the paper's numbers as two more rows:
+    its easy sequences' growth, and its hard sequences' largest growth with the hardest one's KL concentration."""
+    paper = pd.DataFrame([
+        dict(window="paper", label="easy", growth_first_to_last=pv.KVSCULPT_ERROR_GROWTH["easy"]),
+        dict(window="paper", label="hard", growth_first_to_last=pv.KVSCULPT_ERROR_GROWTH["hard"],
+             top5_kl_share=pv.KVSCULPT_TOP5_KL_SHARE, max_over_mean_kl=pv.KVSCULPT_TOKEN_KL["max_over_mean"])])
+    return pd.concat([table.astype({"window": object}), paper], ignore_index=True).set_index(["window", "label"])
