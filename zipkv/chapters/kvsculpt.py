@@ -236,3 +236,29 @@ def error_table_beside_paper(table: pd.DataFrame) -> pd.DataFrame:
         dict(window="paper", label="hard", growth_first_to_last=pv.KVSCULPT_ERROR_GROWTH["hard"],
              top5_kl_share=pv.KVSCULPT_TOP5_KL_SHARE, max_over_mean_kl=pv.KVSCULPT_TOKEN_KL["max_over_mean"])])
     return pd.concat([table.astype({"window": object}), paper], ignore_index=True).set_index(["window", "label"])
+
+
+def static_budget_figure(v_norm: pd.DataFrame, table: pd.DataFrame, k: int, kv_heads: int, alpha: float, k_max: int):
+    """Table 5's figure. Left: the per-layer budget (pairs per KV head) ``‖V‖^alpha`` gives each window at the uniform
+    total ``k`` (``v_norm``: ‖V‖ ``[layer, window]``). Right: that allocation's KL over uniform's per window (``table``
+    of :func:`zipkv.distill.analysis.versus_uniform`) beside the paper's per sequence."""
+    import matplotlib.pyplot as plt
+    import torch
+
+    from zipkv.distill import budget
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    for w in v_norm.columns:
+        pairs = budget.static(torch.tensor(v_norm[w].values), k, kv_heads, alpha=alpha, k_max=k_max).double().mean(1)
+        a.plot(v_norm.index, pairs, "-o", ms=3, label=f"window {w}")
+    a.axhline(k, color="grey", lw=0.8, label="uniform k")
+    a.set(xlabel="layer", ylabel="pairs per KV head", title=f"‖V‖^{alpha} budget per layer")
+    a.legend(fontsize=8)
+    paper = pv.KVSCULPT_TABLE5
+    x = np.arange(max(len(table), len(paper)))
+    b.bar(x[:len(table)] - 0.2, table.vs_uniform, 0.4, label="ours")
+    b.bar(x[:len(paper)] + 0.2, paper.vs_uniform, 0.4, alpha=0.5, label=f"paper ({pv.KVSCULPT_MODEL})")
+    b.axhline(1, color="black", lw=0.8)
+    b.set(xlabel="window / sequence", ylabel="KL, ‖V‖ allocation / uniform (×)", title="vs uniform")
+    b.legend()
+    return fig
