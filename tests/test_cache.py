@@ -148,6 +148,9 @@ def test_bad_uses_are_refused(model, ids, cap):
         C.attach(model)
     with pytest.raises(ValueError, match="2 × 2"):
         C.DistilledCache.from_compressed(K.CompressedCache(full.keys[:1], full.values[:1], N), model)
+    half = C.DistilledCache.from_compressed(full, dtype=torch.bfloat16)   # a cache made for a bf16 model
+    with pytest.raises(ValueError, match=r"holds torch.bfloat16 on cpu, the model runs torch.float32 on cpu"):
+        model(ids[None, N:], past_key_values=half)
     k, v, valid = full.padded(0)
     with pytest.raises(ValueError, match="at least one"):
         C.DistilledLayer(k, v, torch.zeros_like(valid))
@@ -178,9 +181,16 @@ def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):
     first = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
     with pytest.raises(ValueError, match=r"still holds the 3 tokens .* call cache.reset\(\)"):
         model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
+    # a longer new prompt without reset(): generate would drop its first 3 tokens and continue the old ones
+    with pytest.raises(ValueError, match=r"do not continue this DistilledCache: it still holds the 3 tokens"):
+        model.generate(ids[None, N:N + 6], past_key_values=cache, max_new_tokens=3, do_sample=False)
+    # the earlier output, continued: its first tokens are what the cache holds
+    more = model.generate(first, past_key_values=cache, max_new_tokens=2, do_sample=False)
     cache.reset()
     again = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
     assert torch.equal(first, again)
+    assert torch.equal(more, model.generate(ids[None, N:N + 1], past_key_values=cache.fresh(), max_new_tokens=5,
+                                            do_sample=False))
 
 
 @pytest.mark.parametrize("method", ["kvsculpt", "select_fit", "joint_opt"])
@@ -229,6 +239,23 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
     budget = torch.tensor([[4, 4], [4, 4]])
     cache = zipkv.compress(model, ids[:N], ratio=0.9, budget=budget, method="select_fit", m=6, n_synthetic=4)
     assert cache.compressed.ratio == pytest.approx((4 + 6) / N)                 # what the budget keeps
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(budget="pilot", alpha=-1.0), "alpha=-1.0: expected a finite exponent"),
+    (dict(budget="pilot", pilot_steps=-1), "pilot_steps=-1: expected an integer ≥ 1"),
+    (dict(budget="pilots"), "budget='pilots'"), (dict(strategy="sideways"), "strategy='sideways'"),
+    (dict(scale=-2.0), "scale=-2.0"), (dict(n_synthetic=-1), "n_synthetic=-1")])
+def test_settings_that_need_no_capture_fail_before_it(model, ids, monkeypatch, kwargs, match):
+    """A bad pilot setting failed after the capture and the whole pilot solve (87 s at N = 256 on a laptop)."""
+    import zipkv
+    from zipkv import models
+
+    def no_capture(*args, **kw):
+        raise AssertionError("the capture ran before the settings were checked")
+    monkeypatch.setattr(models, "capture", no_capture)
+    with pytest.raises(ValueError, match=match):
+        zipkv.compress(model, ids[:N], m=6, steps=1, **{"n_synthetic": 4, **kwargs})
 
 
 def test_other_caches_are_untouched_by_the_hooks(model, ids):

@@ -209,6 +209,24 @@ def test_errors(small):
         plan(ip, idx, last, cache, 3)
 
 
+def test_the_reference_checks_its_inputs_as_plan_does(small):
+    """The CPU error message sends users to the torch reference: before, it gave a plausible output for
+    last_page_len 0 (the last page dropped), NaN for a NaN scale and a bare IndexError for indices past the pool."""
+    q, cache, ip, idx, last = small
+    ref = decode_attention_reference
+    for args, kwargs, error, match in (
+            ((q, cache, ip, idx, last * 0), {}, ValueError, r"last_page_len must lie in \[1, 16\]"),
+            ((q, cache, ip, idx, last), dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be a finite"),
+            ((q, cache, ip, idx + 1000, last), {}, ValueError, r"indices must lie in \[0, 3\)"),
+            ((q[:1], cache, ip, idx, last), {}, ValueError, "q: batch 1 does not match the page table"),
+            ((q[..., :32], cache, ip, idx, last), {}, ValueError, r"q must have shape \[batch, q_heads, 64\]"),
+            ((q, cache, ip.long(), idx, last), {}, TypeError, "indptr must have dtype torch.int32"),
+            ((q.to(torch.int32), cache, ip, idx, last), {}, TypeError, "q must be a floating-point torch.Tensor")):
+        with pytest.raises(error, match=match):
+            ref(*args, **kwargs)
+    assert torch.equal(ref(q, cache, ip, idx, last), ref(q, cache, ip, idx, last, validate=False))
+
+
 def test_descriptor_past_the_pool_is_a_clear_error(small):
     """A block address past the pool (a kernel would read out of bounds) names the page, head and block."""
     q, cache, ip, idx, last = small

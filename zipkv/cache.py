@@ -38,6 +38,7 @@ only the tokens that follow the context; inputs that repeat the context are refu
 """
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Sequence
 
@@ -214,6 +215,9 @@ class DistilledCache(Cache):
         self.n_context = n_context
         self.context_ids = None if context_ids is None else torch.as_tensor(context_ids).reshape(-1).cpu()
         self.compressed = compressed
+        self.fed_ids: torch.Tensor | None = torch.zeros(0, dtype=torch.long)
+        """``[appended]`` the token ids fed after the context so far (the first sequence's), ``None`` once an input
+        came as embeddings: what :meth:`check_continuation` compares a later ``generate``'s input with."""
 
     @classmethod
     def from_padded(cls, layers: Sequence[tuple], n_context: int, *, dtype=None, device=None,
@@ -266,6 +270,22 @@ class DistilledCache(Cache):
         compressed context (before another ``generate``)."""
         for layer in self.layers:
             layer.restart()
+        self.fed_ids = torch.zeros(0, dtype=torch.long)
+
+    def check_continuation(self, input_ids) -> None:
+        """Refuse a ``generate`` input that does not continue what this cache holds: ``generate`` feeds only the
+        input beyond the cache's appended tokens, so an input that does not begin with them (a new prompt after an
+        earlier ``generate``, without :meth:`reset`) would silently lose its first tokens."""
+        held = self.get_seq_length()
+        if held == 0 or input_ids is None or self.fed_ids is None:
+            return
+        ids = torch.as_tensor(input_ids)
+        first = ids.reshape(-1) if ids.ndim == 1 else ids[0]
+        if first.numel() <= held or not torch.equal(first[:held].cpu().long(), self.fed_ids):
+            raise ValueError(f"input_ids do not continue this DistilledCache: it still holds the {held} tokens an "
+                             f"earlier generate appended after the context, and generate would feed only the input "
+                             f"beyond its first {held} tokens: call cache.reset() to generate from the context again, "
+                             "or pass that generate's output (its tokens first) to continue it")
 
     def fresh(self) -> "DistilledCache":
         """A new cache over the same compressed context (shared tensors), with nothing appended."""
@@ -314,7 +334,24 @@ def _positions_hook(module, args, kwargs):
                          "the tokens after the context (positions continue at N by themselves)")
     start = cache.next_position
     kwargs["position_ids"] = torch.arange(start, start + T, device=tokens.device)[None].expand(B, -1)
+    if cache.fed_ids is not None and start - cache.n_context == cache.fed_ids.numel():
+        cache.fed_ids = None if ids is None else torch.cat([cache.fed_ids, ids[0].cpu().long()])
+    else:                                  # rows were fed another way (embeddings, or tokens not through this hook)
+        cache.fed_ids = None
     return args, kwargs
+
+
+def _checked_generate(generate):
+    """``model.generate`` refusing an input that does not continue a :class:`DistilledCache` it is given
+    (:meth:`DistilledCache.check_continuation`)."""
+    @functools.wraps(generate)
+    def checked(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if isinstance(cache, DistilledCache):
+            cache.check_continuation(kwargs.get("input_ids", args[0] if args else None))
+        return generate(*args, **kwargs)
+    checked.zipkv_checked = True
+    return checked
 
 
 def _mask_hook(module, args, kwargs):
@@ -327,6 +364,10 @@ def _mask_hook(module, args, kwargs):
                          f"{list(SUPPORTED_ATTENTION)} (per-head masks); model.set_attn_implementation('sdpa')")
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     layer = cache.layers[module.layer_idx]
+    if layer.keys.dtype != hidden.dtype or layer.keys.device != hidden.device:
+        raise ValueError(f"the DistilledCache holds {layer.keys.dtype} on {layer.keys.device}, the model runs "
+                         f"{hidden.dtype} on {hidden.device}: make the cache for this model, "
+                         "DistilledCache.from_compressed(cache.compressed, model)")
     group = module.config.num_attention_heads // layer.heads
     kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype,
                                                    window=attention_window(module),
@@ -348,6 +389,8 @@ def attach(model):
     for layer in base.layers:
         handles.append(layer.self_attn.register_forward_pre_hook(_mask_hook, with_kwargs=True))
     model._zipkv_cache_hooks = handles
+    if not getattr(model.generate, "zipkv_checked", False):
+        model.generate = _checked_generate(model.generate)
     return model
 
 
@@ -356,6 +399,8 @@ def detach(model) -> None:
     for handle in getattr(model, "_zipkv_cache_hooks", None) or []:
         handle.remove()
     model._zipkv_cache_hooks = None
+    if getattr(model.generate, "zipkv_checked", False) and "generate" in vars(model):
+        del model.generate                                    # the class's own generate again
 
 
 def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "kvsculpt", **settings
@@ -376,7 +421,7 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
         past_key_values=cache, ...)`` where ``next_ids`` are the tokens after the context.
     """
     from .distill import batched
-    from .distill.kvsculpt import METHODS, budget_for_ratio, compress as compress_capture, solver_named
+    from .distill.kvsculpt import METHODS, budget_for_ratio, check_settings, compress as compress_capture, solver_named
     from .distill.problem import SculptConfig
     from .models import capture
 
@@ -395,6 +440,7 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     budget_for_ratio(ratio, ids.numel(), settings.get("m", 256))  # a bad ratio fails before the forward pass
+    check_settings(**settings)                                     # as do the other settings that need no capture
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation not in SUPPORTED_ATTENTION:                  # else generate refuses the cache afterwards
         raise ValueError(f"attn_implementation={implementation!r}: a DistilledCache needs one of "

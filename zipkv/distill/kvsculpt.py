@@ -374,6 +374,28 @@ def _grid(problems: Sequence[Problem], solutions: Sequence[Solution], attr: str,
     return out
 
 
+def check_settings(*, m: int = 256, n_synthetic: int = 128, strategy: str = "uniform", budget="uniform",
+                   pilot_steps: int = 30, alpha: float = 0.5, scale: float | None = None, **_) -> None:
+    """Check :func:`compress`'s settings that need no capture, so that a bad one fails before any work (the
+    capture's forward pass, a pilot solve); the rest are :func:`compress`'s to check."""
+    check_strategy(strategy)
+    for name, value in (("m", m), ("n_synthetic", n_synthetic)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name}={value!r}: expected an integer ≥ 0")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale) or scale <= 0):
+        raise ValueError(f"scale={scale!r}: expected a finite positive attention score scale, or None for 1/√d")
+    if isinstance(budget, str):
+        if budget not in BUDGETS:
+            raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)} or an [L, H] tensor of ints")
+        if budget != "uniform":
+            if isinstance(pilot_steps, bool) or not isinstance(pilot_steps, numbers.Integral) or pilot_steps < 1:
+                raise ValueError(f"pilot_steps={pilot_steps!r}: expected an integer ≥ 1 (the pilot run's KVSculpt steps)")
+            if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha)
+                    or alpha < 0):
+                raise ValueError(f"alpha={alpha!r}: expected a finite exponent ≥ 0 (the pilot allocation's dampening)")
+
+
 def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n_synthetic: int = 128,
              strategy: str = "uniform", budget="uniform", config: SculptConfig | None = None,
              joint_config: JointConfig | None = None, pilot_steps: int = 30, alpha: float = 0.5,
@@ -409,7 +431,8 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     """
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
-    check_strategy(strategy)
+    check_settings(m=m, n_synthetic=n_synthetic, strategy=strategy, budget=budget, pilot_steps=pilot_steps,
+                   alpha=alpha, scale=scale)
     if m + n_synthetic == 0 and problems is None:
         raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
                          "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
@@ -430,8 +453,6 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     if len(kept) < L:
         problems = [p for p in problems if p.layer in set(kept)]
     if isinstance(budget, str):
-        if budget not in BUDGETS:
-            raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)} or an [L, H] tensor of ints")
         if budget != "uniform":
             pilot = (solver or solve)(problems, replace(cfg, steps=pilot_steps))
             signal = _grid(problems, pilot, "loss", L, H)[kept]

@@ -36,6 +36,7 @@ import torch
 from zipkv import format as fmt
 from zipkv import paged
 from zipkv.kernels import check_launchable, decode_mma, decode_triton
+from zipkv.kernels.inputs import batch_mismatch, check_page_table, check_scale, check_values
 from zipkv.kernels.decode_mma import MMA_LAUNCH
 from zipkv.kernels.decode_triton import DEFAULT_LAUNCH, LAUNCH_KEYS, launch_config
 from zipkv.kernels.tuning import TUNING_FILE
@@ -57,50 +58,6 @@ def kernel_for(cache: PagedKVCache) -> str:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes")
-
-
-def _check_index(x, name, n=None):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32, got {x.dtype}")
-    if x.dim() != 1 or (n is not None and x.shape[0] != n):
-        want = f"[{n}]" if n is not None else "1-D"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"{name} must be contiguous, got stride {x.stride()}")
-
-
-def _check_scale(softmax_scale, head_dim) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    scale = float(softmax_scale)
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
-    return scale
-
-
-def _check_values(cache, indptr, indices, last_page_len):
-    """The page table's values and every used block descriptor (one device sync)."""
-    ip = indptr.tolist()
-    if ip[0] != 0 or any(b <= a for a, b in zip(ip, ip[1:])) or ip[-1] > indices.numel():
-        raise ValueError(f"indptr must start at 0, increase strictly (every request has >= 1 page) "
-                         f"and end at <= len(indices)={indices.numel()}, got {ip if len(ip) <= 20 else ip[:20] + ['...']}")
-    used = indices[: ip[-1]]
-    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= cache.num_pages):
-        raise ValueError(f"indices must lie in [0, {cache.num_pages}) (cache.num_pages), got range "
-                         f"[{int(used.min())}, {int(used.max())}]")
-    if last_page_len.numel() and (int(last_page_len.min()) < 1 or int(last_page_len.max()) > fmt.PAGE_TOKENS):
-        raise ValueError(f"last_page_len must lie in [1, {fmt.PAGE_TOKENS}], got range "
-                         f"[{int(last_page_len.min())}, {int(last_page_len.max())}]")
-    paged.check_descriptors(cache, used)
-
-
-def _batch_mismatch(q_batch: int, indptr_len: int) -> str:
-    return (f"q: batch {q_batch} does not match the page table: indptr has {indptr_len} entries, i.e. "
-            f"{indptr_len - 1} requests (indptr must have shape [batch + 1])")
 
 
 def _launches(cache, path: str, routing: str):
@@ -166,7 +123,7 @@ class DecodePlan:
         if q.dtype != torch.bfloat16:
             raise TypeError(f"q must have dtype torch.bfloat16, got {q.dtype}")
         if q.dim() == 3 and q.shape[0] != shape[0]:
-            raise ValueError(_batch_mismatch(q.shape[0], self.batch + 1))
+            raise ValueError(batch_mismatch(q.shape[0], self.batch + 1))
         if tuple(q.shape) != shape:
             raise ValueError(f"q must have shape [batch, q_heads, head_dim] = {list(shape)} (the plan's), "
                              f"got {tuple(q.shape)}")
@@ -287,17 +244,9 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     D, HKV = cache.head_dim, cache.kv_heads
     if isinstance(q_heads, bool) or not isinstance(q_heads, numbers.Integral) or q_heads <= 0 or q_heads % HKV:
         raise ValueError(f"q_heads must be a positive multiple of kv_heads={HKV}, got {q_heads!r}")
-    _check_index(indptr, "indptr")
-    if indptr.numel() == 0:
-        raise ValueError("indptr must have shape [batch + 1], got (0,)")
-    B = indptr.shape[0] - 1
-    _check_index(indices, "indices")
-    _check_index(last_page_len, "last_page_len (batch = len(indptr) - 1)", B)
-    devs = {t.device for t in (cache.pool, indptr, indices, last_page_len)}
-    if len(devs) != 1:
-        raise ValueError(f"cache, indptr, indices and last_page_len must be on one device, got {sorted(map(str, devs))}")
+    B = check_page_table(cache, indptr, indices, last_page_len)
     device = cache.pool.device
-    scale = _check_scale(softmax_scale, D)
+    scale = check_scale(softmax_scale, D)
     if launch is not None and (not isinstance(launch, dict) or set(launch) - set(LAUNCH_KEYS)):
         raise ValueError(f"launch must be a dict with keys from {LAUNCH_KEYS}, got {launch!r}")
     given = [(f"launch[{k!r}]", k, x) for k, x in (launch or {}).items()]
@@ -310,7 +259,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be >= 1, got {num_splits!r}")
     if validate and B:
-        _check_values(cache, indptr, indices, last_page_len)
+        check_values(cache, indptr, indices, last_page_len)
     interp = _interpreting()
     gpu = device.type == "cuda" and not interp
     launches = _launches(cache, path, routing)
@@ -382,6 +331,6 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
         raise ValueError(f"q must have shape [batch, q_heads, {D}] with q_heads a multiple of "
                          f"kv_heads={HKV}, got {tuple(q.shape)}")
     if isinstance(indptr, torch.Tensor) and indptr.dim() == 1 and indptr.shape[0] != q.shape[0] + 1:
-        raise ValueError(_batch_mismatch(q.shape[0], indptr.shape[0]))
+        raise ValueError(batch_mismatch(q.shape[0], indptr.shape[0]))
     return plan(indptr, indices, last_page_len, cache, q.shape[1], softmax_scale=softmax_scale, num_splits=num_splits,
                 pages_per_tile=pages_per_tile, validate=validate, path=path, launch=launch).run(q, out)

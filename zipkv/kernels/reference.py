@@ -1,9 +1,10 @@
 """fp32 torch references for the kernels in ``zipkv.kernels``."""
 from __future__ import annotations
 
-import math
-
 import torch
+
+from zipkv import paged
+from zipkv.kernels.inputs import batch_mismatch, check_page_table, check_scale, check_values
 
 __all__ = ["decode_attention_reference", "gather_kv"]
 
@@ -24,12 +25,26 @@ def gather_kv(cache, indptr: torch.Tensor, indices: torch.Tensor, last_page_len:
 
 
 def decode_attention_reference(q: torch.Tensor, cache, indptr, indices, last_page_len, *,
-                               softmax_scale: float | None = None) -> torch.Tensor:
+                               softmax_scale: float | None = None, validate: bool = True) -> torch.Tensor:
     """Reference of :func:`zipkv.kernels.decode_attention.decode_attention`: unpack the
-    cache, then attention in fp32. q: ``[batch, q_heads, head_dim]``; returns fp32."""
-    B, HQ, D = q.shape
-    G = HQ // cache.kv_heads
-    scale = 1.0 / math.sqrt(D) if softmax_scale is None else softmax_scale
+    cache, then attention in fp32. q: ``[batch, q_heads, head_dim]``; returns fp32. The inputs are checked as
+    :func:`~zipkv.kernels.decode_attention.plan` checks them; ``validate=False`` skips reading the page table's values
+    (a caller that built the table itself)."""
+    paged.check_cache(cache)
+    batch = check_page_table(cache, indptr, indices, last_page_len)
+    if not isinstance(q, torch.Tensor) or not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point torch.Tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    D, HKV = cache.head_dim, cache.kv_heads
+    if q.dim() != 3 or q.shape[2] != D or q.shape[1] % HKV or q.shape[1] == 0:
+        raise ValueError(f"q must have shape [batch, q_heads, {D}] with q_heads a multiple of kv_heads={HKV}, "
+                         f"got {tuple(q.shape)}")
+    if q.shape[0] != batch:
+        raise ValueError(batch_mismatch(q.shape[0], batch + 1))
+    scale = check_scale(softmax_scale, D)
+    if validate and batch:
+        check_values(cache, indptr, indices, last_page_len)
+    B, HQ, _ = q.shape
+    G = HQ // HKV
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=q.device)
     for b, (k, v) in enumerate(gather_kv(cache, indptr, indices, last_page_len)):
         qb = q[b].float().reshape(cache.kv_heads, G, D)
