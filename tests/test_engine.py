@@ -535,6 +535,21 @@ def test_a_run_cut_short_by_max_decode_steps_gives_its_pages_back():
     assert [o[:3] for o in full.outputs] == short.outputs
 
 
+def test_numpy_integers_are_integers():
+    """kv_budget_bytes=np.int64(...) was "must be an int, got int64", max_new_tokens=np.int64(2) and a Prefix length
+    from a numpy count were refused too, where kv_budget_for and the data loader take them."""
+    import numpy as np
+
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=32).to(torch.bfloat16)
+    plain = Engine(model, 10 * _page_bytes(model), attention="reference", pages_per_chunk=2)
+    numpy = Engine(model, np.int64(10 * _page_bytes(model)), attention="reference", pages_per_chunk=np.int64(2))
+    pairs = _pairs()
+    prefix = lambda n: [None, Prefix(pairs, n)]                                                  # noqa: E731
+    want = plain.generate([[1, 2, 3], [4, 5]], 4, prefixes=prefix(30)).outputs
+    assert numpy.generate([[1, 2, 3], [4, 5]], np.int64(4), prefixes=prefix(np.int64(30))).outputs == want
+    assert type(numpy.kv_budget_bytes) is int
+
+
 def _pairs(heads=2, n=30, dim=32, layers=2):
     return [(torch.randn(heads, n, dim).to(torch.bfloat16), torch.randn(heads, n, dim).to(torch.bfloat16))
             for _ in range(layers)]

@@ -241,6 +241,8 @@ def test_errors():
         F.pack(good.float())
     with pytest.raises(TypeError, match="pages must be a torch.Tensor"):
         F.eligible([1, 2, 3])
+    with pytest.raises(TypeError, match=r"head_dim must be an int, one of .* got str '64'"):
+        F.page_bytes("64")                                   # was a ValueError saying "got 64"
     with pytest.raises(ValueError, match=r"head_dim must be one of.*got 96"):
         F.pack(torch.zeros(16, 96, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"pages must have shape \[..., 16, head_dim\], got \(2, 15, 64\)"):

@@ -69,3 +69,21 @@ def test_gpu_benchmarks_without_a_gpu_are_one_line():
     for what in GPU_BENCHMARKS[:2]:
         done = subprocess.run([sys.executable, "-m", "zipkv", "bench", what], capture_output=True, text=True, env=env)
         assert done.returncode == 1 and done.stderr == f"zipkv bench {what}: needs a CUDA GPU, and this machine has none\n"
+
+
+def test_bad_command_lines_are_one_clear_line(tmp_path):
+    """Bad numbers are argparse's usage error before any work; bad input a benchmark finds, and a --root that is no
+    project, one line each (before: tracebacks, or "unknown profile 'quick': expected one of []")."""
+    def run(*argv):
+        return subprocess.run([sys.executable, "-m", "zipkv", *argv], capture_output=True, text=True,
+                              env={**os.environ, "TRITON_INTERPRET": "1"})
+    for argv, option in ((("bench", "distill", "--steps", "-1"), "--steps"),
+                         (("bench", "distill", "--contexts", "0"), "--contexts")):
+        done = run(*argv)
+        assert done.returncode == 2 and f"argument {option}: expected an integer >= 1" in done.stderr, done.stderr
+    done = run("book", "--root", str(tmp_path / "nope"), "--only", "model_data_kv_cache")
+    assert done.returncode == 1 and done.stderr == (f"zipkv book: --root {tmp_path / 'nope'}: not a zipkv project folder "
+                                                    "(expected params/ and notebooks/ in it)\n")
+    done = run("bench", "distill", "--contexts", "64", "--steps", "1")     # shorter than the retain zone, m = 256
+    assert done.returncode == 1 and done.stderr.startswith("zipkv bench distill: ") and \
+        done.stderr.count("\n") == 1 and "m=256" in done.stderr, done.stderr

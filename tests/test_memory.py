@@ -558,3 +558,25 @@ def test_new_pages_descriptors_are_written_once_per_step_and_equal_one_at_a_time
     for da, db in zip(a.desc, b.desc):
         assert torch.equal(da[ids], db[ids])
     assert not b._new_rows
+
+
+def test_numpy_integers_are_integers_and_bad_request_ids_are_named():
+    """A user's numpy ints are ints (kv_budget_bytes=np.int64(...) was "must be an int, got int64"); an unhashable
+    id, a string where a list of ids goes and a reserve_ratio string got Python's own TypeErrors or a wrong answer."""
+    import numpy as np
+
+    m = KVMemory(np.int64(2), np.int64(H), D, np.int64(8 * 4 * m_page()), pages_per_chunk=np.int32(4))
+    assert m.num_chunks == 8 and type(m.total_bytes) is int
+    assert m.admit("a", np.int64(20), np.int64(4)) is not None and m.cache_len("a") == 20
+    assert m.alloc("a", np.int64(1)) == [] and m.cache_len("a") == 21
+    with pytest.raises(ValueError, match=r"reserve_ratio must be a number in \(0, 1\], got '1'"):
+        m.admit("b", 3, 5, reserve_ratio="1")
+    with pytest.raises(TypeError, match="rid must be a hashable request id .* got list"):
+        m.admit(["x"], 3, 5)
+    with pytest.raises(TypeError, match="rid must be a hashable request id .* got list"):
+        m.free(["a"])
+    with pytest.raises(TypeError, match="rids must be a list of request ids, got str 'a'"):
+        m.page_table("a")
+    with pytest.raises(ValueError, match=r"retract: candidates is empty \(1 requests running\)"):
+        m.retract([])
+    assert m.retract() == "a" and not m.requests

@@ -388,3 +388,21 @@ def test_load_model_checks_its_arguments_before_loading_weights():
         models.load_model(device="bogus")
     with pytest.raises(TypeError, match="name=123: expected None"):
         models.load_model(123)
+
+
+def test_decoding_with_the_embedded_tokenizer_prints_no_warning(tokenizer, sample_ids, capsys):
+    """Every decode in the README's examples printed transformers' "Ignoring clean_up_tokenization_spaces=True for
+    BPE tokenizer" first: the GGUF's tokenizer came back with that WordPiece switch on."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        text = tokenizer.decode(sample_ids)
+    finally:
+        logger.removeHandler(handler)
+    assert text.startswith("It was the best of times") and not records
+    assert "clean_up_tokenization" not in capsys.readouterr().err

@@ -19,6 +19,17 @@ GPU_BENCHMARKS = ("attention", "pack", "tune", "ncu", "ncu-targets", "engine")
 """Benchmarks that time GPU kernels (``distill`` and ``format`` also run on the CPU)."""
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an int ≥ 1 (a bad one is argparse's one-line usage error, before any work)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zipkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -36,14 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="GPU benchmarks; print the table and optionally save it as CSV")
     bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format", "engine"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
-    bench.add_argument("--contexts", type=int, nargs="+", default=None,
+    bench.add_argument("--contexts", type=_positive, nargs="+", default=None,
                        help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
-    bench.add_argument("--batches", type=int, nargs="+", default=None, help="attention: 32 64 96; tune: 64")
+    bench.add_argument("--batches", type=_positive, nargs="+", default=None, help="attention: 32 64 96; tune: 64")
     bench.add_argument("--real-kv", type=Path, default=None,
                        help="first chapter's results CSV: also time the measured mix of compressed blocks")
-    bench.add_argument("--reps", type=int, default=30)
-    bench.add_argument("--steps", type=int, default=100, help="distill: outer L-BFGS steps (paper: 100)")
-    bench.add_argument("--reference-limit", type=int, default=4,
+    bench.add_argument("--reps", type=_positive, default=30)
+    bench.add_argument("--steps", type=_positive, default=100, help="distill: outer L-BFGS steps (paper: 100)")
+    bench.add_argument("--reference-limit", type=_positive, default=4,
                        help="distill: problems the reference solver runs per timed context (scaled to the context)")
     bench.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
                        help="tune: which decode kernel's launch options (gluon: the mma layouts)")
@@ -72,68 +83,11 @@ def main(argv: list[str] | None = None) -> int:
             return 1
 
     if args.command == "bench":
-        import pandas as pd
-
-        splits = [x or None for x in args.splits or [0]]            # 0: the plan's own choice
-
-        from zipkv import bench as benchmarks
-
-        if args.what == "ncu-targets":                 # what `bench ncu` runs under ncu
-            benchmarks.nsight_targets()
-            return 0
-        if args.what == "ncu":
-            print(benchmarks.nsight_report(args.out or Path("results/paper/zipfusion_decode_ncu.txt")))
-            return 0
-        if args.what == "attention":
-            fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
-            table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
-                                                  args.batches or [32, 64, 96], fraction, reps=args.reps,
-                                                  splits=splits,
-                                                  maxnregs=args.maxnreg or (None,), stages=args.stages or (None,),
-                                                  **({"methods": args.methods} if args.methods else {}),
-                                                  kernels=args.kernels)
-        elif args.what == "tune":
-            fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
-            contexts = args.contexts or [8192]
-            table = benchmarks.tune_decode_attention(args.shape, contexts[0], (args.batches or [64])[0], fraction,
-                                                   reps=args.reps, kernel=args.kernel)
-            if args.write:
-                print("stored:", benchmarks.write_tuning(table))
-        elif args.what == "format":
-            import torch
-
-            from zipkv.format_bench import format_benchmark
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            table = pd.concat([format_benchmark(head_dim=d, device=device) for d in (64, 128)], ignore_index=True)
-        elif args.what == "engine":
-            from zipkv.throughput import step_profile
-
-            table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}),
-                                 splits=splits)
-        elif args.what == "pack":
-            table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
-        else:
-            import torch
-
-            from zipkv import data, models
-            from zipkv.bench.distill import speed_sweep
-            from zipkv.distill import SculptConfig
-
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            model, tokenizer = models.load_model(dtype=torch.float32, device=device)
-            table, _ = speed_sweep(model, tokenizer, data.load_books(), contexts=args.contexts or [1024, 2048, 4096, 8192],
-                                   config=SculptConfig(steps=args.steps, progress=False),
-                                   reference_limit=args.reference_limit)
-        with pd.option_context("display.width", 200, "display.max_columns", 30):
-            print(table.to_string(index=False))
-        if args.out:
-            from zipkv.book import provenance
-
-            run = provenance("bench")
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            table.assign(commit=run["commit"], date=run["date"]).to_csv(args.out, index=False)
-        return 0
+        try:
+            return _bench(args)
+        except (ValueError, FileNotFoundError) as err:              # bad input found by the benchmark: one line
+            print(f"zipkv bench {args.what}: {err}", file=sys.stderr)
+            return 1
 
     if args.command == "book":
         try:
@@ -144,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         from zipkv import book as pipeline
 
         root = args.root or pipeline.REPO_ROOT
+        if not (Path(root) / "params").is_dir() or not (Path(root) / "notebooks").is_dir():
+            print(f"zipkv book: --root {root}: not a zipkv project folder (expected params/ and notebooks/ in it)",
+                  file=sys.stderr)
+            return 1
         try:
             if args.html_only:
                 index = pipeline.build_html(Path(root).resolve())
@@ -155,6 +113,72 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         if index:
             print(f"book: {index}")
+    return 0
+
+
+def _bench(args) -> int:
+    """``python -m zipkv bench``: run the benchmark ``args.what``, print its table, save it with ``--out``."""
+    import pandas as pd
+
+    splits = [x or None for x in args.splits or [0]]            # 0: the plan's own choice
+
+    from zipkv import bench as benchmarks
+
+    if args.what == "ncu-targets":                 # what `bench ncu` runs under ncu
+        benchmarks.nsight_targets()
+        return 0
+    if args.what == "ncu":
+        print(benchmarks.nsight_report(args.out or Path("results/paper/zipfusion_decode_ncu.txt")))
+        return 0
+    if args.what == "attention":
+        fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
+        table = benchmarks.attention_benchmark(args.shape, args.contexts or [2048, 8192],
+                                              args.batches or [32, 64, 96], fraction, reps=args.reps,
+                                              splits=splits,
+                                              maxnregs=args.maxnreg or (None,), stages=args.stages or (None,),
+                                              **({"methods": args.methods} if args.methods else {}),
+                                              kernels=args.kernels)
+    elif args.what == "tune":
+        fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None
+        contexts = args.contexts or [8192]
+        table = benchmarks.tune_decode_attention(args.shape, contexts[0], (args.batches or [64])[0], fraction,
+                                               reps=args.reps, kernel=args.kernel)
+        if args.write:
+            print("stored:", benchmarks.write_tuning(table))
+    elif args.what == "format":
+        import torch
+
+        from zipkv.format_bench import format_benchmark
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        table = pd.concat([format_benchmark(head_dim=d, device=device) for d in (64, 128)], ignore_index=True)
+    elif args.what == "engine":
+        from zipkv.throughput import step_profile
+
+        table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}),
+                             splits=splits)
+    elif args.what == "pack":
+        table = pd.DataFrame([benchmarks.pack_benchmark(head_dim=d) for d in (64, 128)])
+    else:
+        import torch
+
+        from zipkv import data, models
+        from zipkv.bench.distill import speed_sweep
+        from zipkv.distill import SculptConfig
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        model, tokenizer = models.load_model(dtype=torch.float32, device=device)
+        table, _ = speed_sweep(model, tokenizer, data.load_books(), contexts=args.contexts or [1024, 2048, 4096, 8192],
+                               config=SculptConfig(steps=args.steps, progress=False),
+                               reference_limit=args.reference_limit)
+    with pd.option_context("display.width", 200, "display.max_columns", 30):
+        print(table.to_string(index=False))
+    if args.out:
+        from zipkv.book import provenance
+
+        run = provenance("bench")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        table.assign(commit=run["commit"], date=run["date"]).to_csv(args.out, index=False)
     return 0
 
 

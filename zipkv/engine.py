@@ -122,12 +122,12 @@ class Prefix:
         """A ``TypeError`` / ``ValueError`` naming ``name`` for a prefix the engine cannot serve: lengths that are not
         positive ints, or (``kv`` a list) another number of layers or a layer not ``[kv_heads, length, head_dim]``. A
         function ``kv`` is checked per layer as it is built (:meth:`layer` with ``shape``)."""
-        if self.length is None or isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
+        if self.length is None or not _is_int(self.length) or self.length < 1:
             raise ValueError(f"{name}.length must be an int >= 1 (pairs stored), got {self.length!r}")
-        if self.n_tokens is not None and (isinstance(self.n_tokens, bool) or not isinstance(self.n_tokens, int)
-                                          or self.n_tokens < 1):
+        if self.n_tokens is not None and (not _is_int(self.n_tokens) or self.n_tokens < 1):
             raise ValueError(f"{name}.n_tokens must be None or an int >= 1 (tokens the pairs stand for), "
                              f"got {self.n_tokens!r}")
+        self.length, self.n_tokens = int(self.length), None if self.n_tokens is None else int(self.n_tokens)
         if callable(self.kv):
             return
         if not isinstance(self.kv, (list, tuple)) or len(self.kv) != num_layers:
@@ -494,6 +494,11 @@ multipliers; Qwen 3's per-head q/k norms; Mixtral's expert MLP); ``tests/test_en
 run the model's own forward but their decode steps a different layer."""
 
 
+def _is_int(x) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _decode_window(model) -> int | None:
     """The smallest sliding attention window of ``model``'s layers (:func:`zipkv.models.sliding_windows`), or None
     where every layer attends to the whole cache."""
@@ -610,10 +615,12 @@ class Engine:
             if not kernels.launchable(self.device):
                 raise ValueError(f"fused_ops=True: the model is on {self.device}, where the Triton kernels run only in "
                                  f"Triton's interpreter (start Python with TRITON_INTERPRET=1), or pass fused_ops=None")
-        if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        if max_batch is not None and (not _is_int(max_batch) or max_batch < 1):
             raise ValueError(f"max_batch must be a positive int or None, got {max_batch!r}")
-        if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        if num_splits is not None and (not _is_int(num_splits) or num_splits < 1):
             raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
+        if _is_int(kv_budget_bytes):
+            kv_budget_bytes = int(kv_budget_bytes)
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         auto = default_layouts(attention, self.device, restore, self.head_dim, self.q_heads // self.kv_heads)
@@ -628,7 +635,7 @@ class Engine:
                                  f"use compress='prompt' and the token layouts, got compress={compress!r}, "
                                  f"layouts {(k_layout, v_layout)}")
             page = 2 * self.kv_heads * fmt.page_bytes(self.head_dim)
-            if not isinstance(kv_budget_bytes, int) or isinstance(kv_budget_bytes, bool):
+            if not _is_int(kv_budget_bytes):
                 raise TypeError(f"kv_budget_bytes must be an int, got {type(kv_budget_bytes).__name__}")
             buffer_pages = kv_budget_bytes // ((L + 1) * page) if restore_buffer_pages is None else restore_buffer_pages
             if not isinstance(buffer_pages, int) or buffer_pages < 1 or buffer_pages * page >= kv_budget_bytes:
@@ -701,8 +708,9 @@ class Engine:
     # ------------------------------------------------------------------ scheduling
 
     def _validate(self, prompts, max_new_tokens, prefixes):
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
         if prefixes is not None and not isinstance(prefixes, (list, tuple)):
@@ -887,10 +895,10 @@ class Engine:
         stored per cached value then, payloads included), ``kv_budget_bytes``, ``memory`` (final
         :meth:`KVMemory.stats`).
         """
-        if max_decode_steps is not None and (isinstance(max_decode_steps, bool) or not isinstance(max_decode_steps, int)
-                                             or max_decode_steps < 1):
+        if max_decode_steps is not None and (not _is_int(max_decode_steps) or max_decode_steps < 1):
             raise ValueError(f"max_decode_steps must be an int >= 1 or None, got {max_decode_steps!r}")
         waiting = self._validate(prompts, max_new_tokens, prefixes)
+        max_new_tokens = int(max_new_tokens)
         self.admitted_raw = 0
         running, done, steps, admitted_at, flights = [], {}, [], {}, []
         retracted = prefill_s = 0.0

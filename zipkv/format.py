@@ -83,6 +83,7 @@ raw blocks); ``PageMeta.packed()`` gives one byte per block, ``flag << 7 | b >> 
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -127,10 +128,12 @@ def layouts_for(head_dim: int) -> tuple:
 
 
 def _check_head_dim(head_dim, name="head_dim"):
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral):
+        raise TypeError(f"{name}: head_dim must be an int, one of {HEAD_DIMS}, got {type(head_dim).__name__} {head_dim!r}")
     if head_dim not in HEAD_DIMS:
         raise ValueError(
             f"{name}: head_dim must be one of {HEAD_DIMS} (16*head_dim a multiple of "
-            f"{BLOCK_VALUES}, power of two), got {head_dim}")
+            f"{BLOCK_VALUES}, power of two), got {head_dim!r}")
     return head_dim
 
 

@@ -68,6 +68,7 @@ Mapping onto serving engines
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -158,6 +159,11 @@ _PROBE = object()
 """The request id admission checks use for a request that is not admitted (no caller's id can equal it)."""
 
 
+def _is_int(x) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _pages_for(tokens: int) -> int:
     return -(-tokens // fmt.PAGE_TOKENS)
 
@@ -193,17 +199,20 @@ class KVMemory:
                  pages_per_chunk: int = 16, k_layout: str = "token", v_layout: str = "token",
                  device="cpu", pack_slots=None, extra_bytes: int = 0, extra_pages: int = 0):
         for name, x in (("num_layers", num_layers), ("kv_heads", kv_heads), ("pages_per_chunk", pages_per_chunk)):
-            if not isinstance(x, int) or isinstance(x, bool) or x < 1:
+            if not _is_int(x) or x < 1:
                 raise ValueError(f"{name} must be a positive int, got {x!r}")
         fmt._check_head_dim(head_dim)
         for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
             fmt._check_layout(lay, name)
             fmt._check_layout_head_dim(lay, head_dim, name)
-        if not isinstance(kv_budget_bytes, int) or isinstance(kv_budget_bytes, bool):
+        if not _is_int(kv_budget_bytes):
             raise TypeError(f"kv_budget_bytes must be an int, got {type(kv_budget_bytes).__name__}")
         for name, x in (("extra_bytes", extra_bytes), ("extra_pages", extra_pages)):
-            if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            if not _is_int(x) or x < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+        num_layers, kv_heads, pages_per_chunk, kv_budget_bytes = map(int, (num_layers, kv_heads, pages_per_chunk,
+                                                                           kv_budget_bytes))
+        extra_bytes, extra_pages = int(extra_bytes), int(extra_pages)
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.layouts = (k_layout, v_layout)
         self.slot_bytes = fmt.page_bytes(head_dim)                       # one page-head
@@ -489,14 +498,19 @@ class KVMemory:
     # ------------------------------------------------------------------ requests (SGLang vocabulary)
 
     def _check_new(self, rid, prompt_len, max_new_tokens, reserve_ratio):
+        try:
+            hash(rid)
+        except TypeError:
+            raise TypeError(f"rid must be a hashable request id (a str or an int), got {type(rid).__name__}") from None
         if rid in self.requests:
             raise ValueError(f"request {rid!r} is already running")
-        if not isinstance(prompt_len, int) or isinstance(prompt_len, bool) or prompt_len < 1:
+        if not _is_int(prompt_len) or prompt_len < 1:
             raise ValueError(f"prompt_len must be an int >= 1 (an empty prompt has nothing to attend to), got {prompt_len!r}")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if not 0.0 < reserve_ratio <= 1.0:
-            raise ValueError(f"reserve_ratio must lie in (0, 1], got {reserve_ratio!r}")
+        if isinstance(reserve_ratio, bool) or not isinstance(reserve_ratio, numbers.Real) or not 0.0 < reserve_ratio <= 1.0:
+            raise ValueError(f"reserve_ratio must be a number in (0, 1], got {reserve_ratio!r}")
+        prompt_len, max_new_tokens = int(prompt_len), int(max_new_tokens)
         need = _pages_for(prompt_len + max_new_tokens - 1)
         if need > self.max_request_pages:
             raise ValueError(f"request {rid!r}: {prompt_len} prompt + {max_new_tokens} new tokens need {need} pages "
@@ -507,7 +521,7 @@ class KVMemory:
 
     def _check_hold(self, prompt_len, max_new_tokens, hold_chunks):
         """A request that holds ``hold_chunks`` chunks must fit, with them, into the empty budget: else it never will."""
-        if not isinstance(hold_chunks, int) or isinstance(hold_chunks, bool) or hold_chunks < 0:
+        if not _is_int(hold_chunks) or hold_chunks < 0:
             raise ValueError(f"hold_chunks must be an int >= 0, got {hold_chunks!r}")
         need = _pages_for(prompt_len + max_new_tokens - 1)
         if hold_chunks and (hold_chunks > self.num_chunks
@@ -540,6 +554,7 @@ class KVMemory:
         compressed prefix: the budget counts it, rounded up to chunks)."""
         prompt_pages, reserve = self._check_new(rid, prompt_len, max_new_tokens, reserve_ratio)
         self._check_hold(prompt_len, max_new_tokens, hold_chunks)
+        prompt_len, max_new_tokens, hold_chunks = int(prompt_len), int(max_new_tokens), int(hold_chunks)
         if not self._fits(prompt_pages, reserve, hold_chunks):
             return None
         held = []
@@ -657,6 +672,7 @@ class KVMemory:
         the caller writes ``packed.tail`` into the last page (:meth:`write`)."""
         self._check_packed(packed)
         prompt_pages, reserve = self._check_new(rid, packed.tokens, max_new_tokens, reserve_ratio)
+        max_new_tokens = int(max_new_tokens)
         if not self.can_admit_packed(packed, max_new_tokens, reserve_ratio=reserve_ratio):
             return None
         n, H = packed.n_pages, self.kv_heads
@@ -698,8 +714,9 @@ class KVMemory:
         from capacity nobody else was promised. Returns the new page ids (maybe ``[]``), or ``None``
         (nothing changed) when there is no room -- the caller retracts a request (:meth:`retract`)."""
         r = self._request(rid)
-        if not isinstance(n_tokens, int) or isinstance(n_tokens, bool) or n_tokens < 1:
+        if not _is_int(n_tokens) or n_tokens < 1:
             raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+        n_tokens = int(n_tokens)
         if _pages_for(r.cache_len + n_tokens) > self.max_request_pages:
             raise ValueError(f"n_tokens={n_tokens}: request {rid!r} would hold {r.cache_len + n_tokens} tokens, more "
                              f"than the budget's {self.max_request_pages} uncompressed pages per layer ever hold")
@@ -732,14 +749,19 @@ class KVMemory:
         from (default all running)."""
         rids = list(self.requests) if candidates is None else [self._request_key(q) for q in candidates]
         if not rids:
-            raise ValueError("retract: no running request to retract")
+            raise ValueError("retract: no running request to retract" if candidates is None else
+                             f"retract: candidates is empty ({len(self.requests)} requests running)")
         victim = min(rids, key=lambda q: (self.requests[q].cache_len - self.requests[q].prompt_len,
                                           -self.requests[q].prompt_len))
         self.free(victim)
         return victim
 
     def _request_key(self, rid):
-        if rid not in self.requests:
+        try:
+            running = rid in self.requests
+        except TypeError:
+            raise TypeError(f"rid must be a hashable request id (a str or an int), got {type(rid).__name__}") from None
+        if not running:
             raise ValueError(f"unknown request {rid!r} (running: {sorted(map(str, self.requests))[:10]})")
         return rid
 
@@ -789,6 +811,8 @@ class KVMemory:
     def page_table(self, rids, device=None):
         """FlashInfer CSR page table of requests ``rids`` (the same for every layer): ``indptr``,
         ``indices``, ``last_page_len``, int32 on ``device`` (default: the pool's; copied without a host sync)."""
+        if isinstance(rids, (str, bytes)) or not hasattr(rids, "__iter__"):
+            raise TypeError(f"rids must be a list of request ids, got {type(rids).__name__} {rids!r}")
         reqs = [self._request(r) for r in rids]
         indptr, indices = [0], []
         for r in reqs:

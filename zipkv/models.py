@@ -263,6 +263,10 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     else:
         source, local_only = _resolve_model_name(name)
     tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=local_only)
+    if local_only and (name is None or str(name).endswith(".gguf")):
+        # a GGUF's BPE tokenizer comes back with this WordPiece clean-up switched on; transformers ignores it for
+        # BPE (the decoded text is the same) but warns on every decode
+        tokenizer.clean_up_tokenization_spaces = False
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a per-tensor "Loading weights" bar on every load is noise
     try:
@@ -534,7 +538,7 @@ def _check_input_ids(model, input_ids) -> torch.Tensor:
         input_ids = input_ids[0]
     if input_ids.ndim != 1 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids has shape {tuple(input_ids.shape)} and dtype {input_ids.dtype}: "
-                         "expected integer token ids [T]")
+                         "expected token ids [T] of dtype torch.int64 or torch.int32")
     if input_ids.numel() == 0:
         raise ValueError("input_ids is empty: expected at least one token id [T], T >= 1")
     vocab = model.get_input_embeddings().num_embeddings

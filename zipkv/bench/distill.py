@@ -191,6 +191,8 @@ def speed_sweep(model, tokenizer, books, *, contexts=(1024, 2048, 4096, 8192), r
     points += [("embedded", ratio_sweep_context, r) for r in sweep_ratios if ("embedded", ratio_sweep_context, r) not in points]
     if qwen_context and shape.layers >= QWEN.layers and shape.kv_heads >= 2:
         points.append(("qwen", qwen_context, 0.3))
+    for _, ctx, ratio in points:                   # every point's settings, before the first capture
+        budget_for_ratio(ratio, ctx, m)
     captures = {}
     timings, losses = [], []
     for kind, ctx, ratio in tqdm(points, desc="distill speed", disable=not progress):
