@@ -34,7 +34,9 @@ in its :class:`DistilledLayer`.
 The cache follows ``transformers``' convention of appending: after ``generate`` it holds the
 generated tokens too (:meth:`DistilledCache.reset` drops them). Its ``get_seq_length()`` counts the
 tokens appended after the compressed context (what ``generate`` compares the inputs with), so pass
-only the tokens that follow the context; inputs that repeat the context are refused.
+only the tokens that follow the context; inputs that repeat the context are refused, and so is a ``generate``
+input that does not begin with the tokens an earlier ``generate`` appended (``generate`` would drop that many
+of its first tokens): :func:`attach` also wraps the model's ``generate`` for this check.
 """
 from __future__ import annotations
 
