@@ -805,7 +805,8 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     text, _ = chapter.verdict(hair, 32)
     assert "**missed by 0.0002** (1.2498×)" in text and "missed by 0.000**" not in text
     assert "needs a decode step ≤ 25.0 ms there: measured 30.0 ms" in chapter.bars_need_text(big, 32)
-    assert chapter.bars_need_text(big, 32).startswith("One run per method and batch, no spread. ZipFusion stores")
+    assert chapter.bars_need_text(big, 32).startswith(
+        "One run per method and batch, no spread.\n\n**What the batch target needs.** ZipFusion stores")
     assert "ran sequentially" in chapter.bars_need_text(big, 32)              # a table from before the column
     assert "overlapped scheduler (`Engine" in chapter.bars_need_text(big.assign(overlap=True), 32)
     assert "3 of 4 rows" in chapter.bars_need_text(big.assign(overlap=[True, True, True, False]), 32)

@@ -554,17 +554,19 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
     decode step time at ZipFusion's largest batch."""
     c = bar_checks(big, fixed_batch, context, new_tokens)
     z, u = c["z"], c["u"]
-    return (runs_text(big) + f" ZipFusion stores {z.stored_bits_per_value:.2f} bits per cached value at the first decode step, "
-            f"{c['prefix_bits']:.3f} per value of the packed prefix ({z.frac_compressed_k:.1%} of K and "
-            f"{z.frac_compressed_v:.1%} of V blocks compressed); with the output's pages raw the budget holds at most "
-            f"{c['capacity_bound']:.2f} such requests (before the room lost at the ends of chunks), and "
-            f"{c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} bits per prefix value"
-            f" -- or, at the measured bits, a budget {c['budget_needed'] / u.kv_budget_bytes - 1:+.2%} larger, where "
-            f"budgets up to {c['budget_top'] / u.kv_budget_bytes - 1:+.2%} larger still hold {u.batch} uncompressed "
-            f"requests (this chapter takes the smallest budget that holds them). At batch {z.batch} it holds {c['kv_requests']:.1f} uncompressed "
-            f"requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s needs a decode "
-            f"step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed {u.step_ms:.1f} ms at "
-            f"batch {u.batch}. " + scheduler_text(big))
+    return (runs_text(big) + f"\n\n**What the batch target needs.** ZipFusion stores {z.stored_bits_per_value:.2f} bits "
+            f"per cached value at the first decode step, {c['prefix_bits']:.3f} per value of the packed prefix "
+            f"({z.frac_compressed_k:.1%} of K and {z.frac_compressed_v:.1%} of V blocks compressed). With the output's "
+            f"pages raw, the budget holds at most {c['capacity_bound']:.2f} such requests (before the room lost at the "
+            f"ends of chunks). {c['batch_needed']} requests ({BARS['max_batch']}×) would need ≤ {c['bits_needed']:.3f} "
+            f"bits per prefix value, or, at the measured bits, a budget {c['budget_needed'] / u.kv_budget_bytes - 1:+.2%} "
+            f"larger. This chapter takes the smallest budget that holds {u.batch} uncompressed requests; budgets up to "
+            f"{c['budget_top'] / u.kv_budget_bytes - 1:+.2%} larger hold {u.batch} too, so where in that range a budget "
+            f"lies decides whether request {c['batch_needed']} fits."
+            f"\n\n**What the tokens/s target needs.** At batch {z.batch} ZipFusion holds {c['kv_requests']:.1f} "
+            f"uncompressed requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s "
+            f"needs a decode step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed "
+            f"{u.step_ms:.1f} ms at batch {u.batch}. " + scheduler_text(big))
 
 
 def largest_batch_rows(rows, method: str):
