@@ -940,10 +940,11 @@ def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
     modules = rows([2300.0, 2990.0], [20.0, 19.1], [575.0, 652.0], [1980.0, 1980.0], [0.0, 0.0])
     text = chapter.power_text(fused, modules.assign(model=THROUGHPUT_UNFUSED_MODEL))
     assert "694 W (largest sample 697 W), SM clock 1905 MHz, the power cap lowering the clock in 40% of the samples" in text
-    assert "ratio is 1.300× against 1.231× fused" in text and "reaches the power cap" in text
+    assert "ratio is then 1.300×, against 1.231× fused" in text and "reaches the power cap" in text
     assert "1.13× and 1.07× the tokens/s" in text
     calm = chapter.power_text(fused.assign(frac_power_capped=0.0), modules)
-    assert "reaches the power cap" not in calm and calm.endswith("the tokens/s).")
+    assert "reaches the power cap" not in calm and calm.endswith("652 W (largest sample 655 W), SM clock 1980 MHz, "
+                                                                 "the power cap lowering the clock in 0% of the samples.")
     assert chapter.power_text(fused.drop(columns="power_w")) == ""
     table = pd.concat([fused.assign(model=throughput.THROUGHPUT_PAPER_MODEL), modules.assign(model=THROUGHPUT_UNFUSED_MODEL)])
     got, note = chapter.paper_rows(table, None, THROUGHPUT_UNFUSED_MODEL)

@@ -596,12 +596,12 @@ def power_text(big, unfused=None) -> str:
         zm, um = at(unfused, "zipfusion").iloc[0], at(unfused, "uncompressed").iloc[0]
         text += (f" With the model's own modules for the step's norms, rotary embedding and MLP product instead of the "
                  f"fused kernels (same budget, same batches), the steps take {um.step_ms:.2f} ms (uncompressed) and "
-                 f"{zm.step_ms:.2f} ms (ZipFusion) against {u.step_ms:.2f} and {z.step_ms:.2f} ms fused, the tokens/s "
-                 f"ratio is {zm.tokens_per_s / um.tokens_per_s:.3f}× against {z.tokens_per_s / u.tokens_per_s:.3f}× "
-                 f"fused, and ZipFusion's GPU draws {gpu(zm)}: the fused kernels make both engines faster "
-                 f"({u.tokens_per_s / um.tokens_per_s:.2f}× and {z.tokens_per_s / zm.tokens_per_s:.2f}× the tokens/s)")
+                 f"{zm.step_ms:.2f} ms (ZipFusion), against {u.step_ms:.2f} and {z.step_ms:.2f} ms fused. The tokens/s "
+                 f"ratio is then {zm.tokens_per_s / um.tokens_per_s:.3f}×, against {z.tokens_per_s / u.tokens_per_s:.3f}× "
+                 f"fused: the fused kernels make both engines faster ({u.tokens_per_s / um.tokens_per_s:.2f}× and "
+                 f"{z.tokens_per_s / zm.tokens_per_s:.2f}× the tokens/s). Unfused, ZipFusion's GPU draws {gpu(zm)}")
         if z.frac_power_capped > zm.frac_power_capped and z.power_w > zm.power_w:
-            text += (", and ZipFusion's shorter fused step, whose attention rebuilds every value, reaches the power cap, "
+            text += (". ZipFusion's shorter fused step, whose attention rebuilds every value, reaches the power cap, "
                      "which lowers the clock that rebuilding depends on")
         text += "."
     return text
