@@ -5,6 +5,7 @@ main table (parameter ``from_results = True``): :func:`read_committed_csv` reads
 holds it at ``HEAD`` (the pipeline clears the working copy before a run), and :func:`origin` names
 the commit that last changed it and the run that measured it: the table's own ``device``, ``date`` and
 ``commit`` columns where it has them, else the provenance of the executed notebook committed with it.
+:func:`read_committed_side` reads a second table a chapter keeps beside its main one (:func:`side_table`);
 :func:`table1_kvsculpt` takes one chapter's rows from another's committed table where both ran the same windows.
 """
 from __future__ import annotations
@@ -43,6 +44,22 @@ def read_committed_text(path: str | Path) -> str:
 def read_committed_csv(path: str | Path) -> pd.DataFrame:
     """The CSV at ``path`` as committed at ``HEAD`` (exact floats), whatever the working copy holds."""
     return pd.read_csv(io.StringIO(read_committed_text(path)))  # pandas 3 parses floats exactly (round trip)
+
+
+def side_table(main_csv: str | Path, name: str) -> Path:
+    """Where a chapter keeps a second table beside its main one: ``<main stem>_<name>.csv`` (a run writes it beside
+    its ``results_csv``; ``from_results`` reads it beside ``committed_csv``)."""
+    main_csv = Path(main_csv)
+    return main_csv.with_name(f"{main_csv.stem}_{name}.csv")
+
+
+def read_committed_side(main_csv: str | Path, name: str) -> pd.DataFrame | None:
+    """The side table ``name`` of the committed table ``main_csv`` as committed at ``HEAD``, or ``None`` where no run
+    has committed one (the chapter then says that part needs a run)."""
+    try:
+        return read_committed_csv(side_table(main_csv, name))
+    except ValueError:
+        return None
 
 
 def origin(path: str | Path) -> dict:

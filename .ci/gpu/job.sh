@@ -10,4 +10,5 @@ step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_lo
 step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_throughput
 step python3 -m zipkv book --profile paper --force --no-html --only kvsculpt_dampening kvsculpt_static_budget \
   kvsculpt_head_asymmetry kvsculpt_pilot_budget kvsculpt_optimizer zipfusion_restore_baselines
+step python3 -m zipkv book --profile paper --force --no-html --only kvsculpt_kl_sources   # its held-out side table
 touch JOB-DONE
