@@ -1,6 +1,7 @@
 """Command line.
 
-``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force] [--from-results]`` — execute the notebooks, build the book.
+``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force] [--from-results] [--no-html | --html-only]
+[--root DIR]`` — execute the notebooks, build the book.
 ``python -m zipkv bench attention|pack [...] [--out CSV]`` — GPU benchmarks (ZipFusion Fig. 4, pack throughput; zipkv.bench).
 ``python -m zipkv bench tune [--kernel gluon] [--write]`` — time decode-attention launch options per specialisation, keep the best.
 ``python -m zipkv bench distill [--contexts N ...] [--steps S] [--out CSV]`` — KVSculpt solvers, reference vs batched.
@@ -31,6 +32,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m zipkv``: parse ``argv`` (default ``sys.argv``) and run the command; the exit status (0: done)."""
     parser = argparse.ArgumentParser(prog="python -m zipkv", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     book = commands.add_parser("book", help="execute the notebooks with papermill and build the HTML book")
@@ -48,11 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format", "engine"])
     bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
     bench.add_argument("--contexts", type=_positive, nargs="+", default=None,
-                       help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192)")
+                       help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192; tune: 8192, engine: "
+                            "8192, the first one given)")
     bench.add_argument("--batches", type=_positive, nargs="+", default=None, help="attention: 32 64 96; tune: 64")
     bench.add_argument("--real-kv", type=Path, default=None,
                        help="first chapter's results CSV: also time the measured mix of compressed blocks")
-    bench.add_argument("--reps", type=_positive, default=30)
+    bench.add_argument("--reps", type=_positive, default=30, help="attention, tune: timed calls per point (median)")
     bench.add_argument("--steps", type=_positive, default=100, help="distill: outer L-BFGS steps (paper: 100)")
     bench.add_argument("--reference-limit", type=_positive, default=4,
                        help="distill: problems the reference solver runs per timed context (scaled to the context)")

@@ -47,6 +47,7 @@ class NotebookFailed(RuntimeError):
 
 
 def profiles(root: Path = REPO_ROOT) -> list[str]:
+    """The profile names under ``root/params`` (``params/<profile>.yaml``)."""
     return sorted(p.stem for p in (root / "params").glob("*.yaml"))
 
 
@@ -181,6 +182,7 @@ def declared_defaults(declared: dict) -> dict:
 
 
 def cuda_available() -> bool:
+    """Whether this process sees a CUDA GPU (a function, so tests can stand in for a GPU machine)."""
     import torch
 
     return torch.cuda.is_available()
@@ -231,6 +233,7 @@ def _git_commit(root: Path) -> str:
 
 
 def device_name() -> str:
+    """The device a run computes on, for provenance: the GPU and its CUDA version, else the CPU's model and cores."""
     import torch
 
     if torch.cuda.is_available():
@@ -247,6 +250,8 @@ def device_name() -> str:
 
 
 def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
+    """The provenance record of a run of ``profile``: device, library versions, git commit (marked when the tree has
+    uncommitted changes outside ``book/``) and date."""
     import torch
     import transformers
 

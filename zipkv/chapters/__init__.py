@@ -1,2 +1,2 @@
-"""What each chapter notebook shows: its tables, figures and verdict sentences, computed from the
-chapter's results. One module per chapter; the computations themselves live in the library."""
+"""What the chapter notebooks show: their tables, figures and verdict sentences, computed from their results. One
+module per chapter or family of chapters; the computations themselves live in the library."""

@@ -38,6 +38,8 @@ def resources_text(table: pd.DataFrame, warp_slots: int) -> str:
 
 
 def tuning_summary(sweep: pd.DataFrame) -> pd.DataFrame:
+    """Per decode path of a launch-option sweep: fastest, median and slowest latency (µs), the configurations timed and
+    those that failed or disagreed with the reference (a Styler)."""
     ok = sweep.dropna(subset=["latency_us"])
     summary = ok.groupby("path").latency_us.agg(["min", "median", "max"]).rename(columns=lambda c: f"{c} µs")
     summary["configurations"] = ok.groupby("path").size()
@@ -46,6 +48,8 @@ def tuning_summary(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 def verdict(report: NsightReport) -> str:
+    """The kernel-resources chapter's verdict from the Nsight Compute ``report``: DRAM use, time and instructions of the
+    all-compressed Gluon kernel against the uncompressed one, its two commonest stall reasons, and the SmolLM2 shape's."""
     v = report.value
     comp, unc = COMPRESSED, UNCOMPRESSED
     return (f"Under Nsight Compute the all-compressed Gluon kernel keeps DRAM {v('DRAM Throughput', comp):.0f} % busy "
@@ -118,6 +122,8 @@ def flush_table(latest: pd.DataFrame, older: pd.DataFrame) -> pd.DataFrame:
 
 
 def flush_text(flushes: pd.DataFrame) -> str:
+    """The anchor point timed with the writing and the reading L2 flush (``flushes``, two rows): both speedups against
+    this project's target."""
     w, r = flushes.iloc[0], flushes.iloc[1]
     target = PROJECT_TARGETS.speedup_vs_flashinfer_tc
     side = lambda x: "above" if x >= target else "below"  # noqa: E731

@@ -8,6 +8,8 @@ from zipkv import models
 
 
 def shapes_table(shape) -> pd.DataFrame:
+    """The attention shapes of ``shape`` (this study's model) and the papers' models: heads, group size, KV bytes per
+    token in BF16, and which study uses each."""
     shapes = [shape, *models.PAPER_MODELS.values()]
     table = pd.DataFrame(shapes)
     table["group size"] = table.q_heads // table.kv_heads
@@ -17,6 +19,7 @@ def shapes_table(shape) -> pd.DataFrame:
 
 
 def windows_table(windows) -> pd.DataFrame:
+    """One row per PG19 window: its book, title, character offset, tokens and distinct tokens."""
     return pd.DataFrame([{"pg_id": w.pg_id, "title": w.title[:48], "char offset": w.char_offset,
                           "tokens": len(w.input_ids), "distinct tokens": len(set(w.input_ids.tolist()))} for w in windows])
 

@@ -323,6 +323,7 @@ def _wave_text(table: pd.DataFrame, ctx: int, batch: int) -> str:
 
 
 def ours_pct(row, reference) -> str:
+    """A timing ``row`` in µs and its difference from the ``reference`` row (FlashInfer TC) in per cent."""
     return f"{row.latency_us:.1f} µs ({100 * (row.latency_us / reference.latency_us - 1):+.1f} % against FlashInfer TC)"
 
 

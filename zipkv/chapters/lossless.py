@@ -53,6 +53,8 @@ def sizes(captures, k_layout: str, v_layout: str) -> pd.DataFrame:
 
 
 def sizes_figure(table: pd.DataFrame):
+    """Bits per value, metadata included, per layer for keys and values, beside the 12 bits of an all-compressed
+    cache."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, 3.6))
@@ -68,6 +70,7 @@ def sizes_figure(table: pd.DataFrame):
 
 
 def sizes_verdict(table: pd.DataFrame) -> str:
+    """What the captured cache packs to, keys and values, against the format's floor (every block compressed)."""
     by = table.groupby("tensor").size_fraction.mean()
     return (f"The captured cache packs to **{100 * table.size_fraction.mean():.1f} %** of its BF16 size (keys "
             f"{100 * by['K']:.1f} %, values {100 * by['V']:.1f} %), against the format's floor of "

@@ -17,6 +17,9 @@ def _qwen(timings: pd.DataFrame, solver: str, ctx: int) -> pd.DataFrame:
 
 
 def speed_verdict(timings: pd.DataFrame, qwen_context: int, at_paper_setting: bool) -> tuple[str, str]:
+    """The speed chapter's verdict and kind from its ``timings``: the batched solver's seconds at the Qwen2.5-1.5B
+    shape (``qwen_context`` tokens) against the paper's, and the paper's claim judged by the one-at-a-time reference
+    as the findings page judges it; a note where the run is not the paper's setting."""
     point = _qwen(timings, "batched", qwen_context)
     if not len(point):
         return "The Qwen2.5-1.5B-shaped context was not timed in this run.", "note"
@@ -92,6 +95,8 @@ def quality_summary(losses: pd.DataFrame) -> tuple[pd.DataFrame, str]:
 
 
 def agreement_verdict(problems: pd.DataFrame, summary: pd.DataFrame | None) -> tuple[str, str]:
+    """The solver-agreement chapter's verdict and kind: the batched solver's final loss over the reference's per
+    problem against this project's target, and the KLs of both caches (``summary``) where measured."""
     ratio = problems.batched / problems.reference
     median = float(ratio.median())
     goal = PROJECT_TARGETS

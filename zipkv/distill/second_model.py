@@ -93,6 +93,8 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m zipkv.distill.second_model``: run the comparison on ``--windows`` windows of a model and append the
+    rows to ``--out``, one window at a time."""
     parser = argparse.ArgumentParser(prog="python -m zipkv.distill.second_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", default=None, help="a .gguf file, a model folder or a Hugging Face id (default: the "
                         "embedded SmolLM2-135M-Instruct, e.g. to extend the chapter's own table: --first-window, --ratios)")

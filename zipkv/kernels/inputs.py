@@ -13,6 +13,7 @@ from zipkv import paged
 
 
 def check_index(x, name, n=None):
+    """``x`` (the argument ``name``) must be a contiguous 1-D int32 tensor, of length ``n`` when given."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype != torch.int32:
@@ -25,6 +26,7 @@ def check_index(x, name, n=None):
 
 
 def check_scale(softmax_scale, head_dim) -> float:
+    """The softmax scale: ``1/√head_dim`` for ``None``, else a finite positive real number."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
@@ -52,6 +54,7 @@ def check_values(cache, indptr, indices, last_page_len):
 
 
 def batch_mismatch(q_batch: int, indptr_len: int) -> str:
+    """The message for a ``q`` batch that does not match the page table's ``indptr``."""
     return (f"q: batch {q_batch} does not match the page table: indptr has {indptr_len} entries, i.e. "
             f"{indptr_len - 1} requests (indptr must have shape [batch + 1])")
 
