@@ -301,6 +301,31 @@ def roundtrip_check(captures, splitzip: codecs.SplitZip, layers: int = 2) -> pd.
     return pd.DataFrame(rows)
 
 
+def measure(n_windows: int, context: int, *, device: str = "cpu", books_dir=None, reps: int = 10, gpu_csv=None):
+    """The chapter's run: bits per value on real KV (:func:`real_kv_bits`, a codebook calibrated on another window),
+    the round trips (:func:`roundtrip_check`: one layer on the CPU, 30 on a GPU; an inexact one is an error), and the
+    per-step timings: measured here on a CUDA ``device``, else the committed GPU table ``gpu_csv`` where it exists.
+    Returns ``(bits, gpu, check, source)``: ``gpu`` ``None`` without timings, ``source`` says where they come from."""
+    from pathlib import Path
+
+    splitzip = calibration_codebook(capture_kv(1, context, seed=1, device=device, books_dir=books_dir))
+    captures = capture_kv(n_windows, context, seed=0, device=device, books_dir=books_dir)
+    bits = real_kv_bits(captures, splitzip)
+    check = roundtrip_check(captures, splitzip, layers=1 if device == "cpu" else 30)
+    if not check.exact.all():
+        raise RuntimeError(f"a codec's round trip is not bit-exact:\n{check[~check.exact]}")
+    if torch.cuda.is_available() and device == "cuda":
+        gpu = restore_step_benchmark(captures, splitzip, reps=reps, progress=False)
+        source = f"measured in this run on {gpu.device.iloc[0]}"
+    elif gpu_csv is not None and Path(gpu_csv).is_file():
+        gpu = pd.read_csv(gpu_csv)
+        source = (f"the committed GPU results ({gpu.device.dropna().iloc[0]}, {gpu.date.dropna().iloc[0]}, "
+                  f"commit {gpu.commit.dropna().iloc[0]}); bits per value recomputed here")
+    else:
+        gpu, source = None, "no GPU results committed yet"
+    return bits, gpu, check, source
+
+
 def main(argv=None):
     """``python -m zipkv.restore_baselines SAMPLE OUT_DIR``: the GPU run behind the chapter, from a saved sample
     (``torch.save(dict(layers=[(K, V), ...], codebook=[...]))``: every 4th layer of one 2048-token PG19 window (seed
