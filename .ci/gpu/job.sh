@@ -3,6 +3,7 @@
 # out): the GPU-only tests, then the paper-profile chapters whose executed notebooks and CSVs are committed.
 cd /root/run
 export PYTHONPATH=/tmp/site:$PWD ZIPKV_GGUF=/root/zipkv/SmolLM2-135M-Instruct.Q4_1.gguf ZIPKV_PG19=$PWD/.gpu/pg19
+export ZIPKV_COMMIT=$(cat COMMIT)   # the tree here is no git checkout: the provenance boxes name the commit it is
 step() { echo "=== $(date -u +%H:%M:%S) $*"; "$@"; echo "=== rc=$? $(date -u +%H:%M:%S)"; }
 step python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py tests/test_lossless_chapter.py tests/test_engine.py \
   -k "packed_pages or lossless or reads or sentences or changed or same_kernel or fused_kernel_greedy"
