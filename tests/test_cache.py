@@ -1,6 +1,7 @@
 """The distilled cache in Hugging Face generate: exact per-head lengths, positions at N, the logit bias (issue 18)."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -186,6 +187,8 @@ def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):
         model.generate(ids[None, N:N + 6], past_key_values=cache, max_new_tokens=3, do_sample=False)
     # the earlier output, continued: its first tokens are what the cache holds
     more = model.generate(first, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    twin = copy.deepcopy(model)                   # the check is bound to each model, a copy's to the copy
+    assert twin.generate.__self__ is twin and model.generate.__self__ is model
     cache.reset()
     again = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
     assert torch.equal(first, again)

@@ -40,8 +40,8 @@ of its first tokens): :func:`attach` also wraps the model's ``generate`` for thi
 """
 from __future__ import annotations
 
-import functools
 import numbers
+import types
 from typing import Sequence
 
 import torch
@@ -343,17 +343,18 @@ def _positions_hook(module, args, kwargs):
     return args, kwargs
 
 
-def _checked_generate(generate):
-    """``model.generate`` refusing an input that does not continue a :class:`DistilledCache` it is given
-    (:meth:`DistilledCache.check_continuation`)."""
-    @functools.wraps(generate)
-    def checked(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
-        if isinstance(cache, DistilledCache):
-            cache.check_continuation(kwargs.get("input_ids", args[0] if args else None))
-        return generate(*args, **kwargs)
-    checked.zipkv_checked = True
-    return checked
+def _checked_generate(self, *args, **kwargs):
+    """The model class's ``generate``, refusing an input that does not continue a :class:`DistilledCache` it is given
+    (:meth:`DistilledCache.check_continuation`); bound to the model by :func:`attach` (a copy of the model rebinds it)."""
+    cache = kwargs.get("past_key_values")
+    if isinstance(cache, DistilledCache):
+        cache.check_continuation(kwargs.get("input_ids", args[0] if args else None))
+    return type(self).generate(self, *args, **kwargs)
+
+
+def _generate_checked(model) -> bool:
+    bound = vars(model).get("generate")
+    return isinstance(bound, types.MethodType) and bound.__func__ is _checked_generate
 
 
 def _mask_hook(module, args, kwargs):
@@ -391,8 +392,8 @@ def attach(model):
     for layer in base.layers:
         handles.append(layer.self_attn.register_forward_pre_hook(_mask_hook, with_kwargs=True))
     model._zipkv_cache_hooks = handles
-    if not getattr(model.generate, "zipkv_checked", False):
-        model.generate = _checked_generate(model.generate)
+    if not _generate_checked(model):
+        model.generate = types.MethodType(_checked_generate, model)
     return model
 
 
@@ -401,7 +402,7 @@ def detach(model) -> None:
     for handle in getattr(model, "_zipkv_cache_hooks", None) or []:
         handle.remove()
     model._zipkv_cache_hooks = None
-    if getattr(model.generate, "zipkv_checked", False) and "generate" in vars(model):
+    if _generate_checked(model):
         del model.generate                                    # the class's own generate again
 
 
