@@ -404,15 +404,21 @@ def _median(stem: str, column: str):
     return ours
 
 
-def _layer_pilot_spread(res: Results):
-    """Max over windows of (largest / smallest per-layer pilot MSE, mean over the layer's heads), from the budget
-    chapters' cached sweep (``kvsculpt_budget_sweep.json``, committed with its parameters); None while absent."""
+def _sweep_table(res: Results, name: str) -> pd.DataFrame | None:
+    """Table ``name`` (``heads``, ``layers``, ...) of the budget chapters' cached sweep (``kvsculpt_budget_sweep.json``,
+    committed with its parameters); None while absent."""
     import json
 
     path = res.directory / "kvsculpt_budget_sweep.json"
-    if not path.is_file():
+    return pd.DataFrame(json.loads(path.read_text())["tables"][name]) if path.is_file() else None
+
+
+def _layer_pilot_spread(res: Results):
+    """Max over windows of (largest / smallest per-layer pilot MSE, mean over the layer's heads), from the budget
+    chapters' cached sweep; None while absent."""
+    heads = _sweep_table(res, "heads")
+    if heads is None:
         return None
-    heads = pd.DataFrame(json.loads(path.read_text())["tables"]["heads"])
     per_layer = heads.groupby(["window", "layer"]).pilot.mean().unstack()
     spread = per_layer.max(axis=1) / per_layer.min(axis=1)
     return Measured(float(spread.max()), f"up to {spread.max():.0f}× (median over {len(spread)} windows "
@@ -422,12 +428,9 @@ def _layer_pilot_spread(res: Results):
 def _layer0_over_median(res: Results):
     """Layer 0's pilot MSE over the median layer's (mean over the layer's heads), median over windows, as the pilot
     chapter computes it, from the budget chapters' cached sweep; None while absent."""
-    import json
-
-    path = res.directory / "kvsculpt_budget_sweep.json"
-    if not path.is_file():
+    heads = _sweep_table(res, "heads")
+    if heads is None:
         return None
-    heads = pd.DataFrame(json.loads(path.read_text())["tables"]["heads"])
     pilot = heads.groupby(["window", "layer"]).pilot.mean().unstack(0)                # [layer, window]
     return float((pilot.iloc[0] / pilot.median()).median())
 
@@ -509,12 +512,9 @@ def _kl_sources_correlation(res: Results):
 def _error_correlation(res: Results):
     """Across windows (the paper compares sequences): Spearman correlation of a window's per-layer compression
     MSE (mean over layers, from the budget chapters' cached sweep) with its end-to-end KL; None while absent."""
-    import json
-
-    path = res.directory / "kvsculpt_budget_sweep.json"
-    if not path.is_file():
+    layers = _sweep_table(res, "layers")
+    if layers is None:
         return None
-    layers = pd.DataFrame(json.loads(path.read_text())["tables"]["layers"])
     kl = res["kvsculpt_error_propagation"].set_index("window").kl
     mse = layers.groupby("window").loss.mean().reindex(kl.index)
     m = _weak_correlation(float(mse.rank().corr(kl.rank())))

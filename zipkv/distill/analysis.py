@@ -109,14 +109,21 @@ def committed_sweep(committed_csv, **expected) -> "BudgetSweep":
                        seconds=data.get("seconds", {}))
 
 
-def committed_note(sweep: "BudgetSweep", context: int, continuation: int) -> str:
-    """The setting line of a budget chapter rendered from the committed sweep (:func:`committed_sweep`)."""
+def rendered_note(model: str, n_windows: int, context: int, continuation: int, m: int, n_synthetic: int, steps: int,
+                  source: str) -> str:
+    """The setting line of an analysis chapter rendered from committed results (``source``: which, and where they
+    were computed), in place of :func:`chapter`'s ``note``."""
     from zipkv.chapters.kvsculpt import setting_line
 
+    return ("**Setting.** " + setting_line(model, n_windows, context, continuation, m, n_synthetic, steps, "batched")
+            + f" Rendered from {source}; the provenance box names the run.")
+
+
+def committed_note(sweep: "BudgetSweep", context: int, continuation: int) -> str:
+    """:func:`rendered_note` of a budget chapter rendered from the committed sweep (:func:`committed_sweep`)."""
     p = sweep.params
-    return ("**Setting.** " + setting_line(p["model"], sweep.runs.window.nunique(), context, continuation, p["m"],
-                                           p["n_synthetic"], p["config"]["steps"], "batched")
-            + f" Rendered from the committed sweep (solved on {p['solver_device']}; the provenance box names the run).")
+    return rendered_note(p["model"], sweep.runs.window.nunique(), context, continuation, p["m"], p["n_synthetic"],
+                         p["config"]["steps"], f"the committed sweep (solved on {p['solver_device']})")
 
 
 class BudgetChapter(NamedTuple):
@@ -161,7 +168,6 @@ def optimizer_chapter(*, from_results: bool, committed_csv, model_name, books_di
                                    seed=seed)
         return table, ch.note
     from zipkv import committed, models
-    from zipkv.chapters.kvsculpt import setting_line
 
     table = committed.read_committed_csv(committed_csv)
     seen = dict(layers=sorted(table.layer.unique().tolist()), n_windows=table.window.nunique(),
@@ -170,10 +176,8 @@ def optimizer_chapter(*, from_results: bool, committed_csv, model_name, books_di
     if seen != asked:
         raise ValueError(f"from_results: the committed table {committed_csv} has {seen}, the chapter asks for {asked}; "
                          "run the chapter, or render it with the committed run's parameters")
-    note = ("**Setting.** " + setting_line(model_name or models.EMBEDDED_NAME, n_windows, context, continuation, m,
-                                           n_synthetic, steps, "batched")
-            + " Rendered from the committed table (the provenance box names the run).")
-    return table, note
+    return table, rendered_note(model_name or models.EMBEDDED_NAME, n_windows, context, continuation, m, n_synthetic,
+                                steps, "the committed table")
 
 
 # --- one window, captured once --------------------------------------------------------------------------------
