@@ -1,4 +1,4 @@
-"""Checks of a decode-attention call's inputs (FlashInfer's CSR page table, the softmax scale, ``q``), shared by the
+"""Checks of a decode-attention call's inputs (FlashInfer's CSR page table, the softmax scale, the batch of ``q``), shared by the
 kernels' :func:`~zipkv.kernels.decode_attention.plan` and the fp32 torch reference (:mod:`zipkv.kernels.reference`):
 each raises a ``TypeError``/``ValueError`` naming the argument before any work."""
 from __future__ import annotations
