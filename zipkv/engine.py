@@ -888,7 +888,8 @@ class Engine:
         ``KVMemory.space_returns``); overlapped, that interval holds the next step's
         preparation and launch, so the steps' seconds add up to the decode's wall time --, ``mode`` -- ``"warmup"``,
         ``"capture"``, ``"replay"`` or ``"eager"`` --, ``used_bytes`` per layer, ``chunks_free``, ``chunks_held``,
-        ``reassigned``), ``overlap``, ``max_batch``, ``retracted``, ``admitted_raw`` (requests admitted with raw
+        ``reassigned``), ``overlap``, ``max_batch`` (the largest batch of a decode step: 0 when no step ran, e.g.
+        ``max_new_tokens=1``, whose one token comes from the prefill), ``retracted``, ``admitted_raw`` (requests admitted with raw
         pages although compression is on: their packed pages found no room, their raw ones did), ``admitted_at``
         (decode steps run before each request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
         format over the running requests' pages at the first decode step), ``stored_bits_per_value`` (bits
