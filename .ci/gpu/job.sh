@@ -11,6 +11,6 @@ step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_lo
 step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_throughput
 # the chapters whose committed runs lack a side table their page shows (from_results renders the rest on a CPU)
 step python3 -m zipkv book --profile paper --force --no-html --only kvsculpt_kl_sources    # ~3 min: held-out objectives
-step python3 -m zipkv book --profile paper --force --no-html --only kvsculpt_main          # ~9 min: per-layer objectives
 step python3 -m zipkv book --profile paper --force --no-html --only distill_speed          # ~5 min: per-problem losses
+step python3 -m zipkv book --profile paper --force --no-html --only kvsculpt_main          # ~9 min: per-layer objectives
 touch JOB-DONE
