@@ -144,16 +144,16 @@ def test_overlapped_steps_give_the_sequential_tokens(smollm, compress, reserve, 
     is one that a run without stops makes; that run is no oracle for the stopping runs' tokens: its batches differ
     from theirs step by step, and bf16 matrix products need not give bit-equal rows for different batch sizes (on
     this project's AMD EPYC machine a near-tie broke the other way at a request's 40th token)."""
-    from zipkv import engine as zengine
+    from zipkv import engine_step
     model, prompts = smollm
     n = 24 if reserve == 1 else 40
     carried = []
-    run = zengine._StepGraph.run
+    run = engine_step.StepGraph.run
 
     def counting_run(self, key, host_inputs, carry=None):
         carried.append(carry is not None)
         return run(self, key, host_inputs, carry)
-    monkeypatch.setattr(zengine._StepGraph, "run", counting_run)
+    monkeypatch.setattr(engine_step.StepGraph, "run", counting_run)
     kw = dict(kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=1 if reserve < 1 else 2,
               reserve_ratio=reserve)
     free = Engine(model, eos_token_id=None, overlap=False, **kw).generate(prompts, n).outputs
@@ -643,7 +643,7 @@ def test_overlapped_steps_prepare_and_launch_without_a_host_sync(compress, monke
     (pages opening included), the launch, its token copy -- never waits for the GPU (``torch.cuda``'s sync debug
     mode raises inside each of them): it runs while the step before is computed. The throughput chapter's two
     settings: ZipFusion's packed prefixes with raw new KV, and the uncompressed cache."""
-    from zipkv import data, engine as zengine, memory, models
+    from zipkv import data, engine_step, memory, models
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
     ws = data.windows(tok, data.load_books(limit=4), n=4, context=100, continuation=0)
     prompts = [w.context_ids.tolist() for w in ws]               # one length: the composition never changes
@@ -660,16 +660,16 @@ def test_overlapped_steps_prepare_and_launch_without_a_host_sync(compress, monke
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         return call
-    for owner, name in ((memory.KVMemory, "alloc"), (zengine._Attention, "plan"), (zengine._StepGraph, "run"),
-                        (zengine._Flight, "__init__"), (memory.KVMemory, "keep_raw")):
+    for owner, name in ((memory.KVMemory, "alloc"), (engine_step.StepAttention, "plan"), (engine_step.StepGraph, "run"),
+                        (engine_step.StepInFlight, "__init__"), (memory.KVMemory, "keep_raw")):
         monkeypatch.setattr(owner, name, watched(getattr(owner, name)))
-    read = zengine._Flight.read
+    read = engine_step.StepInFlight.read
 
     def read_and_arm(self):
         out = read(self)
         armed[0] = armed[0] or self.mode == "replay"
         return out
-    monkeypatch.setattr(zengine._Flight, "read", read_and_arm)
+    monkeypatch.setattr(engine_step.StepInFlight, "read", read_and_arm)
     eng = Engine(model, kv_budget_bytes=64 * _page_bytes(model), compress=compress, eos_token_id=None)
     res = eng.generate(prompts, 40)                              # tokens 100..139: pages open at 112 and 128
     assert res.stats["overlap"] and {s["mode"] for s in res.stats["steps"]} == {"warmup", "capture", "replay"}

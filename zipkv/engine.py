@@ -21,7 +21,7 @@ One step of the loop (:meth:`Engine.generate`):
    when there is none, a request is retracted in SGLang's ``retract_decode`` order and requeued with
    the tokens it has, to be prefilled again), then the model layer by layer: projections, RoPE at each
    request's *position*, the new K/V written into its page at the cache's end, attention through
-   :class:`_Attention`, MLP; greedy next token.
+   :class:`~zipkv.engine_step.StepAttention`, MLP; greedy next token.
 3. **After the step**, the pages the step filled are compressed (``compress=True``: the step's reads are
    done) and pending chunks return to the shared pool; finished requests free their pages.
 
@@ -36,16 +36,16 @@ A request's **cache length** (pairs stored) is kept apart from its **position** 
 a :class:`Prefix` distilled by KVSculpt holds ``k + m`` pairs for ``N`` tokens; its prompt and outputs
 continue at position ``N``.
 
-:class:`_Attention` is the only place that calls into the attention kernels: the plan/run API of
+:class:`~zipkv.engine_step.StepAttention` is the only place that calls into the attention kernels: the plan/run API of
 ``zipkv.kernels.decode_attention`` (a plan per layer and batch composition, over a static page table updated in
 place), ``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
-the torch reference (``attention="reference"``). **CUDA graphs** (:class:`_StepGraph`): the whole decode step --
+the torch reference (``attention="reference"``). **CUDA graphs** (:class:`~zipkv.engine_step.StepGraph`): the whole decode step --
 embeddings, every layer's projections, KV writes, (restores,) attention and MLP, the greedy argmax -- reads its
 per-step inputs from one static device buffer and is captured once per batch composition, then replayed; the host
 only copies tokens, positions and slots in, updates the page table in place and reads the tokens back. The step's
-norms, rotary embedding and gated MLP product run as one kernel each on the GPU (:class:`_StepOps`).
+norms, rotary embedding and gated MLP product run as one kernel each on the GPU (:class:`~zipkv.engine_step.StepOps`).
 
-**Restore-before-attention baselines** (``restore=codec``, :class:`_Restore`): the same loop, with each
+**Restore-before-attention baselines** (``restore=codec``, :class:`~zipkv.engine_step.RestoreBuffer`): the same loop, with each
 request's prefix pages kept as a :mod:`zipkv.codecs` payload and decoded per layer into one shared restore buffer
 before attention (ZipFusion §II-B's setting), its bytes counted in the same budget.
 """
@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 import torch
 
 from zipkv import format as fmt
-from zipkv.memory import KVMemory, copy_to_device, free_extent, to_device
-from zipkv.paged import PagedKVCache, page_kinds_of
+from zipkv.engine_step import RestoreBuffer, StepAttention, StepGraph, StepInFlight, StepOps
+from zipkv.memory import KVMemory
 
 __all__ = ["Engine", "Prefix", "GenerateResult", "DECODE_MODEL_TYPES", "kv_budget_for"]
 
@@ -165,327 +165,6 @@ class _Running:
     blocked: int | None = None        # memory.space_returns when its admission last failed
 
 
-class _Restore:
-    """Restore-before-attention baseline (ZipFusion §II-B, §IV-C): the rows of Fig. 5 whose codecs restore
-    the cache before attention. A request's prefix -- every full page of its cached tokens at admission,
-    "pre-compressed" as in §IV-A -- is kept as one payload per layer and K/V of ``codec``
-    (:mod:`zipkv.codecs`: SplitZip-style or Huffman); what it generates stays in raw pages of the memory.
-    Before each layer's attention, every running request's payload of that layer is decoded
-    (:func:`zipkv.codecs.decode_into`; the torch reference on the CPU) into **one restore buffer shared by
-    all layers**, laid out as raw token-layout pages, and the raw decode kernel reads those pages and the raw
-    ones through one page table (buffer page ``j`` has descriptor row ``memory.max_pages + j``).
-
-    Memory: the buffer takes ``buffer_pages`` raw pages of *one* layer out of the budget (it is
-    ``memory``'s extra region); a request's payload bytes are held as whole chunks of the memory's pool
-    (``admit(hold_chunks=...)``), so every method's bytes come out of one budget. The payload tensors
-    themselves are torch allocations beside the pool (same bytes, counted by those held chunks).
-    A request's buffer pages are one contiguous run (first fit)."""
-
-    def __init__(self, memory: KVMemory, codec, buffer_pages: int, reference: bool):
-        self.memory, self.codec, self.reference = memory, codec, reference
-        self.buffer_pages, self.extents, self.entries = buffer_pages, [[0, buffer_pages]], {}
-        self.slot_positions = memory._write_index                                   # [2, 16, D]
-
-    def fits(self, n_pages: int) -> bool:
-        return n_pages == 0 or any(n >= n_pages for _, n in self.extents)
-
-    def encode(self, kv, n_pages: int):
-        """Payloads ``[(K, V)]`` per layer of the first ``n_pages`` pages of ``kv`` (per layer ``(k, v)`` bf16
-        ``[H, n, D]``), each encoding raw page-head slots ``[n_pages, H, slot values]`` in the kernel's order."""
-        m = self.memory
-        out = []
-        for k, v in (kv if n_pages else []):
-            pair = []
-            for i, x in enumerate((k, v)):
-                x = x[:, : n_pages * fmt.PAGE_TOKENS].reshape(m.kv_heads, n_pages, -1).transpose(0, 1)
-                slots = torch.empty(n_pages, m.kv_heads, m.slot_bytes // 2, dtype=torch.bfloat16, device=x.device)
-                slots[..., self.slot_positions[i].reshape(-1)] = x
-                pair.append(self.codec.encode(slots))
-            out.append(tuple(pair))
-        return out
-
-    @staticmethod
-    def payload_bytes(payload) -> int:
-        return sum(e.nbytes for pair in payload for e in pair)
-
-    def place(self, rid, payload, n_pages: int):
-        """Give request ``rid`` ``n_pages`` contiguous buffer pages and point their descriptors (every layer)
-        there; returns their descriptor rows."""
-        m = self.memory
-        if n_pages == 0:                                # a short prompt: nothing was encoded
-            return None
-        ext = next(e for e in self.extents if e[1] >= n_pages)
-        start = ext[0]
-        ext[0] += n_pages
-        ext[1] -= n_pages
-        self.extents = [e for e in self.extents if e[1]]
-        base = m.extra_offset + start * m.page_bytes
-        head = m.slot_bytes * (torch.arange(n_pages)[:, None] * m.kv_heads + torch.arange(m.kv_heads))    # [n, H]
-        addr = torch.stack([base + head, base + n_pages * m.kv_heads * m.slot_bytes + head], 1)          # [n, 2, H]
-        d = ((addr[..., None] + fmt.RAW_BLOCK_BYTES * torch.arange(fmt.n_blocks(m.head_dim))) << 8).to(m.device)
-        host_rows = torch.arange(m.max_pages + start, m.max_pages + start + n_pages)
-        rows = to_device(host_rows, m.device)
-        for l in range(m.num_layers):
-            m.desc[l][rows] = d
-        pool = m.pool
-        half = n_pages * m.kv_heads * m.slot_bytes
-        views = (pool[base: base + half].view(torch.bfloat16), pool[base + half: base + 2 * half].view(torch.bfloat16))
-        self.entries[rid] = dict(start=start, n=n_pages, payload=payload, views=views,
-                                 host_rows=host_rows.to(torch.int32), bytes=self.payload_bytes(payload))
-        return rows
-
-    def release(self, rid) -> None:
-        e = self.entries.pop(rid, None)
-        if e is None:
-            return
-        self.extents = free_extent(self.extents, e["start"], e["n"])
-
-    def restore(self, layer: int, rids) -> None:
-        """Decode layer ``layer``'s payloads of ``rids`` into the shared buffer (no sync on the GPU)."""
-        from zipkv import codecs
-        for rid in rids:
-            e = self.entries[rid]
-            for enc, view in zip(e["payload"][layer], e["views"]):
-                if self.reference:
-                    view.copy_(codecs.decode_reference(enc).reshape(-1))
-                else:
-                    codecs.decode_into(enc, view, validate=False)
-
-
-class _Attention:
-    """The engine's one adapter onto ``zipkv.kernels``: per-layer caches over the memory's pool, the kernels'
-    plan/run split and the pack kernel.
-
-    A **static page table per batch composition** (the running requests, in order): ``indptr``,
-    ``indices`` (room for every request's pages at its output length) and ``last_page_len`` are device
-    buffers updated in place -- a new token raises ``last_page_len``, a new page rewrites ``indptr`` and
-    ``indices`` -- so one :func:`zipkv.kernels.decode_attention.plan` per layer serves the composition's
-    every step, and a CUDA graph of the step stays valid. Pages compressed between steps keep the plans
-    valid too: their descriptors change in place and the plans route on the device (``routing="device"``); a
-    cache that is never compressed (``static_kinds``) keeps the kernels' single specialised launch. Only the
-    Triton kernel's routed launches read the page kinds (:attr:`reads_kinds`): for them the kinds of the pages
-    whose descriptors changed are recomputed before each step; the Gluon kernel's mixed launch reads each
-    block's descriptor, and the reference reads nothing of the kind, so for those no step pays for it."""
-
-    def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool,
-                 restore: _Restore | None = None, num_splits: int | None = None):
-        self.memory, self.backend, self.q_heads, self.scale, self.restore = memory, backend, q_heads, scale, restore
-        self.num_splits = num_splits
-        pool = memory.pool if restore is not None else memory.pool[: memory.total_bytes]
-        self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts) for d in memory.desc]
-        self.static_kinds = static_kinds
-        self.reads_kinds = False
-        if backend == "kernel" and not static_kinds:
-            from zipkv.kernels.decode_attention import kernel_for
-            self.reads_kinds = kernel_for(self.caches[0]) == "triton"
-        self.key = self.pages_key = self.plans_key = self.table = self.plans = None
-        self.rids = []
-
-    @staticmethod
-    def pack_slots(backend):
-        """The Triton pack kernel compressing raw slots in place (``backend="kernel"``; on the CPU under
-        ``TRITON_INTERPRET=1``), or None: the memory's torch reference."""
-        if backend != "kernel":
-            return None
-        from zipkv.kernels.pack import pack_into
-
-        def pack(pool, off, head_dim, layout):
-            return pack_into(pool, off, pool, off, head_dim, layout, src_packed=True, validate=False)
-        return pack
-
-    def _host_table(self, rids):
-        """The batch's page table (new device tensors): a restored request's buffer pages first, then its raw ones."""
-        if self.restore is None:
-            return self.memory.page_table(rids)
-        indptr, indices, last = self.memory.page_table(rids, device="cpu")
-        parts, counts = [], []
-        ip = indptr.tolist()
-        for i, r in enumerate(rids):
-            own = indices[ip[i]: ip[i + 1]]
-            e = self.restore.entries.get(r)
-            parts += [e["host_rows"], own] if e is not None else [own]
-            counts.append(own.numel() + (e["n"] if e is not None else 0))
-        indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).to(torch.int32)
-        return tuple(to_device(x, self.memory.device) for x in (indptr, torch.cat(parts), last))
-
-    def plan(self, rids) -> tuple:
-        """Bring the static page table up to date for ``rids``; plan again when the composition changed.
-        Returns the composition's key (what a captured step graph depends on)."""
-        pages = self.memory.changed_pages()                          # flushes this step's new pages first
-        if pages and self.reads_kinds:                               # their kinds, all layers at once
-            ids = to_device(torch.tensor(pages, dtype=torch.int64), self.memory.device)
-            kinds = page_kinds_of(self.memory.desc_all[:, ids])                      # [layers, n, kv_heads]
-            for c, k in zip(self.caches, kinds):
-                c.refresh(k, pages=ids)
-        mem = self.memory
-        key = tuple(mem.requests[r].serial for r in rids)           # a re-admitted request is new
-        lens = [mem.cache_len(r) for r in rids]
-        pages_key = tuple((n + fmt.PAGE_TOKENS - 1) // fmt.PAGE_TOKENS for n in lens)
-        if key == self.key and pages_key == self.pages_key:          # same pages: only last_page_len moves
-            last = [n - fmt.PAGE_TOKENS * (p - 1) for n, p in zip(lens, pages_key)]
-            copy_to_device(self.table[2], torch.tensor(last, dtype=torch.int32))
-            return key
-        indptr, indices, last = self._host_table(rids)
-        if key != self.key:
-            extra = [self.restore.entries[r]["n"] if self.restore and r in self.restore.entries else 0 for r in rids]
-            room = sum(-(-mem.requests[r].max_len // fmt.PAGE_TOKENS) + x for r, x in zip(rids, extra))
-            self.table = (torch.zeros_like(indptr), torch.zeros(max(room, indices.numel()), dtype=torch.int32,
-                                                                device=indices.device), torch.zeros_like(last))
-            self.key, self.rids = key, list(rids)
-        self.table[0].copy_(indptr)
-        self.table[1][: indices.numel()].copy_(indices)
-        self.table[2].copy_(last)
-        if key != self.plans_key:
-            self.plans_key = key
-            if self.backend == "kernel":
-                from zipkv.kernels.decode_attention import plan
-                routing = "auto" if self.static_kinds else "device"
-                self.plans = [plan(*self.table, c, self.q_heads, softmax_scale=self.scale, validate=False, routing=routing,
-                                   num_splits=self.num_splits) for c in self.caches]
-        self.pages_key = pages_key
-        return key
-
-    def run(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q bf16 ``[batch, q_heads, head_dim]`` -> bf16 attention output, same shape (restoring the layer's
-        payloads into the shared buffer first, for a restore baseline)."""
-        if self.restore is not None:
-            self.restore.restore(layer, [r for r in self.rids if r in self.restore.entries])
-        if self.backend == "reference":
-            from zipkv.kernels.reference import decode_attention_reference
-            return decode_attention_reference(q, self.caches[layer], *self.table, softmax_scale=self.scale,
-                                              validate=False).to(q.dtype)
-        return self.plans[layer].run(q.contiguous())
-
-
-RMS_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "MixtralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
-"""Norm classes that compute Llama's RMSNorm (fp32 statistics, ``weight * bf16(normed)``), the one
-:func:`zipkv.kernels.fused_ops.add_rms_norm` computes."""
-
-GATED_SILU_MLPS = ("LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP")
-"""MLP classes computing ``down(act(gate(x)) * up(x))``; with a SiLU ``act`` the product is
-:func:`zipkv.kernels.fused_ops.silu_mul`."""
-
-
-class _StepOps:
-    """The elementwise pieces of the decode step: residual add + norm, rotary embedding, the MLP's gated product.
-    ``fused``: through one kernel each (:mod:`zipkv.kernels.fused_ops`, which rounds where the modules do) wherever
-    a module computes exactly what the kernel does (:data:`RMS_NORMS`, :data:`GATED_SILU_MLPS` with SiLU, a
-    power-of-two head_dim); elsewhere, and with ``fused=False``, through the model's own modules and
-    ``apply_rotary_pos_emb``. Shapes: the residual stream ``[B, hidden]``; q, k ``[B, heads, head_dim]``."""
-
-    def __init__(self, head_dim: int, fused: bool):
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-        self.fused, self.fused_rotary = fused, fused and head_dim & (head_dim - 1) == 0
-        self.apply_rotary = apply_rotary_pos_emb
-        if fused:
-            from zipkv.kernels import fused_ops
-            self.kernels = fused_ops
-
-    def add_norm(self, h, delta, norm):
-        """``(h + delta, norm(h + delta))`` (delta None: no add)."""
-        if self.fused and type(norm).__name__ in RMS_NORMS:
-            return self.kernels.add_rms_norm(h, delta, norm.weight, norm.variance_epsilon)
-        h = h if delta is None else h + delta
-        return h, norm(h[:, None])[:, 0]
-
-    def rotary(self, q, k, cos, sin):
-        """Rotated ``(q, k)``, q contiguous."""
-        if self.fused_rotary:
-            return self.kernels.rotary(q.contiguous(), k.contiguous(), cos, sin)
-        q, k = self.apply_rotary(q, k, cos, sin, unsqueeze_dim=1)
-        return q.contiguous(), k
-
-    def mlp(self, mlp, x):
-        """The MLP block's output for the normed stream ``x`` ``[B, hidden]``."""
-        if self.fused and type(mlp).__name__ in GATED_SILU_MLPS \
-                and type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation"):
-            return mlp.down_proj(self.kernels.silu_mul(mlp.gate_proj(x), mlp.up_proj(x)))
-        return mlp(x[:, None])[:, 0]
-
-
-class _StepGraph:
-    """The whole decode step captured in a CUDA graph, one per batch composition (ZipFusion §IV-A: the
-    framework runs use CUDA graphs). The step reads its inputs from a static buffer ``[4, batch]`` (tokens,
-    positions, page and in-page offset of the new token) and writes the next tokens into a static output;
-    everything else it reads -- pool, descriptors, page kinds, the static page table, restore payloads and
-    buffer -- stays in place for the composition. The composition's first step runs eagerly (it compiles
-    the kernels and warms up the allocator), the second is captured and replayed, the rest replayed.
-    Without CUDA (or ``enabled=False``) every step runs eagerly through the same function."""
-
-    def __init__(self, step, device, enabled: bool):
-        self.step, self.device, self.enabled = step, device, enabled and device.type == "cuda"
-        self.key = self.graph = self.failed = None
-
-    def replays(self, key) -> bool:
-        """Whether the next :meth:`run` of composition ``key`` only launches (a graph replay, or an eager step
-        without graphs): no warm-up and no capture, which synchronise."""
-        return not self.enabled or (key == self.key and self.graph is not None)
-
-    def run(self, key, host_inputs: torch.Tensor, carry=None):
-        """Launch the step on ``host_inputs`` (CPU int64 ``[4, batch]``). carry: ``(tokens, src)`` -- the tokens
-        of a step still in flight (device int64) and, per row, the index there of the row's input token, or -1
-        to keep ``host_inputs``' (CPU int64 ``[batch]``): the overlapped engine feeds a step the tokens of the
-        one before it on the device, before the host has them.
-        Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"warmup"`` (a composition's
-        first step, eager, before its capture), ``"capture"``, ``"replay"`` or ``"eager"`` (no graphs)."""
-        if key != self.key:
-            self.key, self.graph, self.warm = key, None, False
-            self.inp = torch.empty(host_inputs.shape, dtype=torch.int64, device=self.device)
-            self.out = torch.empty(host_inputs.shape[1], dtype=torch.int64, device=self.device)
-        copy_to_device(self.inp, host_inputs)
-        if carry is not None:
-            tokens, src = carry
-            src = to_device(src, self.device)
-            self.inp[0] = torch.where(src >= 0, tokens[src.clamp(min=0)], self.inp[0])
-        if not self.enabled or not self.warm:
-            mode = "eager" if not self.enabled else "warmup"
-            self.warm = True
-            self.out.copy_(self.step(self.inp))
-            return self.out, mode, 0.0
-        mode, capture_s = "replay", 0.0
-        if self.graph is None:
-            t0 = time.perf_counter()
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    self.out.copy_(self.step(self.inp))
-            except Exception as err:         # a step that cannot be captured still runs, eagerly, and says so
-                import warnings
-                failed_s = time.perf_counter() - t0
-                warnings.warn(f"CUDA graph capture of the decode step failed ({type(err).__name__}: {err}); "
-                              f"running eagerly from now on")
-                torch.cuda.synchronize(self.device)
-                self.enabled, self.failed = False, f"{type(err).__name__}: {err}"
-                self.out.copy_(self.step(self.inp))
-                return self.out, "warmup", failed_s
-            self.graph, mode, capture_s = graph, "capture", time.perf_counter() - t0
-        self.graph.replay()
-        return self.out, mode, capture_s
-
-
-class _Flight:
-    """A launched decode step whose tokens the host has not read yet: its rows ``(request, epoch)``, its
-    tokens on the device (read by the next step, :meth:`_StepGraph.run`'s ``carry``) and their copy to the host,
-    queued behind the step (pinned, non-blocking, with an event, on CUDA), its mode and its memory snapshot."""
-
-    def __init__(self, rows, tokens: torch.Tensor, mode: str, capture_s: float, snapshot: dict):
-        self.rows, self.tokens, self.mode, self.capture_s, self.snapshot = rows, tokens, mode, capture_s, snapshot
-        if tokens.device.type == "cuda":
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.event = tokens.clone(), None     # the next eager step overwrites ``tokens``
-
-    def read(self) -> list:
-        """The step's tokens (waits for this step only, not for steps queued after it)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
-
-
 DECODE_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
 """``config.model_type`` of the models whose decoder layer :meth:`Engine._decode_forward` computes exactly as the model's
 own forward does (pre-norm residual blocks, full-width RoPE, softmax(q·k·scaling) attention, no logit or residual
@@ -559,12 +238,12 @@ class Engine:
     reads of its step), ``"prompt"`` (prompt and prefix pages only, new KV stays raw: ZipFusion's
     throughput setup, §IV-A) or ``"none"`` (or False: the uncompressed baseline). restore: a codec of
     :mod:`zipkv.codecs` (``SplitZip`` / ``Huffman`` instance): the restore-before-attention baseline
-    (:class:`_Restore`; needs ``compress="prompt"``, the codec compressing the prefix, the token layouts);
+    (:class:`~zipkv.engine_step.RestoreBuffer`; needs ``compress="prompt"``, the codec compressing the prefix, the token layouts);
     restore_buffer_pages: raw pages of one layer in its shared restore buffer, taken out of the budget
     (default: ``budget / (num_layers + 1)``, what a batch of raw prefixes would need). attention:
     ``"kernel"`` (fused decode kernel), ``"reference"`` (fp32 torch reference; restore baselines then use
     the codecs' torch decoders) or ``"auto"`` (kernel on CUDA, reference elsewhere). cuda_graphs: capture
-    each batch composition's decode step in a CUDA graph (:class:`_StepGraph`; on CUDA only). k_layout /
+    each batch composition's decode step in a CUDA graph (:class:`~zipkv.engine_step.StepGraph`; on CUDA only). k_layout /
     v_layout: block arrangements of the cache (``zipkv.format``) or ``"auto"`` (:func:`default_layouts`: the mma
     layouts under the fused kernel where the Gluon kernel takes the shape). pages_per_chunk, reserve_ratio: see
     :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. num_splits: the decode kernel's split-KV
@@ -575,7 +254,7 @@ class Engine:
     so the host's scheduling, page-table updates and graph launch of step n + 1 run while the GPU computes step
     n; a request that meets its stop token runs one more step, whose token is dropped. False: launch a step,
     wait for its tokens, then prepare the next. fused_ops: the decode step's norms, rotary embedding and
-    gated MLP product through one kernel each (:class:`_StepOps`, :mod:`zipkv.kernels.fused_ops`) instead of the
+    gated MLP product through one kernel each (:class:`~zipkv.engine_step.StepOps`, :mod:`zipkv.kernels.fused_ops`) instead of the
     modules' chains of small kernels; None (default): on CUDA; True on the CPU needs ``TRITON_INTERPRET=1``.
     """
 
@@ -645,15 +324,15 @@ class Engine:
         self.kv_budget_bytes = kv_budget_bytes
         self.memory = KVMemory(L, self.kv_heads, self.head_dim, budget,
                                pages_per_chunk=pages_per_chunk, k_layout=k_layout, v_layout=v_layout,
-                               device=self.device, pack_slots=_Attention.pack_slots(attention),
+                               device=self.device, pack_slots=StepAttention.pack_slots(attention),
                                extra_bytes=buffer_pages * 2 * self.kv_heads * fmt.page_bytes(self.head_dim),
                                extra_pages=buffer_pages)
-        self.restore = None if restore is None else _Restore(self.memory, restore, buffer_pages, attention == "reference")
-        self.attention = _Attention(self.memory, attention, self.q_heads, model.model.layers[0].self_attn.scaling,
+        self.restore = None if restore is None else RestoreBuffer(self.memory, restore, buffer_pages, attention == "reference")
+        self.attention = StepAttention(self.memory, attention, self.q_heads, model.model.layers[0].self_attn.scaling,
                                     static_kinds=compress == "none" or restore is not None, restore=self.restore,
                                     num_splits=num_splits)
-        self.step_ops = _StepOps(self.head_dim, self.device.type == "cuda" if fused_ops is None else fused_ops)
-        self.graphs = _StepGraph(self._decode_forward, self.device, cuda_graphs)
+        self.step_ops = StepOps(self.head_dim, self.device.type == "cuda" if fused_ops is None else fused_ops)
+        self.graphs = StepGraph(self._decode_forward, self.device, cuda_graphs)
         self.compress = "none" if restore is not None else compress
         self.reserve_ratio, self.max_batch, self.overlap = reserve_ratio, max_batch, overlap
         self.eos = _eos_ids(model, eos_token_id)
@@ -1023,7 +702,7 @@ class Engine:
                     self.memory.compress()                      # the pages this step filled, after its reads
                 self.memory.keep_raw()
                 st = self.memory.snapshot()                     # during the step, before finished requests leave
-                flights.append(_Flight([(r, r.epoch) for r in batch], out, mode, capture_s,
+                flights.append(StepInFlight([(r, r.epoch) for r in batch], out, mode, capture_s,
                                        {k: st[k] for k in ("used_bytes", "chunks_free", "chunks_held", "reassigned")}))
                 while len(flights) > (1 if self.overlap else 0):
                     read()

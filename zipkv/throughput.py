@@ -34,7 +34,7 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 METHODS = {"uncompressed": "none", "zipfusion": "prompt", "splitzip": "prompt", "huffman": "prompt"}
 """Engine compression mode per method: uncompressed stores everything raw; ZipFusion compresses the
 prefix pages, new KV stays raw (§IV-A); the restore baselines (:data:`RESTORE`) keep the prefix as their
-codec's payload and restore it before attention (:class:`zipkv.engine._Restore`)."""
+codec's payload and restore it before attention (:class:`zipkv.engine_step.RestoreBuffer`)."""
 
 RESTORE = ("splitzip", "huffman")
 """The restore-before-attention baselines: SplitZip-style and Huffman (DFloat11-style) of :mod:`zipkv.codecs`."""
