@@ -31,6 +31,7 @@ def bf16_steps(a, b):
     return torch.where(same_bits(a, b), 0, (ia - ib).abs())
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the interpreter's numpy overflows on the inf/nan patterns, as intended
 def test_the_residual_add_rounds_every_bf16_pattern_as_pytorch_does():
     """``h + delta`` over all 65,536 BF16 patterns of ``h`` against deltas that make ties, overflows, NaNs and
     cancellations: rounding to nearest even, to +-inf past the largest value, NaN for NaN."""
@@ -73,6 +74,7 @@ def test_rotary_is_apply_rotary_pos_emb_bit_for_bit(q_heads, kv_heads, head_dim)
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")   # the interpreter's numpy overflows on the inf/nan patterns, as intended
 def test_silu_mul_is_the_llama_mlp_product():
     g = torch.Generator().manual_seed(0)
     gate = (torch.randn(6, 1536, generator=g) * torch.logspace(-2, 1.5, 6)[:, None]).bfloat16().to(DEV)
