@@ -157,6 +157,12 @@ def test_budget_sweep_keeps_the_total_in_every_run_and_is_reused_from_its_cache(
     assert (sweep.heads.uniform <= sweep.heads.select_fit * (1 + 1e-6)).all()
     assert (sweep.heads.pilot >= sweep.heads.uniform * (1 - 1e-6)).all()  # a shorter run is never better
     assert len(sweep.tokens) == 2 * 8 and len(sweep.layers) == 2 * L
+    # §5.2's end-to-end table: its L-BFGS runs are the sweep's uniform runs, solved and assembled anew
+    contexts = A.prepare(tiny, windows, m=8, n_synthetic=8, seed=0)
+    kl = A.optimizer_kl(tiny, contexts, ratio=0.5, m=8, config=kw["config"])
+    lbfgs = kl[kl.optimizer == "lbfgs"].set_index("window").kl
+    assert lbfgs.to_numpy() == pytest.approx(uni.set_index("window").kl.to_numpy(), rel=1e-5)
+    assert set(kl.optimizer) == {"lbfgs", "adam"} and (kl.kl > 0).all()
     again = A.budget_sweep(tiny, windows, **kw)
     assert again.runs.kl.tolist() == sweep.runs.kl.tolist()
     table = A.versus_uniform(sweep.runs, "pilot", 0.5, "pilot_kl")

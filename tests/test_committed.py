@@ -66,7 +66,8 @@ def test_the_optimizer_chapter_from_results_checks_its_layers_and_windows():
                 model_name=None, books_dir=None, n_windows=5, context=2048, continuation=128, m=256, n_synthetic=128,
                 steps=100, seed=0, device="cpu", layers=[2, 15, 28], ratio=0.3, adam_lr=0.01, restarts=100,
                 oracle_windows=1)
-    table, note = analysis.optimizer_chapter(**args)
+    table, kl, note = analysis.optimizer_chapter(**args)
     assert set(table.optimizer) == {"adam", "lbfgs", "oracle"} and "5 windows of N = 2048" in note
+    assert kl is None or set(kl.optimizer) == {"adam", "lbfgs"}      # None until a run commits §5.2's side table
     with pytest.raises(ValueError, match="the chapter asks for"):
         analysis.optimizer_chapter(**{**args, "layers": [2, 14, 26]})

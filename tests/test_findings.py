@@ -57,6 +57,9 @@ SYNTHETIC = {
 }
 # Second tables a chapter writes beside its main one (same run, same commit).
 SIDE_TABLES = {
+    "kvsculpt_optimizer": {"kvsculpt_optimizer_kl": pd.DataFrame({   # window 0 easy (L-BFGS KL < 0.01), window 1 hard
+        "window": [0, 0, 1, 1], "optimizer": ["lbfgs", "adam"] * 2, "kl": [0.005, 0.06, 0.05, 0.1],
+        "label": ["easy", "easy", "hard", "hard"]})},
     "kvsculpt_queries": {"kvsculpt_queries_stats": pd.DataFrame({
         "window": [0, 0], "layer": [0, 1], "consecutive_cosine": [0.9, 0.92], "decode_captured": [0.8, 0.84]})},
 }
@@ -130,12 +133,17 @@ def test_chapters_yet_to_land_light_up(tmp_path):
     assert row.our_value.startswith("llama3.1-8b: 46 → 57") and row.verdict == "reproduced"
 
 
+def starting_with(rows, claim):
+    return rows.loc[rows.index.str.startswith(claim)].iloc[0]
+
+
 def test_each_number_is_computed_as_its_chapter_computes_it(tmp_path):
     """The statistics the chapters and the papers use: the oracle gap only on the windows the oracle ran, the
     Table 8 means as ratios of mean KLs (the paper's "Mean" row), §6's concentration on the hardest window."""
     rows = findings.findings(_results_copy(tmp_path, extra=SYNTHETIC)).set_index("claim")
     assert rows.loc["one L-BFGS run above the 100-restart oracle (gap)"].our_value == "4–5%"   # window 0's runs only
     assert rows.loc["Adam's per-layer MSE over L-BFGS's"].our_value == "10.0–25.0×"           # means over both windows
+    assert starting_with(rows, "Adam's end-to-end KL").our_value == "12.00× (1 easy window)"   # window 0 only: 0.06 / 0.005
     assert rows.loc["per-layer allocation: mean KL vs uniform"].our_value == "1.05×"          # 0.0575 / 0.055
     assert rows.loc["per-layer + per-head allocation: mean KL vs uniform"].our_value == "1.00×"
     assert rows.loc["share of the KL in the top 5 of 128 tokens (hard sequence)"].our_value == "80%"  # window 1: KL 0.3

@@ -377,6 +377,20 @@ def _optimizer_gap(kind: str):
     return ours
 
 
+def _adam_kl(res: Results):
+    """§5.2 from the optimizer chapter's side table (:func:`zipkv.distill.analysis.optimizer_kl`): Adam's KL over
+    L-BFGS's on the easy windows, or on every window where none is easy; None before a run committed it."""
+    from zipkv.distill.analysis import adam_over_lbfgs
+
+    if not res.has("kvsculpt_optimizer_kl"):
+        return None
+    _, (ratio, which) = adam_over_lbfgs(res["kvsculpt_optimizer_kl"])
+    lo, hi = _span(ratio)
+    n = len(ratio)
+    where = f"{n} easy window{'s' * (n > 1)}" if which == "easy" else f"all {n} windows, none easy"
+    return Measured((lo, hi), (f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×") + f" ({where})")
+
+
 def _best_far_strategy(res: Results):
     far = res["kvsculpt_queries"].query("horizon == 'far'").groupby("strategy").cosine.mean()
     return Measured(far.idxmax(), f"{far.idxmax()} ({far.max():.3f})")
@@ -732,8 +746,8 @@ CLAIMS: list[Claim] = [
           better=None, fmt="{:.0%}"),
     Claim(K, "Table 3", "Adam's per-layer MSE over L-BFGS's", "kvsculpt_optimizer", pv.KVSCULPT_TABLE3_ADAM_RANGE,
           _optimizer_gap("adam"), fmt="{:.1f}×", slack=1.1),
-    Claim(K, "§5.2", "Adam's end-to-end KL over L-BFGS's on easy sequences (not measured here: the chapter compares "
-          "per-layer objectives)", "kvsculpt_optimizer", pv.KVSCULPT_ADAM_KL_RANGE, None, fmt="{:.0f}×"),
+    Claim(K, "§5.2", "Adam's end-to-end KL over L-BFGS's on easy sequences (every layer solved by each; all windows "
+          "where none is easy)", "kvsculpt_optimizer", pv.KVSCULPT_ADAM_KL_RANGE, _adam_kl, fmt="{:.0f}×"),
     Claim(K, "Table 3", "one L-BFGS run above the 100-restart oracle (gap)", "kvsculpt_optimizer",
           pv.KVSCULPT_TABLE3_GAP_RANGE, _optimizer_gap("oracle"), better="lower", fmt="{:.0%}", slack=1.25),
     Claim(K, "Table 4", "best query strategy at the far horizon (4096 tokens)", "kvsculpt_queries",

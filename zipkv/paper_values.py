@@ -30,11 +30,11 @@ KVSCULPT_TABLE2 = pd.DataFrame({
     "improvement": [15.8, 1.2, 1.8, 40.5, 25.5],
 })
 KVSCULPT_EASY_KL = 0.01
+"""§5.1: a sequence is *easy* when KVSculpt's KL at r = 0.3 is below this."""
 KVSCULPT_SELECT_FIT_ABOVE = 0.1
 """§5.1: "Select+Fit remains at KL > 0.1 for all sequences, including the easy ones" (r = 0.3)."""
 KVSCULPT_ADAM_KL_RANGE = (8, 15)
 """§5.2: Adam's per-layer MSE "translates to 8–15× worse end-to-end KL on easy sequences"."""
-"""§5.1: a sequence is *easy* when KVSculpt's KL at r = 0.3 is below this."""
 
 KVSCULPT_TABLE1_SEQUENCES = 5
 """Table 1 and Table 2 average over 5 PG19 sequences."""

@@ -9,6 +9,7 @@ step python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py tests/tes
   -k "packed_pages or lossless or reads or sentences or changed or same_kernel or fused_kernel_greedy"
 step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_lossless_format
 step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_throughput
+step python3 -m zipkv book --profile paper --force --no-html --only kvsculpt_optimizer     # §5.2's end-to-end KL table
 # the chapters whose committed runs lack a side table their page shows (from_results renders the rest on a CPU)
 step python3 -m zipkv book --profile paper --force --no-html --only kvsculpt_kl_sources    # ~3 min: held-out objectives
 step python3 -m zipkv book --profile paper --force --no-html --only distill_speed          # ~5 min: per-problem losses

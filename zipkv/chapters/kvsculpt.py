@@ -269,3 +269,27 @@ def static_budget_figure(v_norm: pd.DataFrame, table: pd.DataFrame, k: int, kv_h
     b.set(xlabel="window / sequence", ylabel="KL, ‖V‖ allocation / uniform (×)", title="vs uniform")
     b.legend()
     return fig
+
+
+def optimizer_kl_text(kl: pd.DataFrame | None) -> str:
+    """§5.2's end-to-end sentence for the optimizer chapter from :func:`zipkv.distill.analysis.optimizer_kl`'s table,
+    or, where the run behind the page did not measure it (``kl`` None), that it needs a run."""
+    from zipkv.distill.analysis import adam_over_lbfgs
+
+    paper = (f"(paper: {pv.KVSCULPT_ADAM_KL_RANGE[0]}–{pv.KVSCULPT_ADAM_KL_RANGE[1]}× worse on its easy sequences, "
+             f"those with KVSculpt KL < {pv.KVSCULPT_EASY_KL:g})")
+    if kl is None:
+        return (f"**End to end (§5.2).** Adam's KL over L-BFGS's with every layer solved by each {paper} is not in the "
+                "committed run: it needs a run of this chapter (`python -m zipkv book --profile paper --only "
+                "kvsculpt_optimizer --force`).")
+    ratio, (claimed, which) = adam_over_lbfgs(kl)
+    lb = kl[kl.optimizer == "lbfgs"].kl
+    n = len(claimed)
+    scope = (f"on the {n} easy window{'s' * (n > 1)}" if which == "easy" else
+             f"over all {n} window{'s' * (n > 1)}, none of which is easy by the paper's rule (L-BFGS KL "
+             f"{lb.min():.3g}–{lb.max():.3g})")
+    span = f"{claimed.min():.2f}×" if f"{claimed.min():.2f}" == f"{claimed.max():.2f}" else \
+        f"{claimed.min():.2f}–{claimed.max():.2f}×"
+    return (f"**End to end (§5.2).** With every layer's and KV head's problem solved by Adam instead of L-BFGS (uniform "
+            f"budget, same start and gradient budget), the KL over the continuation is {span} L-BFGS's {scope}. Per "
+            "window: " + ", ".join(f"{w}: {r:.2f}×" for w, r in ratio.items()) + f" {paper}.")

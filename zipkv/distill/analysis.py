@@ -7,6 +7,7 @@ evaluates the results with :mod:`zipkv.distill.evaluate`:
 
 * :func:`optimizer_study` — Table 3: per-layer objective of Adam, L-BFGS (one run) and an oracle of
   random L-BFGS restarts (which includes the single run), on training and held-out real queries.
+* :func:`optimizer_kl` — §5.2: end-to-end KL with every problem solved by Adam and by L-BFGS.
 * :func:`query_study` — §3.3 statistics of content vectors and Table 4: each synthetic-query
   strategy by attention-output cosine against real queries from further along the same book.
 * :func:`budget_sweep` — Tables 5–8 and Appendix B: uniform, ``‖V‖^α``, pilot-MSE^α per layer and
@@ -29,6 +30,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from zipkv.models import rope_of
+from zipkv.paper_values import KVSCULPT_EASY_KL
 
 from . import budget as budget_mod
 from .baselines import Problem, PreparedBatch, Solution, problem_loss
@@ -158,15 +160,19 @@ def budget_chapter(*, from_results: bool, committed_csv, results_csv, model_name
 
 def optimizer_chapter(*, from_results: bool, committed_csv, model_name, books_dir, n_windows, context, continuation,
                       m, n_synthetic, steps, seed, device, layers, ratio, adam_lr, restarts, oracle_windows):
-    """Table 3's ``(table, note)``: :func:`optimizer_study` run (its ``table``), or with ``from_results`` the table
-    committed at ``committed_csv``, checked against the chapter's ``layers``, ``n_windows`` and ``oracle_windows``."""
+    """Table 3's and §5.2's ``(table, kl, note)``: :func:`optimizer_study` run (its ``table``) and :func:`optimizer_kl`
+    on the same windows, or with ``from_results`` the table committed at ``committed_csv``, checked against the
+    chapter's ``layers``, ``n_windows`` and ``oracle_windows``, and its side table ``kl`` (None where no run has
+    committed one)."""
     if not from_results:
         ch = chapter(model_name=model_name, books_dir=books_dir, n_windows=n_windows, context=context,
                      continuation=continuation, m=m, n_synthetic=n_synthetic, steps=steps, seed=seed, device=device)
+        contexts = prepare(ch.model, ch.windows, m=m, n_synthetic=n_synthetic, seed=seed)
         table, _ = optimizer_study(ch.model, ch.windows, layers=layers, ratio=ratio, m=m, n_synthetic=n_synthetic,
                                    config=ch.config, adam_lr=adam_lr, restarts=restarts, oracle_windows=oracle_windows,
-                                   seed=seed)
-        return table, ch.note
+                                   seed=seed, contexts=contexts)
+        kl = optimizer_kl(ch.model, contexts, ratio=ratio, m=m, config=ch.config, adam_lr=adam_lr)
+        return table, kl, ch.note
     from zipkv import committed, models
 
     table = committed.read_committed_csv(committed_csv)
@@ -176,8 +182,8 @@ def optimizer_chapter(*, from_results: bool, committed_csv, model_name, books_di
     if seen != asked:
         raise ValueError(f"from_results: the committed table {committed_csv} has {seen}, the chapter asks for {asked}; "
                          "run the chapter, or render it with the committed run's parameters")
-    return table, rendered_note(model_name or models.EMBEDDED_NAME, n_windows, context, continuation, m, n_synthetic,
-                                steps, "the committed table")
+    return table, committed.read_committed_side(committed_csv, "kl"), rendered_note(
+        model_name or models.EMBEDDED_NAME, n_windows, context, continuation, m, n_synthetic, steps, "the committed table")
 
 
 # --- one window, captured once --------------------------------------------------------------------------------
@@ -346,19 +352,21 @@ def oracle_search(problems: Sequence[Problem], single, config: SculptConfig, *, 
 
 def optimizer_study(model, windows: Sequence, *, layers: Sequence[int], ratio: float = 0.3, m: int = 256,
                     n_synthetic: int = 128, config: SculptConfig | None = None, adam_lr: float = 1e-2,
-                    restarts: int = 100, oracle_windows: int = 1, seed: int = 0):
+                    restarts: int = 100, oracle_windows: int = 1, seed: int = 0, contexts: Sequence[Context] | None = None):
     """Table 3: per-layer objective (mean over KV heads) of Adam, L-BFGS (one run) and the oracle.
 
     Returns ``(table, heads)``: ``table`` has ``window, layer, optimizer, mse_train, mse_heldout`` (held out:
     the continuation's real queries) and ``k``, means over KV heads; ``heads`` the same per KV head. The
-    oracle runs on the first ``oracle_windows`` windows only.
+    oracle runs on the first ``oracle_windows`` windows only. ``contexts``: the windows already
+    :func:`prepare`-d with this ``m``, ``n_synthetic`` and ``seed`` (None: prepared here).
     """
     import pandas as pd
 
     cfg = config or SculptConfig()
     if not 0 <= oracle_windows <= len(windows):
         raise ValueError(f"oracle_windows={oracle_windows}: expected 0 … {len(windows)} (the number of windows)")
-    contexts = prepare(model, windows, m=m, n_synthetic=n_synthetic, seed=seed)
+    if contexts is None:
+        contexts = prepare(model, windows, m=m, n_synthetic=n_synthetic, seed=seed)
     k = budget_for_ratio(ratio, contexts[0].n_context, m)
     L = len(contexts[0].capture.layers)
     if not layers or any(not 0 <= int(l) < L for l in layers):
@@ -383,6 +391,47 @@ def optimizer_study(model, windows: Sequence, *, layers: Sequence[int], ratio: f
     heads = pd.DataFrame(rows)
     table = heads.groupby(["window", "layer", "optimizer"], as_index=False)[["mse_train", "mse_heldout", "k"]].mean()
     return table, heads
+
+
+def optimizer_kl(model, contexts: Sequence[Context], *, ratio: float = 0.3, m: int = 256,
+                 config: SculptConfig | None = None, adam_lr: float = 1e-2, easy_kl: float = KVSCULPT_EASY_KL):
+    """§5.2's end-to-end claim ("8–15× worse end-to-end KL on easy sequences"): per window, KL(full ‖ compressed)
+    over the continuation, every layer's and KV head's problem (uniform ``k`` at ``ratio``) solved by L-BFGS
+    (:func:`solve_jobs`) and by Adam (:func:`adam_solve`, the same start and gradient budget).
+
+    Returns a DataFrame ``window, optimizer, kl, label`` (``lbfgs`` and ``adam`` per window; label ``easy`` where
+    L-BFGS's KL is below ``easy_kl``, §5.1's definition, else ``hard``)."""
+    import numpy as np
+    import pandas as pd
+
+    cfg = config or SculptConfig()
+    N = contexts[0].n_context
+    k = budget_for_ratio(ratio, N, m)
+    L, H = len(contexts[0].capture.layers), contexts[0].capture.layers[0].keys.shape[0]
+    uniform = budget_mod.uniform(L, H, k, k_max=N - m)
+    jobs = [with_budget(ctx, uniform) for ctx in contexts]
+    lbfgs = solve_jobs(jobs, cfg)
+    adam = adam_solve([p for job in jobs for p in job], cfg, lr=adam_lr)
+    rows, at = [], 0
+    for w, (ctx, job, sols) in enumerate(zip(contexts, jobs, lbfgs)):
+        for name, solved in (("lbfgs", sols), ("adam", adam[at:at + len(job)])):
+            run = teacher_force(model, assemble(ctx, ratio, uniform, solved, m=m), ctx.continuation)
+            rows.append(dict(window=w, optimizer=name, kl=float(kl_divergence(ctx.reference.logits, run.logits).mean())))
+        at += len(job)
+    table = pd.DataFrame(rows)
+    lbfgs_kl = table[table.optimizer == "lbfgs"].set_index("window").kl
+    table["label"] = np.where(table.window.map(lbfgs_kl) < easy_kl, "easy", "hard")
+    return table
+
+
+def adam_over_lbfgs(kl) -> tuple:
+    """From :func:`optimizer_kl`'s table: per window Adam's KL over L-BFGS's (a Series indexed by window), and the
+    windows the paper's claim is about -- the easy ones, or every window where none is easy -- with their label
+    (``"easy"`` or ``"all"``)."""
+    wide = kl.pivot_table(index="window", columns="optimizer", values="kl")
+    ratio = wide.adam / wide.lbfgs
+    easy = sorted(kl[kl.label == "easy"].window.unique())
+    return ratio, (ratio.loc[easy], "easy") if easy else (ratio, "all")
 
 
 # --- §3.3 statistics and Table 4: training queries -------------------------------------------------------------
