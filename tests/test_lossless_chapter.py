@@ -1,5 +1,5 @@
 """zipkv.chapters.lossless: does the decode kernel read packed pages without changing a bit of its output (the
-Triton kernel under TRITON_INTERPRET=1 here; the Gluon kernel's case runs on the GPU in test_decode_mma.py), and
+Triton kernel: under TRITON_INTERPRET=1 without a GPU, on the GPU otherwise; the Gluon kernel's case runs on the GPU in test_decode_mma.py), and
 the chapter's sentences from its tables."""
 import os
 from types import SimpleNamespace
@@ -23,7 +23,8 @@ def _capture(T=41, H=2, G=3, D=32, seed=0, outlier=False):
     if outlier:
         k[:, 3, 0] = 3e4
     q = torch.randn(H * G, T, D, generator=g)
-    layer = SimpleNamespace(keys=k.bfloat16(), values=v.bfloat16(), queries=q.bfloat16())
+    device = "cuda" if torch.cuda.is_available() else "cpu"     # the interpreter runs only where there is no GPU
+    layer = SimpleNamespace(**{name: t.bfloat16().to(device) for name, t in (("keys", k), ("values", v), ("queries", q))})
     return SimpleNamespace(layers=[layer, layer])
 
 
