@@ -220,7 +220,10 @@ def identity_text(reads: pd.DataFrame, generations: pd.DataFrame, *, new_tokens:
 def identity_table(reads: pd.DataFrame, generations: pd.DataFrame) -> pd.DataFrame:
     """The two checks as one table, a row each: ``check`` "read" (:func:`read_identity`'s columns) or "generation"
     (:func:`generation_identity`'s)."""
-    return pd.concat([reads.assign(check="read"), generations.assign(check="generation")], ignore_index=True)
+    table = pd.concat([reads.assign(check="read"), generations.assign(check="generation")], ignore_index=True)
+    counts = [c for c in table.columns if c in ("window", "layer", "splits", "outputs", "identical", "request",
+                                                "first_difference")]
+    return table.astype({c: "Int64" for c in counts})     # integers stay integers beside the other check's gaps
 
 
 def _same_kernel(generations: pd.DataFrame) -> pd.DataFrame:
