@@ -388,7 +388,7 @@ def _adam_kl(res: Results):
     lo, hi = _span(ratio)
     n = len(ratio)
     where = f"{n} easy window{'s' * (n > 1)}" if which == "easy" else f"all {n} windows, none easy"
-    return Measured((lo, hi), (f"{lo:.2f}×" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×") + f" ({where})")
+    return Measured((lo, hi), f"{_fmt((lo, hi), '{:.2f}×')} ({where})")
 
 
 def _best_far_strategy(res: Results):
