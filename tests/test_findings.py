@@ -133,22 +133,18 @@ def test_chapters_yet_to_land_light_up(tmp_path):
     assert row.our_value.startswith("llama3.1-8b: 46 → 57") and row.verdict == "reproduced"
 
 
-def starting_with(rows, claim):
-    return rows.loc[rows.index.str.startswith(claim)].iloc[0]
-
-
 def test_each_number_is_computed_as_its_chapter_computes_it(tmp_path):
     """The statistics the chapters and the papers use: the oracle gap only on the windows the oracle ran, the
     Table 8 means as ratios of mean KLs (the paper's "Mean" row), §6's concentration on the hardest window."""
     rows = findings.findings(_results_copy(tmp_path, extra=SYNTHETIC)).set_index("claim")
     assert rows.loc["one L-BFGS run above the 100-restart oracle (gap)"].our_value == "4–5%"   # window 0's runs only
     assert rows.loc["Adam's per-layer MSE over L-BFGS's"].our_value == "10.0–25.0×"           # means over both windows
-    assert starting_with(rows, "Adam's end-to-end KL").our_value == "12.00× (1 easy window)"   # window 0 only: 0.06 / 0.005
     assert rows.loc["per-layer allocation: mean KL vs uniform"].our_value == "1.05×"          # 0.0575 / 0.055
     assert rows.loc["per-layer + per-head allocation: mean KL vs uniform"].our_value == "1.00×"
     assert rows.loc["share of the KL in the top 5 of 128 tokens (hard sequence)"].our_value == "80%"  # window 1: KL 0.3
     assert rows.loc["per-token KL, max over mean (hard sequence)"].our_value == "60×"
     starting = lambda claim: rows.loc[rows.index.str.startswith(claim)].iloc[0]               # noqa: E731
+    assert starting("Adam's end-to-end KL").our_value == "12.00× (1 easy window)"             # window 0 only: 0.06 / 0.005
     share = starting("decompression's share of the decode step")                          # 6 / 17 and 20 / 30
     assert (share.our_value, share.verdict) == ("35.3–66.7 % of restore + attention (2 codecs)", "not comparable")
     layer = starting("one layer is the most asymmetric")                                   # layers 0 and 15: a tie
