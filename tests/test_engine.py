@@ -1072,3 +1072,37 @@ def test_the_chapters_row_sets_and_its_cpu_verdict():
         [THROUGHPUT_PAPER_MODEL], [THROUGHPUT_UNFUSED_MODEL], [THROUGHPUT_MMA_BASELINE_MODEL], "")
     text = chapter.e2e_verdict(table, {"zipfusion": dict(identical=4, requests=4, first_difference=[])})
     assert "largest batch 2 (uncompressed) → 3 (ZipFusion), 3 (SplitZip), 2 (Huffman)" in text
+
+
+def test_each_gpu_run_of_the_chapter_joins_its_table_of_runs(tmp_path):
+    """A GPU run appends one row (its bars' ratios, step times, clocks, board) to the side table beside its main
+    table, keeping the rows already there; the chapter reads that table beside this run's table, else beside the
+    committed one, and states the ratio's range over the runs (in the verdict, too) and how many meet the bar."""
+    import pandas as pd
+
+    from zipkv.chapters import throughput as chapter
+
+    big = pd.DataFrame({"method": ["uncompressed", "zipfusion"] * 2, "batch": [32, 32, 46, 57], "max_batch": [46, 57] * 2,
+                        "tokens_per_s": [2200.0, 2450.0, 2600.0, 3250.0], "step_ms": [14.5, 13.1, 17.7, 17.5],
+                        "kv_budget_bytes": [2**30] * 4, "frac_compressed_k": [0, 0.8] * 2, "frac_compressed_v": [0, 0.9] * 2,
+                        "stored_bits_per_value": [16.0, 12.6] * 2, "sm_clock_mhz": [1980.0, 1980.0, 1950.0, 1830.0],
+                        "frac_power_capped": [0.0, 0.1, 0.5, 0.75]})
+    record = {"date": "2026-12-05 17:53 UTC", "commit": "abc1234", "device": "NVIDIA H200 (CUDA 13.0)"}
+    main = tmp_path / "zipfusion_throughput.csv"
+    assert chapter.gpu_runs(main, None).empty
+    chapter.append_gpu_run(main, chapter.gpu_run_row(big, None, record, 32))
+    slower = big.assign(tokens_per_s=[2200.0, 2450.0, 2600.0, 3100.0], step_ms=[14.5, 13.1, 17.7, 18.4])
+    chapter.append_gpu_run(main, chapter.gpu_run_row(slower, None, {**record, "gpu_uuid": "GPU-9f3e"}, 32))
+    runs = chapter.gpu_runs(main, None)
+    assert list(runs.commit) == ["abc1234"] * 2 and list(runs.gpu_uuid) == ["unrecorded", "GPU-9f3e"]
+    assert list(runs.zipfusion_max_batch) == [57, 57] and runs.tokens_per_s_ratio_mma_baseline.isna().all()
+    assert list(runs.tokens_per_s_ratio.round(4)) == [1.25, 1.1923] and list(runs.zipfusion_sm_clock_mhz) == [1830.0] * 2
+    assert list(runs.uncompressed_frac_power_capped) == [0.5, 0.5]
+    assert chapter.gpu_runs(tmp_path / "elsewhere.csv", main).equals(runs)      # no table here: the committed one's
+    text = chapter.gpu_runs_text(runs)
+    assert "2 GPU runs" in text and "1 board identified, 1 run from before the board was recorded" in text
+    assert "between 1.192× and 1.250×" in text and "the tokens/s bar is met in 1 of them" in text
+    assert chapter.gpu_runs_text(runs.iloc[:1]) == ""
+    assert "Over this chapter's 2 GPU runs the tokens/s ratio ranges 1.192–1.250×" in chapter.verdict(big, 32, runs=runs)[0]
+    assert "GPU runs" not in chapter.verdict(big, 32, runs=runs.iloc[:1])[0]
+    assert "1.192×" in chapter.gpu_runs_table(runs).to_html()

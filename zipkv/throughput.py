@@ -248,6 +248,16 @@ def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24,
     return pd.DataFrame(rows).assign(device=run["device"], commit=run["commit"], date=run["date"])
 
 
+def gpu_run_record() -> dict:
+    """This run's provenance (:func:`zipkv.book.provenance`: ``device``, ``commit``, ``date``, ...) and, on a GPU,
+    ``gpu_uuid``: the board, which tells apart two GPUs of one model (their power draw and clocks differ)."""
+    from zipkv import book
+    record = book.provenance("throughput")
+    if torch.cuda.is_available():
+        record["gpu_uuid"] = str(torch.cuda.get_device_properties(0).uuid)
+    return record
+
+
 def _run_columns(st: dict) -> dict:
     """The table's columns every run has, from :meth:`zipkv.engine.Engine.generate`'s ``stats``."""
     return dict(batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],

@@ -473,9 +473,10 @@ def bar_checks(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256
     return out
 
 
-def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, mma_rows=None):
+def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, mma_rows=None, runs=None):
     """The chapter's verdict from the Llama-8B-shape rows ``big``: ``(markdown, kind)``; with ``mma_rows`` (rows of
-    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`) also ZipFusion's tokens/s over that uncompressed engine's."""
+    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`) also ZipFusion's tokens/s over that uncompressed engine's,
+    with ``runs`` (:func:`gpu_runs`, two or more) the tokens/s ratio's range over the chapter's GPU runs."""
     from zipkv import paper_values as pv
     c = bar_checks(big, fixed_batch, context, new_tokens)
     z, u, b = c["z"], c["u"], c["best_row"]
@@ -508,6 +509,10 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, m
         ratio, _, m = vs
         text += (f"Against the engine's own uncompressed default on a GPU (the mma layouts, the Gluon kernel's raw path; "
                  f"batch {m.batch}): **{ratio:.3f}×** tokens/s. ")
+    if runs is not None and len(runs) > 1:
+        r = runs.tokens_per_s_ratio
+        text += (f"Over this chapter's {len(runs)} GPU runs the tokens/s ratio ranges {r.min():.3f}–{r.max():.3f}× "
+                 "(\"From run to run\", below). ")
     text += (f"*This project's own targets* (not the paper's): largest batch ≥ {BARS['max_batch']}× {mark('max_batch')}, "
              f"tokens/s ≥ {BARS['tokens_per_s']}× {mark('tokens_per_s')}, ≥ {BARS['vs_restore']}× the best restore "
              f"baseline {mark('vs_restore')}. ")
@@ -618,3 +623,78 @@ def scheduler_text(big) -> str:
         return ("Every method ran with the overlapped scheduler (`Engine(overlap=True)`, SGLang's overlap scheduling): "
                 "the host prepares and launches each step while the GPU computes the one before.")
     return f"{int(on.sum())} of {len(on)} rows ran with the overlapped scheduler, the others sequentially."
+
+
+RUNS_SIDE = "runs"
+"""The chapter's side table of its GPU runs (:func:`zipkv.committed.side_table` of the main table): one row per run
+of the Fig. 5 setting (:func:`gpu_run_row`), appended by each GPU run, so that the spread from run to run and from
+board to board (power cap, SM clock) stays beside the one run the chapter shows."""
+
+
+def gpu_run_row(big, mma_rows, record: dict, fixed_batch: int, context: int = 8192, new_tokens: int = 256) -> dict:
+    """One row of :data:`RUNS_SIDE` from a run's Llama-8B-shape rows ``big`` and ``mma_rows`` and its provenance
+    ``record`` (``date``, ``commit``, ``device``; ``gpu_uuid`` where known): the largest batches, the bars' ratios
+    (:func:`bar_checks`, :func:`vs_mma_baseline`), the step times and each method's SM clock and power-capped share."""
+    c = bar_checks(big, fixed_batch, context, new_tokens)
+    z, u = c["z"], c["u"]
+    vs = vs_mma_baseline(big, mma_rows)
+    return {"date": record["date"], "commit": record["commit"], "device": record["device"],
+            "gpu_uuid": record.get("gpu_uuid", "unrecorded"),
+            "uncompressed_max_batch": int(u.batch), "zipfusion_max_batch": int(z.batch),
+            "max_batch_ratio": c["max_batch"], "tokens_per_s_ratio": c["tokens_per_s"],
+            "tokens_per_s_ratio_mma_baseline": vs[0] if vs else float("nan"),
+            "uncompressed_step_ms": u.step_ms, "zipfusion_step_ms": z.step_ms,
+            **{f"{m}_{col}": r.get(col, float("nan")) for m, r in (("uncompressed", u), ("zipfusion", z))
+               for col in ("sm_clock_mhz", "frac_power_capped")}}
+
+
+def append_gpu_run(results_csv, row: dict) -> None:
+    """Append ``row`` (:func:`gpu_run_row`) to the :data:`RUNS_SIDE` table beside ``results_csv``."""
+    import pandas as pd
+    from zipkv.committed import side_table
+    path = side_table(results_csv, RUNS_SIDE)
+    runs = pd.read_csv(path) if path.exists() else pd.DataFrame()
+    pd.concat([runs, pd.DataFrame([row])], ignore_index=True).to_csv(path, index=False)
+
+
+def gpu_runs(results_csv=None, committed_csv=None):
+    """The :data:`RUNS_SIDE` table beside ``results_csv`` (this run's results folder), else beside ``committed_csv``;
+    an empty frame where neither has one."""
+    import pandas as pd
+    from zipkv.committed import side_table
+    for main in (results_csv, committed_csv):
+        if main is not None and side_table(main, RUNS_SIDE).exists():
+            return pd.read_csv(side_table(main, RUNS_SIDE))
+    return pd.DataFrame()
+
+
+def gpu_runs_text(runs) -> str:
+    """One paragraph over the chapter's GPU runs ``runs`` (:func:`gpu_runs`): how many, on how many boards, and the
+    range of the tokens/s ratio and of ZipFusion's SM clock; empty for fewer than two runs."""
+    if len(runs) < 2:
+        return ""
+    boards = runs.gpu_uuid[runs.gpu_uuid != "unrecorded"].nunique()
+    unknown = int((runs.gpu_uuid == "unrecorded").sum())
+    r, clock = runs.tokens_per_s_ratio, runs.zipfusion_sm_clock_mhz
+    return (f"**From run to run.** This chapter's {len(runs)} GPU runs of this setting (table below; "
+            f"{boards} board{'s' if boards != 1 else ''} identified"
+            + (f", {unknown} run{'s' if unknown != 1 else ''} from before the board was recorded" if unknown else "")
+            + f"), {runs.date.min()} to {runs.date.max()}, put ZipFusion/uncompressed tokens/s at the largest batches "
+            f"between {r.min():.3f}× and {r.max():.3f}× and ZipFusion's median SM clock between {clock.min():.0f} and "
+            f"{clock.max():.0f} MHz: the tokens/s bar is met in {int((r >= BARS['tokens_per_s']).sum())} of them. The "
+            "chapter shows the latest run; each row names the commit that ran.")
+
+
+def gpu_runs_table(runs):
+    """The :data:`RUNS_SIDE` table as a reader compares the runs (a pandas Styler)."""
+    cols = {"date": "date", "commit": "commit", "gpu_uuid": "GPU", "zipfusion_max_batch": "ZipFusion batch",
+            "uncompressed_max_batch": "uncompressed batch", "tokens_per_s_ratio": "tokens/s ratio",
+            "tokens_per_s_ratio_mma_baseline": "vs mma-layout baseline", "zipfusion_step_ms": "ZipFusion step (ms)",
+            "uncompressed_step_ms": "uncompressed step (ms)", "zipfusion_sm_clock_mhz": "ZipFusion SM clock (MHz)",
+            "zipfusion_frac_power_capped": "ZipFusion power-capped", "uncompressed_frac_power_capped":
+            "uncompressed power-capped"}
+    t = runs[list(cols)].rename(columns=cols).assign(GPU=lambda d: d.GPU.str.slice(0, 13))
+    return t.style.format({"tokens/s ratio": "{:.3f}×", "vs mma-layout baseline": "{:.3f}×",
+                           "ZipFusion step (ms)": "{:.2f}", "uncompressed step (ms)": "{:.2f}",
+                           "ZipFusion SM clock (MHz)": "{:.0f}", "ZipFusion power-capped": "{:.0%}",
+                           "uncompressed power-capped": "{:.0%}"}, na_rep="–").hide(axis="index")
