@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU work of the open issues, in order of importance (what is still unmeasured first, in case the device
-# time runs out): the throughput chapter, the GPU-only tests, then paper-profile chapters whose committed runs
-# lack a side table their page shows. (The optimizer, KL-sources and Table 1 chapters were run with all their
-# side tables on an H100 at 9b2c071 / 0b588f5; add a chapter here when its code changes.)
+# The GPU work of the open issues, in order of importance (in case the device time runs out): the throughput
+# chapter (each H200 run adds a row to its table of runs: the spread from board to board), then the GPU-only
+# tests. (Every other chapter's committed run is current: distill speed and lossless at 547aa61 on an H200, the
+# optimizer, KL-sources and Table 1 chapters at 9b2c071 / 0b588f5 on an H100; add a chapter here when its code changes.)
 cd /root/run
 export PYTHONPATH=/tmp/site:$PWD ZIPKV_GGUF=/root/zipkv/SmolLM2-135M-Instruct.Q4_1.gguf ZIPKV_PG19=$PWD/.gpu/pg19
 export ZIPKV_COMMIT=$(cat COMMIT)   # the tree here is no git checkout: the provenance boxes name the commit it is
@@ -13,6 +13,4 @@ timed() { if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; t
 timed python3 -m zipkv book --profile paper --force --no-html --only zipfusion_throughput   # ~6 min
 step python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py tests/test_lossless_chapter.py tests/test_engine.py \
   -k "packed_pages or lossless or reads or sentences or changed or same_kernel or fused_kernel_greedy"
-timed python3 -m zipkv book --profile paper --force --no-html --only distill_speed          # ~5 min: per-problem losses
-step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_lossless_format   # committed: H200, 7c07200
 touch JOB-DONE

@@ -676,10 +676,10 @@ def gpu_runs_text(runs) -> str:
     boards = runs.gpu_uuid[runs.gpu_uuid != "unrecorded"].nunique()
     unknown = int((runs.gpu_uuid == "unrecorded").sum())
     r, clock = runs.tokens_per_s_ratio, runs.zipfusion_sm_clock_mhz
-    return (f"**From run to run.** This chapter's {len(runs)} GPU runs of this setting (table below; "
-            f"{boards} board{'s' if boards != 1 else ''} identified"
-            + (f", {unknown} run{'s' if unknown != 1 else ''} from before the board was recorded" if unknown else "")
-            + f"), {runs.date.min()} to {runs.date.max()}, put ZipFusion/uncompressed tokens/s at the largest batches "
+    which = ([f"{boards} board{'s' if boards != 1 else ''} identified"] if boards else []) + (
+        [f"{unknown} run{'s' if unknown != 1 else ''} from before the board was recorded"] if unknown else [])
+    return (f"**From run to run.** This chapter's {len(runs)} GPU runs of this setting (table below; {', '.join(which)}), "
+            f"{runs.date.min()} to {runs.date.max()}, put ZipFusion/uncompressed tokens/s at the largest batches "
             f"between {r.min():.3f}× and {r.max():.3f}× and ZipFusion's median SM clock between {clock.min():.0f} and "
             f"{clock.max():.0f} MHz: the tokens/s bar is met in {int((r >= BARS['tokens_per_s']).sum())} of them. The "
             "chapter shows the latest run; each row names the commit that ran.")
