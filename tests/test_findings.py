@@ -259,6 +259,22 @@ def test_the_mma_baseline_row_waits_for_a_throughput_run_that_timed_it(tmp_path)
     assert row.verdict == findings.BEYOND and row.our_value == "1.226× (3,250 tokens/s at batch 57 over 2,650 at batch 46)"
 
 
+def test_the_run_to_run_row_waits_for_two_gpu_runs_of_the_throughput_chapter(tmp_path):
+    """The throughput chapter's table of GPU runs: "not yet run" without it or with one run; with more, the range of
+    the tokens/s ratio, of ZipFusion's SM clock, and in how many runs the project's bar holds."""
+    claim = [c for c in findings.CLAIMS if c.ours is findings._throughput_runs]
+    pd.DataFrame({"model": ["x"]}).to_csv(tmp_path / "zipfusion_throughput.csv", index=False)
+    assert findings.findings(tmp_path, claim).iloc[0].verdict == "not yet run"
+    runs = pd.DataFrame({"tokens_per_s_ratio": [1.2505, 1.2068, 1.231], "zipfusion_sm_clock_mhz": [1935.0, 1830.0, 1900.0]})
+    runs.iloc[:1].to_csv(tmp_path / "zipfusion_throughput_runs.csv", index=False)
+    assert findings.findings(tmp_path, claim).iloc[0].verdict == "not yet run"
+    runs.to_csv(tmp_path / "zipfusion_throughput_runs.csv", index=False)
+    row = findings.findings(tmp_path, claim).iloc[0]
+    assert row.verdict == findings.BEYOND
+    assert row.our_value == ("1.207–1.250× over 3 runs (ZipFusion's SM clock 1830–1935 MHz); project bar ≥ 1.25× "
+                             "held in 1")
+
+
 def test_the_summary_counts_the_papers_claims_only():
     """A beyond-the-paper row not yet run reads "not yet run" in the table but is no claim of the paper."""
     table = pd.DataFrame({"paper": ["ZipFusion"] * 3, "item": ["Fig. 4", "beyond", "beyond"],
