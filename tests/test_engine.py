@@ -1090,10 +1090,14 @@ def test_each_gpu_run_of_the_chapter_joins_its_table_of_runs(tmp_path):
     record = {"date": "2026-12-05 17:53 UTC", "commit": "abc1234", "device": "NVIDIA H200 (CUDA 13.0)"}
     main = tmp_path / "zipfusion_throughput.csv"
     assert chapter.gpu_runs(main, None).empty
-    chapter.append_gpu_run(main, chapter.gpu_run_row(big, None, record, 32))
+    chapter.append_gpu_run(main, big, None, 32, record=record)
     slower = big.assign(tokens_per_s=[2200.0, 2450.0, 2600.0, 3100.0], step_ms=[14.5, 13.1, 17.7, 18.4])
-    chapter.append_gpu_run(main, chapter.gpu_run_row(slower, None, {**record, "gpu_uuid": "GPU-9f3e"}, 32))
+    chapter.append_gpu_run(main, slower, None, 32, record={**record, "gpu_uuid": "GPU-9f3e"})
     runs = chapter.gpu_runs(main, None)
+    assert chapter.gpu_runs(None, main, append=(big, None, 32)).equals(runs)   # nowhere to append: nothing added
+    (tmp_path / "run").mkdir()    # a results folder without a table of runs yet: this run's row starts one
+    fresh = chapter.gpu_runs(tmp_path / "run" / "zipfusion_throughput.csv", main, append=(big, None, 32))
+    assert len(fresh) == 1 and fresh.commit.iloc[0] and fresh.tokens_per_s_ratio.round(4).tolist() == [1.25]
     assert list(runs.commit) == ["abc1234"] * 2 and list(runs.gpu_uuid) == ["unrecorded", "GPU-9f3e"]
     assert list(runs.zipfusion_max_batch) == [57, 57] and runs.tokens_per_s_ratio_mma_baseline.isna().all()
     assert list(runs.tokens_per_s_ratio.round(4)) == [1.25, 1.1923] and list(runs.zipfusion_sm_clock_mhz) == [1830.0] * 2
@@ -1105,4 +1109,6 @@ def test_each_gpu_run_of_the_chapter_joins_its_table_of_runs(tmp_path):
     assert chapter.gpu_runs_text(runs.iloc[:1]) == ""
     assert "Over this chapter's 2 GPU runs the tokens/s ratio ranges 1.192–1.250×" in chapter.verdict(big, 32, runs=runs)[0]
     assert "GPU runs" not in chapter.verdict(big, 32, runs=runs.iloc[:1])[0]
-    assert "1.192×" in chapter.gpu_runs_table(runs).to_html()
+    text_shown, table_shown = chapter.gpu_runs_section(runs)
+    assert text_shown.data == text and "1.192×" in table_shown.to_html()
+    assert chapter.gpu_runs_section(runs.iloc[:1]) == []

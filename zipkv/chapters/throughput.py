@@ -648,20 +648,27 @@ def gpu_run_row(big, mma_rows, record: dict, fixed_batch: int, context: int = 81
                for col in ("sm_clock_mhz", "frac_power_capped")}}
 
 
-def append_gpu_run(results_csv, row: dict) -> None:
-    """Append ``row`` (:func:`gpu_run_row`) to the :data:`RUNS_SIDE` table beside ``results_csv``."""
+def append_gpu_run(results_csv, big, mma_rows, fixed_batch: int, context: int = 8192, new_tokens: int = 256,
+                   record: dict | None = None) -> None:
+    """Append this GPU run's row (:func:`gpu_run_row` of ``big`` and ``mma_rows``; ``record``: its provenance, by default
+    :func:`zipkv.throughput.gpu_run_record`) to the :data:`RUNS_SIDE` table beside ``results_csv``."""
     import pandas as pd
     from zipkv.committed import side_table
+    from zipkv.throughput import gpu_run_record
+    row = gpu_run_row(big, mma_rows, record or gpu_run_record(), fixed_batch, context, new_tokens)
     path = side_table(results_csv, RUNS_SIDE)
     runs = pd.read_csv(path) if path.exists() else pd.DataFrame()
     pd.concat([runs, pd.DataFrame([row])], ignore_index=True).to_csv(path, index=False)
 
 
-def gpu_runs(results_csv=None, committed_csv=None):
+def gpu_runs(results_csv=None, committed_csv=None, append: tuple | None = None):
     """The :data:`RUNS_SIDE` table beside ``results_csv`` (this run's results folder), else beside ``committed_csv``;
-    an empty frame where neither has one."""
+    an empty frame where neither has one. ``append``: this GPU run's ``(big, mma_rows, fixed_batch, context,
+    new_tokens)``, whose row (:func:`append_gpu_run`) joins the table beside ``results_csv`` first."""
     import pandas as pd
     from zipkv.committed import side_table
+    if append is not None and results_csv is not None:
+        append_gpu_run(results_csv, *append)
     for main in (results_csv, committed_csv):
         if main is not None and side_table(main, RUNS_SIDE).exists():
             return pd.read_csv(side_table(main, RUNS_SIDE))
@@ -683,6 +690,13 @@ def gpu_runs_text(runs) -> str:
             f"between {r.min():.3f}× and {r.max():.3f}× and ZipFusion's median SM clock between {clock.min():.0f} and "
             f"{clock.max():.0f} MHz: the tokens/s bar is met in {int((r >= BARS['tokens_per_s']).sum())} of them. The "
             "chapter shows the latest run; each row names the commit that ran.")
+
+
+def gpu_runs_section(runs) -> list:
+    """What the page shows of the chapter's GPU runs ``runs``: :func:`gpu_runs_text` and :func:`gpu_runs_table`, for
+    display; nothing for fewer than two runs."""
+    from IPython.display import Markdown
+    return [Markdown(gpu_runs_text(runs)), gpu_runs_table(runs)] if len(runs) > 1 else []
 
 
 def gpu_runs_table(runs):
