@@ -5,5 +5,5 @@ cd /root/run || exit 1
 end=$((SECONDS + ${1:-0}))
 while [ ! -f JOB-DONE ] && [ $SECONDS -lt $end ]; do sleep 5; done
 [ -f JOB-DONE ] && echo JOB-DONE || echo "still running"
-tar cf "$OUT/out.tar" job.log $(find book results -newer COMMIT -type f \( -name '*.ipynb' -o -name '*.csv' \) 2>/dev/null)
+tar cf "$OUT/out.tar" job.log $(find book results -newer COMMIT -type f \( -name '*.ipynb' -o -name '*.csv' -o -name '*.json' \) 2>/dev/null)
 cp job.log "$OUT/"; tail -25 job.log
