@@ -1043,6 +1043,33 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     assert len(t[t.model == throughput.THROUGHPUT_PAPER_MODEL]) == 2 * len(throughput.METHODS)
 
 
+def test_figure5_runs_only_the_methods_it_is_given_and_refuses_a_set_without_the_bars_two(monkeypatch):
+    """figure5(methods=...) (the paper's card, whose memory does not hold the restore baselines' buffers): the
+    Llama-shape rows are those methods' only; methods without the tokens/s bar's two, or unknown ones, are refused
+    before anything runs."""
+    from zipkv import data, throughput
+
+    cols = dict(kv_budget_bytes=2**30, frac_compressed_k=0.0, frac_compressed_v=0.0)
+    e2e = [dict(model="SmolLM2", method="uncompressed", batch=4, max_batch=4, tokens_per_s=1.0, **cols)]
+    monkeypatch.setattr(throughput, "_e2e", lambda *a, **k: (e2e, {}, {}, (None, None)))
+    monkeypatch.setattr(data, "load_books", lambda *a, **k: [])
+    monkeypatch.setattr(throughput, "real_kv_blocks", lambda *a, **k: None)
+    monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (None, {}))
+    calls = []
+
+    def run(model, method, batch=None, **kw):
+        calls.append(method)
+        return dict(method=method, batch=batch or 46, tokens_per_s=1000.0, stats={}, **cols)
+    monkeypatch.setattr(throughput, "decode_throughput", run)
+    t = throughput.figure5(device="cpu", methods=("zipfusion", "uncompressed"))["table"]
+    assert sorted(set(calls)) == ["uncompressed", "zipfusion"] and len(calls) == 4
+    assert sorted(t[t.model == throughput.THROUGHPUT_PAPER_MODEL].method.unique()) == ["uncompressed", "zipfusion"]
+    for bad in (("zipfusion",), ("uncompressed", "zipfusion", "lz4"), ()):
+        with pytest.raises(ValueError, match="methods must be names of"):
+            throughput.figure5(device="cpu", methods=bad)
+    assert len(calls) == 4
+
+
 def test_the_end_to_end_paragraph_takes_the_copy_bandwidth_measured_at_the_embedded_models_shape(tmp_path):
     """The latency chapter measures the copy bandwidth per shape (it depends on the bytes copied): the end-to-end
     paragraph takes the embedded model's rows, not a median over both shapes (which no run measured)."""

@@ -351,7 +351,7 @@ def divergence_gap(model, ids, reference_token: int, other_token: int) -> float:
 def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256, timed_steps=None, restore_timed_steps=None,
             fixed_batch=32, uncompressed_max_batch=46, kv_windows=2, kv_window_context=2048, e2e_requests=12,
             e2e_context=1024, e2e_new_tokens=64, e2e_budget_requests=4, e2e_pages_per_chunk=16, pages_per_chunk=16,
-            seed=0, progress_csv=None, profile=False, repeats=1, unfused=False, mma_baseline=False):
+            seed=0, progress_csv=None, profile=False, repeats=1, unfused=False, mma_baseline=False, methods=None):
     """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens)`` (``e2e_same_tokens``: per method,
     :func:`token_agreement` with the uncompressed run).
 
@@ -371,13 +371,19 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
     (``fused_ops=False``), as rows of model :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL`. mma_baseline: also run
     uncompressed at its largest batch with its pages in the mma layouts, read by the Gluon kernel's all-raw path (the
     engine's default on a GPU), ``repeats`` times, its median run a row of model
-    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL` (:func:`zipkv.chapters.throughput.mma_baseline_text`)."""
+    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL` (:func:`zipkv.chapters.throughput.mma_baseline_text`).
+    methods: the Llama-shape runs' methods (default every one of :data:`METHODS`; a card whose memory does not hold
+    the restore baselines' buffers at their largest batch, such as the H100 of ``.ci/gpu/paper_card.sh``, runs
+    :data:`REPEATED`)."""
     import pandas as pd
     from zipkv import data
     if shape not in ("llama3.1-8b", None):
         raise ValueError(f"shape must be 'llama3.1-8b' or None, got {shape!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1 or repeats % 2 == 0:
         raise ValueError(f"repeats must be an odd int >= 1 (its median is one run), got {repeats!r}")
+    methods = tuple(METHODS) if methods is None else tuple(methods)
+    if not methods or not set(methods) <= set(METHODS) or not set(REPEATED) <= set(methods):
+        raise ValueError(f"methods must be names of {sorted(METHODS)} including {list(REPEATED)}, got {methods!r}")
     cols = ["model", "method", "batch", "max_batch", "tokens_per_s", "kv_budget_bytes", "frac_compressed_k", "frac_compressed_v"]
 
     def done(rows):
@@ -398,7 +404,7 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
                                        kv_window_context=kv_window_context, pages_per_chunk=pages_per_chunk, seed=seed)
         del small
         big = []
-        for m in METHODS:
+        for m in (m for m in METHODS if m in methods):
             codec = make_codec(m, calibration) if m in RESTORE else None
             steps = restore_timed_steps if m in RESTORE and restore_timed_steps is not None else timed_steps
             largest = decode_throughput(model, m, codec=codec, timed_steps=steps, profile=profile, **common)
