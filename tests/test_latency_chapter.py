@@ -223,6 +223,14 @@ def test_the_verdict_states_the_rule_behind_reproduced_on_real_kv():
     lo = pv.ZIPFUSION_SPEEDUP_RANGE[0]
     assert f"its lower end less 2 % ({lo / 1.02:.3f}×); our slowest point reaches {mix.min():.3f}×" in text
     assert ("not reproduced" in text) == (mix.min() < lo / 1.02) and kind == ("warning" if mix.min() < lo / 1.02 else "tip")
+    # the same benchmark on the paper's card closes the verdict, judged by the same rule (its kind stays the H200's)
+    card = table.copy()
+    card.loc[card.kv_data == "measured mix", "speedup_vs_flashinfer_tc"] = lo / 1.02 + 0.001
+    on_card, kind_card = latency.verdict(table, card)
+    assert on_card.startswith(text) and kind_card == kind
+    assert on_card.endswith(f"the measured mix gives {lo / 1.02 + 0.001:.3f}–{lo / 1.02 + 0.001:.3f}×: **reproduced** there.")
+    card.loc[card.kv_data == "measured mix", "speedup_vs_flashinfer_tc"] = lo / 1.02 - 0.001
+    assert latency.verdict(table, card)[0].endswith("**not reproduced** there.")
 
 
 def test_the_flush_text_places_both_speedups_against_the_target():

@@ -3,11 +3,14 @@ the anchor point's verdict, the Gluon kernel against its bytes over shares of co
 (:func:`zipkv.bench.mix_sweep`), and the CPU correctness check used where no GPU can time anything."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
 from zipkv import format as fmt
 from zipkv import paper_values as pv
+from zipkv.findings import PAPER_CARD
 from zipkv.models import EMBEDDED_SHAPE, PAPER_MODELS
 from zipkv.settings import PROJECT_TARGETS, ZIPFUSION_PAPER
 
@@ -84,8 +87,9 @@ def speedup_figure(table: pd.DataFrame):
     return fig
 
 
-def verdict(table: pd.DataFrame) -> tuple[str, str]:
-    """(verdict text, admonition kind) for the chapter, from its table."""
+def verdict(table: pd.DataFrame, card: pd.DataFrame | None = None) -> tuple[str, str]:
+    """(verdict text, admonition kind) for the chapter, from its table; ``card``: the same benchmark's table on the
+    paper's H100 (chapter "On the paper's card"), whose measured-mix range closes the text when given."""
     grid = speedups(table)
     lo, hi = pv.ZIPFUSION_SPEEDUP_RANGE
     best = grid.filter(like="all compressible").max(axis=1)
@@ -100,7 +104,19 @@ def verdict(table: pd.DataFrame) -> tuple[str, str]:
             f"is **{mix.min():.2f}–{mix.max():.2f}×**: {relation} FlashInfer. The paper's speedup counts as reproduced "
             f"on real KV when every point reaches its lower end less 2 % ({lo / 1.02:.3f}×); our slowest point reaches "
             f"{mix.min():.3f}×, so it is **{'not reproduced' if mix.min() < lo / 1.02 else 'reproduced'}**.")
+    if card is not None:
+        on_card = speedups(card).filter(like="measured mix").max(axis=1)
+        text += (f" On the paper's own card, an {pv.ZIPFUSION_GPU} (chapter \"On the paper's card\"), the measured mix gives "
+                 f"{on_card.min():.3f}–{on_card.max():.3f}×: "
+                 f"**{'not reproduced' if on_card.min() < lo / 1.02 else 'reproduced'}** there.")
     return text, "warning" if mix.min() < lo / 1.02 else "tip"
+
+
+def read_card(folder) -> pd.DataFrame | None:
+    """The same benchmark on the paper's H100 (``<folder>/zipfusion_paper_card.csv``, chapter "On the paper's card"),
+    None where it has not run."""
+    path = Path(folder) / f"{PAPER_CARD}.csv"
+    return pd.read_csv(path) if path.is_file() else None
 
 
 def anchor_text(table: pd.DataFrame, pack: pd.DataFrame | None) -> str:
@@ -159,7 +175,6 @@ def _bar(ratio: float, bar: float) -> str:
 def read_ncu(folder):
     """The committed Nsight Compute report in ``folder`` (``zipfusion_decode_ncu.txt``, ``python -m zipkv bench
     ncu``) parsed (:func:`zipkv.nsight_report.parse`), or None where there is none."""
-    from pathlib import Path
 
     from zipkv import nsight_report
     from zipkv.bench import nsight
@@ -414,7 +429,6 @@ shapes) that :func:`context_fit` reads."""
 
 def read_sweeps(folder) -> list[pd.DataFrame]:
     """:data:`SWEEPS` from ``folder`` (``results/paper``)."""
-    from pathlib import Path
     return [pd.read_csv(Path(folder) / name) for name in SWEEPS]
 
 
@@ -493,7 +507,6 @@ def split_table(table: pd.DataFrame):
 
 def read_context_fit(folder):
     """:func:`context_fit` of :data:`CONTEXT_SWEEP` in ``folder`` (``results/paper``), or None where there is none."""
-    from pathlib import Path
 
     path = Path(folder) / CONTEXT_SWEEP
     return context_fit(pd.read_csv(path)) if path.is_file() else None
