@@ -80,3 +80,18 @@ def test_measuring_on_another_gpu_is_an_error_before_anything_runs(tmp_path):
     with pytest.raises(RuntimeError, match=r"measures on an H100; this machine has 'NVIDIA H200'"):
         paper_card.measure(tmp_path / "absent.csv", tmp_path, device_name="NVIDIA H200")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_throughput_chapter_quotes_the_card_where_its_run_is_committed(tmp_path):
+    """The H200 chapter's paragraph on the paper's card: ZipFusion's step and tokens/s against the mma-layout
+    engine's, from the card's committed Fig. 5 rows beside the chapter's table; nothing before the card has run."""
+    from zipkv.chapters import throughput as chapter
+
+    committed = tmp_path / "zipfusion_throughput.csv"
+    assert chapter.card_text(committed) == ""
+    _throughput(1700.0, 1880.0, 2340.0, 1680.0, 1900.0).assign(
+        step_ms=[19.0, 27.0, 16.8, 24.36, 24.4], sm_clock_mhz=[1980.0] * 4 + [1965.0], frac_power_capped=0.0,
+        date="2026-12-05 19:46 UTC").to_csv(tmp_path / f"{paper_card.THROUGHPUT_SIDE}.csv", index=False)
+    text = chapter.card_text(committed)
+    assert "ZipFusion's 57 requests take a 24.36 ms step against 24.40 ms for 46 uncompressed ones" in text
+    assert "1.245× the tokens/s, against a batch ratio of 1.239×" in text and "1965 MHz for the mma-layout" in text

@@ -25,7 +25,7 @@ import pandas as pd
 from zipkv import paper_values as pv
 from zipkv.chapters import restore as restore_chapter
 from zipkv.committed import table1_kvsculpt
-from zipkv.settings import (PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL,
+from zipkv.settings import (PAPER_CARD, PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL,
                             THROUGHPUT_UNFUSED_MODEL, ZIPFUSION_PAPER)
 
 COLUMNS = ["paper", "item", "claim", "paper_value", "our_value", "verdict", "tolerance", "chapter"]
@@ -123,11 +123,6 @@ def judge(paper, ours, better: str | None, slack: float) -> str:
 
 
 # ---------------------------------------------------------------- ours, per chapter table
-
-PAPER_CARD = "zipfusion_paper_card"
-"""The chapter that times Fig. 4's points and runs Fig. 5's setting on the paper's own card, an H100 (its table: the
-latency table's columns; its Fig. 5 rows: ``<PAPER_CARD>_throughput``)."""
-
 
 def _latency_speedups(kv_data: str, stem: str = "zipfusion_attention_latency", card: str = "H200"):
     def ours(res: Results):

@@ -41,6 +41,10 @@ class ZipFusionBenchmark:
 
 ZIPFUSION_PAPER = ZipFusionBenchmark()
 
+PAPER_CARD = "zipfusion_paper_card"
+"""The chapter that times Fig. 4's points and runs Fig. 5's setting on ZipFusion's own card, an H100: its results stem
+(``<PAPER_CARD>.csv``: the latency table's columns; ``<PAPER_CARD>_throughput.csv``: Fig. 5's rows)."""
+
 THROUGHPUT_PAPER_MODEL = "Llama-3.1-8B shapes (random weights)"
 """``model`` of the rows of ``zipfusion_throughput.csv`` in the paper's Fig. 5 setting (§IV-A); the chapter's other
 rows are the same setting with the modules' step kernels (:data:`THROUGHPUT_UNFUSED_MODEL`), the uncompressed engine

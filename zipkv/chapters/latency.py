@@ -10,9 +10,8 @@ import pandas as pd
 
 from zipkv import format as fmt
 from zipkv import paper_values as pv
-from zipkv.findings import PAPER_CARD
 from zipkv.models import EMBEDDED_SHAPE, PAPER_MODELS
-from zipkv.settings import PROJECT_TARGETS, ZIPFUSION_PAPER
+from zipkv.settings import PAPER_CARD, PROJECT_TARGETS, ZIPFUSION_PAPER
 
 METHOD_LABELS = {"zipkv_compressed": "zipkv (compressed)", "zipkv_uncompressed": "zipkv (uncompressed)",
                  "flashinfer_tc": "FlashInfer TC", "flashinfer_cuda": "FlashInfer CUDA-core", "sdpa": "torch SDPA"}

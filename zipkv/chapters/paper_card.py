@@ -1,7 +1,7 @@
 """The chapter "On the paper's card": ZipFusion's Fig. 4 points and Fig. 5 setting timed on an H100, the GPU of
 ZipFusion's paper (§IV-A), beside the paper's numbers and the H200 chapters' ("Decode attention latency", "Decode
 throughput under a memory budget"). The claims it judges are the findings page's rows of this chapter
-(:data:`zipkv.findings.PAPER_CARD`), so that both judge alike."""
+(:data:`zipkv.settings.PAPER_CARD`), so that both judge alike."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,11 +12,11 @@ import pandas as pd
 from zipkv import findings
 from zipkv import paper_values as pv
 from zipkv.chapters.throughput import largest_batch_rows
-from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, ZIPFUSION_PAPER
+from zipkv.settings import PAPER_CARD, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, ZIPFUSION_PAPER
 
 CARD = "H100"
 """What the GPU's name must hold for this chapter to measure (the paper's card)."""
-STEM = findings.PAPER_CARD
+STEM = PAPER_CARD
 THROUGHPUT_SIDE = f"{STEM}_throughput"
 TUNING_SIDE = f"{STEM}_tuning"
 PAIRS = [("decode attention over FlashInfer (TC), real-KV mix", "decode attention over FlashInfer TC, real-KV mix",

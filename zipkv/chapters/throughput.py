@@ -8,7 +8,7 @@ import math
 import statistics
 
 from zipkv import format as fmt
-from zipkv.settings import (PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL,
+from zipkv.settings import (PAPER_CARD, PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL,
                             THROUGHPUT_UNFUSED_MODEL)
 from zipkv.throughput import LLAMA_8B, REPEATED, RESTORE
 
@@ -572,6 +572,30 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
             f"uncompressed requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s "
             f"needs a decode step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed "
             f"{u.step_ms:.1f} ms at batch {u.batch}. " + scheduler_text(big))
+
+
+def card_text(committed_csv) -> str:
+    """The same setting on the paper's card, from the chapter "On the paper's card"'s committed Fig. 5 rows
+    (``<PAPER_CARD>_throughput.csv`` beside ``committed_csv``): ZipFusion's tokens/s at its largest batch over the
+    mma-layout engine's, its step against that engine's and the clock, where no power cap lowered it; "" before that
+    chapter has run."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    path = Path(committed_csv).with_name(f"{PAPER_CARD}_throughput.csv")
+    if not path.is_file():
+        return ""
+    t = pd.read_csv(path)
+    z = largest_batch_rows(t[t.model == THROUGHPUT_PAPER_MODEL], "zipfusion").iloc[0]
+    m = t[(t.model == THROUGHPUT_MMA_BASELINE_MODEL) & (t.method == "uncompressed")].iloc[0]
+    return (f"\n\n**On the paper's card** (an H100, chapter \"On the paper's card\", {z.date}), with the SM clock at "
+            f"{z.sm_clock_mhz:.0f} MHz for ZipFusion and {m.sm_clock_mhz:.0f} MHz for the mma-layout engine (the power cap "
+            f"lowering it in {z.frac_power_capped:.0%} and {m.frac_power_capped:.0%} of the samples), ZipFusion's "
+            f"{z.batch} requests take a {z.step_ms:.2f} ms step against {m.step_ms:.2f} ms for {m.batch} uncompressed "
+            f"ones: {z.tokens_per_s / m.tokens_per_s:.3f}× the tokens/s, against a batch ratio of {z.batch / m.batch:.3f}×. "
+            "Where neither engine is throttled and both read at the copy bandwidth, the same budget's bytes take the "
+            "same time, and the gain is the batch ratio.")
 
 
 def largest_batch_rows(rows, method: str):
