@@ -174,7 +174,6 @@ def _bar(ratio: float, bar: float) -> str:
 def read_ncu(folder):
     """The committed Nsight Compute report in ``folder`` (``zipfusion_decode_ncu.txt``, ``python -m zipkv bench
     ncu``) parsed (:func:`zipkv.nsight_report.parse`), or None where there is none."""
-
     from zipkv import nsight_report
     from zipkv.bench import nsight
 
@@ -506,7 +505,6 @@ def split_table(table: pd.DataFrame):
 
 def read_context_fit(folder):
     """:func:`context_fit` of :data:`CONTEXT_SWEEP` in ``folder`` (``results/paper``), or None where there is none."""
-
     path = Path(folder) / CONTEXT_SWEEP
     return context_fit(pd.read_csv(path)) if path.is_file() else None
 

@@ -11,7 +11,7 @@ import pandas as pd
 
 from zipkv import findings
 from zipkv import paper_values as pv
-from zipkv.chapters.throughput import largest_batch_rows
+from zipkv.chapters.throughput import card_rows
 from zipkv.settings import PAPER_CARD, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, ZIPFUSION_PAPER
 
 CARD = "H100"
@@ -156,9 +156,7 @@ def latency_text(latency: pd.DataFrame) -> str:
 def throughput_text(throughput: pd.DataFrame) -> str:
     """Why the tokens/s gain at the largest batches is what it is on the card, from its Fig. 5 rows: each
     configuration's step time and attention time per step, the batch ratio and the clocks."""
-    big = throughput[throughput.model == THROUGHPUT_PAPER_MODEL]
-    u, z = (largest_batch_rows(big, m).iloc[0] for m in ("uncompressed", "zipfusion"))
-    m = throughput[throughput.model == THROUGHPUT_MMA_BASELINE_MODEL].iloc[0]
+    z, u, m = card_rows(throughput)
     rest = lambda r: r.step_ms - r.attention_ms                                              # noqa: E731
     paper_mb, paper_gain = pv.ZIPFUSION_MAX_BATCH["Llama-3.1-8B"], pv.ZIPFUSION_THROUGHPUT_GAIN_AT_MAX_BATCH["Llama-3.1-8B"]
     return (f"**Why the gain at the largest batches is the batch ratio.** Under one budget ZipFusion holds {z.batch} "

@@ -586,9 +586,7 @@ def card_text(committed_csv) -> str:
     path = Path(committed_csv).with_name(f"{PAPER_CARD}_throughput.csv")
     if not path.is_file():
         return ""
-    t = pd.read_csv(path)
-    z = largest_batch_rows(t[t.model == THROUGHPUT_PAPER_MODEL], "zipfusion").iloc[0]
-    m = t[(t.model == THROUGHPUT_MMA_BASELINE_MODEL) & (t.method == "uncompressed")].iloc[0]
+    z, _, m = card_rows(pd.read_csv(path))
     return (f"\n\n**On the paper's card** (an H100, chapter \"On the paper's card\", {z.date}), with the SM clock at "
             f"{z.sm_clock_mhz:.0f} MHz for ZipFusion and {m.sm_clock_mhz:.0f} MHz for the mma-layout engine (the power cap "
             f"lowering it in {z.frac_power_capped:.0%} and {m.frac_power_capped:.0%} of the samples), ZipFusion's "
@@ -596,6 +594,14 @@ def card_text(committed_csv) -> str:
             f"ones: {z.tokens_per_s / m.tokens_per_s:.3f}× the tokens/s, against a batch ratio of {z.batch / m.batch:.3f}×. "
             "Where neither engine is throttled and both read at the copy bandwidth, the same budget's bytes take the "
             "same time, and the gain is the batch ratio.")
+
+
+def card_rows(table):
+    """``(zipfusion, uncompressed, mma)``: the rows of a Fig. 5 table (the paper's card's, or this chapter's) at the
+    largest batches -- ZipFusion's and the token-layout engine's -- and the mma-layout engine's run."""
+    big = table[table.model == THROUGHPUT_PAPER_MODEL]
+    z, u = (largest_batch_rows(big, m).iloc[0] for m in ("zipfusion", "uncompressed"))
+    return z, u, table[(table.model == THROUGHPUT_MMA_BASELINE_MODEL) & (table.method == "uncompressed")].iloc[0]
 
 
 def largest_batch_rows(rows, method: str):
