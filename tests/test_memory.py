@@ -116,8 +116,12 @@ class MemoryMachine(RuleBasedStateMachine):
         packed = self.m.pack(kv)
         expect = self.m.can_admit_packed(packed, max_new)
         used = self.m.used_bytes()
+        chunks = [len(c) for c in self.m._comp]
+        need = self.m._packed_chunks(packed)
         ids = self.m.admit_packed(self.next_rid, packed, max_new)
         assert (ids is not None) == expect
+        if ids is not None:          # the admission check's count of new chunks is what placing the pages took
+            assert [len(c) - n for c, n in zip(self.m._comp, chunks)] == need
         if ids is None:
             assert self.m.used_bytes() == used
             self.refused.append((lambda: self.m.can_admit_packed(packed, max_new), self.m.space_returns))
@@ -188,18 +192,21 @@ class MemoryMachine(RuleBasedStateMachine):
             raw_slots, units = set(), {}
             used = 0
             for p, loc in m._loc[l].items():
+                if loc[0] == COMP:
+                    assert 1 <= len(loc[1]) <= 2, "a compressed page lies in one extent or ends one chunk and begins another"
+                    for c, start, n in loc[1]:
+                        ch = m._chunks[c]
+                        assert ch.state == OWNED and ch.layer == l and ch.kind == COMP and n > 0
+                        for u in range(start, start + n):
+                            assert (c, u) not in units, "two pages share compressed bytes"
+                            units[c, u] = p
+                        used += n * UNIT
+                    continue
                 ch = m._chunks[loc[1]]
                 assert ch.state == OWNED and ch.layer == l
-                if loc[0] == COMP:
-                    assert ch.kind == COMP
-                    for u in range(loc[2], loc[2] + loc[3]):
-                        assert (loc[1], u) not in units, "two pages share compressed bytes"
-                        units[loc[1], u] = p
-                    used += loc[3] * UNIT
-                else:
-                    assert ch.kind == RAW and (loc[1], loc[2]) not in raw_slots, "two pages share a raw slot"
-                    raw_slots.add((loc[1], loc[2]))
-                    used += m.page_bytes
+                assert ch.kind == RAW and (loc[1], loc[2]) not in raw_slots, "two pages share a raw slot"
+                raw_slots.add((loc[1], loc[2]))
+                used += m.page_bytes
             assert used == m.used_bytes(l), "byte accounting"
             for c, ch in enumerate(m._chunks):
                 if ch.state != OWNED or ch.layer != l:
@@ -311,6 +318,33 @@ def test_packed_admission_counts_the_packed_size():
         assert p.admit_packed(rid, packed, 1) is not None, rid
     assert p.used_bytes() == 2 * 5 * 4 * 6 * UNIT and p.stats()["chunks_comp"] == [4, 4]
     assert not p.can_admit_packed(p.pack(kv()), 1) and p.admit_packed(5, p.pack(kv()), 1) is None
+
+
+def test_a_page_no_extent_holds_whole_ends_one_chunk_and_begins_the_next():
+    """Two KV heads: a compressible page is four page-heads of 3 units, 12 units, and a chunk of 4 raw pages is 64.
+    First fit alone stores 5 such pages a chunk (60 units, 4 unused: a 21-page request takes 5 chunks); cut between
+    page-heads, the pages that no extent holds whole fill the ends of chunks and the 21 pages take 4 (252 units).
+    The bytes read back bit-exact through the kernel's descriptors, and freeing the request returns every chunk."""
+    heads, n_pages = 2, 21
+    gen = torch.Generator().manual_seed(3)
+    one = lambda: (1 + torch.rand(heads, 16 * n_pages, D, generator=gen)).bfloat16()     # noqa: E731  one exponent
+    m = KVMemory(1, heads, D, 8 * 4 * 2 * heads * 2 * 16 * D, pages_per_chunk=4)
+    kv = [(one(), one())]
+    packed = m.pack(kv)
+    assert packed.head_units == [[[3] * 2 * heads] * n_pages] and m.units_per_chunk == 64
+    whole_per_chunk = m.units_per_chunk // 12
+    assert m._packed_chunks(packed) == [4] < [-(-n_pages // whole_per_chunk)]
+    ids = m.admit_packed("r", packed, 1)
+    assert len(m._comp[0]) == 4 and m.used_bytes() == n_pages * 12 * UNIT
+    cut = [loc[1] for loc in m._loc[0].values() if len(loc[1]) == 2]
+    assert len(cut) == 3 and all(a[0] != b[0] and a[2] % 3 == 0 and a[2] + b[2] == 12 for a, b in cut)
+    cache = PagedKVCache(m.pool[: m.total_bytes], m.desc[0], D, "token", "token")
+    k, v = (x.permute(1, 0, 2, 3).reshape(heads, -1, D) for x in cache.read_pages(torch.tensor(ids)))
+    assert torch.equal(k.view(torch.int16), kv[0][0].view(torch.int16))
+    assert torch.equal(v.view(torch.int16), kv[0][1].view(torch.int16))
+    m.free("r")
+    m.reads_done()
+    assert m.used_bytes() == 0 and m._n_free == m.num_chunks
 
 
 def m_page():
