@@ -8,6 +8,7 @@ difference is the engine's -- its pages, compression, admission, positions and r
 """
 import math
 import os
+from types import SimpleNamespace
 
 import torch
 
@@ -744,6 +745,40 @@ def test_decode_throughput_fixed_and_largest_batch():
         tp.decode_throughput(model, "splitzip", kv_budget_bytes=budget, blocks=(x, x), context=256, new_tokens=6)
 
 
+def test_packed_capacity_is_what_the_memory_admits_with_the_bytes():
+    """packed_capacity places only the blocks' sizes (the memory on the meta device); packing the same real-KV
+    prefixes' bytes into a CPU memory admits the same requests, and the first one refused lacks the same chunks,
+    in every layout pair."""
+    from zipkv import format as fmt, throughput as tp
+    from zipkv.memory import KVMemory
+    cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4, head_dim=64, hidden_size=256)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(600, 512, generator=gen) * 0.3
+    x[::6] *= torch.exp2(torch.randint(-20, 20, (100, 512), generator=gen).float())      # blocks that do not compress
+    blocks = (x.bfloat16(), x.flip(0).bfloat16())
+    context, new, ppc = 160, 20, 2
+    budget = kv_budget_for(cfg, 6, context + new - 1, pages_per_chunk=ppc)
+    layouts = (("token", "token"), ("channel", "v_mma"), ("k_mma", "channel"))
+    table = tp.packed_capacity(blocks, cfg, budget, context=context, new_tokens=new, pages_per_chunk=ppc, layouts=layouts)
+    for (kl, vl), row in zip(layouts, table.itertuples()):
+        mem = KVMemory(2, 2, 64, budget, pages_per_chunk=ppc, k_layout=kl, v_layout=vl)
+        comp, i = torch.zeros(2), 0
+        while True:
+            prefix = tp.real_prefix(blocks, cfg, context, i)
+            packed = mem.pack([prefix.kv(layer) for layer in range(2)])
+            if mem.admit_packed(i, packed, new) is None:
+                break
+            comp += torch.stack([(m >> 7)[:, kv].sum() for m in packed.meta for kv in (0, 1)]).reshape(2, 2).sum(0)
+            i += 1
+        assert (row.k_layout, row.v_layout, row.max_batch) == (kl, vl, i) and i >= 6
+        assert row.chunks_short == mem.chunks_short(packed, new) > 0
+        assert [row.frac_compressed_k, row.frac_compressed_v] == pytest.approx((comp / (i * 2 * 10 * 2 * fmt.n_blocks(64))).tolist())
+        assert 0.2 < row.frac_compressed_k < 0.9 and row.bits_per_value == pytest.approx(
+            16 - 2 * (row.frac_compressed_k + row.frac_compressed_v))
+    assert len(set(table.frac_compressed_k)) > 1, "the layouts group the same values into different blocks"
+    assert table.max_batch.max() > 6, "compressed prefixes make room for more requests than raw ones"
+
+
 def test_token_agreement_counts_requests_and_first_differences():
     from zipkv.throughput import token_agreement
     from zipkv.chapters.throughput import agreement_text
@@ -814,6 +849,32 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     assert "ran sequentially" in chapter.bars_need_text(big, 32)              # a table from before the column
     assert "overlapped scheduler (`Engine" in chapter.bars_need_text(big.assign(overlap=True), 32)
     assert "3 of 4 rows" in chapter.bars_need_text(big.assign(overlap=[True, True, True, False]), 32)
+
+
+def test_the_batch_paragraph_says_what_the_memory_manager_admits_per_block_arrangement(tmp_path):
+    """With the capacity side table, the batch paragraph says how many requests ZipFusion's arrangement holds and
+    what the next one lacks, and whether any arrangement reaches the target (here 50 of 40: one does, then none);
+    a run without the Llama-shape rows shows the committed table, a run with them saves its own beside its results."""
+    import pandas as pd
+
+    from zipkv.chapters import throughput as chapter
+    big = pd.DataFrame({"method": ["uncompressed", "zipfusion"] * 2, "batch": [32, 32, 40, 49], "max_batch": [40, 49] * 2,
+                        "tokens_per_s": [900.0, 950.0, 1000.0, 1200.0], "kv_budget_bytes": [2**30] * 4,
+                        "frac_compressed_k": [0, 0.8] * 2, "frac_compressed_v": [0, 0.9] * 2,
+                        "stored_bits_per_value": [16.0, 12.6] * 2, "step_ms": [18.0, 19.0, 20.0, 21.0]})
+    cap = pd.DataFrame({"k_layout": ["k_mma", "channel"], "v_layout": ["v_mma", "v_mma"], "frac_compressed_k": [0.77, 0.79],
+                        "frac_compressed_v": [0.92, 0.92], "bits_per_value": [12.62, 12.58], "max_batch": [49, 50],
+                        "chunks_short": [115, 3], "frac_budget_short": [0.0024, 0.0001], "device": "cpu", "commit": "abc",
+                        "date": "2026-12-05"})
+    text = chapter.bars_need_text(big, 32, capacity=cap)
+    assert "holds 49 requests, and request 50 lacks 115 of the budget's chunks (0.24% of it)" in text
+    assert "keys channel and values v_mma reach 50 requests." in text and "| channel | v_mma | 79.00% |" in text
+    short = chapter.bars_need_text(big, 32, capacity=cap.assign(max_batch=[49, 49]))
+    assert "No arrangement of the format's blocks in the table below reaches 50: the closest, keys channel" in short
+    assert "Placed by the memory manager" not in chapter.bars_need_text(big, 32)
+    main = tmp_path / "throughput.csv"
+    assert chapter.capacity_table(cap, main) is cap and pd.read_csv(tmp_path / "throughput_capacity.csv").max_batch.tolist() == [49, 50]
+    assert chapter.capacity_table(None, None, None) is None
 
 
 def test_the_committed_throughput_runs_admitted_every_zipfusion_prefix_packed():
@@ -1025,7 +1086,8 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     monkeypatch.setattr(data, "load_books", lambda *a, **k: [])
     monkeypatch.setattr(throughput, "real_kv_blocks", lambda *a, **k: None)
     monkeypatch.setattr(throughput, "make_codec", lambda *a, **k: None)
-    monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (None, {}))
+    monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (SimpleNamespace(config=None), dict(blocks=None, kv_budget_bytes=2**30)))
+    monkeypatch.setattr(throughput, "packed_capacity", lambda blocks, config, budget, **k: ("capacity", budget))
     calls, mma_speeds = [], iter([2650.0, 2640.0, 2660.0])
 
     def run(model, method, batch=None, **kw):
@@ -1040,6 +1102,8 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     row = t[t.model == THROUGHPUT_MMA_BASELINE_MODEL]
     assert len(row) == 1 and row.tokens_per_s.iloc[0] == 2650.0 and row.tokens_per_s_runs.iloc[0] == "[2650.0, 2640.0, 2660.0]"
     assert out["e2e_runs"] is e2e_runs and (t.model == "SmolLM2").sum() == 1
+    assert out["capacity"] == ("capacity", 2**30)
+    assert throughput.figure5(device="cpu", shape=None)["capacity"] is None
     assert len(t[t.model == throughput.THROUGHPUT_PAPER_MODEL]) == 2 * len(throughput.METHODS)
 
 
@@ -1054,7 +1118,8 @@ def test_figure5_runs_only_the_methods_it_is_given_and_refuses_a_set_without_the
     monkeypatch.setattr(throughput, "_e2e", lambda *a, **k: (e2e, {}, {}, (None, None)))
     monkeypatch.setattr(data, "load_books", lambda *a, **k: [])
     monkeypatch.setattr(throughput, "real_kv_blocks", lambda *a, **k: None)
-    monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (None, {}))
+    monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (SimpleNamespace(config=None), dict(blocks=None, kv_budget_bytes=2**30)))
+    monkeypatch.setattr(throughput, "packed_capacity", lambda *a, **k: None)
     calls = []
 
     def run(model, method, batch=None, **kw):

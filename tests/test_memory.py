@@ -320,6 +320,25 @@ def test_packed_admission_counts_the_packed_size():
     assert not p.can_admit_packed(p.pack(kv()), 1) and p.admit_packed(5, p.pack(kv()), 1) is None
 
 
+@pytest.mark.parametrize("max_new", [1, 40])
+def test_chunks_short_is_what_one_more_request_lacks(max_new):
+    """Packed requests of mixed compressibility fill a budget; the first one refused is ``chunks_short`` chunks
+    from admission: with that many more chunks in the budget the same sequence admits it, with one fewer not."""
+    gen = torch.Generator().manual_seed(4)
+    kvs = [[(_tokens(gen, 100, w), _tokens(gen, 100, not w)) for w in (i % 3 == 0, i % 2 == 0, False)] for i in range(40)]
+
+    def fill(extra_chunks):
+        m = KVMemory(L, H, D, (L * 12 + extra_chunks) * 2 * m_page(), pages_per_chunk=2)
+        for i, kv in enumerate(kvs):
+            if m.admit_packed(i, m.pack(kv), max_new) is None:
+                return m, i
+        raise AssertionError("the budget held every request")
+    m, refused = fill(0)
+    short = m.chunks_short(m.pack(kvs[refused]), max_new)
+    assert short > 0 and not m.can_admit_packed(m.pack(kvs[refused]), max_new)
+    assert fill(short)[1] > refused and fill(short - 1)[1] == refused
+
+
 def test_a_page_no_extent_holds_whole_ends_one_chunk_and_begins_the_next():
     """Two KV heads: a compressible page is four page-heads of 3 units, 12 units, and a chunk of 4 raw pages is 64.
     First fit alone stores 5 such pages a chunk (60 units, 4 unused: a 21-page request takes 5 chunks); cut between

@@ -22,7 +22,8 @@ from zipkv.engine import Engine, Prefix, kv_budget_for
 from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "BASELINE_LAYOUTS", "REPEATED", "engine_settings", "make_codec",
-           "restore_buffer_pages", "random_llama", "real_kv_blocks", "real_prefix", "largest_batch_budget",
+           "restore_buffer_pages", "random_llama", "real_kv_blocks", "real_prefix", "CAPACITY_LAYOUTS", "packed_capacity",
+           "largest_batch_budget",
            "decode_throughput", "step_profile", "token_agreement", "divergence_gap", "figure5", "repeat_largest",
            "median_run"]
 
@@ -143,6 +144,73 @@ def real_prefix(blocks, config, length: int, seed: int) -> Prefix:
         v = v_blocks[idx].reshape(H, -1, D)[:, :length]
         return k, v
     return Prefix(kv, length)
+
+
+CAPACITY_LAYOUTS = (("k_mma", "v_mma"), ("token", "token"), ("channel", "v_mma"), ("channel", "channel"))
+"""The (K, V) block arrangements :func:`packed_capacity` compares: ZipFusion's on a GPU (the mma layouts), the token
+layouts, and keys (then values too) grouped by channel (a block: 16 tokens x 32 channels)."""
+
+
+def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192, new_tokens: int = 256,
+                    pages_per_chunk: int = 16, seed: int = 0, layouts=CAPACITY_LAYOUTS, max_requests: int | None = None):
+    """How many of Fig. 5's requests ZipFusion's memory manager admits under ``kv_budget_bytes`` with the prefixes
+    packed in each (K, V) block arrangement of ``layouts`` (names of :data:`zipkv.format.LAYOUTS`), and how far the
+    next request is from admission: requests of ``context`` real-KV tokens (:func:`real_prefix` of ``blocks`` with
+    :func:`decode_throughput`'s seeds; every token of the prefix real here, where the engine's runs end it with one
+    prompt token) and ``new_tokens`` outputs reserved raw, admitted packed in order
+    (:meth:`zipkv.memory.KVMemory.admit_packed`) until one is refused. Placement needs only the blocks' sizes, so the
+    memory runs on PyTorch's meta device (shapes, no bytes).
+
+    Returns a DataFrame, a row per layout pair: ``k_layout, v_layout, frac_compressed_k, frac_compressed_v``,
+    ``bits_per_value`` (stored per value of the admitted prefixes, payloads only), ``max_batch``, ``chunks_short``
+    (:meth:`~zipkv.memory.KVMemory.chunks_short` of the first request refused), ``frac_budget_short`` (those chunks
+    over the budget's) and ``kv_budget_bytes``."""
+    import pandas as pd
+    from zipkv.memory import KVMemory, Packed
+    H = config.num_key_value_heads
+    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    L, P, nb = config.num_hidden_layers, fmt.PAGE_TOKENS, fmt.n_blocks(D)
+    n = context // P
+    if max_requests is None:
+        max_requests = math.ceil(1.5 * kv_budget_bytes / (L * 2 * H * fmt.page_bytes(D) * math.ceil((context + new_tokens - 1) / P))) + 1
+    meta = torch.device("meta")
+    slots = [torch.empty(n, 2, H, fmt.page_bytes(D), dtype=torch.uint8, device=meta)] * L
+    flags = [torch.empty(n, 2, H, nb, dtype=torch.uint8, device=meta)] * L
+    tail = [(torch.empty(H, context - n * P, D, dtype=torch.bfloat16, device=meta),) * 2] * L
+    mems = {pair: KVMemory(L, H, D, kv_budget_bytes, pages_per_chunk=pages_per_chunk, k_layout=pair[0], v_layout=pair[1],
+                           device=meta) for pair in layouts}
+    state = {pair: dict(max_batch=0, chunks_short=None, comp=torch.zeros(2, dtype=torch.int64)) for pair in layouts}
+    for i in range(max_requests):
+        open_pairs = [pair for pair in layouts if state[pair]["chunks_short"] is None]
+        if not open_pairs:
+            break
+        prefix = real_prefix(blocks, config, context, seed + i)
+        comp = {}                                              # (kv, layout) -> compressed blocks [L, n, H] (CPU)
+        for layer in range(L):
+            for x, which in zip(prefix.kv(layer), (0, 1)):
+                pages = x[:, : n * P].reshape(H, n, P, D)
+                for lay in {pair[which] for pair in open_pairs}:
+                    comp.setdefault((which, lay), []).append(fmt.eligible(pages, lay).sum(-1).T.cpu())   # [n, H]
+        for pair in open_pairs:
+            ck, cv = (torch.stack(comp[which, lay]) for which, lay in zip((0, 1), pair))       # [L, n, H]
+            head_units = torch.cat([4 * nb - ck, 4 * nb - cv], -1)                                # [L, n, 2H]
+            packed = Packed(context, n, slots, flags, head_units.sum(-1).tolist(), head_units.tolist(), tail)
+            st, mem = state[pair], mems[pair]
+            if mem.admit_packed(i, packed, new_tokens) is None:
+                st["chunks_short"] = mem.chunks_short(packed, new_tokens)
+            else:
+                st["max_batch"] += 1
+                st["comp"] += torch.stack([ck.sum(), cv.sum()])
+    rows = []
+    for (kl, vl), st in state.items():
+        blocks_stored = max(1, st["max_batch"]) * L * n * H * nb
+        fk, fv = (st["comp"] / blocks_stored).tolist()
+        rows.append(dict(k_layout=kl, v_layout=vl, frac_compressed_k=fk, frac_compressed_v=fv,
+                         bits_per_value=16 - 2 * (fk + fv), max_batch=st["max_batch"], chunks_short=st["chunks_short"],
+                         frac_budget_short=(st["chunks_short"] * mems[kl, vl].chunk_bytes / kv_budget_bytes
+                                            if st["chunks_short"] is not None else float("nan")),
+                         kv_budget_bytes=kv_budget_bytes))
+    return pd.DataFrame(rows)
 
 
 def largest_batch_budget(config, batch: int, tokens: int, *, pages_per_chunk: int = 16) -> int:
@@ -352,8 +420,10 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
             fixed_batch=32, uncompressed_max_batch=46, kv_windows=2, kv_window_context=2048, e2e_requests=12,
             e2e_context=1024, e2e_new_tokens=64, e2e_budget_requests=4, e2e_pages_per_chunk=16, pages_per_chunk=16,
             seed=0, progress_csv=None, profile=False, repeats=1, unfused=False, mma_baseline=False, methods=None):
-    """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens)`` (``e2e_same_tokens``: per method,
-    :func:`token_agreement` with the uncompressed run).
+    """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens, capacity)`` (``e2e_same_tokens``: per
+    method, :func:`token_agreement` with the uncompressed run; ``capacity``: with ``shape``, :func:`packed_capacity`
+    in the Llama-shape setting, the same prefixes and budget, with the run's ``device``, ``commit`` and ``date``,
+    else None).
 
     ``table`` (one row per model, method and batch; columns of ``results/paper/zipfusion_throughput.csv``
     plus ``stored_bits_per_value``, ``timed_steps``, ``step_ms``): with ``shape="llama3.1-8b"`` (GPU)
@@ -392,6 +462,7 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
         if progress_csv:
             table.to_csv(progress_csv, index=False)
         return table
+    capacity = None
     e2e_rows, runs, same, (small, tok) = _e2e(device, e2e_requests, e2e_context, e2e_new_tokens, e2e_budget_requests,
                                               e2e_pages_per_chunk, seed)
     rows = list(e2e_rows)
@@ -403,6 +474,10 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
                                        uncompressed_max_batch=uncompressed_max_batch, kv_windows=kv_windows,
                                        kv_window_context=kv_window_context, pages_per_chunk=pages_per_chunk, seed=seed)
         del small
+        record = gpu_run_record()
+        capacity = packed_capacity(common["blocks"], model.config, common["kv_budget_bytes"], context=context,
+                                   new_tokens=new_tokens, pages_per_chunk=pages_per_chunk, seed=seed,
+                                   ).assign(**{k: record[k] for k in ("device", "commit", "date")})
         big = []
         for m in (m for m in METHODS if m in methods):
             codec = make_codec(m, calibration) if m in RESTORE else None
@@ -431,7 +506,7 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
             done(big + rows)
         rows = big + rows
         del model
-    return dict(table=done(rows), e2e_runs=runs, e2e_same_tokens=same)
+    return dict(table=done(rows), e2e_runs=runs, e2e_same_tokens=same, capacity=capacity)
 
 
 REPEATED = ("uncompressed", "zipfusion")

@@ -553,10 +553,11 @@ def mma_baseline_text(big, mma_rows) -> str:
                    + ("met." if ratio >= BARS["tokens_per_s"] else f"missed by {BARS['tokens_per_s'] - ratio:.3f}."))
 
 
-def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256) -> str:
+def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, capacity=None) -> str:
     """How the largest-batch rows were measured (:func:`runs_text`) and what the batch and tokens/s bars would need,
-    from the Llama-8B-shape rows ``big`` (:func:`bar_checks`): the bits per prefix value for one more request, the
-    decode step time at ZipFusion's largest batch."""
+    from the Llama-8B-shape rows ``big`` (:func:`bar_checks`): the bits per prefix value for one more request, what
+    the memory manager admits per block arrangement (``capacity``, the :data:`CAPACITY_SIDE` table:
+    :func:`capacity_text`, where there is one), the decode step time at ZipFusion's largest batch."""
     c = bar_checks(big, fixed_batch, context, new_tokens)
     z, u = c["z"], c["u"]
     return (runs_text(big) + f"\n\n**What the batch target needs.** ZipFusion stores {z.stored_bits_per_value:.2f} bits "
@@ -568,10 +569,60 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
             f"larger. This chapter takes the smallest budget that holds {u.batch} uncompressed requests; budgets up to "
             f"{c['budget_top'] / u.kv_budget_bytes - 1:+.2%} larger hold {u.batch} too, so where in that range a budget "
             f"lies decides whether request {c['batch_needed']} fits."
-            f"\n\n**What the tokens/s target needs.** At batch {z.batch} ZipFusion holds {c['kv_requests']:.1f} "
+            + (f"\n\n{capacity_text(capacity, big)}\n\n{capacity_markdown(capacity)}" if capacity is not None else "")
+            + f"\n\n**What the tokens/s target needs.** At batch {z.batch} ZipFusion holds {c['kv_requests']:.1f} "
             f"uncompressed requests' worth of KV bytes (uncompressed: {u.batch}), so {BARS['tokens_per_s']}× tokens/s "
             f"needs a decode step ≤ {c['step_needed_ms']:.1f} ms there: measured {z.step_ms:.1f} ms, uncompressed "
             f"{u.step_ms:.1f} ms at batch {u.batch}. " + scheduler_text(big))
+
+
+CAPACITY_SIDE = "capacity"
+"""The chapter's side table of :func:`zipkv.throughput.packed_capacity` (columns ``device``, ``commit``, ``date``
+added): the memory manager's largest batch on the chapter's real-KV prefixes and budget per block arrangement."""
+
+
+def capacity_text(capacity, big) -> str:
+    """What the memory manager admits on the chapter's real-KV prefixes per block arrangement (``capacity``, the
+    :data:`CAPACITY_SIDE` table) against the batch target over the uncompressed largest
+    batch of the Llama-8B-shape rows ``big``: ZipFusion's arrangement, and whether any arrangement reaches the target."""
+    needed = math.ceil(BARS["max_batch"] * largest_batch_rows(big, "uncompressed").iloc[0].batch)
+    eng = capacity[(capacity.k_layout == "k_mma") & (capacity.v_layout == "v_mma")].iloc[0]
+    best = capacity.sort_values(["max_batch", "chunks_short"], ascending=[False, True]).iloc[0]
+    reach = capacity[capacity.max_batch >= needed]
+    text = (f"**Placed by the memory manager.** Admitted packed, in order, under the same budget "
+            f"(`zipkv.throughput.packed_capacity`: the same real-KV prefixes, only their blocks' sizes placed; run on "
+            f"{eng.device}, commit {eng.commit}, {eng.date}), ZipFusion's arrangement (keys and values in the mma "
+            f"layouts, {eng.bits_per_value:.3f} bits per prefix value) holds {eng.max_batch} requests, and request "
+            f"{eng.max_batch + 1} lacks {eng.chunks_short:.0f} of the budget's chunks ({eng.frac_budget_short:.2%} of it). ")
+    if reach.empty:
+        return text + (f"No arrangement of the format's blocks in the table below reaches {needed}: the closest, keys "
+                       f"{best.k_layout} and values {best.v_layout} ({best.bits_per_value:.3f} bits per value), holds "
+                       f"{best.max_batch} and lacks {best.chunks_short:.0f} chunks ({best.frac_budget_short:.2%}) for the "
+                       f"next. On this KV, under this budget, the batch target is beyond what the 12-bit format "
+                       "stores, however its blocks are grouped.")
+    return text + ", ".join(f"keys {r.k_layout} and values {r.v_layout}" for r in reach.itertuples()) + (
+        f" reach {needed} requests.")
+
+
+def capacity_table(capacity, results_csv=None, committed_csv=None):
+    """The :data:`CAPACITY_SIDE` table the chapter shows: this run's (``capacity``, :func:`zipkv.throughput.figure5`'s),
+    saved beside ``results_csv``; for a run without the Llama-shape rows, the one committed beside ``committed_csv``
+    (None where there is none)."""
+    from zipkv import committed
+    if capacity is None:
+        return committed.read_committed_side(committed_csv, CAPACITY_SIDE) if committed_csv else None
+    if results_csv:
+        capacity.to_csv(committed.side_table(results_csv, CAPACITY_SIDE), index=False)
+    return capacity
+
+
+def capacity_markdown(capacity) -> str:
+    """The :data:`CAPACITY_SIDE` table as a Markdown table (a row per block arrangement)."""
+    head = ("| keys | values | K compressed | V compressed | bits per value | requests | next request lacks (chunks) "
+            "| of the budget |\n|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| {r.k_layout} | {r.v_layout} | {r.frac_compressed_k:.2%} | {r.frac_compressed_v:.2%} | {r.bits_per_value:.3f} "
+        f"| {r.max_batch} | {r.chunks_short:.0f} | {r.frac_budget_short:.2%} |" for r in capacity.itertuples())
 
 
 def card_text(committed_csv) -> str:
