@@ -705,24 +705,31 @@ class KVMemory:
         n_full = tokens // fmt.PAGE_TOKENS
         if isinstance(packed, int):
             return self._fits(prompt_pages - n_full, reserve, 0)
-        return self.chunks_short(packed, max_new_tokens, reserve_ratio=reserve_ratio) == 0
+        free, n_free, need = self._after_packed(packed, prompt_pages - n_full + reserve)
+        return n_free >= 0 and self._capacity(free, n_free) >= need
 
-    def chunks_short(self, packed: Packed, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> int:
-        """Free chunks the pool lacks for :meth:`admit_packed` to take ``packed`` now: 0 when it fits, else how many
-        more chunks a budget would need (with what is running now) -- how far one more request is from admission."""
-        self._check_packed(packed)
-        prompt_pages, reserve = self._check_new(_PROBE, packed.tokens, max_new_tokens, reserve_ratio)
-        need = prompt_pages - packed.n_pages + reserve + self.outstanding          # raw pages, every layer
+    def _after_packed(self, packed: Packed, raw_pages: int):
+        """``(free slots per layer, free chunks, raw pages needed)`` once ``packed``'s pages took their compressed
+        chunks, for a request that then needs ``raw_pages`` raw pages beside the outstanding reservations."""
         free = [self._layer_free_slots(l) for l in range(self.num_layers)]
         n_free = self._n_free
         for l, new in enumerate(self._packed_chunks(packed)):
             own = min(new, len(self._pending[l]))             # _take_chunk takes the layer's pending chunks first
             free[l] -= own * self.pages_per_chunk
             n_free -= new - own
-        short = max(0, -n_free)
-        while self._capacity(free, n_free + short) < need:
-            short += 1
-        return short
+        return free, n_free, raw_pages + self.outstanding
+
+    def chunks_short(self, packed: Packed, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> int:
+        """Free chunks the pool lacks for :meth:`admit_packed` to take ``packed`` now: 0 when it fits, else how many
+        more chunks a budget would need (with what is running now) -- how far one more request is from admission."""
+        self._check_packed(packed)
+        prompt_pages, reserve = self._check_new(_PROBE, packed.tokens, max_new_tokens, reserve_ratio)
+        free, n_free, need = self._after_packed(packed, prompt_pages - packed.n_pages + reserve)
+        lo, hi = max(0, -n_free), max(0, -n_free) + self.num_layers * -(-need // self.pages_per_chunk)
+        while lo < hi:                                        # the fewest extra chunks whose capacity covers need
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if self._capacity(free, n_free + mid) >= need else (mid + 1, hi)
+        return lo
 
     def admit_packed(self, rid, packed: Packed, max_new_tokens: int, *, reserve_ratio: float = 1.0):
         """Admit a request whose full pages are already packed (:meth:`pack`; a pre-compressed prefix, §IV-A):
