@@ -1077,6 +1077,8 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     """figure5(mma_baseline=True), its runs stubbed: uncompressed runs ``repeats`` more times in the mma layouts at
     its largest batch, the median a row of THROUGHPUT_MMA_BASELINE_MODEL; the chapter's other rows and the end-to-end
     runs come back untouched."""
+    import pandas as pd
+
     from zipkv import data, throughput
     from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL
 
@@ -1087,7 +1089,8 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     monkeypatch.setattr(throughput, "real_kv_blocks", lambda *a, **k: None)
     monkeypatch.setattr(throughput, "make_codec", lambda *a, **k: None)
     monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (SimpleNamespace(config=None), dict(blocks=None, kv_budget_bytes=2**30)))
-    monkeypatch.setattr(throughput, "packed_capacity", lambda blocks, config, budget, **k: ("capacity", budget))
+    monkeypatch.setattr(throughput, "packed_capacity",
+                        lambda blocks, config, budget, **k: pd.DataFrame({"kv_budget_bytes": [budget]}))
     calls, mma_speeds = [], iter([2650.0, 2640.0, 2660.0])
 
     def run(model, method, batch=None, **kw):
@@ -1102,7 +1105,8 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     row = t[t.model == THROUGHPUT_MMA_BASELINE_MODEL]
     assert len(row) == 1 and row.tokens_per_s.iloc[0] == 2650.0 and row.tokens_per_s_runs.iloc[0] == "[2650.0, 2640.0, 2660.0]"
     assert out["e2e_runs"] is e2e_runs and (t.model == "SmolLM2").sum() == 1
-    assert out["capacity"] == ("capacity", 2**30)
+    cap = out["capacity"]              # the Llama-shape setting's budget, with the run's provenance
+    assert cap.kv_budget_bytes.tolist() == [2**30] and {"device", "commit", "date"} <= set(cap.columns)
     assert throughput.figure5(device="cpu", shape=None)["capacity"] is None
     assert len(t[t.model == throughput.THROUGHPUT_PAPER_MODEL]) == 2 * len(throughput.METHODS)
 
@@ -1111,6 +1115,8 @@ def test_figure5_runs_only_the_methods_it_is_given_and_refuses_a_set_without_the
     """figure5(methods=...) (the paper's card, whose memory does not hold the restore baselines' buffers): the
     Llama-shape rows are those methods' only; methods without the tokens/s bar's two, or unknown ones, are refused
     before anything runs."""
+    import pandas as pd
+
     from zipkv import data, throughput
 
     cols = dict(kv_budget_bytes=2**30, frac_compressed_k=0.0, frac_compressed_v=0.0)
@@ -1119,7 +1125,7 @@ def test_figure5_runs_only_the_methods_it_is_given_and_refuses_a_set_without_the
     monkeypatch.setattr(data, "load_books", lambda *a, **k: [])
     monkeypatch.setattr(throughput, "real_kv_blocks", lambda *a, **k: None)
     monkeypatch.setattr(throughput, "_llama_setting", lambda *a, **k: (SimpleNamespace(config=None), dict(blocks=None, kv_budget_bytes=2**30)))
-    monkeypatch.setattr(throughput, "packed_capacity", lambda *a, **k: None)
+    monkeypatch.setattr(throughput, "packed_capacity", lambda *a, **k: pd.DataFrame())
     calls = []
 
     def run(model, method, batch=None, **kw):
