@@ -871,6 +871,7 @@ def test_the_batch_paragraph_says_what_the_memory_manager_admits_per_block_arran
     assert "keys channel and values v_mma reach 50 requests." in text and "| channel | v_mma | 79.00% |" in text
     short = chapter.bars_need_text(big, 32, capacity=cap.assign(max_batch=[49, 49]))
     assert "No arrangement of the format's blocks in the table below reaches 50: the closest, keys channel" in short
+    assert "regrouping the format's blocks closes 112 of the 115 chunks." in short
     assert "Placed by the memory manager" not in chapter.bars_need_text(big, 32)
     main = tmp_path / "throughput.csv"
     assert chapter.capacity_table(cap, main) is cap and pd.read_csv(tmp_path / "throughput_capacity.csv").max_batch.tolist() == [49, 50]

@@ -598,8 +598,8 @@ def capacity_text(capacity, big) -> str:
         return text + (f"No arrangement of the format's blocks in the table below reaches {needed}: the closest, keys "
                        f"{best.k_layout} and values {best.v_layout} ({best.bits_per_value:.3f} bits per value), holds "
                        f"{best.max_batch} and lacks {best.chunks_short:.0f} chunks ({best.frac_budget_short:.2%}) for the "
-                       f"next. On this KV, under this budget, the batch target is beyond what the 12-bit format "
-                       "stores, however its blocks are grouped.")
+                       f"next: on this KV and under this budget, regrouping the format's blocks closes "
+                       f"{eng.chunks_short - best.chunks_short:.0f} of the {eng.chunks_short:.0f} chunks.")
     return text + ", ".join(f"keys {r.k_layout} and values {r.v_layout}" for r in reach.itertuples()) + (
         f" reach {needed} requests.")
 
