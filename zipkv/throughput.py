@@ -419,11 +419,12 @@ def divergence_gap(model, ids, reference_token: int, other_token: int) -> float:
 def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256, timed_steps=None, restore_timed_steps=None,
             fixed_batch=32, uncompressed_max_batch=46, kv_windows=2, kv_window_context=2048, e2e_requests=12,
             e2e_context=1024, e2e_new_tokens=64, e2e_budget_requests=4, e2e_pages_per_chunk=16, pages_per_chunk=16,
-            seed=0, progress_csv=None, profile=False, repeats=1, unfused=False, mma_baseline=False, methods=None):
+            seed=0, progress_csv=None, profile=False, repeats=1, unfused=False, mma_baseline=False, methods=None,
+            capacity=True):
     """The chapter's runs: returns ``dict(table, e2e_runs, e2e_same_tokens, capacity)`` (``e2e_same_tokens``: per
-    method, :func:`token_agreement` with the uncompressed run; ``capacity``: with ``shape``, :func:`packed_capacity`
-    in the Llama-shape setting, the same prefixes and budget, with the run's ``device``, ``commit`` and ``date``,
-    else None).
+    method, :func:`token_agreement` with the uncompressed run; ``capacity``: with ``shape`` and ``capacity``,
+    :func:`packed_capacity` in the Llama-shape setting, the same prefixes and budget, with the run's ``device``,
+    ``commit`` and ``date`` (about 0.5 s of host time per request and block arrangement), else None).
 
     ``table`` (one row per model, method and batch; columns of ``results/paper/zipfusion_throughput.csv``
     plus ``stored_bits_per_value``, ``timed_steps``, ``step_ms``): with ``shape="llama3.1-8b"`` (GPU)
@@ -462,7 +463,6 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
         if progress_csv:
             table.to_csv(progress_csv, index=False)
         return table
-    capacity = None
     e2e_rows, runs, same, (small, tok) = _e2e(device, e2e_requests, e2e_context, e2e_new_tokens, e2e_budget_requests,
                                               e2e_pages_per_chunk, seed)
     rows = list(e2e_rows)
@@ -474,10 +474,13 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
                                        uncompressed_max_batch=uncompressed_max_batch, kv_windows=kv_windows,
                                        kv_window_context=kv_window_context, pages_per_chunk=pages_per_chunk, seed=seed)
         del small
-        record = gpu_run_record()
-        capacity = packed_capacity(common["blocks"], model.config, common["kv_budget_bytes"], context=context,
-                                   new_tokens=new_tokens, pages_per_chunk=pages_per_chunk, seed=seed,
-                                   ).assign(**{k: record[k] for k in ("device", "commit", "date")})
+        if capacity:
+            record = gpu_run_record()
+            capacity = packed_capacity(common["blocks"], model.config, common["kv_budget_bytes"], context=context,
+                                       new_tokens=new_tokens, pages_per_chunk=pages_per_chunk, seed=seed,
+                                       ).assign(**{k: record[k] for k in ("device", "commit", "date")})
+        else:
+            capacity = None
         big = []
         for m in (m for m in METHODS if m in methods):
             codec = make_codec(m, calibration) if m in RESTORE else None
@@ -506,7 +509,8 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
             done(big + rows)
         rows = big + rows
         del model
-    return dict(table=done(rows), e2e_runs=runs, e2e_same_tokens=same, capacity=capacity)
+    return dict(table=done(rows), e2e_runs=runs, e2e_same_tokens=same,
+                capacity=capacity if shape is not None else None)
 
 
 REPEATED = ("uncompressed", "zipfusion")

@@ -63,7 +63,7 @@ def measure(real_kv_csv, out_dir, *, reps: int = 30, device_name: str | None = N
                                         reps=reps, progress=False)
     latency.assign(**stamp).to_csv(out_dir / f"{STEM}.csv", index=False)
     side = out_dir / f"{THROUGHPUT_SIDE}.csv"
-    fig5 = figure5(methods=REPEATED, repeats=3, profile=True, mma_baseline=True, progress_csv=side)
+    fig5 = figure5(methods=REPEATED, repeats=3, profile=True, mma_baseline=True, progress_csv=side, capacity=False)
     fig5["table"].assign(device=run["device"], **stamp).to_csv(side, index=False)
 
 
