@@ -891,6 +891,26 @@ def test_the_committed_throughput_runs_admitted_every_zipfusion_prefix_packed():
     assert (zf.frac_compressed_k > 0.5).all() and (zf.frac_compressed_v > 0.5).all()
 
 
+def test_the_committed_capacity_table_agrees_with_the_engine_s_largest_batch():
+    """The memory manager's placement of the chapter's real-KV prefixes (the committed capacity side table) holds as
+    many requests in ZipFusion's arrangement as the engine admitted in the committed GPU run, under that run's budget;
+    each row's share of the budget is its chunks over the budget's."""
+    import pandas as pd
+
+    from zipkv.book import REPO_ROOT
+    from zipkv.chapters import throughput as chapter
+    from zipkv import format as fmt
+    from zipkv.committed import side_table
+
+    main = REPO_ROOT / "results/paper/zipfusion_throughput.csv"
+    table, cap = pd.read_csv(main), pd.read_csv(side_table(main, chapter.CAPACITY_SIDE))
+    z = chapter.largest_batch_rows(table[table.model == chapter.THROUGHPUT_PAPER_MODEL], "zipfusion").iloc[0]
+    eng = cap[(cap.k_layout == "k_mma") & (cap.v_layout == "v_mma")].iloc[0]
+    assert eng.max_batch == z.batch and (cap.kv_budget_bytes == z.kv_budget_bytes).all()
+    chunk = 16 * 2 * 8 * fmt.page_bytes(128)                    # 16 pages of Llama-3.1-8B's 8 KV heads, K and V
+    assert cap.frac_budget_short.tolist() == pytest.approx((cap.chunks_short * chunk / cap.kv_budget_bytes).tolist())
+
+
 def test_paper_rows_fall_back_to_the_committed_gpu_table(tmp_path):
     import pandas as pd
 
