@@ -38,9 +38,10 @@ Capacity is counted in **uncompressed pages across all layers** (:meth:`capacity
 new logical pages that could be written raw now, each needing a raw slot in *every* layer -- from the
 layer's raw chunks, its pending chunks, or the shared pool. It grows as compression empties raw chunks.
 A request whose full pages arrive already packed (a pre-compressed prefix: :meth:`pack`,
-:meth:`admit_packed`) is counted at their packed size: they go first-fit into compressed chunks of each
-layer, and admission checks that the capacity left after the chunks they need still covers its raw last
-page, its reservation and every outstanding one.
+:meth:`admit_packed`) is counted at their packed size: they go into compressed chunks of each layer as
+:meth:`KVMemory._comp_alloc` places a page, and admission checks that the capacity left after the chunks they need
+still covers its raw last page, its reservation and every outstanding one (:meth:`KVMemory.chunks_short`: how many
+chunks a request that does not fit lacks).
 :meth:`admit` (SGLang's ``PrefillAdder.add_one_req`` + ``alloc``) takes a request only if
 ``capacity_pages() - outstanding`` covers its prompt pages plus a *reservation* of
 ``ceil(reserve_ratio * pages it can still grow by)``; ``outstanding`` is the sum of running requests'
