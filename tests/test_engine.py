@@ -759,7 +759,8 @@ def test_packed_capacity_is_what_the_memory_admits_with_the_bytes():
     context, new, ppc = 160, 20, 2
     budget = kv_budget_for(cfg, 6, context + new - 1, pages_per_chunk=ppc)
     layouts = (("token", "token"), ("channel", "v_mma"), ("k_mma", "channel"))
-    table = tp.packed_capacity(blocks, cfg, budget, context=context, new_tokens=new, pages_per_chunk=ppc, layouts=layouts)
+    table = tp.packed_capacity(blocks, cfg, budget, context=context, new_tokens=new, pages_per_chunk=ppc, layouts=layouts,
+                               progress=False)
     for (kl, vl), row in zip(layouts, table.itertuples()):
         mem = KVMemory(2, 2, 64, budget, pages_per_chunk=ppc, k_layout=kl, v_layout=vl)
         comp, i = torch.zeros(2), 0

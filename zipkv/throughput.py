@@ -152,20 +152,24 @@ layouts, and keys (then values too) grouped by channel (a block: 16 tokens x 32 
 
 
 def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192, new_tokens: int = 256,
-                    pages_per_chunk: int = 16, seed: int = 0, layouts=CAPACITY_LAYOUTS, max_requests: int | None = None):
+                    pages_per_chunk: int = 16, seed: int = 0, layouts=CAPACITY_LAYOUTS, max_requests: int | None = None,
+                    progress: bool = True):
     """How many of Fig. 5's requests ZipFusion's memory manager admits under ``kv_budget_bytes`` with the prefixes
     packed in each (K, V) block arrangement of ``layouts`` (names of :data:`zipkv.format.LAYOUTS`), and how far the
     next request is from admission: requests of ``context`` real-KV tokens (:func:`real_prefix` of ``blocks`` with
     :func:`decode_throughput`'s seeds; every token of the prefix real here, where the engine's runs end it with one
     prompt token) and ``new_tokens`` outputs reserved raw, admitted packed in order
     (:meth:`zipkv.memory.KVMemory.admit_packed`) until one is refused. Placement needs only the blocks' sizes, so the
-    memory runs on PyTorch's meta device (shapes, no bytes).
+    memory runs on PyTorch's meta device (shapes, no bytes): about 0.5 s of host time per request and arrangement, plus
+    the blocks' eligibility (minutes for Fig. 5's 58 requests on a CPU; ``progress``: a tqdm bar over the requests).
 
     Returns a DataFrame, a row per layout pair: ``k_layout, v_layout, frac_compressed_k, frac_compressed_v``,
     ``bits_per_value`` (stored per value of the admitted prefixes, payloads only), ``max_batch``, ``chunks_short``
     (:meth:`~zipkv.memory.KVMemory.chunks_short` of the first request refused), ``frac_budget_short`` (those chunks
     over the budget's) and ``kv_budget_bytes``."""
     import pandas as pd
+    from tqdm.auto import tqdm
+
     from zipkv.memory import KVMemory, Packed
     H = config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -180,7 +184,7 @@ def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192
     mems = {pair: KVMemory(L, H, D, kv_budget_bytes, pages_per_chunk=pages_per_chunk, k_layout=pair[0], v_layout=pair[1],
                            device=meta) for pair in layouts}
     state = {pair: dict(max_batch=0, chunks_short=None, comp=torch.zeros(2, dtype=torch.int64)) for pair in layouts}
-    for i in range(max_requests):
+    for i in tqdm(range(max_requests), desc="requests placed", disable=not progress):
         open_pairs = [pair for pair in layouts if state[pair]["chunks_short"] is None]
         if not open_pairs:
             break
@@ -478,7 +482,7 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
             record = gpu_run_record()
             capacity = packed_capacity(common["blocks"], model.config, common["kv_budget_bytes"], context=context,
                                        new_tokens=new_tokens, pages_per_chunk=pages_per_chunk, seed=seed,
-                                       ).assign(**{k: record[k] for k in ("device", "commit", "date")})
+                                       progress=False).assign(**{k: record[k] for k in ("device", "commit", "date")})
         else:
             capacity = None
         big = []
