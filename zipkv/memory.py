@@ -9,8 +9,8 @@ Memory model
 * A chunk is **free** (in the pool shared by all layers), **owned** by one layer -- as a *raw* chunk
   (fixed slots of one raw page) or a *compressed* chunk (variable extents of compressed pages, in
   256-byte units; a page that no free extent holds whole may end one chunk and begin the next, cut between
-  page-heads: :meth:`KVMemory._comp_alloc`) -- or **pending**: emptied by its layer and waiting for the attention reads that may
-  still touch it. :meth:`KVMemory.reads_done` returns pending chunks to the pool; only then can another
+  page-heads: :meth:`KVMemory._comp_alloc`) -- or **pending**: emptied by its layer and waiting for the
+  attention reads that may still touch it. :meth:`KVMemory.reads_done` returns pending chunks to the pool; only then can another
   layer take them (a chunk *reassigned*). Its own layer may take a pending chunk back at once.
 * **Page ids are logical and shared by all layers**: a request's j-th page has the same id in every
   layer, so the page table -- FlashInfer's CSR ``indptr``, ``indices``, ``last_page_len`` (int32),

@@ -176,7 +176,8 @@ def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192
     L, P, nb = config.num_hidden_layers, fmt.PAGE_TOKENS, fmt.n_blocks(D)
     n = context // P
     if max_requests is None:
-        max_requests = math.ceil(1.5 * kv_budget_bytes / (L * 2 * H * fmt.page_bytes(D) * math.ceil((context + new_tokens - 1) / P))) + 1
+        raw_request = L * 2 * H * fmt.page_bytes(D) * math.ceil((context + new_tokens - 1) / P)
+        max_requests = math.ceil(1.5 * kv_budget_bytes / raw_request) + 1
     meta = torch.device("meta")
     slots = [torch.empty(n, 2, H, fmt.page_bytes(D), dtype=torch.uint8, device=meta)] * L
     flags = [torch.empty(n, 2, H, nb, dtype=torch.uint8, device=meta)] * L
@@ -467,6 +468,7 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
         if progress_csv:
             table.to_csv(progress_csv, index=False)
         return table
+    placed = None                                # packed_capacity's table (Llama-shape runs)
     e2e_rows, runs, same, (small, tok) = _e2e(device, e2e_requests, e2e_context, e2e_new_tokens, e2e_budget_requests,
                                               e2e_pages_per_chunk, seed)
     rows = list(e2e_rows)
@@ -480,11 +482,9 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
         del small
         if capacity:
             record = gpu_run_record()
-            capacity = packed_capacity(common["blocks"], model.config, common["kv_budget_bytes"], context=context,
-                                       new_tokens=new_tokens, pages_per_chunk=pages_per_chunk, seed=seed,
-                                       progress=False).assign(**{k: record[k] for k in ("device", "commit", "date")})
-        else:
-            capacity = None
+            placed = packed_capacity(common["blocks"], model.config, common["kv_budget_bytes"], context=context,
+                                     new_tokens=new_tokens, pages_per_chunk=pages_per_chunk, seed=seed,
+                                     progress=False).assign(**{k: record[k] for k in ("device", "commit", "date")})
         big = []
         for m in (m for m in METHODS if m in methods):
             codec = make_codec(m, calibration) if m in RESTORE else None
@@ -513,8 +513,7 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
             done(big + rows)
         rows = big + rows
         del model
-    return dict(table=done(rows), e2e_runs=runs, e2e_same_tokens=same,
-                capacity=capacity if shape is not None else None)
+    return dict(table=done(rows), e2e_runs=runs, e2e_same_tokens=same, capacity=placed)
 
 
 REPEATED = ("uncompressed", "zipfusion")
