@@ -35,7 +35,7 @@ def reference_attention(module, query, key, value, attention_mask, scaling=None,
     s = torch.einsum("bhgqd,bhtd->bhgqt", q, key.float()) * scaling
     if T > 1:
         S = key.shape[2]
-        s = s + torch.full((T, S), float("-inf")).triu(S - T + 1)
+        s = s + torch.full((T, S), float("-inf"), device=s.device).triu(S - T + 1)
     o = torch.einsum("bhgqt,bhtd->bhgqd", s.softmax(-1), value.float()).reshape(B, HQ, T, D)
     return o.to(query.dtype).transpose(1, 2).contiguous(), None
 
@@ -449,7 +449,7 @@ FAMILY_EXTRAS = {"mistral": dict(sliding_window=None), "mixtral": dict(sliding_w
 def test_every_decoder_family_the_engine_takes_gives_generates_tokens(model_type, fused_ops, monkeypatch):
     """Each model type of ``DECODE_MODEL_TYPES``: the engine's decode steps, with pages compressed as they fill, give
     ``model.generate``'s greedy tokens -- through the model's modules, and through the fused step kernels
-    (``fused_ops=True``, here in Triton's interpreter), which replace exactly the norms and MLPs that compute
+    (``fused_ops=True``: in Triton's interpreter, or on the GPU where there is one), which replace exactly the norms and MLPs that compute
     Llama's: not Gemma's (its norm scales by ``1 + weight``, its MLP is GELU) nor Mixtral's expert MLP."""
     from zipkv.engine import DECODE_MODEL_TYPES
     from zipkv.kernels import fused_ops as kernels
@@ -461,6 +461,8 @@ def test_every_decoder_family_the_engine_takes_gives_generates_tokens(model_type
             return _f(*args)
         monkeypatch.setattr(kernels, name, spy)
     model = _tiny_model(model_type, **FAMILY_EXTRAS.get(model_type, {}))
+    if fused_ops and torch.cuda.is_available():       # where there is a GPU, Triton does not interpret: its kernels run
+        model = model.cuda()
     prompts = [list(range(3, 40)), list(range(50, 61)), list(range(70, 75))]
     ref = _generate(model, prompts, 12)
     res = Engine(model, 8 * _page_bytes(model), compress="all", pages_per_chunk=2,
