@@ -10,8 +10,8 @@ Memory model
   (fixed slots of one raw page) or a *compressed* chunk (variable extents of compressed pages, in
   256-byte units; a page that no free extent holds whole may end one chunk and begin the next, cut between
   page-heads: :meth:`KVMemory._comp_alloc`) -- or **pending**: emptied by its layer and waiting for the
-  attention reads that may still touch it. :meth:`KVMemory.reads_done` returns pending chunks to the pool; only then can another
-  layer take them (a chunk *reassigned*). Its own layer may take a pending chunk back at once.
+  attention reads that may still touch it. :meth:`KVMemory.reads_done` returns pending chunks to the pool;
+  only then can another layer take them (a chunk *reassigned*). Its own layer may take a pending chunk back at once.
 * **Page ids are logical and shared by all layers**: a request's j-th page has the same id in every
   layer, so the page table -- FlashInfer's CSR ``indptr``, ``indices``, ``last_page_len`` (int32),
   :meth:`KVMemory.page_table` -- is the same array for every layer; where the page's bytes are differs per
@@ -69,6 +69,7 @@ Mapping onto serving engines
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -113,16 +114,20 @@ class Packed:
 
     tokens: cached tokens; n_pages: full pages packed; slots: per layer uint8 ``[n_pages, 2, kv_heads,
     slot_bytes]`` (each page-head packed at the start of its slot); meta: per layer uint8 ``[n_pages, 2,
-    kv_heads, n_blocks]``; units: per layer the pages' sizes in :data:`UNIT` s; head_units: per layer and page the
-    sizes of its ``2 * kv_heads`` page-heads (keys, then values) in :data:`UNIT` s; tail: per layer ``(k, v)``
-    bf16 ``[kv_heads, tokens - 16 n_pages, head_dim]`` (the last, partial page, written raw)."""
+    kv_heads, n_blocks]``; head_units: per layer and page the sizes of its ``2 * kv_heads`` page-heads (keys, then
+    values) in :data:`UNIT` s; tail: per layer ``(k, v)`` bf16 ``[kv_heads, tokens - 16 n_pages, head_dim]`` (the last,
+    partial page, written raw)."""
     tokens: int
     n_pages: int
     slots: list
     meta: list
-    units: list
     head_units: list
     tail: list
+
+    @functools.cached_property
+    def units(self) -> list:
+        """Per layer the pages' sizes in :data:`UNIT` s (their page-heads' sum)."""
+        return [[sum(h) for h in layer] for layer in self.head_units]
 
 
 def free_extent(extents: list[list[int]], start: int, n: int) -> list[list[int]]:
@@ -620,7 +625,7 @@ class KVMemory:
                              f"{len(kv) if isinstance(kv, (list, tuple)) else type(kv).__name__}")
         n_tok = kv[0][0].shape[1]
         n, H, sb = n_tok // fmt.PAGE_TOKENS, self.kv_heads, self.slot_bytes
-        slots, metas, units, head_units, tails = [], [], [], [], []
+        slots, metas, head_units, tails = [], [], [], []
         for k, v in kv:
             if k.shape != (H, n_tok, self.head_dim) or v.shape != k.shape:
                 raise ValueError(f"kv: every layer's k and v must have shape {(H, n_tok, self.head_dim)}, got "
@@ -638,11 +643,10 @@ class KVMemory:
                 torch.zeros(0, 2, H, fmt.n_blocks(self.head_dim), dtype=torch.uint8, device=self.device)
             comp = (meta >> 7).to(torch.int64).sum(-1)                                         # [n, 2, H]
             head_units.append((fmt.n_blocks(self.head_dim) * 4 - comp).reshape(n, 2 * H).tolist())
-            units.append([sum(h) for h in head_units[-1]])
             slots.append(buf[: n * 2 * H * sb].view(n, 2, H, sb))
             metas.append(meta)
             tails.append((k[:, n * fmt.PAGE_TOKENS:], v[:, n * fmt.PAGE_TOKENS:]))
-        return Packed(n_tok, n, slots, metas, units, head_units, tails)
+        return Packed(n_tok, n, slots, metas, head_units, tails)
 
     def _packed_chunks(self, packed: Packed) -> list:
         """New compressed chunks each layer needs to place ``packed``'s pages as :meth:`_comp_alloc` does (first fit,
@@ -687,7 +691,7 @@ class KVMemory:
         if not isinstance(packed, Packed):
             raise TypeError(f"packed must be a KVMemory.pack result (Packed), got {type(packed).__name__}")
         want = (packed.n_pages, 2, self.kv_heads, fmt.n_blocks(self.head_dim))
-        for name, per_layer in (("meta", packed.meta), ("slots", packed.slots), ("units", packed.units)):
+        for name, per_layer in (("meta", packed.meta), ("slots", packed.slots), ("head_units", packed.head_units)):
             if len(per_layer) != self.num_layers:
                 raise ValueError(f"packed.{name} holds {len(per_layer)} layers; this memory has {self.num_layers}")
         for l in range(self.num_layers):

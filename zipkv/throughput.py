@@ -199,7 +199,7 @@ def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192
         for pair in open_pairs:
             ck, cv = (torch.stack(comp[which, lay]) for which, lay in zip((0, 1), pair))       # [L, n, H]
             head_units = torch.cat([4 * nb - ck, 4 * nb - cv], -1)                                # [L, n, 2H]
-            packed = Packed(context, n, slots, flags, head_units.sum(-1).tolist(), head_units.tolist(), tail)
+            packed = Packed(context, n, slots, flags, head_units.tolist(), tail)
             st, mem = state[pair], mems[pair]
             if mem.admit_packed(i, packed, new_tokens) is None:
                 st["chunks_short"] = mem.chunks_short(packed, new_tokens)
