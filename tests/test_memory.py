@@ -23,20 +23,23 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 L, H, D = 3, 1, 32                       # one 512-value block per page-head: eligibility varies per page
 
 
-def _tokens(gen, n, wide):
-    """bf16 [H, n, D]: narrow exponents (compressible blocks) or, with ``wide``, a spread that is not."""
-    x = torch.randn(H, n, D, generator=gen)
+def _tokens(gen, n, wide, heads=H, dim=D):
+    """bf16 [heads, n, dim]: narrow exponents (compressible blocks) or, with ``wide``, a spread that is not."""
+    x = torch.randn(heads, n, dim, generator=gen)
     if wide:
-        x = x * torch.exp2(torch.randint(-30, 30, (H, n, 1), generator=gen).float())
+        x = x * torch.exp2(torch.randint(-30, 30, (heads, n, 1), generator=gen).float())
     return x.bfloat16()
 
 
 class MemoryMachine(RuleBasedStateMachine):
+    """One KV head of 32 channels: a page-head is one block, so a page is cut only between its K and V."""
+    HEADS, DIM, LAYOUTS = H, D, ("token", "channel")
+
     @initialize(chunks_per_layer=st.integers(1, 6), ppc=st.integers(1, 4), seed=st.integers(0, 2**16))
     def setup(self, chunks_per_layer, ppc, seed):
-        page = 2 * H * 2 * 16 * D
-        self.m = KVMemory(L, H, D, L * chunks_per_layer * ppc * page + 100, pages_per_chunk=ppc,
-                          k_layout="token", v_layout="channel")
+        page = 2 * self.HEADS * 2 * 16 * self.DIM
+        self.m = KVMemory(L, self.HEADS, self.DIM, L * chunks_per_layer * ppc * page + 100, pages_per_chunk=ppc,
+                          k_layout=self.LAYOUTS[0], v_layout=self.LAYOUTS[1])
         self.gen = torch.Generator().manual_seed(seed)
         self.kv = {}                     # (rid, layer) -> (k, v) written so far
         self.max_new = {}
@@ -49,7 +52,7 @@ class MemoryMachine(RuleBasedStateMachine):
     def _write(self, rid, start, n):
         for l in range(L):
             wide = bool(torch.rand((), generator=self.gen) < 0.3)
-            k, v = _tokens(self.gen, n, wide), _tokens(self.gen, n, not wide)
+            k, v = (_tokens(self.gen, n, w, self.HEADS, self.DIM) for w in (wide, not wide))
             self.m.write(l, rid, start, k, v)
             old = self.kv.get((rid, l))
             self.kv[rid, l] = (k, v) if old is None else (torch.cat([old[0], k], 1), torch.cat([old[1], v], 1))
@@ -112,7 +115,7 @@ class MemoryMachine(RuleBasedStateMachine):
         kv = []
         for _ in range(L):
             w = bool(torch.rand((), generator=self.gen) < wide)
-            kv.append((_tokens(self.gen, prompt, w), _tokens(self.gen, prompt, not w)))
+            kv.append(tuple(_tokens(self.gen, prompt, x, self.HEADS, self.DIM) for x in (w, not w)))
         packed = self.m.pack(kv)
         expect = self.m.can_admit_packed(packed, max_new)
         used = self.m.used_bytes()
@@ -258,8 +261,8 @@ class MemoryMachine(RuleBasedStateMachine):
             pages = torch.tensor(self.m.requests[rid].pages)
             n = self.m.requests[rid].cache_len
             for l in range(L):
-                cache = PagedKVCache(self.m.pool[: self.m.total_bytes], self.m.desc[l], D, "token", "channel")
-                k, v = (x.permute(1, 0, 2, 3).reshape(H, -1, D)[:, :n] for x in cache.read_pages(pages))
+                cache = PagedKVCache(self.m.pool[: self.m.total_bytes], self.m.desc[l], self.DIM, *self.LAYOUTS)
+                k, v = (x.permute(1, 0, 2, 3).reshape(self.HEADS, -1, self.DIM)[:, :n] for x in cache.read_pages(pages))
                 wk, wv = self.kv[rid, l]
                 assert torch.equal(k.view(torch.int16), wk.view(torch.int16)), f"keys of request {rid}, layer {l}"
                 assert torch.equal(v.view(torch.int16), wv.view(torch.int16)), f"values of request {rid}, layer {l}"
@@ -274,9 +277,18 @@ class MemoryMachine(RuleBasedStateMachine):
         assert self.m.available_size() == 16 * self.initial_capacity
 
 
+class MmaMemoryMachine(MemoryMachine):
+    """Two KV heads of 64 channels in the mma layouts (ZipFusion's on a GPU): two blocks per page-head, so a
+    compressed page that no free extent holds whole can be cut at any of three page-head boundaries."""
+    HEADS, DIM, LAYOUTS = 2, 64, ("k_mma", "v_mma")
+
+
 MemoryMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
+MmaMemoryMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=40, deadline=None,
+                                              suppress_health_check=[HealthCheck.too_slow])
 TestMemoryMachine = MemoryMachine.TestCase
+TestMmaMemoryMachine = MmaMemoryMachine.TestCase
 
 
 def test_compression_frees_chunks_for_other_layers():
