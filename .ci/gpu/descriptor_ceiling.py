@@ -1,0 +1,152 @@
+"""Ceiling probe of issue 13's all-compressible bar (>= 1.35x FlashInfer TC, Llama-3.1-8B shape, 8192 x 64).
+
+Times, in the same rounds and over a context sweep at batch 64: the Gluon kernel's all-compressed path as committed
+(``plan(...).run``, the latency chapter's fixed slots), the same path with its descriptor loads removed (a copy of
+:mod:`zipkv.kernels.decode_mma` rewritten here at run time: block addresses computed from the page id, base 128,
+scale 1 -- its numbers are wrong, its time is a ceiling for any metadata layout), the committed kernel on compact
+slots (the memory manager's placement), the uncompressed cache, FlashInfer TC, torch SDPA on a contiguous cache and
+an empty launch (a one-element add: the floor of what the cold-L2 timer measures for any kernel).
+
+Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
+``python3 .ci/gpu/descriptor_ceiling.py OUT.csv`` (about a minute). The latency chapter reads the committed table
+``results/paper/zipfusion_descriptor_ceiling.csv`` (:func:`zipkv.chapters.latency.ceiling_text`).
+"""
+import datetime
+import importlib.util
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs
+from zipkv.bench.baselines import (FlashInferDecode, error_vs_reference, nhd_pages, reference_attention,
+                                   sdpa_decode)
+from zipkv.bench.timing import ColdTimer, copy_bandwidth
+from zipkv.kernels import decode_mma
+from zipkv.kernels.decode_attention import plan
+from zipkv.paged import build_paged_cache, physical_page_ids
+
+SHAPE = "llama3.1-8b"
+PAGE = 16
+# decode_mma's source -> the probe kernel: (old, new) pairs, each of which must occur
+NO_DESCRIPTORS = [
+    ("\n@gluon.jit\ndef _pipelined(", '''
+@gluon.jit
+def _no_descs(pa, h, HKV: gl.constexpr):
+    """Fixed-slot descriptors of a head_dim-128 unit computed from its page id, base 128: no load."""
+    kt = gl.arange(0, 16, layout=K_ROWS)
+    vb = gl.arange(0, 4, layout=V_ROWS)
+    return (((((pa * 2) * HKV + h) * 4096 + (kt // 4) * 768) << 8) | 0xC0,
+            ((((pa * 2 + 1) * HKV + h) * 4096 + vb * 768) << 8) | 0xC0)
+
+
+@gluon.jit
+def _pipelined('''),
+    ("kd, vd = _descs(desc_ptr, pa, pb, h, HKV, HD)", "kd, vd = _no_descs(pa, h, HKV)"),
+    ("kdn, vdn = _descs(desc_ptr, paa, pba, h, HKV, HD)", "kdn, vdn = _no_descs(paa, h, HKV)"),
+    ("kdn, vdn = _descs(desc_ptr, pan, pbn, h, HKV, HD)", "kdn, vdn = _no_descs(pan, h, HKV)"),
+    ("ks, vs = _scales(desc_ptr, pa, pb, h, qk_scale, HKV, KIND, HD)",
+     "ks, vs = gl.full([16], qk_scale, gl.float32, layout=TOKS), gl.full([16], 1.0, gl.float32, layout=TOKS)"),
+    ("ks, vs = _scales(desc_ptr, paa, pba, h, qk_scale, HKV, KIND, HD)",
+     "ks, vs = gl.full([16], qk_scale, gl.float32, layout=TOKS), gl.full([16], 1.0, gl.float32, layout=TOKS)"),
+]
+
+
+def probe_kernel():
+    """decode_mma rewritten by :data:`NO_DESCRIPTORS`, imported from a temporary file (Gluon reads the source)."""
+    src = Path(decode_mma.__file__).read_text()
+    for old, new in NO_DESCRIPTORS:
+        if src.count(old) != 1:
+            raise RuntimeError(f"decode_mma changed: {old!r} occurs {src.count(old)} times")
+        src = src.replace(old, new)
+    path = Path(tempfile.mkdtemp()) / "mma_no_descriptors.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("mma_no_descriptors", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def point(ctx, batch, rounds, probe, timer, gen):
+    """The methods at one (ctx, batch), timed in ``rounds`` interleaved rounds: a row per method."""
+    model = ATTENTION_SHAPES[SHAPE]
+    k, v, q = attention_inputs(SHAPE, ctx, batch, gen)
+    ref = reference_attention(q, k, v)
+    io = 2 * q.numel() * q.element_size()
+    fns = {}
+    for compact in (False, True):
+        cache, indptr, indices, last = build_paged_cache(k, v, compress="eligible", k_layout="k_mma", v_layout="v_mma",
+                                                         compact=compact)
+        nbytes = cache.stats()["used_bytes"] + cache.desc.numel() * 8 + indices.numel() * 4 + io
+        p = plan(indptr, indices, last, cache, model.q_heads)
+        out = torch.empty_like(q)
+        name = "zipkv_compressed_compact" if compact else "zipkv_compressed"
+        fns[name] = (lambda p=p, out=out: p.run(q, out), nbytes, True, p)
+        if not compact:
+            o2 = torch.empty_like(q)
+            qk = p.softmax_scale * 1.4426950408889634
+
+            def no_desc(p=p, o2=o2, qk=qk):
+                return probe.launch(q, p.cache, p.indptr, p.indices, p.last_page_len, p._launches, p.num_splits, qk,
+                                    o2, p._ws, p.configs[0]["stages"], p.configs[0].get("maxnreg") or 0)
+            fns["zipkv_compressed_no_descriptors"] = (no_desc, cache.stats()["used_bytes"] + indices.numel() * 4 + io,
+                                                      False, p)
+    raw, indptr, indices, last = build_paged_cache(k, v, compress="none", k_layout="k_mma", v_layout="v_mma")
+    pr = plan(indptr, indices, last, raw, model.q_heads)
+    outr = torch.empty_like(q)
+    fns["zipkv_uncompressed"] = (lambda: pr.run(q, outr), raw.stats()["used_bytes"] + raw.desc.numel() * 8
+                                 + indices.numel() * 4 + io, True, pr)
+    ids = physical_page_ids(batch * ctx // PAGE, 0).to("cuda")
+    kp, vp = nhd_pages(k, ids), nhd_pages(v, ids)
+    ind = ids.to(torch.int32)
+    ip = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (ctx // PAGE)
+    lp = torch.full((batch,), PAGE, device="cuda", dtype=torch.int32)
+    fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
+    kv_bytes = 2 * k.numel() * k.element_size()
+    fns["flashinfer_tc"] = (lambda: fi(q, kp, vp), kv_bytes + ind.numel() * 4 + io, True, None)
+    fns["sdpa"] = (lambda: sdpa_decode(q, k, v), kv_bytes + io, True, None)
+    one = torch.zeros(1, device="cuda")
+    fns["empty_launch"] = (lambda: one.add_(1), 0, False, None)
+    for name, (fn, _, check, _) in fns.items():
+        got = fn()
+        if check and error_vs_reference(got, ref)[0] > 2e-2:
+            raise AssertionError(f"{name} disagrees with fp32 attention at ctx {ctx}")
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, (fn, *_) in fns.items():
+            times[name].append(timer(fn, reps=30))
+    fi_us = statistics.median(times["flashinfer_tc"])
+    rows = []
+    for name, (_, nbytes, _, p) in fns.items():
+        us = statistics.median(times[name])
+        rows.append(dict(shape=SHAPE, ctx=ctx, batch=batch, kv_data="all compressible", method=name, latency_us=us,
+                         bytes_read=nbytes, tbps=nbytes / us / 1e6, speedup_vs_flashinfer_tc=fi_us / us,
+                         num_splits=p.num_splits if p else None, stages=p.configs[0]["stages"] if p else None,
+                         rounds_us=" ".join(f"{t:.1f}" for t in times[name])))
+        print(f"{ctx:6d} x {batch}  {name:34s} {us:8.1f} us  {rows[-1]['tbps']:5.2f} TB/s  "
+              f"FI TC / this {fi_us / us:.3f}", flush=True)
+    return rows
+
+
+def main(out_csv):
+    timer, gen = ColdTimer(), torch.Generator(device="cuda").manual_seed(0)
+    copy_bw = copy_bandwidth()
+    probe = probe_kernel()
+    rows = []
+    for ctx in (1024, 2048, 4096, 8192, 16384):
+        rows += point(ctx, 64, 5 if ctx == 8192 else 3, probe, timer, gen)
+        torch.cuda.empty_cache()
+    table = pd.DataFrame(rows)
+    table["copy_bw_tbps"] = copy_bw / 1e12
+    table["device"] = torch.cuda.get_device_name()
+    table["commit"] = os.environ.get("ZIPKV_COMMIT", "unknown")
+    table["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    table.to_csv(out_csv, index=False)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
