@@ -577,6 +577,64 @@ def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_con
             f"{fit.max_resid_us.max():.1f} µs):\n\n" + "\n".join(f"- {p}" for p in parts))
 
 
+CEILING = "zipfusion_descriptor_ceiling.csv"
+"""The committed ceiling probe of the all-compressible bar (``.ci/gpu/descriptor_ceiling.py``: the all-compressed
+kernel as committed, with its descriptor loads removed and on compact slots, beside FlashInfer TC, SDPA and an empty
+launch, over a context sweep at batch 64; one run per GPU) that :func:`ceiling_text` reads."""
+CEILING_LABELS = {"zipkv_compressed_no_descriptors": "zipkv (compressed, no descriptor loads)",
+                  "zipkv_compressed_compact": "zipkv (compressed, compact slots)", "empty_launch": "empty launch"}
+
+
+def read_ceiling(folder) -> pd.DataFrame | None:
+    """:data:`CEILING` in ``folder`` (``results/paper``), or None where there is none."""
+    path = Path(folder) / CEILING
+    return pd.read_csv(path) if path.is_file() else None
+
+
+def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context, batch: int = 64) -> str:
+    """What the ceiling probe (:data:`CEILING`) says of the all-compressible bar, one item per run (GPU, commit,
+    date): the three all-compressed variants against FlashInfer TC at (ctx, batch), their gain per token from
+    :func:`context_fit` against what the bytes allow, the fixed costs beside an empty launch's, and what the fitted
+    lines give at (ctx, batch) for the kernel without descriptor loads at an empty launch's fixed cost (the most any
+    metadata layout and launch could give), against the bar."""
+    bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
+    items = []
+    for (device, commit, date), run in table.groupby(["device", "commit", "date"], sort=False):
+        at = run[(run.ctx == ctx) & (run.batch == batch)].set_index("method").speedup_vs_flashinfer_tc
+        fit = context_fit(run[run.method != "empty_launch"]).set_index("method")
+        fi, ours, bare = (fit.loc[m] for m in ("flashinfer_tc", "zipkv_compressed", "zipkv_compressed_no_descriptors"))
+        empty = run[run.method == "empty_launch"].latency_us.median()
+        per_token = fi.us_per_1k / bare.us_per_1k
+        text = (f"**{device}** (commit {commit}, {date}): at {ctx} × {batch} the all-compressed kernel is "
+                f"{at['zipkv_compressed']:.3f}× FlashInfer TC, with no descriptor loads at all "
+                f"{at['zipkv_compressed_no_descriptors']:.3f}×, on compact slots {at['zipkv_compressed_compact']:.3f}×. "
+                f"Per token (fitted over {fit.contexts.iloc[0]} tokens) ours is {fi.us_per_1k / ours.us_per_1k:.3f}× "
+                f"faster, without descriptor loads {per_token:.3f}× (its bytes allow {fi.mb_per_1k / bare.mb_per_1k:.3f}× "
+                f"at FlashInfer TC's rate); a launch's fixed cost is {ours.fixed_us:.1f} µs for ours, "
+                f"{fi.fixed_us:.1f} µs for FlashInfer TC, and an empty launch measures {empty:.1f} µs under the same timer.")
+        fi_at = fi.fixed_us + fi.us_per_1k * ctx / 1024
+        allowed = fi_at / bar - bare.us_per_1k * ctx / 1024          # fixed cost the bar leaves the bare kernel
+        ideal = fi_at / (empty + bare.us_per_1k * ctx / 1024)
+        text += (f" On the fitted lines, a kernel with no descriptor bytes and an empty launch's fixed cost would be "
+                 f"{ideal:.3f}× at {ctx} × {batch}: ")
+        text += (f"the {bar:.2f}× bar is out of reach on this card at the rate its pages stream, whatever the metadata "
+                 "layout and the fixed cost."
+                 if ideal < bar else
+                 f"the {bar:.2f}× bar needs both, no descriptor bytes and a fixed cost of at most {allowed:.1f} µs "
+                 f"({allowed - empty:.1f} µs above an empty launch; ours {ours.fixed_us:.1f} µs).")
+        items.append(text)
+    return "\n".join(f"- {t}" for t in items)
+
+
+def ceiling_table(table: pd.DataFrame):
+    """The ceiling probe's latencies, one column per context (a Styler)."""
+    labels = {**METHOD_LABELS, **CEILING_LABELS}
+    view = table.assign(method=table.method.map(labels)).pivot_table(
+        index=["device", "method"], columns="ctx", values="latency_us", sort=False)
+    view.columns = [f"{c} tokens (µs)" for c in view.columns]
+    return view.style.format("{:.1f}")
+
+
 def context_table(fit: pd.DataFrame):
     """:func:`context_fit`'s table, formatted (a Styler)."""
     view = fit.assign(method=fit.method.map(METHOD_LABELS))
