@@ -224,11 +224,12 @@ def _fixed_cost_clause(fit) -> str:
             f"the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×)")
 
 
-def targets_text(table: pd.DataFrame, ncu=None, fit=None) -> str:
+def targets_text(table: pd.DataFrame, ncu=None, fit=None, ceiling=None) -> str:
     """Issue 13's bars at the anchor point, each with the measured ratio, by how much it is missed and why,
     from the run's own bytes and bandwidths (Llama-3.1-8B shape; SmolLM2 shape against its fastest baseline, and
-    where ``ncu`` (:func:`read_ncu`) profiled that shape, its DRAM and occupancy), and where ``fit``
-    (:func:`context_fit`) is given, the gain per token that no context can exceed."""
+    where ``ncu`` (:func:`read_ncu`) profiled that shape, its DRAM and occupancy), where ``fit``
+    (:func:`context_fit`) is given, the gain per token that no context can exceed, and where ``ceiling``
+    (:func:`read_ceiling`) holds a run on the table's GPU, what removing every descriptor load gives."""
     goal = PROJECT_TARGETS
     t = _anchor(table, SHAPE)
     fi = t[t.method == "flashinfer_tc"].iloc[0]
@@ -241,7 +242,7 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None) -> str:
              f"measured in the run, {copy:.2f} TB/s), FlashInfer TC {fi.bytes_read / 1e9:.3f} GB at {fi.tbps:.2f} TB/s: at "
              f"equal bandwidth the bytes allow {fi.bytes_read / comp.bytes_read:.3f}×, and the bar would need "
              f"{need:.2f} TB/s ({need / copy:.0%} of the copy bandwidth; {_fastest_clause(t, 'tbps', need)})."
-             + _per_token_clause(fit)]
+             + _per_token_clause(fit) + _ceiling_clause(ceiling, fi.device)]
     others = speedups(table).filter(like="measured mix").max(axis=1).drop(
         (ZIPFUSION_PAPER.anchor_context, ZIPFUSION_PAPER.anchor_batch), errors="ignore")
     mix_bw = mix.bytes_read / (fi.latency_us / goal.mix_speedup_vs_flashinfer_tc * 1e-6) / 1e12
@@ -283,7 +284,7 @@ def targets_section(table: pd.DataFrame, folder) -> str:
     """:func:`targets_text` under its heading, with the Nsight report and the context sweep's fit committed in
     ``folder`` (``results/paper``; each left out where absent)."""
     return ("**This project's bars at the anchor point, met and missed (why, from measurements):**\n\n"
-            + targets_text(table, read_ncu(folder), read_context_fit(folder)))
+            + targets_text(table, read_ncu(folder), read_context_fit(folder), read_ceiling(folder)))
 
 
 def _fastest_clause(rows: pd.DataFrame, rate: str, need_tbps: float) -> str:
@@ -294,6 +295,25 @@ def _fastest_clause(rows: pd.DataFrame, rate: str, need_tbps: float) -> str:
             f"{METHOD_LABELS[top.method]}'s {top[rate]:.2f} TB/s" + (" on a contiguous cache" if top.method == "sdpa" else ""))
     return text + (": the bar asks the compressed pages to be read faster than anything else reads its bytes"
                    if need_tbps > top[rate] else "")
+
+
+def _ceiling_clause(ceiling, device: str) -> str:
+    """The ceiling probe's run on ``device`` (the first; section "The all-compressible bar's ceiling") at the anchor
+    point as a sentence: the kernel with no descriptor loads against FlashInfer TC, and what the fitted lines give it
+    at an empty launch's fixed cost ("" without such a run)."""
+    runs = None if ceiling is None else ceiling[ceiling.device.str.startswith(device.split(" (")[0])]
+    if runs is None or not len(runs):
+        return ""
+    run = runs[runs.date == runs.date.iloc[0]]
+    ctx, batch = ZIPFUSION_PAPER.anchor_context, ZIPFUSION_PAPER.anchor_batch
+    at = run[(run.ctx == ctx) & (run.batch == batch)].set_index("method").speedup_vs_flashinfer_tc
+    fit = context_fit(run[run.method != "empty_launch"]).set_index("method")
+    fi, bare = fit.loc["flashinfer_tc"], fit.loc["zipkv_compressed_no_descriptors"]
+    empty = run[run.method == "empty_launch"].latency_us.median()
+    ideal = (fi.fixed_us + fi.us_per_1k * ctx / 1024) / (empty + bare.us_per_1k * ctx / 1024)
+    return (f" With every descriptor load removed (a probe, section \"The all-compressible bar's ceiling\") the kernel "
+            f"gives {at['zipkv_compressed_no_descriptors']:.3f}× ({at['zipkv_compressed']:.3f}× as committed, same run); "
+            f"with no descriptor bytes and an empty launch's fixed cost the fitted lines give {ideal:.3f}×.")
 
 
 def _per_token_clause(fit) -> str:
