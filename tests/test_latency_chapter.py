@@ -181,7 +181,9 @@ def test_targets_section_reads_the_report_and_the_fit_committed_in_its_folder():
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
     section = latency.targets_section(table, folder)
     assert section.startswith("**This project's bars at the anchor point, met and missed")
-    assert section.endswith(latency.targets_text(table, latency.read_ncu(folder), latency.read_context_fit(folder)))
+    assert section.endswith(latency.targets_text(table, latency.read_ncu(folder), latency.read_context_fit(folder),
+                                                 latency.read_ceiling(folder)))
+    assert "With every descriptor load removed" in section       # the probe's run on the chapter's GPU
     assert "Fixed and per-token cost" in section and "Why, from Nsight Compute" in section
     assert "needs a GPU and none is committed" in latency.mix_text(None)
 
@@ -244,3 +246,44 @@ def test_the_flush_text_places_both_speedups_against_the_target():
     assert f"{target - 0.05:.3f}× with the reading one, both below this project's {target:.2f}× target." in kernels.flush_text(
         flushes(target - 0.06, target - 0.05))
     assert "below and above respectively" in kernels.flush_text(flushes(target - 0.01, target + 0.01))
+
+
+def _ceiling_probe(bare_us_per_1k=44.6, device="NVIDIA H200", date="2026-12-06 01:54 UTC"):
+    """A made-up run of the ceiling probe on exact lines (µs = fixed + per 1K tokens, MB per 1K): FlashInfer TC
+    12 + 60 (268 MB), the committed kernel 10 + 45 (203.44 MB), compact slots 9 + 45, no descriptor loads 9 +
+    ``bare_us_per_1k`` (201.34 MB), SDPA 8 + 59 (268 MB), an empty launch 3.5 µs."""
+    lines = {"zipkv_compressed": (10, 45, 203.44), "zipkv_compressed_compact": (9, 45, 203.44),
+             "zipkv_compressed_no_descriptors": (9, bare_us_per_1k, 201.34), "flashinfer_tc": (12, 60, 268),
+             "sdpa": (8, 59, 268), "empty_launch": (3.5, 0, 0)}
+    rows = [dict(shape="llama3.1-8b", ctx=c, batch=64, kv_data="all compressible", method=m, latency_us=a + b * c / 1024,
+                 bytes_read=mb * 1e6 * c / 1024, speedup_vs_flashinfer_tc=(12 + 60 * c / 1024) / (a + b * c / 1024),
+                 device=device, commit="abc1234", date=date)
+            for m, (a, b, mb) in lines.items() for c in (1024, 4096, 8192, 16384)]
+    return pd.DataFrame(rows)
+
+
+def test_ceiling_text_says_what_the_bar_needs_from_the_fitted_lines():
+    text = latency.ceiling_text(_ceiling_probe())
+    assert text.startswith("- **NVIDIA H200** (commit abc1234, 2026-12-06 01:54 UTC): at 8192 × 64")
+    assert f"with no descriptor loads at all {492 / (9 + 44.6 * 8):.3f}×" in text
+    assert f"on compact slots {492 / 369:.3f}×" in text and f"ours is {60 / 45:.3f}× faster" in text
+    assert f"without descriptor loads {60 / 44.6:.3f}× (its bytes allow {268 / 201.34:.3f}×" in text
+    assert "10.0 µs for ours, 12.0 µs for FlashInfer TC, and an empty launch measures 3.5 µs" in text
+    ideal = 492 / (3.5 + 44.6 * 8)
+    assert ideal > 1.35 and f"would be {ideal:.3f}× at 8192 × 64" in text
+    assert f"a fixed cost of at most {492 / 1.35 - 44.6 * 8:.1f} µs" in text and "out of reach" not in text
+    slow = latency.ceiling_text(_ceiling_probe(bare_us_per_1k=46.0))
+    assert f"would be {492 / (3.5 + 46 * 8):.3f}×" in slow and "the 1.35× bar is out of reach on this card" in slow
+
+
+def test_the_targets_cite_the_ceiling_run_of_their_own_gpu_only():
+    from zipkv.book import REPO_ROOT
+
+    folder = REPO_ROOT / "results/paper"
+    table = pd.read_csv(folder / "zipfusion_attention_latency.csv")         # an H200 run
+    both = pd.concat([_ceiling_probe(bare_us_per_1k=46.0, device="NVIDIA H100 80GB HBM3", date="d1"), _ceiling_probe()])
+    text = latency.targets_text(table, ceiling=both)
+    assert f"the kernel gives {492 / (9 + 44.6 * 8):.3f}× ({492 / 370:.3f}× as committed, same run)" in text
+    assert f"the fitted lines give {492 / (3.5 + 44.6 * 8):.3f}×." in text
+    h100 = latency.targets_text(table, ceiling=both[both.device.str.contains("H100")])
+    assert "descriptor load" not in h100 and "descriptor load" not in latency.targets_text(table)
