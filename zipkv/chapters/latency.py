@@ -304,13 +304,7 @@ def _ceiling_clause(ceiling, device: str) -> str:
     runs = None if ceiling is None else ceiling[ceiling.device.str.startswith(device.split(" (")[0])]
     if runs is None or not len(runs):
         return ""
-    run = runs[runs.date == runs.date.iloc[0]]
-    ctx, batch = ZIPFUSION_PAPER.anchor_context, ZIPFUSION_PAPER.anchor_batch
-    at = run[(run.ctx == ctx) & (run.batch == batch)].set_index("method").speedup_vs_flashinfer_tc
-    fit = context_fit(run[run.method != "empty_launch"]).set_index("method")
-    fi, bare = fit.loc["flashinfer_tc"], fit.loc["zipkv_compressed_no_descriptors"]
-    empty = run[run.method == "empty_launch"].latency_us.median()
-    ideal = (fi.fixed_us + fi.us_per_1k * ctx / 1024) / (empty + bare.us_per_1k * ctx / 1024)
+    at, _, ideal = ceiling_run(runs[runs.date == runs.date.iloc[0]])
     return (f" With every descriptor load removed (a probe, section \"The all-compressible bar's ceiling\") the kernel "
             f"gives {at['zipkv_compressed_no_descriptors']:.3f}× ({at['zipkv_compressed']:.3f}× as committed, same run); "
             f"with no descriptor bytes and an empty launch's fixed cost the fitted lines give {ideal:.3f}×.")
@@ -611,7 +605,19 @@ def read_ceiling(folder) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.is_file() else None
 
 
-def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context, batch: int = 64) -> str:
+def ceiling_run(run: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context, batch: int = ZIPFUSION_PAPER.anchor_batch):
+    """One run of the ceiling probe: each method's speedup over FlashInfer TC at (ctx, batch) (a Series by method),
+    :func:`context_fit` of its methods (by method) and what the fitted lines give at (ctx, batch) for the kernel
+    without descriptor loads at the run's empty-launch time as its fixed cost."""
+    at = run[(run.ctx == ctx) & (run.batch == batch)].set_index("method").speedup_vs_flashinfer_tc
+    fit = context_fit(run[run.method != "empty_launch"]).set_index("method")
+    fi, bare = fit.loc["flashinfer_tc"], fit.loc["zipkv_compressed_no_descriptors"]
+    empty = run[run.method == "empty_launch"].latency_us.median()
+    return at, fit, (fi.fixed_us + fi.us_per_1k * ctx / 1024) / (empty + bare.us_per_1k * ctx / 1024)
+
+
+def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
+                 batch: int = ZIPFUSION_PAPER.anchor_batch) -> str:
     """What the ceiling probe (:data:`CEILING`) says of the all-compressible bar, one item per run (GPU, commit,
     date): the three all-compressed variants against FlashInfer TC at (ctx, batch), their gain per token from
     :func:`context_fit` against what the bytes allow, the fixed costs beside an empty launch's, and what the fitted
@@ -620,8 +626,7 @@ def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
     bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
     items = []
     for (device, commit, date), run in table.groupby(["device", "commit", "date"], sort=False):
-        at = run[(run.ctx == ctx) & (run.batch == batch)].set_index("method").speedup_vs_flashinfer_tc
-        fit = context_fit(run[run.method != "empty_launch"]).set_index("method")
+        at, fit, ideal = ceiling_run(run, ctx, batch)
         fi, ours, bare = (fit.loc[m] for m in ("flashinfer_tc", "zipkv_compressed", "zipkv_compressed_no_descriptors"))
         empty = run[run.method == "empty_launch"].latency_us.median()
         per_token = fi.us_per_1k / bare.us_per_1k
@@ -632,9 +637,7 @@ def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
                 f"faster, without descriptor loads {per_token:.3f}× (its bytes allow {fi.mb_per_1k / bare.mb_per_1k:.3f}× "
                 f"at FlashInfer TC's rate); a launch's fixed cost is {ours.fixed_us:.1f} µs for ours, "
                 f"{fi.fixed_us:.1f} µs for FlashInfer TC, and an empty launch measures {empty:.1f} µs under the same timer.")
-        fi_at = fi.fixed_us + fi.us_per_1k * ctx / 1024
-        allowed = fi_at / bar - bare.us_per_1k * ctx / 1024          # fixed cost the bar leaves the bare kernel
-        ideal = fi_at / (empty + bare.us_per_1k * ctx / 1024)
+        allowed = (fi.fixed_us + fi.us_per_1k * ctx / 1024) / bar - bare.us_per_1k * ctx / 1024   # left to the bare kernel
         text += (f" On the fitted lines, a kernel with no descriptor bytes and an empty launch's fixed cost would be "
                  f"{ideal:.3f}× at {ctx} × {batch}: ")
         text += (f"the {bar:.2f}× bar is out of reach on this card at the rate its pages stream, whatever the metadata "
