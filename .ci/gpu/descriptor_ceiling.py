@@ -3,8 +3,9 @@
 Times, in the same rounds and over a context sweep at batch 64: the Gluon kernel's all-compressed path as committed
 (``plan(...).run``, the latency chapter's fixed slots), the same path with its descriptor loads removed (a copy of
 :mod:`zipkv.kernels.decode_mma` rewritten here at run time: block addresses computed from the page id, base 128,
-scale 1 -- its numbers are wrong, its time is a ceiling for any metadata layout), the committed kernel on compact
-slots (the memory manager's placement), the uncompressed cache, FlashInfer TC, torch SDPA on a contiguous cache and
+scale 1 -- its numbers are wrong, its time is a ceiling for any metadata layout), the same path loading each
+descriptor once (the per-token scales from the registers that hold it, not a second load), the committed kernel on
+compact slots (the memory manager's placement), the uncompressed cache, FlashInfer TC, torch SDPA on a contiguous cache and
 an empty launch (a one-element add: the floor of what the cold-L2 timer measures for any kernel).
 
 Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
@@ -56,22 +57,49 @@ def _pipelined('''),
 ]
 
 
-def probe_kernel():
-    """decode_mma rewritten by :data:`NO_DESCRIPTORS`, imported from a temporary file (Gluon reads the source)."""
+# ... -> a probe kernel that loads each descriptor once: the per-token scales of the all-compressed path from the
+# descriptors the copies already loaded (registers) instead of a second load per unit
+ONE_LOAD = [
+    ("\n@gluon.jit\ndef _pipelined(", '''
+SCALE_ROWS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[32, 1], warps_per_cta=[1, 1],
+                                           order=[1, 0]))
+
+
+@gluon.jit
+def _scales_of(kd, vd, qk_scale):
+    """All-compressed unit: the scales of :func:`_scales` from its descriptors ``kd`` [16 rows], ``vd`` [4 blocks]."""
+    ks = gl.convert_layout(_pow2(kd & 0x7F), TOKS) * qk_scale
+    vb = gl.convert_layout(_pow2(vd & 0x7F), gl.SliceLayout(0, SCALE_ROWS))
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, SCALE_ROWS))
+    j = gl.arange(0, 4, layout=gl.SliceLayout(0, SCALE_ROWS))
+    vs = gl.sum(gl.where(((r >> 1) % 4)[:, None] == j[None, :], vb[None, :], 0.0), axis=1)
+    return ks, gl.convert_layout(vs, TOKS)
+
+
+@gluon.jit
+def _pipelined('''),
+    ("ks, vs = _scales(desc_ptr, pa, pb, h, qk_scale, HKV, KIND, HD)", "ks, vs = _scales_of(kd, vd, qk_scale)"),
+    ("ks, vs = _scales(desc_ptr, paa, pba, h, qk_scale, HKV, KIND, HD)", "ks, vs = _scales_of(kdn, vdn, qk_scale)"),
+]
+
+
+def probe_kernel(rewrite=NO_DESCRIPTORS, name="mma_no_descriptors"):
+    """decode_mma rewritten by ``rewrite`` (:data:`NO_DESCRIPTORS` or :data:`ONE_LOAD`), imported from a temporary
+    file (Gluon reads the source)."""
     src = Path(decode_mma.__file__).read_text()
-    for old, new in NO_DESCRIPTORS:
+    for old, new in rewrite:
         if src.count(old) != 1:
             raise RuntimeError(f"decode_mma changed: {old!r} occurs {src.count(old)} times")
         src = src.replace(old, new)
-    path = Path(tempfile.mkdtemp()) / "mma_no_descriptors.py"
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location("mma_no_descriptors", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def point(ctx, batch, rounds, probe, timer, gen):
+def point(ctx, batch, rounds, probe, one_load, timer, gen):
     """The methods at one (ctx, batch), timed in ``rounds`` interleaved rounds: a row per method."""
     model = ATTENTION_SHAPES[SHAPE]
     k, v, q = attention_inputs(SHAPE, ctx, batch, gen)
@@ -90,11 +118,13 @@ def point(ctx, batch, rounds, probe, timer, gen):
             o2 = torch.empty_like(q)
             qk = p.softmax_scale * 1.4426950408889634
 
-            def no_desc(p=p, o2=o2, qk=qk):
-                return probe.launch(q, p.cache, p.indptr, p.indices, p.last_page_len, p._launches, p.num_splits, qk,
-                                    o2, p._ws, p.configs[0]["stages"], p.configs[0].get("maxnreg") or 0)
-            fns["zipkv_compressed_no_descriptors"] = (no_desc, cache.stats()["used_bytes"] + indices.numel() * 4 + io,
-                                                      False, p)
+            def probed(kernel, o, p=p, qk=qk):
+                return lambda: kernel.launch(q, p.cache, p.indptr, p.indices, p.last_page_len, p._launches,
+                                             p.num_splits, qk, o, p._ws, p.configs[0]["stages"],
+                                             p.configs[0].get("maxnreg") or 0)
+            fns["zipkv_compressed_no_descriptors"] = (probed(probe, o2), cache.stats()["used_bytes"]
+                                                      + indices.numel() * 4 + io, False, p)
+            fns["zipkv_compressed_one_descriptor_load"] = (probed(one_load, torch.empty_like(q)), nbytes, True, p)
     raw, indptr, indices, last = build_paged_cache(k, v, compress="none", k_layout="k_mma", v_layout="v_mma")
     pr = plan(indptr, indices, last, raw, model.q_heads)
     outr = torch.empty_like(q)
@@ -135,10 +165,10 @@ def point(ctx, batch, rounds, probe, timer, gen):
 def main(out_csv):
     timer, gen = ColdTimer(), torch.Generator(device="cuda").manual_seed(0)
     copy_bw = copy_bandwidth()
-    probe = probe_kernel()
+    probe, one_load = probe_kernel(), probe_kernel(ONE_LOAD, "mma_one_descriptor_load")
     rows = []
     for ctx in (1024, 2048, 4096, 8192, 16384):
-        rows += point(ctx, 64, 5 if ctx == 8192 else 3, probe, timer, gen)
+        rows += point(ctx, 64, 5 if ctx == 8192 else 3, probe, one_load, timer, gen)
         torch.cuda.empty_cache()
     table = pd.DataFrame(rows)
     table["copy_bw_tbps"] = copy_bw / 1e12
