@@ -593,8 +593,9 @@ def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_con
 
 CEILING = "zipfusion_descriptor_ceiling.csv"
 """The committed ceiling probe of the all-compressible bar (``.ci/gpu/descriptor_ceiling.py``: the all-compressed
-kernel as committed, with its descriptor loads removed and on compact slots, beside FlashInfer TC, SDPA and an empty
-launch, over a context sweep at batch 64; one run per GPU) that :func:`ceiling_text` reads."""
+kernel as committed, with its descriptor loads removed, on compact slots and -- in runs from 1d281d5 on -- loading each
+descriptor once, beside FlashInfer TC, SDPA and an empty launch, over a context sweep at batch 64; one run per GPU)
+that :func:`ceiling_text` reads."""
 CEILING_LABELS = {"zipkv_compressed_no_descriptors": "zipkv (compressed, no descriptor loads)",
                   "zipkv_compressed_one_descriptor_load": "zipkv (compressed, each descriptor loaded once)",
                   "zipkv_compressed_compact": "zipkv (compressed, compact slots)", "empty_launch": "empty launch"}
@@ -606,7 +607,8 @@ def read_ceiling(folder) -> pd.DataFrame | None:
     return pd.read_csv(path) if path.is_file() else None
 
 
-def ceiling_run(run: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context, batch: int = ZIPFUSION_PAPER.anchor_batch):
+def ceiling_run(run: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
+                batch: int = ZIPFUSION_PAPER.anchor_batch):
     """One run of the ceiling probe: each method's speedup over FlashInfer TC at (ctx, batch) (a Series by method),
     :func:`context_fit` of its methods (by method) and what the fitted lines give at (ctx, batch) for the kernel
     without descriptor loads at the run's empty-launch time as its fixed cost."""
@@ -620,7 +622,7 @@ def ceiling_run(run: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context, ba
 def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
                  batch: int = ZIPFUSION_PAPER.anchor_batch) -> str:
     """What the ceiling probe (:data:`CEILING`) says of the all-compressible bar, one item per run (GPU, commit,
-    date): the three all-compressed variants against FlashInfer TC at (ctx, batch), their gain per token from
+    date): the all-compressed variants against FlashInfer TC at (ctx, batch), their gain per token from
     :func:`context_fit` against what the bytes allow, the fixed costs beside an empty launch's, and what the fitted
     lines give at (ctx, batch) for the kernel without descriptor loads at an empty launch's fixed cost (the most any
     metadata layout and launch could give), against the bar; and where the uncompressed path streams faster than the
