@@ -284,6 +284,7 @@ def test_ceiling_text_says_what_the_bar_needs_from_the_fitted_lines():
     assert "descriptor once" not in text
     assert f"loading each descriptor once (no second load for the per-token scales) {492 / (10 + 44.8 * 8):.3f}×, " \
         in latency.ceiling_text(_ceiling_probe(one_load=True))
+    assert "needs a GPU" in latency.ceiling_text(None) and latency.ceiling_table(None) is None
     slower = _ceiling_probe()
     slower.loc[slower.method == "zipkv_uncompressed", "latency_us"] *= 1.2
     assert "Our uncompressed path streams" not in latency.ceiling_text(slower)

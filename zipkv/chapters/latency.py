@@ -619,14 +619,16 @@ def ceiling_run(run: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
     return at, fit, (fi.fixed_us + fi.us_per_1k * ctx / 1024) / (empty + bare.us_per_1k * ctx / 1024)
 
 
-def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
+def ceiling_text(table: pd.DataFrame | None, ctx: int = ZIPFUSION_PAPER.anchor_context,
                  batch: int = ZIPFUSION_PAPER.anchor_batch) -> str:
     """What the ceiling probe (:data:`CEILING`) says of the all-compressible bar, one item per run (GPU, commit,
     date): the all-compressed variants against FlashInfer TC at (ctx, batch), their gain per token from
     :func:`context_fit` against what the bytes allow, the fixed costs beside an empty launch's, and what the fitted
     lines give at (ctx, batch) for the kernel without descriptor loads at an empty launch's fixed cost (the most any
     metadata layout and launch could give), against the bar; and where the uncompressed path streams faster than the
-    compressed one, the fixed cost the bar would leave at that rate."""
+    compressed one, the fixed cost the bar would leave at that rate. Without a probe run (None), that one needs a GPU."""
+    if table is None:
+        return "The ceiling probe (`.ci/gpu/descriptor_ceiling.py`) needs a GPU and no run of it is committed yet."
     bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
     items = []
     for (device, commit, date), run in table.groupby(["device", "commit", "date"], sort=False):
@@ -663,8 +665,10 @@ def ceiling_text(table: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
     return "\n".join(f"- {t}" for t in items)
 
 
-def ceiling_table(table: pd.DataFrame):
-    """The ceiling probe's latencies, one column per context (a Styler)."""
+def ceiling_table(table: pd.DataFrame | None):
+    """The ceiling probe's latencies, one column per context (a Styler; None without a probe run)."""
+    if table is None:
+        return None
     labels = {**METHOD_LABELS, **CEILING_LABELS}
     view = table.assign(method=table.method.map(labels)).pivot_table(
         index=["device", "method"], columns="ctx", values="latency_us", sort=False)
