@@ -14,6 +14,7 @@ Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
 """
 import datetime
 import importlib.util
+import math
 import os
 import statistics
 import sys
@@ -116,7 +117,7 @@ def point(ctx, batch, rounds, probe, one_load, timer, gen):
         fns[name] = (lambda p=p, out=out: p.run(q, out), nbytes, True, p)
         if not compact:
             o2 = torch.empty_like(q)
-            qk = p.softmax_scale * 1.4426950408889634
+            qk = p.softmax_scale * math.log2(math.e)          # as DecodePlan.run: scores in the log2 domain
 
             def probed(kernel, o, p=p, qk=qk):
                 return lambda: kernel.launch(q, p.cache, p.indptr, p.indices, p.last_page_len, p._launches,

@@ -543,6 +543,11 @@ def context_fit(sweep: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def line_at(row, ctx: int) -> float:
+    """A :func:`context_fit` row's fitted latency (µs) at ``ctx`` tokens: ``fixed_us + us_per_1k * ctx / 1024``."""
+    return row.fixed_us + row.us_per_1k * ctx / 1024
+
+
 def _more_or_less(us: float) -> str:
     return f"{abs(us):.1f} µs {'more' if us > 0 else 'less'}"
 
@@ -555,7 +560,7 @@ def fit_pair(fit: pd.DataFrame, shape: str, anchor_ctx: int = ZIPFUSION_PAPER.an
     ours, base = f[f.method == "zipkv_compressed"], f[f.method.isin(BASELINES)]
     if not len(ours) or not len(base):
         return None
-    at = base.fixed_us + base.us_per_1k * anchor_ctx / 1024
+    at = line_at(base, anchor_ctx)
     return ours.iloc[0], (base[base.method == "flashinfer_tc"].iloc[0] if shape == SHAPE else base.loc[at.idxmin()])
 
 
@@ -570,14 +575,13 @@ def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_con
             continue
         o, b = pair
         per_token = b.us_per_1k / o.us_per_1k
-        at = lambda r: r.fixed_us + r.us_per_1k * anchor_ctx / 1024       # noqa: E731
         label = "Llama-3.1-8B" if shape == SHAPE else "SmolLM2" if shape == "smollm2-135m" else shape
         text = (f"**{label} shape**: the all-compressed kernel costs {o.fixed_us:.1f} µs + {o.us_per_1k:.2f} µs per 1K "
                 f"tokens, {METHOD_LABELS[b.method]} {b.fixed_us:.1f} + {b.us_per_1k:.2f}; per token ours is "
                 f"**{per_token:.3f}×** faster (the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×: it streams at "
                 f"{o.stream_tbps:.2f} TB/s, {o.stream_tbps / b.stream_tbps:.0%} of the baseline's {b.stream_tbps:.2f}), "
                 f"and a launch costs {_more_or_less(o.fixed_us - b.fixed_us)} than the baseline's: at {anchor_ctx} tokens "
-                f"the lines give {at(b) / at(o):.3f}×.")
+                f"the lines give {line_at(b, anchor_ctx) / line_at(o, anchor_ctx):.3f}×.")
         if shape == SHAPE:
             bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
             need = o.mb_per_1k / (b.us_per_1k / bar)
@@ -616,7 +620,7 @@ def ceiling_run(run: pd.DataFrame, ctx: int = ZIPFUSION_PAPER.anchor_context,
     fit = context_fit(run[run.method != "empty_launch"]).set_index("method")
     fi, bare = fit.loc["flashinfer_tc"], fit.loc["zipkv_compressed_no_descriptors"]
     empty = run[run.method == "empty_launch"].latency_us.median()
-    return at, fit, (fi.fixed_us + fi.us_per_1k * ctx / 1024) / (empty + bare.us_per_1k * ctx / 1024)
+    return at, fit, line_at(fi, ctx) / (empty + bare.us_per_1k * ctx / 1024)
 
 
 def ceiling_text(table: pd.DataFrame | None, ctx: int = ZIPFUSION_PAPER.anchor_context,
@@ -646,7 +650,7 @@ def ceiling_text(table: pd.DataFrame | None, ctx: int = ZIPFUSION_PAPER.anchor_c
                 f"faster, without descriptor loads {per_token:.3f}× (its bytes allow {fi.mb_per_1k / bare.mb_per_1k:.3f}× "
                 f"at FlashInfer TC's rate); a launch's fixed cost is {ours.fixed_us:.1f} µs for ours, "
                 f"{fi.fixed_us:.1f} µs for FlashInfer TC, and an empty launch measures {empty:.1f} µs under the same timer.")
-        allowed = (fi.fixed_us + fi.us_per_1k * ctx / 1024) / bar - bare.us_per_1k * ctx / 1024   # left to the bare kernel
+        allowed = line_at(fi, ctx) / bar - bare.us_per_1k * ctx / 1024          # fixed cost left to the bare kernel
         text += (f" On the fitted lines, a kernel with no descriptor bytes and an empty launch's fixed cost would be "
                  f"{ideal:.3f}× at {ctx} × {batch}: ")
         text += (f"the {bar:.2f}× bar is out of reach on this card at the rate its pages stream, whatever the metadata "
@@ -656,7 +660,7 @@ def ceiling_text(table: pd.DataFrame | None, ctx: int = ZIPFUSION_PAPER.anchor_c
                  f"({allowed - empty:.1f} µs above an empty launch; ours {ours.fixed_us:.1f} µs).")
         raw = fit.loc["zipkv_uncompressed"]
         if raw.stream_tbps > bare.stream_tbps:
-            fast = (fi.fixed_us + fi.us_per_1k * ctx / 1024) / bar - bare.mb_per_1k / raw.stream_tbps * ctx / 1024
+            fast = line_at(fi, ctx) / bar - bare.mb_per_1k / raw.stream_tbps * ctx / 1024
             text += (f" Our uncompressed path streams its pages at {raw.stream_tbps:.2f} TB/s, the compressed one at "
                      f"{bare.stream_tbps:.2f} without descriptor loads: at the uncompressed rate, a kernel with no "
                      f"descriptor bytes would meet the bar with a fixed cost of up to {fast:.1f} µs (ours "
