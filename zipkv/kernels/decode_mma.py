@@ -26,6 +26,13 @@ accumulator, the two columns of a head merged like splits): 1-3 % slower at ever
 83.5 vs 82.5 us at the plan's 5 splits, measured mix 89.5 vs 86.6 us at 8, raw 102.3 vs 100.6 us); and a register
 cap at 128 for every launch: 0.6-0.9 % slower at the Llama-3.1-8B shape (378.4 vs 376.1 us all compressible,
 398.3 vs 394.9 us on the measured mix); the run's table: ``results/paper/zipfusion_kernel_variants_ab.csv``.
+Tried on two H100 boards (921a1f7, Llama-3.1-8B shape, 8192 x 64, all compressed, as copies of this module rewritten
+at run time, same rounds; ``results/paper/zipfusion_kernel_stream_ab.csv``): value chunks stored block-fastest in the
+ring, which frees the reads of their bank conflicts but gives them to the copies' fills, 525.0 -> 611.7 us; a
+fourth ring slot 528.0 us; L2 prefetch hints on the copies (``.L2::128B``, ``.L2::256B``) 525.0 and 525.4 us; the
+per-token scales taken from the copies' descriptors instead of a second load 524.1 / 523.7 us (it costs the mixed
+path about 30 registers). Kept: the XOR-swizzled value ring (:data:`RING_V`) and the five-instruction rebuild, 525.2 ->
+523.6 us together; with no descriptor loads at all the H100 gives 524.3 us: it streams at its bandwidth.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
@@ -55,7 +62,7 @@ computed; full units run without a token mask, the last unit of a range after th
   operands live (205 registers instead of 144) and was slower on every measured mix.
 
 Registers (offline, sm_90a, :func:`zipkv.kernels.kernel_info.decode_mma_info`; G = 4, 3): the scores are two
-mma over the key halves, so only one half's words are live at once: 109-128 registers (:data:`MAX_REGISTERS`),
+mma over the key halves, so only one half's words are live at once: 111-128 registers (:data:`MAX_REGISTERS`),
 where the untransposed kernel (q as the A operand, from shared memory) took 140-148 and 4 KB more shared
 memory per program, which held the mixed and raw specialisations to 10 programs per SM instead of 13.
 Measured on the H200 (latency chapter at ec5d2c1, 8192 x 64, Llama-3.1-8B shape): COMPRESSED 376.7 us, MIXED on
@@ -102,10 +109,13 @@ def launch_config(path: str, gpu_name: str | None = None, head_dim: int = 128) -
     if path not in paged.PAGE_KINDS:
         raise ValueError(f"path must be one of {paged.PAGE_KINDS}, got {path!r}")
     return {**MMA_LAUNCH, **tuning.tuned(gpu_name, path, kernel="gluon", head_dim=head_dim)}
-MAX_REGISTERS = {8: 128, 16: 208}
+
+
+MAX_REGISTERS = {8: 128, 16: 224}
 """Registers per thread that every specialisation of the pipelined kernel stays within, per query-head columns
-(:func:`query_columns`; offline, sm_90a: 109-128 with 8 columns, 147-208 with 16; the CPU tests compile them and
-check): with :func:`shared_bytes`, how many programs an SM holds at once (:func:`resident_per_sm`)."""
+(:func:`query_columns`; offline, sm_90a: 111-128 with 8 columns, 133-217 with 16; the CPU tests compile them and
+check): with :func:`shared_bytes`, how many programs an SM holds at once (:func:`resident_per_sm`; 208 and 224
+registers give the same count with 16 columns)."""
 
 
 def shared_bytes(kind: int, slots: int) -> int:
@@ -152,7 +162,16 @@ K_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_w
                                         warps_per_cta=[1, 1, 1], order=[2, 1, 0]))
 V_WORDS = gl.constexpr(gl.BlockedLayout(size_per_thread=[1, 1, 4], threads_per_warp=[4, 8, 1],
                                         warps_per_cta=[1, 1, 1], order=[2, 0, 1]))
+# The ring's tiles in shared memory. Key tiles [16 t, 4 q, 16 bytes]: lane l's 16 bytes at 16 l (no bank conflicts).
+# Value chunks [4 blk, 8 m, 16 bytes] at 128 blk + 16 (m ^ 2 blk) (a linear layout: the [blk, m, byte] of each offset
+# bit): a block's 128 bytes (one line of a copy) fill all 8 bank groups, and so do each quarter warp's reads (blocks
+# 0-3 x m = 2p, 2p + 1). Unswizzled, the reads had 4-way conflicts (Nsight at 2067832: 72 of the 124 shared-memory
+# wavefronts per unit); block-fastest moved them to the copies' fills (measured: see the module docstring).
 RING = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0]))
+RING_V = gl.constexpr(gl.SharedLinearLayout(offset_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 1, 0],
+                                                          [0, 2, 0], [0, 4, 0], [1, 2, 0], [2, 4, 0]]))
+RING_V_WORDS = gl.constexpr(gl.SharedLinearLayout(offset_bases=[[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 2, 0], [0, 4, 0],
+                                                                [1, 2, 0], [2, 4, 0]]))   # the same as int32 words
 SCALES = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0]))
 TOKS = gl.constexpr(gl.SliceLayout(1, MMA.value))     # the token rows of S^T [16, NQ]
 QCOLS = gl.constexpr(gl.SliceLayout(0, MMA.value))    # its query-head columns
@@ -167,16 +186,19 @@ V_ROWS = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, V_REGS.value)))   # a 
 @gluon.jit
 def _rebuild128(low, code, HIGH: gl.constexpr):
     """uint8 low bytes + uint8 code bytes (low or HIGH nibble) -> bf16 with exponent base 128,
-    4 values per asm: high byte ``(c << 4) & 0x80 | c & 7 | 0x40``, two byte permutes."""
+    4 values per asm: high byte ``(c << 4) & 0x80 | c & 7 | 0x40`` (low nibble; high: ``c & 0x80 | (c >> 4) & 7
+    | 0x40``), two byte permutes. Five instructions: a shift and two ``lop3`` ``(a & b) | c`` (LUT 0xEA), the
+    first with the constant 0x40 bytes in a register (ptxas made shift, and, and-or, or of the plain ands and
+    ors), then the permutes."""
     if HIGH:
         return gl.inline_asm_elementwise(
-            "{ .reg .b32 n, t; and.b32 n, $3, 0x80808080; shr.b32 t, $3, 4; and.b32 t, t, 0x07070707; "
-            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "{ .reg .b32 n, t, c; mov.b32 c, 0x40404040; shr.b32 t, $3, 4; lop3.b32 t, t, 0x07070707, c, 0xEA; "
+            "lop3.b32 n, $3, 0x80808080, t, 0xEA; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
             "=r,=r,r,r", [low, code], dtype=gl.bfloat16, is_pure=True, pack=4)
     else:
         return gl.inline_asm_elementwise(
-            "{ .reg .b32 n, t; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; and.b32 t, $3, 0x07070707; "
-            "or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
+            "{ .reg .b32 n, t, c; mov.b32 c, 0x40404040; shl.b32 n, $3, 4; lop3.b32 t, $3, 0x07070707, c, 0xEA; "
+            "lop3.b32 n, n, 0x80808080, t, 0xEA; prmt.b32 $0, $2, n, 0x5140; prmt.b32 $1, $2, n, 0x7362; }",
             "=r,=r,r,r", [low, code], dtype=gl.bfloat16, is_pure=True, pack=4)
 
 
@@ -187,14 +209,14 @@ def _select_words(low, code, raw_a, raw_b, comp, HIGH: gl.constexpr):
     (values 0-1, 2-3 of the 4). int32 in, int32 out."""
     if HIGH:
         return gl.inline_asm_elementwise(
-            "{ .reg .b32 n, t, x, y; .reg .pred p; setp.ne.b32 p, $6, 0; and.b32 n, $3, 0x80808080; shr.b32 t, $3, 4; "
-            "and.b32 t, t, 0x07070707; or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 x, $2, n, 0x5140; "
+            "{ .reg .b32 n, t, c, x, y; .reg .pred p; setp.ne.b32 p, $6, 0; mov.b32 c, 0x40404040; shr.b32 t, $3, 4; "
+            "lop3.b32 t, t, 0x07070707, c, 0xEA; lop3.b32 n, $3, 0x80808080, t, 0xEA; prmt.b32 x, $2, n, 0x5140; "
             "prmt.b32 y, $2, n, 0x7362; selp.b32 $0, x, $4, p; selp.b32 $1, y, $5, p; }",
             "=r,=r,r,r,r,r,r", [low, code, raw_a, raw_b, comp], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
     else:
         return gl.inline_asm_elementwise(
-            "{ .reg .b32 n, t, x, y; .reg .pred p; setp.ne.b32 p, $6, 0; shl.b32 n, $3, 4; and.b32 n, n, 0x80808080; "
-            "and.b32 t, $3, 0x07070707; or.b32 n, n, t; or.b32 n, n, 0x40404040; prmt.b32 x, $2, n, 0x5140; "
+            "{ .reg .b32 n, t, c, x, y; .reg .pred p; setp.ne.b32 p, $6, 0; mov.b32 c, 0x40404040; shl.b32 n, $3, 4; "
+            "lop3.b32 t, $3, 0x07070707, c, 0xEA; lop3.b32 n, n, 0x80808080, t, 0xEA; prmt.b32 x, $2, n, 0x5140; "
             "prmt.b32 y, $2, n, 0x7362; selp.b32 $0, x, $4, p; selp.b32 $1, y, $5, p; }",
             "=r,=r,r,r,r,r,r", [low, code, raw_a, raw_b, comp], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
@@ -406,8 +428,13 @@ def _rebuilt_values(vbuf, slot):
 
 @gluon.jit
 def _words(buf, slot, WORDS: gl.constexpr):
-    """Ring tile ``slot`` of a byte ring ``buf`` ``[SLOTS, a, b, 16]`` read as 32-bit words ``[a, b, 4]``."""
-    return buf._reinterpret(gl.int32, [buf.shape[0], buf.shape[1], buf.shape[2], 4], RING).index(slot).load(WORDS)
+    """Ring tile ``slot`` of a byte ring ``buf`` (key tiles ``[SLOTS, 16, 4, 16]`` or value chunks ``[SLOTS, 4, 8, 16]``)
+    read as 32-bit words ``[a, b, 4]``."""
+    shape: gl.constexpr = [buf.shape[0], buf.shape[1], buf.shape[2], 4]
+    if buf.shape[1] == 4:
+        return buf._reinterpret(gl.int32, shape, RING_V_WORDS).index(slot).load(WORDS)
+    else:
+        return buf._reinterpret(gl.int32, shape, RING).index(slot).load(WORDS)
 
 
 @gluon.jit
@@ -504,8 +531,13 @@ def _compute(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale,
 
 
 @gluon.jit
-def _ring(ELEM: gl.constexpr, SLOTS: gl.constexpr, SHAPE: gl.constexpr):
-    return gl.allocate_shared_memory(ELEM, [SLOTS] + SHAPE, RING)
+def _key_tiles(SLOTS: gl.constexpr):
+    return gl.allocate_shared_memory(gl.uint8, [SLOTS, 16, 4, 16], RING)
+
+
+@gluon.jit
+def _value_chunks(SLOTS: gl.constexpr):
+    return gl.allocate_shared_memory(gl.uint8, [SLOTS, 4, 8, 16], RING_V)
 
 
 @gluon.jit
@@ -514,18 +546,14 @@ def _rings(KIND: gl.constexpr, SLOTS: gl.constexpr):
     ``[SLOTS, 4, 8, 16]`` of bytes (COMPRESSED 3 + 6, RAW and MIXED 4 + 8), one
     allocation each: copies into different allocations need no barrier between them (Triton's barrier
     pass sees one allocation as one buffer)."""
-    KT: gl.constexpr = [16, 4, 16]
-    VC: gl.constexpr = [4, 8, 16]
     if KIND == COMPRESSED:
-        E: gl.constexpr = gl.uint8
-        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
-        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC),
-                _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+        kbuf = (_key_tiles(SLOTS), _key_tiles(SLOTS), _key_tiles(SLOTS))
+        vbuf = (_value_chunks(SLOTS), _value_chunks(SLOTS), _value_chunks(SLOTS), _value_chunks(SLOTS),
+                _value_chunks(SLOTS), _value_chunks(SLOTS))
     else:
-        E: gl.constexpr = gl.uint8
-        kbuf = (_ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT), _ring(E, SLOTS, KT))
-        vbuf = (_ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC),
-                _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC), _ring(E, SLOTS, VC))
+        kbuf = (_key_tiles(SLOTS), _key_tiles(SLOTS), _key_tiles(SLOTS), _key_tiles(SLOTS))
+        vbuf = (_value_chunks(SLOTS), _value_chunks(SLOTS), _value_chunks(SLOTS), _value_chunks(SLOTS),
+                _value_chunks(SLOTS), _value_chunks(SLOTS), _value_chunks(SLOTS), _value_chunks(SLOTS))
     return kbuf, vbuf
 
 

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# After a change to the Gluon decode kernel (zipkv/kernels/decode_mma.py), on the H200: its GPU tests, the latency
+# chapter (Fig. 4, the mix sweep, the pack table), the all-compressible bar's ceiling probe and the context sweep
+# that the chapter fits. Started like job.sh (`bash .ci/gpu/start.sh <commit> kernel`, then pack.sh; no model
+# needed: calls a and b of the recipe can be skipped); commit book/ and results/paper/, append
+# results/paper/zipfusion_descriptor_ceiling_run.csv's rows to zipfusion_descriptor_ceiling.csv, then re-render
+# the findings page.
+cd /root/run
+export PYTHONPATH=/tmp/site:$PWD
+export ZIPKV_COMMIT=$(cat COMMIT)
+step() { echo "=== $(date -u +%H:%M:%S) $*"; "$@"; echo "=== rc=$? $(date -u +%H:%M:%S)"; }
+if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "=== not an H200: timings skipped"; fi
+step python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_attention_latency
+  step python3 .ci/gpu/descriptor_ceiling.py results/paper/zipfusion_descriptor_ceiling_run.csv
+  for shape in llama3.1-8b smollm2-135m; do
+    step python3 -m zipkv bench attention --shape $shape --contexts 1024 2048 4096 8192 16384 --batches 64 \
+      --kernels gluon --out /tmp/context_$shape.csv
+  done
+  python3 -c "import pandas as pd; pd.concat([pd.read_csv(f'/tmp/context_{s}.csv') for s in ('llama3.1-8b', 'smollm2-135m')]).to_csv('results/paper/zipfusion_latency_context_sweep.csv', index=False)"
+fi
+touch JOB-DONE
