@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # After a change to the Gluon decode kernel (zipkv/kernels/decode_mma.py), on the H200: the latency chapter (Fig. 4,
 # the mix sweep, the pack table; about 3 min), the all-compressible bar's ceiling probe (1 min) and the context sweep
-# that the chapter fits, then the kernel's GPU tests (about 3 min; on another card only these). Started like job.sh (`bash .ci/gpu/start.sh <commit> kernel`, then pack.sh; no model
-# needed: calls a and b of the recipe can be skipped); commit book/ and results/paper/, append
+# that the chapter fits, then the kernel's GPU tests (about 3 min; on another card only these). Started like job.sh
+# (`bash .ci/gpu/start.sh <commit> kernel`, then pack.sh; no model needed: calls a and b of the recipe can be
+# skipped); commit book/ and results/paper/, append
 # results/paper/zipfusion_descriptor_ceiling_run.csv's rows to zipfusion_descriptor_ceiling.csv, then re-render
 # the findings page.
 cd /root/run
 export PYTHONPATH=/tmp/site:$PWD
 export ZIPKV_COMMIT=$(cat COMMIT)
 step() { echo "=== $(date -u +%H:%M:%S) $*"; "$@"; echo "=== rc=$? $(date -u +%H:%M:%S)"; }
-if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then echo "=== not an H200: timings skipped"; fi
-if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  echo "=== not an H200: timings skipped"
+else
   step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_attention_latency
   step python3 .ci/gpu/descriptor_ceiling.py results/paper/zipfusion_descriptor_ceiling_run.csv
   for shape in llama3.1-8b smollm2-135m; do
