@@ -298,13 +298,13 @@ def _fastest_clause(rows: pd.DataFrame, rate: str, need_tbps: float) -> str:
 
 
 def _ceiling_clause(ceiling, device: str) -> str:
-    """The ceiling probe's run on ``device`` (the first; section "The all-compressible bar's ceiling") at the anchor
+    """The ceiling probe's run on ``device`` (the latest; section "The all-compressible bar's ceiling") at the anchor
     point as a sentence: the kernel with no descriptor loads against FlashInfer TC, and what the fitted lines give it
     at an empty launch's fixed cost ("" without such a run)."""
     runs = None if ceiling is None else ceiling[ceiling.device.str.startswith(device.split(" (")[0])]
     if runs is None or not len(runs):
         return ""
-    at, _, ideal = ceiling_run(runs[runs.date == runs.date.iloc[0]])
+    at, _, ideal = ceiling_run(runs[runs.date == runs.date.max()])
     return (f" With every descriptor load removed (a probe, section \"The all-compressible bar's ceiling\") the kernel "
             f"gives {at['zipkv_compressed_no_descriptors']:.3f}× ({at['zipkv_compressed']:.3f}× as committed, same run); "
             f"with no descriptor bytes and an empty launch's fixed cost the fitted lines give {ideal:.3f}×.")
