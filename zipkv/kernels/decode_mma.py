@@ -32,7 +32,7 @@ ring, which frees the reads of their bank conflicts but gives them to the copies
 fourth ring slot 528.0 us; L2 prefetch hints on the copies (``.L2::128B``, ``.L2::256B``) 525.0 and 525.4 us; the
 per-token scales taken from the copies' descriptors instead of a second load 524.1 / 523.7 us (it costs the mixed
 path about 30 registers). Kept: the XOR-swizzled value ring (:data:`RING_V`) and the five-instruction rebuild, 525.2 ->
-523.6 us together; with no descriptor loads at all the H100 gives 524.3 us: it streams at its bandwidth.
+523.6 us together; with no descriptor loads at all the H100 gives 524.4 / 524.3 us: it streams at its bandwidth.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
