@@ -3,9 +3,8 @@
 # the mix sweep, the pack table; about 3 min), the all-compressible bar's ceiling probe (1 min) and the context sweep
 # that the chapter fits, then the kernel's GPU tests (about 3 min; on another card only these). Started like job.sh
 # (`bash .ci/gpu/start.sh <commit> kernel`, then pack.sh; no model needed: calls a and b of the recipe can be
-# skipped); commit book/ and results/paper/, append
-# results/paper/zipfusion_descriptor_ceiling_run.csv's rows to zipfusion_descriptor_ceiling.csv, then re-render
-# the findings page.
+# skipped); commit book/ and results/paper/ (the ceiling run is appended to zipfusion_descriptor_ceiling.csv here),
+# re-render the latency chapter with --from-results (its bar cites the new ceiling run), then the findings page.
 cd /root/run
 export PYTHONPATH=/tmp/site:$PWD
 export ZIPKV_COMMIT=$(cat COMMIT)
@@ -14,7 +13,8 @@ if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   echo "=== not an H200: timings skipped"
 else
   step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_attention_latency
-  step python3 .ci/gpu/descriptor_ceiling.py results/paper/zipfusion_descriptor_ceiling_run.csv
+  step python3 .ci/gpu/descriptor_ceiling.py /tmp/ceiling.csv
+  python3 -c "import pandas as pd; c = 'results/paper/zipfusion_descriptor_ceiling.csv'; pd.concat([pd.read_csv(c), pd.read_csv('/tmp/ceiling.csv')]).to_csv(c, index=False)"
   for shape in llama3.1-8b smollm2-135m; do
     step python3 -m zipkv bench attention --shape $shape --contexts 1024 2048 4096 8192 16384 --batches 64 \
       --kernels gluon --out /tmp/context_$shape.csv
