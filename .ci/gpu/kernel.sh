@@ -17,7 +17,7 @@ else
   step python3 .ci/gpu/descriptor_ceiling.py /tmp/ceiling.csv
   python3 -c "import pandas as pd; c = 'results/paper/zipfusion_descriptor_ceiling.csv'; pd.concat([pd.read_csv(c), pd.read_csv('/tmp/ceiling.csv')]).to_csv(c, index=False)"
   step python3 .ci/gpu/stream_variants.py /tmp/stream.csv
-  python3 -c "import pandas as pd; c = 'results/paper/zipfusion_kernel_stream_ab.csv'; pd.concat([pd.read_csv(c), pd.read_csv('/tmp/stream.csv')]).to_csv(c, index=False)"
+  python3 -c "import pandas as pd; c = 'results/paper/zipfusion_kernel_stream_ab.csv'; t = pd.concat([pd.read_csv(c), pd.read_csv('/tmp/stream.csv')]); t['run'] = t['run'].fillna(t['run'].max() + 1).astype(int); t.to_csv(c, index=False)"
   for shape in llama3.1-8b smollm2-135m; do
     step python3 -m zipkv bench attention --shape $shape --contexts 1024 2048 4096 8192 16384 --batches 64 \
       --kernels gluon --out /tmp/context_$shape.csv

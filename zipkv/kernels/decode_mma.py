@@ -33,6 +33,9 @@ fourth ring slot 528.0 us; L2 prefetch hints on the copies (``.L2::128B``, ``.L2
 per-token scales taken from the copies' descriptors instead of a second load 524.1 / 523.7 us (it costs the mixed
 path about 30 registers). Kept: the XOR-swizzled value ring (:data:`RING_V`) and the five-instruction rebuild, 525.2 ->
 523.6 us together; with no descriptor loads at all the H100 gives 524.4 / 524.3 us: it streams at its bandwidth.
+At d930675 (a third H100, ``.ci/gpu/stream_variants.py``): this kernel 523.3 us, FlashInfer TC 694.3 (1.327x); 2 or 4
+ring slots 525.1 / 525.8, the per-token scales from the copies' descriptors 523.2, an ``.L2::256B`` hint 523.5, both
+522.3, no descriptor loads 522.7, 1 or 4 splits instead of the plan's 2 543.6 / 536.8 us.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
