@@ -59,10 +59,11 @@ VARIANTS = [dict(slots=2), dict(slots=4), dict(splits=1), dict(splits=4), dict(o
 """The variants timed beside the committed kernel (keywords of :func:`variant_fn`)."""
 
 
-def variant_fn(q, k, v, slots=None, splits=None, one_load=False, l2="", no_descriptors=False):
-    """(launch function, its plan) of one variant: the committed kernel itself when only launch options change, else
-    a rewritten copy, compiled here (under the L2 hint's PTX patch if ``l2``)."""
-    cache, indptr, indices, last = build_paged_cache(k, v, compress="eligible", k_layout="k_mma", v_layout="v_mma")
+def variant_fn(q, paged_cache, slots=None, splits=None, one_load=False, l2="", no_descriptors=False):
+    """(launch function, its plan) of one variant over ``paged_cache`` (:func:`zipkv.paged.build_paged_cache`'s
+    4-tuple): a copy of the kernel, rewritten as the keywords say and compiled here (under the L2 hint's PTX patch if
+    ``l2``)."""
+    cache, indptr, indices, last = paged_cache
     p = plan(indptr, indices, last, cache, ATTENTION_SHAPES[SHAPE].q_heads, num_splits=splits)
     rewrite = (NO_DESCRIPTORS if no_descriptors else []) + (ONE_LOAD if one_load else [])
     name = f"mma_v{int(one_load)}{l2}{int(no_descriptors)}"
@@ -84,12 +85,13 @@ def main(out_csv):
     model = ATTENTION_SHAPES[SHAPE]
     k, v, q = attention_inputs(SHAPE, CTX, BATCH, gen)
     ref = reference_attention(q, k, v)
-    cache, indptr, indices, last = build_paged_cache(k, v, compress="eligible", k_layout="k_mma", v_layout="v_mma")
+    paged_cache = cache, indptr, indices, last = build_paged_cache(k, v, compress="eligible", k_layout="k_mma",
+                                                                   v_layout="v_mma")
     p0 = plan(indptr, indices, last, cache, model.q_heads)
     out0 = torch.empty_like(q)
     fns = {"committed": (lambda: p0.run(q, out0), p0)}
     for kw in VARIANTS:
-        fns[" ".join(f"{key}={val}" for key, val in kw.items())] = variant_fn(q, k, v, **kw)
+        fns[" ".join(f"{key}={val}" for key, val in kw.items())] = variant_fn(q, paged_cache, **kw)
     ids = physical_page_ids(BATCH * CTX // PAGE, 0).to("cuda")
     kp, vp = nhd_pages(k, ids), nhd_pages(v, ids)
     ip = torch.arange(BATCH + 1, device="cuda", dtype=torch.int32) * (CTX // PAGE)
