@@ -224,12 +224,13 @@ def _fixed_cost_clause(fit) -> str:
             f"the bytes allow {b.mb_per_1k / o.mb_per_1k:.3f}×)")
 
 
-def targets_text(table: pd.DataFrame, ncu=None, fit=None, ceiling=None) -> str:
+def targets_text(table: pd.DataFrame, ncu=None, fit=None, ceiling=None, timeline=None) -> str:
     """Issue 13's bars at the anchor point, each with the measured ratio, by how much it is missed and why,
     from the run's own bytes and bandwidths (Llama-3.1-8B shape; SmolLM2 shape against its fastest baseline, and
     where ``ncu`` (:func:`read_ncu`) profiled that shape, its DRAM and occupancy), where ``fit``
-    (:func:`context_fit`) is given, the gain per token that no context can exceed, and where ``ceiling``
-    (:func:`read_ceiling`) holds a run on the table's GPU, what removing every descriptor load gives."""
+    (:func:`context_fit`) is given, the gain per token that no context can exceed, where ``ceiling``
+    (:func:`read_ceiling`) holds a run on the table's GPU, what removing every descriptor load gives, and where
+    ``timeline`` (:func:`read_timeline`) does, the static split's tail."""
     goal = PROJECT_TARGETS
     t = _anchor(table, SHAPE)
     fi = t[t.method == "flashinfer_tc"].iloc[0]
@@ -242,7 +243,7 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None, ceiling=None) -> str:
              f"measured in the run, {copy:.2f} TB/s), FlashInfer TC {fi.bytes_read / 1e9:.3f} GB at {fi.tbps:.2f} TB/s: at "
              f"equal bandwidth the bytes allow {fi.bytes_read / comp.bytes_read:.3f}×, and the bar would need "
              f"{need:.2f} TB/s ({need / copy:.0%} of the copy bandwidth; {_fastest_clause(t, 'tbps', need)})."
-             + _per_token_clause(fit) + _ceiling_clause(ceiling, fi.device)]
+             + _per_token_clause(fit) + _ceiling_clause(ceiling, fi.device) + _tail_clause(timeline, fi.device)]
     others = speedups(table).filter(like="measured mix").max(axis=1).drop(
         (ZIPFUSION_PAPER.anchor_context, ZIPFUSION_PAPER.anchor_batch), errors="ignore")
     mix_bw = mix.bytes_read / (fi.latency_us / goal.mix_speedup_vs_flashinfer_tc * 1e-6) / 1e12
@@ -284,7 +285,8 @@ def targets_section(table: pd.DataFrame, folder) -> str:
     """:func:`targets_text` under its heading, with the Nsight report and the context sweep's fit committed in
     ``folder`` (``results/paper``; each left out where absent)."""
     return ("**This project's bars at the anchor point, met and missed (why, from measurements):**\n\n"
-            + targets_text(table, read_ncu(folder), read_context_fit(folder), read_ceiling(folder)))
+            + targets_text(table, read_ncu(folder), read_context_fit(folder), read_ceiling(folder),
+                           read_timeline(folder)))
 
 
 def _fastest_clause(rows: pd.DataFrame, rate: str, need_tbps: float) -> str:
@@ -308,6 +310,22 @@ def _ceiling_clause(ceiling, device: str) -> str:
     return (f" With every descriptor load removed (a probe, section \"The all-compressible bar's ceiling\") the kernel "
             f"gives {at['zipkv_compressed_no_descriptors']:.3f}× ({at['zipkv_compressed']:.3f}× as committed, same run); "
             f"with no descriptor bytes and an empty launch's fixed cost the fitted lines give {ideal:.3f}×.")
+
+
+def _tail_clause(timeline, device: str) -> str:
+    """The timeline probe's latest run on ``device`` (section "Where the launch's time goes") at the anchor point as a
+    sentence: the static split's tail and what the launch would give without it ("" without such a run, or without
+    FlashInfer TC timed in it)."""
+    at = None if timeline is None else tail_at(timeline, device)
+    if at is None or at[2] is None:
+        return ""
+    comp, _, fi, balanced = at
+    bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
+    return (f" The launch's tail (section \"Where the launch's time goes\"): the slowest program ends its page loop "
+            f"{comp.loop_end_max_us - comp.loop_end_p50_us:.1f} µs after the median one; with every loop ending at the "
+            f"median, the timeline run's launch would be {fi / balanced:.3f}× (as it ran, {fi / comp.committed_us:.3f}×)"
+            + (": the static split's tail alone keeps the kernel under the bar." if fi / balanced >= bar else
+               ", still under the bar."))
 
 
 def _per_token_clause(fit) -> str:
@@ -685,3 +703,96 @@ def context_table(fit: pd.DataFrame):
     view = fit.assign(method=fit.method.map(METHOD_LABELS))
     return view.style.format({"fixed_us": "{:.1f}", "us_per_1k": "{:.2f}", "mb_per_1k": "{:.1f}",
                               "stream_tbps": "{:.2f}", "max_resid_us": "{:.1f}"}).hide(axis="index")
+
+
+TIMELINE = "zipfusion_kernel_timeline.csv"
+"""The committed runs of the timeline probe (``.ci/gpu/timeline_probe.py``, Llama-3.1-8B shape, batch 64): per launch of
+the Gluon kernel over all-compressed and raw pages, when its programs start, end their page loops and end their merges
+(``%globaltimer``, µs after the first program's start), beside the committed kernel's time; with it
+``..._programs.csv`` (every program's records at 8192 tokens: b, h, split, SM) and ``..._fits.csv`` (the same run's
+timings of the kernels, FlashInfer TC and SDPA over contexts)."""
+
+
+def read_timeline(folder) -> dict | None:
+    """:data:`TIMELINE` and its two companions in ``folder`` (``results/paper``) as ``{"launches", "programs",
+    "fits"}`` (a companion absent: an empty frame), or None where no run is committed."""
+    path = Path(folder) / TIMELINE
+    if not path.is_file():
+        return None
+    parts = {"launches": path, "programs": path.with_name(path.stem + "_programs.csv"),
+             "fits": path.with_name(path.stem + "_fits.csv")}
+    return {key: pd.read_csv(p) if p.is_file() else pd.DataFrame(columns=["device", "date"]) for key, p in parts.items()}
+
+
+def tail_at(timeline: dict, device: str, ctx: int = ZIPFUSION_PAPER.anchor_context):
+    """The latest timeline run on ``device`` at ``ctx``: (its all-compressed launch row, its raw launch row,
+    FlashInfer TC's µs in the same run or None, the all-compressed launch's µs with every program's loop ending at the
+    median one's: the committed kernel's time less the tail), or None without such a run."""
+    runs = timeline["launches"]
+    runs = runs[runs.device.str.startswith(device.split(" (")[0]) & (runs.ctx == ctx)]
+    if not len(runs):
+        return None
+    run = runs[runs.date == runs.date.max()].set_index("kind")
+    comp, raw = run.loc["compressed"], run.loc["raw"]
+    fits = timeline["fits"]
+    fi = fits[(fits.device == comp.device) & (fits.date == comp.date) & (fits.method == "flashinfer_tc")
+              & (fits.ctx == ctx)] if len(fits) else fits
+    balanced = comp.committed_us - (comp.loop_end_max_us - comp.loop_end_p50_us)
+    return comp, raw, (float(fi.latency_us.iloc[0]) if len(fi) else None), balanced
+
+
+def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_context) -> str:
+    """What the timeline probe (:func:`read_timeline`) says, one item per GPU run at ``ctx`` tokens: when the
+    all-compressed launch's programs start, how far their page loops' ends spread (the static split's tail), what
+    the merge adds, the raw pages' tail, and, against FlashInfer TC in the same run, what the launch would give with
+    every loop ending at the median one's; where the run kept every program's records, how the SMs' mean loop ends
+    differ (the share of bandwidth each SM gets)."""
+    if timeline is None:
+        return "The timeline probe (`.ci/gpu/timeline_probe.py`) needs a GPU and no run of it is committed yet."
+    items = []
+    for device in timeline["launches"].device.unique():
+        comp, raw, fi, balanced = tail_at(timeline, device, ctx)
+        tail, raw_tail = comp.loop_end_max_us - comp.loop_end_p50_us, raw.loop_end_max_us - raw.loop_end_p50_us
+        text = (f"**{device}** (commit {comp.commit}, {comp.date}), all compressed, {ctx} tokens: the programs "
+                f"({comp.splits} splits, {comp.programs_per_sm_min}–{comp.programs_per_sm_max} per SM on "
+                f"{comp.sms_used} SMs) start within {comp.start_max_us:.2f} µs of each other; their page loops end "
+                f"between {comp.loop_end_min_us:.1f} and {comp.loop_end_max_us:.1f} µs (median "
+                f"{comp.loop_end_p50_us:.1f}, 90 % by {comp.loop_end_p90_us:.1f}), and a merge takes at most "
+                f"{comp.finish_max_us:.1f} µs. The slowest loop ends **{tail:.1f} µs** "
+                f"({tail / comp.committed_us:.1%} of the launch) after the median one; over raw pages {raw_tail:.1f} µs "
+                f"({raw_tail / raw.committed_us:.1%}).")
+        if fi is not None:
+            text += (f" With every loop ending at the median one's, the launch would take about {balanced:.1f} µs: "
+                     f"**{fi / balanced:.3f}×** FlashInfer TC's {fi:.1f} µs in the same run (as it runs, "
+                     f"{comp.committed_us:.1f} µs: {fi / comp.committed_us:.3f}×).")
+        progs = timeline["programs"]
+        progs = progs[(progs.device == device) & (progs.date == comp.date) & (progs.ctx == ctx)]
+        if len(progs):
+            by_sm = {kind: progs[(progs.kind == kind) & progs["shuffle"]].groupby("sm").loop_end_ns.mean() / 1e3
+                     for kind in ("compressed", "raw")}
+            text += (f" Per SM, the mean loop end runs from {by_sm['compressed'].min():.1f} to "
+                     f"{by_sm['compressed'].max():.1f} µs (raw pages: {by_sm['raw'].min():.1f} to "
+                     f"{by_sm['raw'].max():.1f}): the SMs do not get equal shares of the bandwidth, so equal static "
+                     "splits cannot end together.")
+        items.append(text)
+    return "\n".join(f"- {t}" for t in items)
+
+
+def timeline_figure(timeline: dict, ctx: int = ZIPFUSION_PAPER.anchor_context):
+    """Share of programs whose page loop has ended against the time from the median program's loop end, per committed
+    run that kept every program's records (all-compressed pages in random and logical page order, raw pages)."""
+    import matplotlib.pyplot as plt
+
+    progs = timeline["programs"]
+    progs = progs[progs.ctx == ctx]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for (device, date, kind, shuffle), g in progs.groupby(["device", "date", "kind", "shuffle"], sort=False):
+        ends = np.sort(g.loop_end_ns.to_numpy()) / 1e3
+        label = f"{kind} pages, {'random' if shuffle else 'logical'} page order ({device.split(' ')[1]}, {date[:10]})"
+        ax.plot(ends - np.median(ends), np.arange(1, len(ends) + 1) / len(ends), label=label)
+    ax.set_xlabel(f"page loop's end, from the median program's (µs; {ctx} tokens × batch 64)")
+    ax.set_ylabel("programs whose loop has ended")
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:.0%}"))
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(alpha=0.3)
+    return fig
