@@ -35,7 +35,12 @@ path about 30 registers). Kept: the XOR-swizzled value ring (:data:`RING_V`) and
 523.6 us together; with no descriptor loads at all the H100 gives 524.4 / 524.3 us: it streams at its bandwidth.
 At d930675 (a third H100, ``.ci/gpu/stream_variants.py``): this kernel 523.3 us, FlashInfer TC 694.3 (1.327x); 2 or 4
 ring slots 525.1 / 525.8, the per-token scales from the copies' descriptors 523.2, an ``.L2::256B`` hint 523.5, both
-522.3, no descriptor loads 522.7, 1 or 4 splits instead of the plan's 2 543.6 / 536.8 us.
+522.3, no descriptor loads 522.7, 1 or 4 splits instead of the plan's 2 543.6 / 536.8 us. The same probe at 72e78aa on
+an H200 (run 4): this kernel 374.7 us, FlashInfer TC 496.0 (1.324x); 2 or 4 ring slots 375.9 / 376.9, one descriptor load
+375.8, ``.L2::256B`` 391.9 (+4.6 %), both 390.2, no descriptor loads 371.2, 1 or 4 splits 435.6 / 410.8 us. Where the rest
+goes (``.ci/gpu/timeline_probe.py``, same H200 and commit): the programs' page loops end between 348.6 and 371.9 us
+(median 360.9), so the static split's tail costs about 11 us; on an H100 the SMs' mean loop ends differ by up to 3 %
+(raw pages 11 %): equal shares do not end together (the latency chapter, "Where the launch's time goes").
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
