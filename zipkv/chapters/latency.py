@@ -713,15 +713,22 @@ the Gluon kernel over all-compressed and raw pages, when its programs start, end
 timings of the kernels, FlashInfer TC and SDPA over contexts)."""
 
 
+BALANCED = "zipfusion_kernel_balanced_ab.csv"
+"""The committed runs of the balanced-schedule probe (``.ci/gpu/balanced_probe.py``): the all-compressed path with the
+first ``chunks`` x ``chunk_units`` units of each split handed out as fixed chunks from a queue, beside the committed
+kernel and FlashInfer TC in the same rounds (8192 x 64, Llama-3.1-8B shape)."""
+
+
 def read_timeline(folder) -> dict | None:
-    """:data:`TIMELINE` and its two companions in ``folder`` (``results/paper``) as ``{"launches", "programs",
-    "fits"}`` (a companion absent: an empty frame), or None where no run is committed."""
+    """:data:`TIMELINE`, its two companions and :data:`BALANCED` in ``folder`` (``results/paper``) as
+    ``{"launches", "programs", "fits", "balanced"}`` (one absent: an empty frame), or None where no timeline run is
+    committed."""
     path = Path(folder) / TIMELINE
     if not path.is_file():
         return None
     parts = {"launches": path, "programs": path.with_name(path.stem + "_programs.csv"),
-             "fits": path.with_name(path.stem + "_fits.csv")}
-    return {key: pd.read_csv(p) if p.is_file() else pd.DataFrame(columns=["device", "date"]) for key, p in parts.items()}
+             "fits": path.with_name(path.stem + "_fits.csv"), "balanced": path.with_name(BALANCED)}
+    return {key: pd.read_csv(p) if p.is_file() else pd.DataFrame(columns=["device", "commit", "date"]) for key, p in parts.items()}
 
 
 def tail_at(timeline: dict, device: str, ctx: int = ZIPFUSION_PAPER.anchor_context):
@@ -775,6 +782,23 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
                      f"{by_sm['raw'].max():.1f}): the SMs do not get equal shares of the bandwidth, so equal static "
                      "splits cannot end together.")
         items.append(text)
+    for (device, commit, date), run in timeline["balanced"].groupby(["device", "commit", "date"], sort=False):
+        ours = run[run.variant == "committed"].latency_us.iloc[0]
+        tried = run.dropna(subset=["chunks"])
+        per_chunk = (tried.latency_us - ours) / tried.chunks
+        best, worst = tried.loc[tried.latency_us.idxmin()], tried.loc[tried.latency_us.idxmax()]
+        items.append(
+            f"**A balanced schedule, tried** ({device}, commit {commit}, {date}; `.ci/gpu/balanced_probe.py`): each split "
+            "hands the first K × C units of its range out as K fixed chunks of C units, which any program claims from "
+            "one queue once its own part is done; each chunk is merged as its own partial, so the output stays the same "
+            "from run to run and bit for bit the same over packed and raw pages. The static split took "
+            f"{ours:.1f} µs, the balanced copies {best.latency_us:.1f} µs (K = {best.chunks:.0f}, C = "
+            f"{best.chunk_units:.0f}) to {worst.latency_us:.1f} µs (K = {worst.chunks:.0f}, C = {worst.chunk_units:.0f}), "
+            f"FlashInfer TC {run[run.variant == 'flashinfer_tc'].latency_us.iloc[0]:.1f} µs: "
+            + (f"every variant slower, by {per_chunk.min():.1f}–{per_chunk.max():.1f} µs per chunk a program runs (a "
+               "chunk starts the program's pipeline afresh, and the programs reach their chunks at about the same time)."
+               if (per_chunk > 0).all() else
+               f"the fastest {ours / best.latency_us:.3f}× the static split's speed."))
     return "\n".join(f"- {t}" for t in items)
 
 

@@ -40,7 +40,10 @@ an H200 (run 4): this kernel 374.7 us, FlashInfer TC 496.0 (1.324x); 2 or 4 ring
 375.8, ``.L2::256B`` 391.9 (+4.6 %), both 390.2, no descriptor loads 371.2, 1 or 4 splits 435.6 / 410.8 us. Where the rest
 goes (``.ci/gpu/timeline_probe.py``, same H200 and commit): the programs' page loops end between 348.6 and 371.9 us
 (median 360.9), so the static split's tail costs about 11 us; on an H100 the SMs' mean loop ends differ by up to 3 %
-(raw pages 11 %): equal shares do not end together (the latency chapter, "Where the launch's time goes").
+(raw pages 11 %): equal shares do not end together (the latency chapter, "Where the launch's time goes"). Handing the
+first K x C units of each split out as fixed chunks that any free program claims (``.ci/gpu/balanced_probe.py``; still
+deterministic and lossless) was slower on an H100 at every K, C tried: 527.6 (K = 2, C = 8) to 552.5 us (8, 2) against
+this kernel's 523.5 us in the same rounds.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
