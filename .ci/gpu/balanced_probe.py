@@ -17,8 +17,10 @@ Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
 import datetime
 import math
 import os
+import re
 import statistics
 import sys
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -29,6 +31,7 @@ from descriptor_ceiling import probe_kernel  # noqa: E402
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
 from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, nhd_pages, reference_attention  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
+from zipkv.kernels import decode_mma  # noqa: E402
 from zipkv.kernels.decode_attention import plan  # noqa: E402
 from zipkv.paged import build_paged_cache, physical_page_ids  # noqa: E402
 
@@ -46,35 +49,7 @@ BALANCED = [
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
     last = hi - 1""", "    last = hi - 1"),
     ("\ndef workspace(batch: int,", '''
-@gluon.jit
-def _finish_slot(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, slot, HKV: gl.constexpr, G: gl.constexpr,
-                 NP: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr):
-    g1 = gl.arange(0, NQ, layout=QCOLS)
-    go = g1[None, :]
-    do = gl.arange(0, HD, layout=gl.SliceLayout(1, MMA))[:, None]
-    rows = b * (HKV * G) + h * G + go
-    gm = (go < G) & (do >= 0)
-    den = gl.where(l_i > 0, l_i, 1.0)
-    rows1 = b * (HKV * G) + h * G + g1
-    gl.store(part_ptr + (rows * NP + slot) * HD + do, acc / den[None, :], mask=gm)
-    gl.store(lse_ptr + rows1 * NP + slot, gl.where(l_i > 0, m_i + gl.log2(den), float("-inf")), mask=g1 < G)
-    gl.thread_barrier()
-    arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
-    if arrived == NP - 1:
-        gl.store(cnt_ptr + b * HKV + h, 0)
-        m = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
-        for j in gl.static_range(NP):
-            m = gl.maximum(m, gl.load(lse_ptr + rows1 * NP + j, mask=g1 < G, other=float("-inf"), cache_modifier=".cg"))
-        m = gl.where(g1 < G, m, 0.0)
-        num = gl.zeros([HD, NQ], gl.float32, layout=MMA)
-        wsum = gl.zeros([NQ], gl.float32, layout=QCOLS)
-        for j in gl.static_range(NP):
-            w = gl.exp2(gl.load(lse_ptr + rows1 * NP + j, mask=g1 < G, other=float("-inf"), cache_modifier=".cg") - m)
-            o = gl.load(part_ptr + (rows * NP + j) * HD + do, mask=gm, other=0.0, cache_modifier=".cg")
-            num += o * w[None, :]
-            wsum += w
-        wsum = gl.where(wsum > 0, wsum, 1.0)
-        gl.store(out_ptr + rows * HD + do, (num / wsum[None, :]).to(gl.bfloat16), mask=gm)
+{finish_slot}
 
 
 @gluon.jit
@@ -128,6 +103,18 @@ def _balanced_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_pt
 
 def workspace(batch: int,'''),
 ]
+
+
+def _finish_slot_source() -> str:
+    """decode_mma's ``_finish`` as ``_finish_slot``: split ``s`` of ``SPLITS`` read as partial slot ``slot`` of ``NP``
+    (a head's split or one of its chunks; NP > 1, so always the merging branch)."""
+    src = Path(decode_mma.__file__).read_text()
+    start = src.index("@gluon.jit\ndef _finish(")
+    body = re.sub(r'""".*?"""', "", src[start:src.index("\n\n\n", start)], count=1, flags=re.S)
+    return re.sub(r"(?<!')\bs\b", "slot", re.sub(r"\bSPLITS\b", "NP", body)).replace("def _finish(", "def _finish_slot(")
+
+
+BALANCED = [(old, new.replace("{finish_slot}", _finish_slot_source())) for old, new in BALANCED]
 
 
 def balanced(mod, q, p, K, C, stages):

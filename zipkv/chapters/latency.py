@@ -10,6 +10,7 @@ import pandas as pd
 
 from zipkv import format as fmt
 from zipkv import paper_values as pv
+from zipkv import report
 from zipkv.models import EMBEDDED_SHAPE, PAPER_MODELS
 from zipkv.settings import PAPER_CARD, PROJECT_TARGETS, ZIPFUSION_PAPER
 
@@ -820,3 +821,25 @@ def timeline_figure(timeline: dict, ctx: int = ZIPFUSION_PAPER.anchor_context):
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3)
     return fig
+
+
+def show_timeline(folder) -> None:
+    """The section "Where the launch's time goes": :func:`timeline_figure` where a committed run kept every program's
+    records, then :func:`timeline_text` (from :func:`read_timeline` of ``folder``, ``results/paper``)."""
+    timeline = read_timeline(folder)
+    if timeline is not None and len(timeline["programs"]):
+        report.figure(timeline_figure(timeline), "Share of a launch's programs whose page loop has ended, against the "
+                      "time from the median program's loop end (Llama-3.1-8B shape, all-compressed pages in the page "
+                      "pool's random and in logical order, raw pages; the GPU run in the legend).", name="fig-latency-tail")
+    report.markdown(timeline_text(timeline))
+
+
+def show_mix(sweep: pd.DataFrame | None) -> None:
+    """The section "Mixed pages against their bytes": :func:`mix_figure` where a sweep was run, then :func:`mix_text`."""
+    if sweep is not None:
+        report.figure(mix_figure(sweep), "Latency of the Gluon kernel against the bytes it reads, per share of "
+                      "compressed K / V blocks (8192 tokens × batch 64, Llama-3.1-8B shape, H200), with the plan's routing "
+                      "(filled) and every page through the mixed path (open), beside FlashInfer TC on the raw cache and "
+                      "the line of FlashInfer TC's read rate.", name="fig-latency-mix")
+    report.markdown(mix_text(sweep))
+
