@@ -306,10 +306,10 @@ def test_the_targets_cite_the_latest_ceiling_run_of_their_own_gpu_only():
     assert f"the kernel gives {492 / (9 + 46.0 * 8):.3f}×" in latency.targets_text(table, ceiling=later)
 
 
-def _timeline(tmp_path, programs=True, fi_us=500.0):
+def _timeline(tmp_path, programs=True, fi_us=500.0, sms=(0, 1, 0, 1)):
     """A made-up timeline run on the H200 at 8192 tokens: the all-compressed launch's loops end between 350 and 372 µs
     (median 360), its committed time 376 µs; raw pages' loops end by 490 (median 480) of 495 µs; FlashInfer TC
-    ``fi_us`` in the same run; with ``programs``, 4 programs per kind on 2 SMs."""
+    ``fi_us`` in the same run; with ``programs``, 4 programs per kind (loops ending 10 µs apart) on SMs ``sms``."""
     stamp = dict(device="NVIDIA H200", commit="abc1234", date="2026-12-06 08:34 UTC")
     launch = dict(ctx=8192, splits=2, stages=3, start_max_us=0.16, loop_end_p90_us=0.0, finish_max_us=3.5,
                   programs_per_sm_min=7, programs_per_sm_max=8, sms_used=132, **stamp)
@@ -320,7 +320,7 @@ def _timeline(tmp_path, programs=True, fi_us=500.0):
     pd.DataFrame([dict(method="flashinfer_tc", ctx=8192, latency_us=fi_us, **stamp)]).to_csv(
         tmp_path / "zipfusion_kernel_timeline_fits.csv", index=False)
     if programs:
-        pd.DataFrame([dict(kind=kind, ctx=8192, shuffle=True, sm=i % 2, loop_end_ns=(base + 10 * i) * 1e3, **stamp)
+        pd.DataFrame([dict(kind=kind, ctx=8192, shuffle=True, sm=sms[i], loop_end_ns=(base + 10 * i) * 1e3, **stamp)
                       for kind, base in (("compressed", 350), ("raw", 470)) for i in range(4)]).to_csv(
             tmp_path / "zipfusion_kernel_timeline_programs.csv", index=False)
     return latency.read_timeline(tmp_path)
@@ -335,7 +335,10 @@ def test_the_timeline_text_measures_the_static_splits_tail_against_flashinfer(tm
     assert f"over raw pages 10.0 µs ({10 / 495:.1%})" in text
     assert f"would take about 364.0 µs: **{500 / 364:.3f}×** FlashInfer TC's 500.0 µs" in text
     # per SM (programs 0, 2 on SM 0, 1, 3 on SM 1): compressed 360 and 370 µs, raw 480 and 490
-    assert "mean loop end runs from 360.0 to 370.0 µs (raw pages: 480.0 to 490.0)" in text
+    assert ("mean loop end runs from 360.0 to 370.0 µs (raw pages: 480.0 to 490.0): the SMs do not get equal shares"
+            in text)
+    even = latency.timeline_text(_timeline(tmp_path, sms=(0, 1, 1, 0)))      # both SMs' means 365 and 485 µs
+    assert "from 365.0 to 365.0 µs (raw pages: 485.0 to 485.0)." in even and "equal shares" not in even
     assert latency.timeline_figure(_timeline(tmp_path)).axes[0].get_ylabel() == "programs whose loop has ended"
 
 

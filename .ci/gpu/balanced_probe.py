@@ -177,8 +177,8 @@ def main(out_csv):
         err = error_vs_reference(a, ref)[0]
         print(f"K={K} C={C}: error {err:.2e}, deterministic {torch.equal(a, b)}, packed == raw {torch.equal(a, raw)}",
               flush=True)
-        if err > 2e-2 or not torch.equal(a, b):
-            raise AssertionError(f"K={K} C={C} is wrong or not deterministic")
+        if err > 2e-2 or not torch.equal(a, b) or not torch.equal(a, raw):
+            raise AssertionError(f"K={K} C={C} is wrong, not deterministic or not lossless")
         fns[f"balanced K={K} C={C}"] = fn
     ids = physical_page_ids(BATCH * CTX // PAGE, 0).to("cuda")
     kp, vp = nhd_pages(k, ids), nhd_pages(v, ids)

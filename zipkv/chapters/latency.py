@@ -729,7 +729,8 @@ def read_timeline(folder) -> dict | None:
         return None
     parts = {"launches": path, "programs": path.with_name(path.stem + "_programs.csv"),
              "fits": path.with_name(path.stem + "_fits.csv"), "balanced": path.with_name(BALANCED)}
-    return {key: pd.read_csv(p) if p.is_file() else pd.DataFrame(columns=["device", "commit", "date"]) for key, p in parts.items()}
+    empty = pd.DataFrame(columns=["device", "commit", "date"])
+    return {key: pd.read_csv(p) if p.is_file() else empty for key, p in parts.items()}
 
 
 def tail_at(timeline: dict, device: str, ctx: int = ZIPFUSION_PAPER.anchor_context):
@@ -759,7 +760,10 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
         return "The timeline probe (`.ci/gpu/timeline_probe.py`) needs a GPU and no run of it is committed yet."
     items = []
     for device in timeline["launches"].device.unique():
-        comp, raw, fi, balanced = tail_at(timeline, device, ctx)
+        at = tail_at(timeline, device, ctx)
+        if at is None:
+            continue
+        comp, raw, fi, balanced = at
         tail, raw_tail = comp.loop_end_max_us - comp.loop_end_p50_us, raw.loop_end_max_us - raw.loop_end_p50_us
         text = (f"**{device}** (commit {comp.commit}, {comp.date}), all compressed, {ctx} tokens: the programs "
                 f"({comp.splits} splits, {comp.programs_per_sm_min}–{comp.programs_per_sm_max} per SM on "
@@ -778,10 +782,11 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
         if len(progs):
             by_sm = {kind: progs[(progs.kind == kind) & progs["shuffle"]].groupby("sm").loop_end_ns.mean() / 1e3
                      for kind in ("compressed", "raw")}
+            unequal = max(m.max() / m.min() for m in by_sm.values()) > 1.01
             text += (f" Per SM, the mean loop end runs from {by_sm['compressed'].min():.1f} to "
                      f"{by_sm['compressed'].max():.1f} µs (raw pages: {by_sm['raw'].min():.1f} to "
-                     f"{by_sm['raw'].max():.1f}): the SMs do not get equal shares of the bandwidth, so equal static "
-                     "splits cannot end together.")
+                     f"{by_sm['raw'].max():.1f})" + (": the SMs do not get equal shares of the bandwidth, so equal static "
+                                                     "splits cannot end together." if unequal else "."))
         items.append(text)
     for (device, commit, date), run in timeline["balanced"].groupby(["device", "commit", "date"], sort=False):
         ours = run[run.variant == "committed"].latency_us.iloc[0]
