@@ -367,9 +367,10 @@ def test_the_timeline_text_sets_a_balanced_schedules_cost_per_chunk_against_the_
             dict(variant="balanced K=8 C=2", latency_us=548.0, chunks=8, chunk_units=2)]
     pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
     text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
-    assert text.startswith("- **A balanced schedule, tried** (NVIDIA H100 80GB HBM3, commit abc1234")
-    assert "static split took 520.0 µs, the balanced copies 524.0 µs (K = 2, C = 8) to 548.0 µs (K = 8, C = 2)" in text
-    assert "FlashInfer TC 690.0 µs: every variant slower, by 2.0–3.5 µs per chunk a program runs" in text
+    assert text.startswith("- **A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`)")
+    assert ("On the NVIDIA H100 80GB HBM3 (commit abc1234, 2026-12-06 09:04 UTC) the static split took 520.0 µs, the "
+            "balanced copies 524.0 µs (K = 2, C = 8) to 548.0 µs (K = 8, C = 2)") in text
+    assert "FlashInfer TC 690.0 µs: every copy slower, by 2.0–3.5 µs per chunk a program runs" in text
     rows[2]["latency_us"] = 510.0                                          # one variant faster: said as such
     pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
     assert f"the fastest {520 / 510:.3f}× the static split's speed." in latency.timeline_text(latency.read_timeline(tmp_path))

@@ -733,15 +733,15 @@ def read_timeline(folder) -> dict | None:
     return {key: pd.read_csv(p) if p.is_file() else empty for key, p in parts.items()}
 
 
-def tail_at(timeline: dict, device: str, ctx: int = ZIPFUSION_PAPER.anchor_context):
-    """The latest timeline run on ``device`` at ``ctx``: (its all-compressed launch row, its raw launch row,
-    FlashInfer TC's µs in the same run or None, the all-compressed launch's µs with every program's loop ending at the
-    median one's: the committed kernel's time less the tail), or None without such a run."""
+def tail_at(timeline: dict, device: str, ctx: int = ZIPFUSION_PAPER.anchor_context, date: str | None = None):
+    """The timeline run on ``device`` at ``ctx`` of ``date`` (default its latest): (its all-compressed launch row, its
+    raw launch row, FlashInfer TC's µs in the same run or None, the all-compressed launch's µs with every program's
+    loop ending at the median one's: the committed kernel's time less the tail), or None without such a run."""
     runs = timeline["launches"]
     runs = runs[runs.device.str.startswith(device.split(" (")[0]) & (runs.ctx == ctx)]
     if not len(runs):
         return None
-    run = runs[runs.date == runs.date.max()].set_index("kind")
+    run = runs[runs.date == (date or runs.date.max())].set_index("kind")
     comp, raw = run.loc["compressed"], run.loc["raw"]
     fits = timeline["fits"]
     fi = fits[(fits.device == comp.device) & (fits.date == comp.date) & (fits.method == "flashinfer_tc")
@@ -755,12 +755,12 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
     all-compressed launch's programs start, how far their page loops' ends spread (the static split's tail), what
     the merge adds, the raw pages' tail, and, against FlashInfer TC in the same run, what the launch would give with
     every loop ending at the median one's; where the run kept every program's records, how the SMs' mean loop ends
-    differ (the share of bandwidth each SM gets)."""
+    differ (the share of bandwidth each SM gets). Then the balanced schedule's runs (:data:`BALANCED`), if any."""
     if timeline is None:
         return "The timeline probe (`.ci/gpu/timeline_probe.py`) needs a GPU and no run of it is committed yet."
     items = []
-    for device in timeline["launches"].device.unique():
-        at = tail_at(timeline, device, ctx)
+    for (device, date), _ in timeline["launches"].groupby(["device", "date"], sort=False):
+        at = tail_at(timeline, device, ctx, date)
         if at is None:
             continue
         comp, raw, fi, balanced = at
@@ -778,7 +778,7 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
                      f"**{fi / balanced:.3f}×** FlashInfer TC's {fi:.1f} µs in the same run (as it runs, "
                      f"{comp.committed_us:.1f} µs: {fi / comp.committed_us:.3f}×).")
         progs = timeline["programs"]
-        progs = progs[(progs.device == device) & (progs.date == comp.date) & (progs.ctx == ctx)]
+        progs = progs[(progs.device == device) & (progs.date == date) & (progs.ctx == ctx)]
         if len(progs):
             by_sm = {kind: progs[(progs.kind == kind) & progs["shuffle"]].groupby("sm").loop_end_ns.mean() / 1e3
                      for kind in ("compressed", "raw")}
@@ -788,24 +788,30 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
                      f"{by_sm['raw'].max():.1f})" + (": the SMs do not get equal shares of the bandwidth, so equal static "
                                                      "splits cannot end together." if unequal else "."))
         items.append(text)
-    for (device, commit, date), run in timeline["balanced"].groupby(["device", "commit", "date"], sort=False):
-        ours = run[run.variant == "committed"].latency_us.iloc[0]
-        tried = run.dropna(subset=["chunks"])
-        per_chunk = (tried.latency_us - ours) / tried.chunks
-        best, worst = tried.loc[tried.latency_us.idxmin()], tried.loc[tried.latency_us.idxmax()]
-        items.append(
-            f"**A balanced schedule, tried** ({device}, commit {commit}, {date}; `.ci/gpu/balanced_probe.py`): each split "
-            "hands the first K × C units of its range out as K fixed chunks of C units, which any program claims from "
-            "one queue once its own part is done; each chunk is merged as its own partial, so the output stays the same "
-            "from run to run and bit for bit the same over packed and raw pages. The static split took "
-            f"{ours:.1f} µs, the balanced copies {best.latency_us:.1f} µs (K = {best.chunks:.0f}, C = "
-            f"{best.chunk_units:.0f}) to {worst.latency_us:.1f} µs (K = {worst.chunks:.0f}, C = {worst.chunk_units:.0f}), "
-            f"FlashInfer TC {run[run.variant == 'flashinfer_tc'].latency_us.iloc[0]:.1f} µs: "
-            + (f"every variant slower, by {per_chunk.min():.1f}–{per_chunk.max():.1f} µs per chunk a program runs (a "
-               "chunk starts the program's pipeline afresh, and the programs reach their chunks at about the same time)."
-               if (per_chunk > 0).all() else
-               f"the fastest {ours / best.latency_us:.3f}× the static split's speed."))
+    runs = [_balanced_run(run, device, commit, date)
+            for (device, commit, date), run in timeline["balanced"].groupby(["device", "commit", "date"], sort=False)]
+    if runs:
+        items.append("**A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`): each split hands the first K × C "
+                     "units of its range out as K fixed chunks of C units, which any program claims from one queue once "
+                     "its own part is done; each chunk is merged as its own partial, so the output stays the same from "
+                     "run to run and bit for bit the same over packed and raw pages. " + " ".join(runs))
     return "\n".join(f"- {t}" for t in items)
+
+
+def _balanced_run(run: pd.DataFrame, device: str, commit: str, date: str) -> str:
+    """One run of the balanced-schedule probe as a sentence: the static split, the fastest and slowest balanced copy
+    and FlashInfer TC, and what a chunk costs where every copy is slower."""
+    ours = run[run.variant == "committed"].latency_us.iloc[0]
+    tried = run.dropna(subset=["chunks"])
+    per_chunk = (tried.latency_us - ours) / tried.chunks
+    best, worst = tried.loc[tried.latency_us.idxmin()], tried.loc[tried.latency_us.idxmax()]
+    return (f"On the {device} (commit {commit}, {date}) the static split took {ours:.1f} µs, the balanced copies "
+            f"{best.latency_us:.1f} µs (K = {best.chunks:.0f}, C = {best.chunk_units:.0f}) to {worst.latency_us:.1f} µs "
+            f"(K = {worst.chunks:.0f}, C = {worst.chunk_units:.0f}), FlashInfer TC "
+            f"{run[run.variant == 'flashinfer_tc'].latency_us.iloc[0]:.1f} µs: "
+            + (f"every copy slower, by {per_chunk.min():.1f}–{per_chunk.max():.1f} µs per chunk a program runs (a chunk "
+               "starts the program's pipeline afresh, and the programs reach their chunks at about the same time)."
+               if (per_chunk > 0).all() else f"the fastest {ours / best.latency_us:.3f}× the static split's speed."))
 
 
 def timeline_figure(timeline: dict, ctx: int = ZIPFUSION_PAPER.anchor_context):
@@ -816,10 +822,13 @@ def timeline_figure(timeline: dict, ctx: int = ZIPFUSION_PAPER.anchor_context):
     progs = timeline["programs"]
     progs = progs[progs.ctx == ctx]
     fig, ax = plt.subplots(figsize=(8, 3.6))
+    colors = {("compressed", True): "tab:blue", ("compressed", False): "tab:orange", ("raw", True): "tab:green"}
+    runs = list(progs.groupby(["device", "date"], sort=False).groups)
     for (device, date, kind, shuffle), g in progs.groupby(["device", "date", "kind", "shuffle"], sort=False):
         ends = np.sort(g.loop_end_ns.to_numpy()) / 1e3
         label = f"{kind} pages, {'random' if shuffle else 'logical'} page order ({device.split(' ')[1]}, {date[:10]})"
-        ax.plot(ends - np.median(ends), np.arange(1, len(ends) + 1) / len(ends), label=label)
+        ax.plot(ends - np.median(ends), np.arange(1, len(ends) + 1) / len(ends), label=label,
+                color=colors.get((kind, bool(shuffle))), ls=("-", "--", ":", "-.")[runs.index((device, date)) % 4])
     ax.set_xlabel(f"page loop's end, from the median program's (µs; {ctx} tokens × batch 64)")
     ax.set_ylabel("programs whose loop has ended")
     ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda y, _: f"{y:.0%}"))
