@@ -10,9 +10,9 @@ against each other, and variable sequence lengths against the committed kernel; 
 and FlashInfer TC in the same rounds at 8192 x 64 (Llama-3.1-8B shape).
 
 Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
-``python3 .ci/gpu/balanced_probe.py OUT.csv`` (about 5 minutes, mostly compiling). Its H100 run is
-``results/paper/zipfusion_kernel_balanced_ab.csv``: every variant slower than the static split (the latency chapter,
-"Where the launch's time goes").
+``python3 .ci/gpu/balanced_probe.py OUT.csv`` (about 5 minutes, mostly compiling). Its runs (an H100,
+an H200) are ``results/paper/zipfusion_kernel_balanced_ab.csv``: every variant slower than the static split (the latency
+chapter, "Where the launch's time goes").
 """
 import datetime
 import math

@@ -42,8 +42,8 @@ goes (``.ci/gpu/timeline_probe.py``, same H200 and commit): the programs' page l
 (median 360.9), so the static split's tail costs about 11 us; on an H100 the SMs' mean loop ends differ by up to 3 %
 (raw pages 11 %): equal shares do not end together (the latency chapter, "Where the launch's time goes"). Handing the
 first K x C units of each split out as fixed chunks that any free program claims (``.ci/gpu/balanced_probe.py``; still
-deterministic and lossless) was slower on an H100 at every K, C tried: 527.6 (K = 2, C = 8) to 552.5 us (8, 2) against
-this kernel's 523.5 us in the same rounds.
+deterministic and lossless) was slower at every K, C tried: on an H100 527.6 (K = 2, C = 8) to 552.5 us (8, 2) against
+this kernel's 523.5 us in the same rounds, on an H200 374.7 to 404.7 us against 367.2.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
