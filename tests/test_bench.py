@@ -36,6 +36,20 @@ def test_flashinfer_pages_share_zipkv_page_table():
         assert torch.equal(pages[physical[logical]], k[b, :, 16 * j:16 * (j + 1)].transpose(0, 1))
 
 
+def test_paged_table_is_build_paged_caches_table_in_flashinfers_layout():
+    """paged_table: build_paged_cache's CSR table (same seed, shuffled or not) and the pages at its physical ids."""
+    from zipkv.paged import build_paged_cache
+
+    k = torch.randn(2, 3, 48, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    v = k.flip(-1)
+    for shuffle in (True, False):
+        indptr, indices, last, kp, vp = baselines.paged_table(k, v, seed=5, shuffle=shuffle)
+        _, zindptr, zindices, zlast = build_paged_cache(k, v, seed=5, shuffle=shuffle)
+        assert all(torch.equal(a, b.to(a.dtype)) for a, b in ((indptr, zindptr), (indices, zindices), (last, zlast)))
+        assert indices.dtype == torch.int32 and torch.equal(kp, baselines.nhd_pages(k, indices.long()))
+        assert torch.equal(vp[indices[4].long()], v[1, :, 16:32].transpose(0, 1))     # request 1's second page
+
+
 def test_unknown_shape_or_method_is_a_clear_error():
     with pytest.raises(ValueError, match="shape='gpt5'"):
         bench.attention_benchmark("gpt5")

@@ -29,11 +29,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 from descriptor_ceiling import probe_kernel  # noqa: E402
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
-from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, nhd_pages, reference_attention  # noqa: E402
+from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
 from zipkv.kernels import decode_mma  # noqa: E402
 from zipkv.kernels.decode_attention import plan  # noqa: E402
-from zipkv.paged import build_paged_cache, physical_page_ids  # noqa: E402
+from zipkv.paged import build_paged_cache  # noqa: E402
 
 SHAPE, CTX, BATCH, PAGE, ROUNDS = "llama3.1-8b", 8192, 64, 16, 7
 VARIANTS = [(2, 8), (4, 4), (4, 8), (8, 2), (8, 4)]
@@ -180,11 +180,8 @@ def main(out_csv):
         if err > 2e-2 or not torch.equal(a, b) or not torch.equal(a, raw):
             raise AssertionError(f"K={K} C={C} is wrong, not deterministic or not lossless")
         fns[f"balanced K={K} C={C}"] = fn
-    ids = physical_page_ids(BATCH * CTX // PAGE, 0).to("cuda")
-    kp, vp = nhd_pages(k, ids), nhd_pages(v, ids)
-    ip = torch.arange(BATCH + 1, device="cuda", dtype=torch.int32) * (CTX // PAGE)
-    lp = torch.full((BATCH,), PAGE, device="cuda", dtype=torch.int32)
-    fi = FlashInferDecode(ip, ids.to(torch.int32), lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
+    ip, ind, lp, kp, vp = paged_table(k, v)
+    fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
     fns["flashinfer_tc"] = lambda: fi(q, kp, vp)
     times = {name: [] for name in fns}
     for _ in range(ROUNDS):

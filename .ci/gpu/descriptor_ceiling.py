@@ -25,12 +25,12 @@ import pandas as pd
 import torch
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs
-from zipkv.bench.baselines import (FlashInferDecode, error_vs_reference, nhd_pages, reference_attention,
+from zipkv.bench.baselines import (FlashInferDecode, error_vs_reference, paged_table, reference_attention,
                                    sdpa_decode)
 from zipkv.bench.timing import ColdTimer, copy_bandwidth
 from zipkv.kernels import decode_mma
 from zipkv.kernels.decode_attention import plan
-from zipkv.paged import build_paged_cache, physical_page_ids
+from zipkv.paged import build_paged_cache
 
 SHAPE = "llama3.1-8b"
 PAGE = 16
@@ -131,11 +131,7 @@ def point(ctx, batch, rounds, probe, one_load, timer, gen):
     outr = torch.empty_like(q)
     fns["zipkv_uncompressed"] = (lambda: pr.run(q, outr), raw.stats()["used_bytes"] + raw.desc.numel() * 8
                                  + indices.numel() * 4 + io, True, pr)
-    ids = physical_page_ids(batch * ctx // PAGE, 0).to("cuda")
-    kp, vp = nhd_pages(k, ids), nhd_pages(v, ids)
-    ind = ids.to(torch.int32)
-    ip = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (ctx // PAGE)
-    lp = torch.full((batch,), PAGE, device="cuda", dtype=torch.int32)
+    ip, ind, lp, kp, vp = paged_table(k, v)
     fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
     kv_bytes = 2 * k.numel() * k.element_size()
     fns["flashinfer_tc"] = (lambda: fi(q, kp, vp), kv_bytes + ind.numel() * 4 + io, True, None)

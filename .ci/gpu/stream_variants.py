@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from descriptor_ceiling import NO_DESCRIPTORS, ONE_LOAD, probe_kernel  # noqa: E402
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
-from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, nhd_pages, reference_attention  # noqa: E402
+from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
 from zipkv.kernels.decode_attention import plan  # noqa: E402
-from zipkv.paged import build_paged_cache, physical_page_ids  # noqa: E402
+from zipkv.paged import build_paged_cache  # noqa: E402
 
 SHAPE, CTX, BATCH, PAGE, ROUNDS = "llama3.1-8b", 8192, 64, 16, 7
 
@@ -92,11 +92,8 @@ def main(out_csv):
     fns = {"committed": (lambda: p0.run(q, out0), p0)}
     for kw in VARIANTS:
         fns[" ".join(f"{key}={val}" for key, val in kw.items())] = variant_fn(q, paged_cache, **kw)
-    ids = physical_page_ids(BATCH * CTX // PAGE, 0).to("cuda")
-    kp, vp = nhd_pages(k, ids), nhd_pages(v, ids)
-    ip = torch.arange(BATCH + 1, device="cuda", dtype=torch.int32) * (CTX // PAGE)
-    lp = torch.full((BATCH,), PAGE, device="cuda", dtype=torch.int32)
-    fi = FlashInferDecode(ip, ids.to(torch.int32), lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
+    ip, ind, lp, kp, vp = paged_table(k, v)
+    fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
     fns["flashinfer_tc"] = (lambda: fi(q, kp, vp), None)
     base = fns["committed"][0]().clone()
     same = {}

@@ -2,10 +2,10 @@
 
 Two parts, on whatever GPU it runs:
 
-* **Fits.** The committed kernel over all-compressed and raw pages, FlashInfer TC over the same page table and
-  torch SDPA on a contiguous cache at 2048-16384 tokens, in interleaved rounds; each method's latency fitted as
-  ``fixed + bytes / rate`` (least squares). Also with the pages in logical order (no shuffle) to see what the page
-  pool's random order costs.
+* **Timings over contexts** (``OUT_fits.csv``). The committed kernel over all-compressed and raw pages, FlashInfer TC
+  over the same page table and torch SDPA on a contiguous cache at 2048-16384 tokens, in interleaved rounds, also with
+  the pages in logical order (no shuffle) to see what the page pool's random order costs; the latency chapter sets the
+  timeline's tail against FlashInfer TC's time here.
 * **Timeline.** A copy of :mod:`zipkv.kernels.decode_mma` rewritten to record, per program, ``%globaltimer`` at its
   start, at the end of its unit loop and after its merge, and its SM: when programs start, how their loop ends spread
   (the tail), what the merge adds, at 2048 and 8192 tokens (a row per launch); at 8192 tokens also every program's
@@ -31,10 +31,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from descriptor_ceiling import probe_kernel  # noqa: E402
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
-from zipkv.bench.baselines import FlashInferDecode, nhd_pages, sdpa_decode  # noqa: E402
+from zipkv.bench.baselines import FlashInferDecode, paged_table, sdpa_decode  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
 from zipkv.kernels.decode_attention import plan  # noqa: E402
-from zipkv.paged import build_paged_cache, physical_page_ids  # noqa: E402
+from zipkv.paged import build_paged_cache  # noqa: E402
 
 SHAPE, BATCH, PAGE, ROUNDS = "llama3.1-8b", 64, 16, 5
 CTXS, ANCHOR = (2048, 4096, 8192, 16384), 8192
@@ -69,15 +69,8 @@ def _pipelined_kernel('''),
 ]
 
 
-def fit(ctx_bytes_us):
-    """(fixed us, rate TB/s) of ``latency = fixed + bytes / rate`` over [(bytes, us), ...]."""
-    b, t = np.array(ctx_bytes_us, dtype=float).T
-    slope, fixed = np.polyfit(b / 1e6, t, 1)
-    return fixed, 1 / slope
-
-
 def fits(timer, gen):
-    """The methods' latencies at :data:`CTXS` (a row per method and context), their fitted lines printed."""
+    """The methods' latencies at :data:`CTXS` (a row per method and context)."""
     model = ATTENTION_SHAPES[SHAPE]
     rows = []
     for ctx in CTXS:
@@ -93,14 +86,10 @@ def fits(timer, gen):
                 nbytes = cache.stats()["used_bytes"] + cache.desc.numel() * 8 + indices.numel() * 4 + io
                 out = torch.empty_like(q)
                 fns["zipkv " + kind + tag] = (lambda p=p, out=out: p.run(q, out), nbytes)
-            ids = physical_page_ids(BATCH * ctx // PAGE, 0, shuffle=shuffle).to("cuda")
-            kp, vp = nhd_pages(k, ids), nhd_pages(v, ids)
-            ip = torch.arange(BATCH + 1, device="cuda", dtype=torch.int32) * (ctx // PAGE)
-            lp = torch.full((BATCH,), PAGE, device="cuda", dtype=torch.int32)
-            fi = FlashInferDecode(ip, ids.to(torch.int32), lp, model.q_heads, model.kv_heads, model.head_dim, PAGE,
-                                  True)
+            ip, ind, lp, kp, vp = paged_table(k, v, shuffle=shuffle)
+            fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
             fns["flashinfer_tc" + tag] = (lambda fi=fi, kp=kp, vp=vp: fi(q, kp, vp),
-                                          kp.numel() * 4 + ids.numel() * 4 + io)
+                                          kp.numel() * 4 + ind.numel() * 4 + io)
         fns["sdpa"] = (lambda: sdpa_decode(q, k, v), k.numel() * 4 + io)
         times = {name: [] for name in fns}
         for _ in range(ROUNDS):
@@ -112,11 +101,7 @@ def fits(timer, gen):
             print(f"{ctx:6d} {name:28s} {us:8.1f} us {nbytes / us / 1e6:.3f} TB/s", flush=True)
         del fns, k, v, q
         torch.cuda.empty_cache()
-    table = pd.DataFrame(rows)
-    for name, g in table.groupby("method", sort=False):
-        f, r = fit(list(zip(g.bytes_read, g.latency_us)))
-        print(f"fit {name:28s} fixed {f:6.2f} us  rate {r:.3f} TB/s", flush=True)
-    return table
+    return pd.DataFrame(rows)
 
 
 def timeline(timer, gen):

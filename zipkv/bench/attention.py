@@ -7,7 +7,7 @@ import torch
 
 from zipkv import format as kvformat
 from zipkv import models
-from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, nhd_pages, reference_attention, sdpa_decode
+from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention, sdpa_decode
 from zipkv.bench.timing import ColdTimer, copy_bandwidth
 
 __all__ = ["ATTENTION_SHAPES", "METHODS", "KERNEL_LAYOUTS", "attention_benchmark", "measured_compressible_fraction",
@@ -104,7 +104,7 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
     from tqdm.auto import tqdm
 
     from zipkv.kernels.decode_attention import plan
-    from zipkv.paged import build_paged_cache, physical_page_ids
+    from zipkv.paged import build_paged_cache
 
     if shape not in ATTENTION_SHAPES:
         raise ValueError(f"shape={shape!r}: expected one of {sorted(ATTENTION_SHAPES)}")
@@ -172,11 +172,7 @@ def attention_benchmark(shape: str = "llama3.1-8b", contexts=(2048, 8192), batch
                         del planned
                     del cache
         # FlashInfer's NHD pages at the physical ids of zipkv's caches: the same page table for every paged method
-        indices = physical_page_ids(batch * ctx // PAGE, seed).to("cuda")
-        k_pages, v_pages = (nhd_pages(x, indices) for x in (k, v))
-        indices = indices.to(torch.int32)
-        indptr = torch.arange(batch + 1, device="cuda", dtype=torch.int32) * (ctx // PAGE)
-        last = torch.full((batch,), PAGE, device="cuda", dtype=torch.int32)
+        indptr, indices, last, k_pages, v_pages = paged_table(k, v, seed)
         for method, tensor_cores in (("flashinfer_tc", True), ("flashinfer_cuda", False)):
             if method in methods:
                 runner = FlashInferDecode(indptr, indices, last, q_heads, kv_heads, head_dim, PAGE, tensor_cores)

@@ -7,7 +7,7 @@ import torch
 
 from zipkv import format as kvformat
 
-__all__ = ["FlashInferDecode", "sdpa_decode", "nhd_pages", "reference_attention", "error_vs_reference"]
+__all__ = ["FlashInferDecode", "sdpa_decode", "nhd_pages", "paged_table", "reference_attention", "error_vs_reference"]
 
 PAGE = kvformat.PAGE_TOKENS
 
@@ -50,6 +50,20 @@ def nhd_pages(x, physical):
     pages = torch.empty_like(logical)
     pages[physical] = logical
     return pages
+
+
+def paged_table(k, v, seed: int = 0, shuffle: bool = True):
+    """FlashInfer's inputs for full-page requests of contiguous K/V ``[batch, kv_heads, T, d]`` (T a multiple of the
+    page size) at :func:`zipkv.paged.physical_page_ids` -- the page table of
+    :func:`zipkv.paged.build_paged_cache`'s caches built with the same ``seed`` and ``shuffle``: ``(indptr, indices,
+    last_page_len, k_pages, v_pages)``, the table int32 on k's device, the pages as :func:`nhd_pages`."""
+    from zipkv.paged import physical_page_ids
+
+    batch, _, T, _ = k.shape
+    ids = physical_page_ids(batch * T // PAGE, seed, shuffle=shuffle).to(k.device)
+    indptr = torch.arange(batch + 1, device=k.device, dtype=torch.int32) * (T // PAGE)
+    last = torch.full((batch,), PAGE, device=k.device, dtype=torch.int32)
+    return indptr, ids.to(torch.int32), last, nhd_pages(k, ids), nhd_pages(v, ids)
 
 
 def reference_attention(q, k, v):
