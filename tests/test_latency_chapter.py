@@ -374,3 +374,31 @@ def test_the_timeline_text_sets_a_balanced_schedules_cost_per_chunk_against_the_
     rows[2]["latency_us"] = 510.0                                          # one variant faster: said as such
     pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
     assert f"the fastest {520 / 510:.3f}× the static split's speed." in latency.timeline_text(latency.read_timeline(tmp_path))
+
+
+def test_the_timeline_text_reports_l2_prefetches_for_the_later_split_against_the_committed_kernel(tmp_path):
+    timeline = _timeline(tmp_path)
+    assert "Warming L2" not in latency.timeline_text(timeline)
+    stamp = dict(device="NVIDIA H100 80GB HBM3", commit="abc1234", date="2026-12-06 10:42 UTC")
+    rows = [dict(kv_data="all compressed", variant="committed", latency_us=544.0),
+            dict(kv_data="all compressed", variant="assist N=0", latency_us=500.0),     # the control: not a variant
+            dict(kv_data="all compressed", variant="assist N=8", latency_us=546.0),
+            dict(kv_data="all compressed", variant="assist N=2", latency_us=545.0),
+            dict(kv_data="raw", variant="committed", latency_us=718.0),
+            dict(kv_data="raw", variant="assist N=2", latency_us=719.0),
+            dict(kv_data="raw", variant="assist N=8", latency_us=723.0),
+            dict(kv_data="any", variant="flashinfer_tc", latency_us=716.0)]
+    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
+    assert text.startswith("- **Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`)")
+    assert ("On the NVIDIA H100 80GB HBM3 (commit abc1234, 2026-12-06 10:42 UTC; FlashInfer TC 716.0 µs), all "
+            "compressed pages: the committed kernel 544.0 µs, N = 2: 545.0, 8: 546.0 µs; raw pages: the committed "
+            "kernel 718.0 µs, N = 2: 719.0, 8: 723.0 µs: no N is faster, and the larger N the slower") in text
+    rows[6]["latency_us"] = 718.5                                           # not growing with N: no such clause
+    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    text = latency.timeline_text(latency.read_timeline(tmp_path))
+    assert "no N is faster. The later programs" in text and "the larger N" not in text
+    rows[3]["latency_us"] = 540.0                                           # one faster: no verdict on the tail
+    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    text = latency.timeline_text(latency.read_timeline(tmp_path))
+    assert text.endswith("N = 2: 540.0, 8: 546.0 µs; raw pages: the committed kernel 718.0 µs, N = 2: 719.0, 8: 718.5 µs.")

@@ -719,16 +719,23 @@ BALANCED = "zipfusion_kernel_balanced_ab.csv"
 first ``chunks`` x ``chunk_units`` units of each split handed out as fixed chunks from a queue, beside the committed
 kernel and FlashInfer TC in the same rounds (8192 x 64, Llama-3.1-8B shape)."""
 
+L2_ASSIST = "zipfusion_kernel_l2_assist_ab.csv"
+"""The committed runs of the L2-assist probe (``.ci/gpu/l2_assist_probe.py``): the committed kernel's programs unchanged,
+except that one whose page loop has ended before its sibling split's prefetches the sibling's last ``N`` units into L2,
+beside the committed kernel and FlashInfer TC in the same rounds (all-compressed and raw pages, 8192 x 64, Llama-3.1-8B
+shape)."""
+
 
 def read_timeline(folder) -> dict | None:
-    """:data:`TIMELINE`, its two companions and :data:`BALANCED` in ``folder`` (``results/paper``) as
-    ``{"launches", "programs", "fits", "balanced"}`` (one absent: an empty frame), or None where no timeline run is
-    committed."""
+    """:data:`TIMELINE`, its two companions, :data:`BALANCED` and :data:`L2_ASSIST` in ``folder`` (``results/paper``) as
+    ``{"launches", "programs", "fits", "balanced", "assist"}`` (one absent: an empty frame), or None where no timeline
+    run is committed."""
     path = Path(folder) / TIMELINE
     if not path.is_file():
         return None
     parts = {"launches": path, "programs": path.with_name(path.stem + "_programs.csv"),
-             "fits": path.with_name(path.stem + "_fits.csv"), "balanced": path.with_name(BALANCED)}
+             "fits": path.with_name(path.stem + "_fits.csv"), "balanced": path.with_name(BALANCED),
+             "assist": path.with_name(L2_ASSIST)}
     empty = pd.DataFrame(columns=["device", "commit", "date"])
     return {key: pd.read_csv(p) if p.is_file() else empty for key, p in parts.items()}
 
@@ -755,7 +762,8 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
     all-compressed launch's programs start, how far their page loops' ends spread (the static split's tail), what
     the merge adds, the raw pages' tail, and, against FlashInfer TC in the same run, what the launch would give with
     every loop ending at the median one's; where the run kept every program's records, how the SMs' mean loop ends
-    differ (the share of bandwidth each SM gets). Then the balanced schedule's runs (:data:`BALANCED`), if any."""
+    differ (the share of bandwidth each SM gets). Then the balanced schedule's runs (:data:`BALANCED`) and the L2
+    assist's (:data:`L2_ASSIST`), if any."""
     if timeline is None:
         return "The timeline probe (`.ci/gpu/timeline_probe.py`) needs a GPU and no run of it is committed yet."
     items = []
@@ -795,6 +803,13 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
                      "units of its range out as K fixed chunks of C units, which any program claims from one queue once "
                      "its own part is done; each chunk is merged as its own partial, so the output stays the same from "
                      "run to run and bit for bit the same over packed and raw pages. " + " ".join(runs))
+    runs = [_assist_run(run, device, commit, date)
+            for (device, commit, date), run in timeline["assist"].groupby(["device", "commit", "date"], sort=False)]
+    if runs:
+        items.append("**Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`): a program whose page "
+                     "loop has ended before its sibling split's prefetches the sibling's last N units into L2 "
+                     "(`cp.async.bulk.prefetch.L2`, one per block) and computes nothing differently: its output is the "
+                     "committed kernel's bit for bit. " + " ".join(runs))
     return "\n".join(f"- {t}" for t in items)
 
 
@@ -812,6 +827,29 @@ def _balanced_run(run: pd.DataFrame, device: str, commit: str, date: str) -> str
             + (f"every copy slower, by {per_chunk.min():.1f}–{per_chunk.max():.1f} µs per chunk a program runs (a chunk "
                "starts the program's pipeline afresh, and the programs reach their chunks at about the same time)."
                if (per_chunk > 0).all() else f"the fastest {ours / best.latency_us:.3f}× the static split's speed."))
+
+
+def _assist_run(run: pd.DataFrame, device: str, commit: str, date: str) -> str:
+    """One run of the L2-assist probe as a sentence: per kind of pages, the committed kernel against the prefetching
+    copies (N > 0; N = 0 is the rewritten copy's control), and what that says about the tail."""
+    parts, helped, growing = [], False, True
+    for data, g in run[run.kv_data != "any"].groupby("kv_data", sort=False):
+        ours = g[g.variant == "committed"].latency_us.iloc[0]
+        tried = g[g.variant.str.startswith("assist N=") & (g.variant != "assist N=0")]
+        tried = tried.assign(n=tried.variant.str.split("=").str[1].astype(int)).sort_values("n")
+        helped |= bool(tried.latency_us.min() < ours)
+        growing &= bool(tried.latency_us.is_monotonic_increasing)
+        parts.append(f"{data} pages: the committed kernel {ours:.1f} µs, N = "
+                     + ", ".join(f"{r.n}: {r.latency_us:.1f}" for r in tried.itertuples()) + " µs")
+    fi = run[run.variant == "flashinfer_tc"].latency_us.iloc[0]
+    if helped:
+        verdict = "."
+    else:
+        verdict = (": no N is faster" + (", and the larger N the slower (the prefetches of units the sibling has "
+                                         "already read cost their bandwidth)" if growing else "")
+                   + ". The later programs do not wait on their last units' data: where it comes from does not shorten "
+                     "the tail.")
+    return f"On the {device} (commit {commit}, {date}; FlashInfer TC {fi:.1f} µs), " + "; ".join(parts) + verdict
 
 
 def timeline_figure(timeline: dict, ctx: int = ZIPFUSION_PAPER.anchor_context):

@@ -43,7 +43,9 @@ goes (``.ci/gpu/timeline_probe.py``, same H200 and commit): the programs' page l
 (raw pages 11 %): equal shares do not end together (the latency chapter, "Where the launch's time goes"). Handing the
 first K x C units of each split out as fixed chunks that any free program claims (``.ci/gpu/balanced_probe.py``; still
 deterministic and lossless) was slower at every K, C tried: on an H100 527.6 (K = 2, C = 8) to 552.5 us (8, 2) against
-this kernel's 523.5 us in the same rounds, on an H200 374.7 to 404.7 us against 367.2.
+this kernel's 523.5 us in the same rounds, on an H200 374.7 to 404.7 us against 367.2. A program whose loop has ended
+prefetching its sibling split's last N units into L2 (``.ci/gpu/l2_assist_probe.py``, output unchanged bit for bit)
+gained nothing on an H100 (544.4 us; N = 2-8: 544.6-546.5, N = 32: 578.0).
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
