@@ -14,7 +14,6 @@ Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
 an H200) are ``results/paper/zipfusion_kernel_balanced_ab.csv``: every variant slower than the static split (the latency
 chapter, "Where the launch's time goes").
 """
-import datetime
 import math
 import os
 import re
@@ -26,7 +25,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from descriptor_ceiling import probe_kernel  # noqa: E402
+from descriptor_ceiling import interleaved, probe_kernel, provenance, variable_lengths  # noqa: E402
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
 from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention  # noqa: E402
@@ -139,13 +138,8 @@ def balanced(mod, q, p, K, C, stages):
 
 def check(mod, gen):
     """Variable sequence lengths (1 .. 700 tokens, batch 9): each variant against the committed kernel."""
-    model = ATTENTION_SHAPES[SHAPE]
-    k, v, q = attention_inputs(SHAPE, 704, 9, gen)
-    lens = torch.tensor([1, 15, 16, 17, 100, 255, 256, 513, 700])
-    for compress in ("eligible", "none"):
-        cache, indptr, indices, last = build_paged_cache(k, v, lens, compress=compress, k_layout="k_mma",
-                                                         v_layout="v_mma")
-        p = plan(indptr, indices, last, cache, model.q_heads)
+    q, plans = variable_lengths(gen)
+    for compress, p in plans.items():
         ref = p.run(q).float()
         for K, C in VARIANTS:
             got = balanced(mod, q, p, K, C, p.configs[0]["stages"])().float()
@@ -183,10 +177,7 @@ def main(out_csv):
     ip, ind, lp, kp, vp = paged_table(k, v)
     fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
     fns["flashinfer_tc"] = lambda: fi(q, kp, vp)
-    times = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, fn in fns.items():
-            times[name].append(timer(fn, reps=30))
+    times = interleaved(fns, ROUNDS, timer)
     fi_us = statistics.median(times["flashinfer_tc"])
     rows = []
     for name in fns:
@@ -195,10 +186,7 @@ def main(out_csv):
         rows.append(dict(variant=name, latency_us=us, speedup_vs_flashinfer_tc=fi_us / us,
                          rounds_us=" ".join(f"{t:.1f}" for t in times[name]), **kc))
         print(f"{name:24s} {us:8.1f} us  FI TC / this {fi_us / us:.3f}", flush=True)
-    table = pd.DataFrame(rows).assign(shape=SHAPE, ctx=CTX, batch=BATCH, device=torch.cuda.get_device_name(),
-                                      commit=os.environ.get("ZIPKV_COMMIT", "unknown"),
-                                      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    table.to_csv(out_csv, index=False)
+    pd.DataFrame(rows).assign(shape=SHAPE, ctx=CTX, batch=BATCH, **provenance()).to_csv(out_csv, index=False)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,38 @@ def _pipelined('''),
 ]
 
 
+def interleaved(fns: dict, rounds: int, timer, reps: int = 30) -> dict:
+    """name -> the ``rounds`` cold-L2 times (µs, each the median of ``reps`` calls) of ``fns[name]``: every round times
+    each function once, in turn, so that a drift of the card's clocks reaches every one of them alike."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(fn, reps=reps))
+    return times
+
+
+def provenance() -> dict:
+    """The columns every probe's table carries: the card, the commit (``ZIPKV_COMMIT``, typed in where the run was
+    started: the GPU machine's checkout may lag) and the date."""
+    return dict(device=torch.cuda.get_device_name(), commit=os.environ.get("ZIPKV_COMMIT", "unknown"),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def variable_lengths(gen):
+    """Batch 9 of 1-700 tokens (partial pages, one-page and odd requests) at the Llama-3.1-8B shape: ``(q, {compress:
+    plan})`` over all-compressed (``"eligible"``) and raw (``"none"``) pages, to check a probe's copy against the
+    committed kernel."""
+    model = ATTENTION_SHAPES[SHAPE]
+    k, v, q = attention_inputs(SHAPE, 704, 9, gen)
+    lens = torch.tensor([1, 15, 16, 17, 100, 255, 256, 513, 700])
+    plans = {}
+    for compress in ("eligible", "none"):
+        cache, indptr, indices, last = build_paged_cache(k, v, lens, compress=compress, k_layout="k_mma",
+                                                         v_layout="v_mma")
+        plans[compress] = plan(indptr, indices, last, cache, model.q_heads)
+    return q, plans
+
+
 def probe_kernel(rewrite=NO_DESCRIPTORS, name="mma_no_descriptors"):
     """decode_mma rewritten by ``rewrite`` (:data:`NO_DESCRIPTORS` or :data:`ONE_LOAD`), imported from a temporary
     file (Gluon reads the source)."""
@@ -142,10 +174,7 @@ def point(ctx, batch, rounds, probe, one_load, timer, gen):
         got = fn()
         if check and error_vs_reference(got, ref)[0] > 2e-2:
             raise AssertionError(f"{name} disagrees with fp32 attention at ctx {ctx}")
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, (fn, *_) in fns.items():
-            times[name].append(timer(fn, reps=30))
+    times = interleaved({name: fn for name, (fn, *_) in fns.items()}, rounds, timer)
     fi_us = statistics.median(times["flashinfer_tc"])
     rows = []
     for name, (_, nbytes, _, p) in fns.items():
@@ -167,12 +196,7 @@ def main(out_csv):
     for ctx in (1024, 2048, 4096, 8192, 16384):
         rows += point(ctx, 64, 5 if ctx == 8192 else 3, probe, one_load, timer, gen)
         torch.cuda.empty_cache()
-    table = pd.DataFrame(rows)
-    table["copy_bw_tbps"] = copy_bw / 1e12
-    table["device"] = torch.cuda.get_device_name()
-    table["commit"] = os.environ.get("ZIPKV_COMMIT", "unknown")
-    table["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    table.to_csv(out_csv, index=False)
+    pd.DataFrame(rows).assign(copy_bw_tbps=copy_bw / 1e12, **provenance()).to_csv(out_csv, index=False)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ FlashInfer TC in interleaved rounds at 8192 x 64 (Llama-3.1-8B shape), all compr
 Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
 ``python3 .ci/gpu/l2_assist_probe.py OUT.csv`` (about 3 minutes, mostly compiling).
 """
-import datetime
 import math
 import os
 import statistics
@@ -24,7 +23,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from descriptor_ceiling import probe_kernel  # noqa: E402
+from descriptor_ceiling import interleaved, probe_kernel, provenance, variable_lengths  # noqa: E402
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
 from zipkv.bench.baselines import FlashInferDecode, paged_table  # noqa: E402
@@ -97,6 +96,7 @@ def assisted(mod, q, p, n):
 
 
 def same_as_committed(mod, q, p, label):
+    """Every N's output over plan ``p`` must be the committed kernel's, bit for bit (the copy computes nothing else)."""
     ref = p.run(q).clone()
     for n in ASSISTS:
         got = assisted(mod, q, p, n)().clone()
@@ -107,13 +107,10 @@ def same_as_committed(mod, q, p, label):
 def main(out_csv):
     timer, gen = ColdTimer(), torch.Generator(device="cuda").manual_seed(0)
     mod = probe_kernel(ASSIST, "mma_l2_assist")
+    q, plans = variable_lengths(gen)
+    for compress, p in plans.items():
+        same_as_committed(mod, q, p, f"lengths 1-700, {compress}")
     model = ATTENTION_SHAPES[SHAPE]
-    k, v, q = attention_inputs(SHAPE, 704, 9, gen)
-    lens = torch.tensor([1, 15, 16, 17, 100, 255, 256, 513, 700])
-    for compress in ("eligible", "none"):
-        cache, indptr, indices, last = build_paged_cache(k, v, lens, compress=compress, k_layout="k_mma",
-                                                         v_layout="v_mma")
-        same_as_committed(mod, q, plan(indptr, indices, last, cache, model.q_heads), f"lengths 1-700, {compress}")
     k, v, q = attention_inputs(SHAPE, CTX, BATCH, gen)
     fns = {}
     for compress in ("eligible", "none"):
@@ -129,10 +126,7 @@ def main(out_csv):
     ip, ind, lp, kp, vp = paged_table(k, v)
     fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
     fns[("any", "flashinfer_tc")] = lambda: fi(q, kp, vp)
-    times = {key: [] for key in fns}
-    for _ in range(ROUNDS):
-        for key, fn in fns.items():
-            times[key].append(timer(fn, reps=30))
+    times = interleaved(fns, ROUNDS, timer)
     fi_us = statistics.median(times[("any", "flashinfer_tc")])
     rows = []
     for (data, name), ts in times.items():
@@ -140,10 +134,7 @@ def main(out_csv):
         rows.append(dict(kv_data=data, variant=name, latency_us=us, speedup_vs_flashinfer_tc=fi_us / us,
                          rounds_us=" ".join(f"{t:.1f}" for t in ts)))
         print(f"{data:15s} {name:15s} {us:8.1f} us  FI TC / this {fi_us / us:.3f}", flush=True)
-    table = pd.DataFrame(rows).assign(shape=SHAPE, ctx=CTX, batch=BATCH, device=torch.cuda.get_device_name(),
-                                      commit=os.environ.get("ZIPKV_COMMIT", "unknown"),
-                                      date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
-    table.to_csv(out_csv, index=False)
+    pd.DataFrame(rows).assign(shape=SHAPE, ctx=CTX, batch=BATCH, **provenance()).to_csv(out_csv, index=False)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ fills conflict, +16.5 %). Run on the GPU machine from the repository root with t
 the run to ``results/paper/zipfusion_kernel_stream_ab.csv``).
 """
 import contextlib
-import datetime
 import math
 import os
 import statistics
@@ -27,7 +26,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from descriptor_ceiling import NO_DESCRIPTORS, ONE_LOAD, probe_kernel  # noqa: E402
+from descriptor_ceiling import NO_DESCRIPTORS, ONE_LOAD, interleaved, probe_kernel, provenance  # noqa: E402
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
 from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention  # noqa: E402
@@ -102,10 +101,7 @@ def main(out_csv):
         if "no_descriptors" not in name and error_vs_reference(got, ref)[0] > 2e-2:
             raise AssertionError(f"{name} disagrees with fp32 attention")
         same[name] = torch.equal(got, base)                      # bit for bit the committed kernel's
-    times = {name: [] for name in fns}
-    for _ in range(ROUNDS):
-        for name, (fn, _) in fns.items():
-            times[name].append(timer(fn, reps=30))
+    times = interleaved({name: fn for name, (fn, _) in fns.items()}, ROUNDS, timer)
     fi_us = statistics.median(times["flashinfer_tc"])
     rows = []
     for name, (_, p) in fns.items():
@@ -113,13 +109,10 @@ def main(out_csv):
         rows.append(dict(variant=name, latency_us=us, speedup_vs_flashinfer_tc=fi_us / us, same_as_committed=same[name],
                          rounds_us=" ".join(f"{t:.1f}" for t in times[name]), num_splits=p.num_splits if p else None))
         print(f"{name:32s} {us:8.1f} us  FI TC / this {fi_us / us:.3f}  bit-exact {same[name]}", flush=True)
-    table = pd.DataFrame(rows)
-    table["shape"], table["ctx"], table["batch"] = SHAPE, CTX, BATCH
-    table["device"] = torch.cuda.get_device_name()
-    table["board"] = f"GPU-{str(torch.cuda.get_device_properties(0).uuid)[:8]}"
-    table["commit"] = os.environ.get("ZIPKV_COMMIT", "unknown")
-    table["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    table.to_csv(out_csv, index=False)
+    board = f"GPU-{str(torch.cuda.get_device_properties(0).uuid)[:8]}"
+    stamp = provenance()
+    pd.DataFrame(rows).assign(shape=SHAPE, ctx=CTX, batch=BATCH, device=stamp.pop("device"), board=board,
+                              **stamp).to_csv(out_csv, index=False)
 
 
 if __name__ == "__main__":

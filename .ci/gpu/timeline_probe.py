@@ -17,7 +17,6 @@ Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
 them to ``results/paper/zipfusion_kernel_timeline*.csv``, which the latency chapter reads
 (:func:`zipkv.chapters.latency.timeline_text`).
 """
-import datetime
 import math
 import os
 import statistics
@@ -28,7 +27,7 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from descriptor_ceiling import probe_kernel  # noqa: E402
+from descriptor_ceiling import interleaved, probe_kernel, provenance  # noqa: E402
 
 from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
 from zipkv.bench.baselines import FlashInferDecode, paged_table, sdpa_decode  # noqa: E402
@@ -91,10 +90,7 @@ def fits(timer, gen):
             fns["flashinfer_tc" + tag] = (lambda fi=fi, kp=kp, vp=vp: fi(q, kp, vp),
                                           kp.numel() * 4 + ind.numel() * 4 + io)
         fns["sdpa"] = (lambda: sdpa_decode(q, k, v), k.numel() * 4 + io)
-        times = {name: [] for name in fns}
-        for _ in range(ROUNDS):
-            for name, (fn, _) in fns.items():
-                times[name].append(timer(fn, reps=20))
+        times = interleaved({name: fn for name, (fn, _) in fns.items()}, ROUNDS, timer, reps=20)
         for name, (_, nbytes) in fns.items():
             us = statistics.median(times[name])
             rows.append(dict(method=name, ctx=ctx, latency_us=us, bytes_read=nbytes, tbps=nbytes / us / 1e6))
@@ -165,8 +161,7 @@ def timeline(timer, gen):
 
 def main(prefix):
     timer, gen = ColdTimer(), torch.Generator(device="cuda").manual_seed(0)
-    stamp = dict(device=torch.cuda.get_device_name(), commit=os.environ.get("ZIPKV_COMMIT", "unknown"),
-                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+    stamp = provenance()
     tl, programs = timeline(timer, gen)
     tl.assign(**stamp).to_csv(prefix + ".csv", index=False)
     programs.assign(**stamp).to_csv(prefix + "_programs.csv", index=False)

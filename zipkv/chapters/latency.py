@@ -796,20 +796,21 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
                      f"{by_sm['raw'].max():.1f})" + (": the SMs do not get equal shares of the bandwidth, so equal static "
                                                      "splits cannot end together." if unequal else "."))
         items.append(text)
-    runs = [_balanced_run(run, device, commit, date)
-            for (device, commit, date), run in timeline["balanced"].groupby(["device", "commit", "date"], sort=False)]
-    if runs:
-        items.append("**A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`): each split hands the first K × C "
-                     "units of its range out as K fixed chunks of C units, which any program claims from one queue once "
-                     "its own part is done; each chunk is merged as its own partial, so the output stays the same from "
-                     "run to run and bit for bit the same over packed and raw pages. " + " ".join(runs))
-    runs = [_assist_run(run, device, commit, date)
-            for (device, commit, date), run in timeline["assist"].groupby(["device", "commit", "date"], sort=False)]
-    if runs:
-        items.append("**Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`): a program whose page "
-                     "loop has ended before its sibling split's prefetches the sibling's last N units into L2 "
-                     "(`cp.async.bulk.prefetch.L2`, one per block) and computes nothing differently: its output is the "
-                     "committed kernel's bit for bit. " + " ".join(runs))
+    tried = (("balanced", _balanced_run,
+              "**A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`): each split hands the first K × C units of its "
+              "range out as K fixed chunks of C units, which any program claims from one queue once its own part is "
+              "done; each chunk is merged as its own partial, so the output stays the same from run to run and bit for "
+              "bit the same over packed and raw pages. "),
+             ("assist", _assist_run,
+              "**Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`): a program whose page loop "
+              "has ended before its sibling split's prefetches the sibling's last N units into L2 "
+              "(`cp.async.bulk.prefetch.L2`, one per block) and computes nothing differently: its output is the "
+              "committed kernel's bit for bit. "))
+    for key, sentence, heading in tried:
+        runs = [sentence(run, device, commit, date)
+                for (device, commit, date), run in timeline[key].groupby(["device", "commit", "date"], sort=False)]
+        if runs:
+            items.append(heading + " ".join(runs))
     return "\n".join(f"- {t}" for t in items)
 
 
