@@ -393,12 +393,14 @@ def test_the_timeline_text_reports_l2_prefetches_for_the_later_split_against_the
     assert text.startswith("- **Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`)")
     assert ("On the NVIDIA H100 80GB HBM3 (commit abc1234, 2026-12-06 10:42 UTC; FlashInfer TC 716.0 µs), all "
             "compressed pages: the committed kernel 544.0 µs, N = 2: 545.0, 8: 546.0 µs; raw pages: the committed "
-            "kernel 718.0 µs, N = 2: 719.0, 8: 723.0 µs: no N is faster, and the larger N the slower") in text
+            "kernel 718.0 µs, N = 2: 719.0, 8: 723.0 µs: no N is faster, and the larger N the slower. The later "
+            "programs do not wait on their last units' data") in text
     rows[6]["latency_us"] = 718.5                                           # not growing with N: no such clause
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    second = [{**r, **stamp, "commit": "def5678"} for r in rows]             # a second run: the closing said once
+    pd.DataFrame([{**r, **stamp} for r in rows] + second).to_csv(tmp_path / latency.L2_ASSIST, index=False)
     text = latency.timeline_text(latency.read_timeline(tmp_path))
-    assert "no N is faster. The later programs" in text and "the larger N" not in text
-    rows[3]["latency_us"] = 540.0                                           # one faster: no verdict on the tail
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    assert text.count("no N is faster. ") == 2 and text.count("The later programs") == 1 and "the larger N" not in text
+    second[3]["latency_us"] = 540.0                                         # one faster in one run: no verdict
+    pd.DataFrame([{**r, **stamp} for r in rows] + second).to_csv(tmp_path / latency.L2_ASSIST, index=False)
     text = latency.timeline_text(latency.read_timeline(tmp_path))
     assert text.endswith("N = 2: 540.0, 8: 546.0 µs; raw pages: the committed kernel 718.0 µs, N = 2: 719.0, 8: 718.5 µs.")

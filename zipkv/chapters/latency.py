@@ -796,21 +796,21 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
                      f"{by_sm['raw'].max():.1f})" + (": the SMs do not get equal shares of the bandwidth, so equal static "
                                                      "splits cannot end together." if unequal else "."))
         items.append(text)
-    tried = (("balanced", _balanced_run,
+    tried = (("balanced", _balanced_run, lambda runs: "",
               "**A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`): each split hands the first K × C units of its "
               "range out as K fixed chunks of C units, which any program claims from one queue once its own part is "
               "done; each chunk is merged as its own partial, so the output stays the same from run to run and bit for "
               "bit the same over packed and raw pages. "),
-             ("assist", _assist_run,
+             ("assist", _assist_run, _assist_closing,
               "**Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`): a program whose page loop "
               "has ended before its sibling split's prefetches the sibling's last N units into L2 "
               "(`cp.async.bulk.prefetch.L2`, one per block) and computes nothing differently: its output is the "
               "committed kernel's bit for bit. "))
-    for key, sentence, heading in tried:
+    for key, sentence, closing, heading in tried:
         runs = [sentence(run, device, commit, date)
                 for (device, commit, date), run in timeline[key].groupby(["device", "commit", "date"], sort=False)]
         if runs:
-            items.append(heading + " ".join(runs))
+            items.append(heading + " ".join(runs) + closing(timeline[key]))
     return "\n".join(f"- {t}" for t in items)
 
 
@@ -830,27 +830,37 @@ def _balanced_run(run: pd.DataFrame, device: str, commit: str, date: str) -> str
                if (per_chunk > 0).all() else f"the fastest {ours / best.latency_us:.3f}× the static split's speed."))
 
 
+def _assist_curves(run: pd.DataFrame):
+    """Per kind of pages of one L2-assist run: (kind, the committed kernel's µs, the prefetching copies' rows by N with
+    column ``n``; N = 0, the rewritten copy's control, left out)."""
+    for data, g in run[run.kv_data != "any"].groupby("kv_data", sort=False):
+        tried = g[g.variant.str.startswith("assist N=") & (g.variant != "assist N=0")]
+        yield (data, g[g.variant == "committed"].latency_us.iloc[0],
+               tried.assign(n=tried.variant.str.split("=").str[1].astype(int)).sort_values("n"))
+
+
 def _assist_run(run: pd.DataFrame, device: str, commit: str, date: str) -> str:
     """One run of the L2-assist probe as a sentence: per kind of pages, the committed kernel against the prefetching
-    copies (N > 0; N = 0 is the rewritten copy's control), and what that says about the tail."""
+    copies, and whether any N is faster."""
     parts, helped, growing = [], False, True
-    for data, g in run[run.kv_data != "any"].groupby("kv_data", sort=False):
-        ours = g[g.variant == "committed"].latency_us.iloc[0]
-        tried = g[g.variant.str.startswith("assist N=") & (g.variant != "assist N=0")]
-        tried = tried.assign(n=tried.variant.str.split("=").str[1].astype(int)).sort_values("n")
+    for data, ours, tried in _assist_curves(run):
         helped |= bool(tried.latency_us.min() < ours)
         growing &= bool(tried.latency_us.is_monotonic_increasing)
         parts.append(f"{data} pages: the committed kernel {ours:.1f} µs, N = "
                      + ", ".join(f"{r.n}: {r.latency_us:.1f}" for r in tried.itertuples()) + " µs")
     fi = run[run.variant == "flashinfer_tc"].latency_us.iloc[0]
-    if helped:
-        verdict = "."
-    else:
-        verdict = (": no N is faster" + (", and the larger N the slower (the prefetches of units the sibling has "
-                                         "already read cost their bandwidth)" if growing else "")
-                   + ". The later programs do not wait on their last units' data: where it comes from does not shorten "
-                     "the tail.")
+    verdict = "." if helped else (": no N is faster" + (", and the larger N the slower" if growing else "") + ".")
     return f"On the {device} (commit {commit}, {date}; FlashInfer TC {fi:.1f} µs), " + "; ".join(parts) + verdict
+
+
+def _assist_closing(runs: pd.DataFrame) -> str:
+    """What the L2-assist runs say together: where no N is faster in any run, the later programs do not wait on their
+    last units' data (and prefetches of units the sibling has already read cost bandwidth); else nothing."""
+    if any(tried.latency_us.min() < ours for _, run in runs.groupby(["device", "commit", "date"])
+           for _, ours, tried in _assist_curves(run)):
+        return ""
+    return (" The later programs do not wait on their last units' data, so where it comes from does not shorten the "
+            "tail; a large N costs the bandwidth of prefetching units the sibling has already read.")
 
 
 def timeline_figure(timeline: dict, ctx: int = ZIPFUSION_PAPER.anchor_context):
