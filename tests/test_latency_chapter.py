@@ -350,6 +350,17 @@ def test_the_bar_cites_the_tail_only_where_flashinfer_ran_beside_it(tmp_path):
     assert (f"the slowest program ends its page loop 12.0 µs after the median one; with every loop ending at the median, "
             f"the timeline run's launch would be {500 / 364:.3f}× (as it ran, {500 / 376:.3f}×): the static split's "
             "tail alone keeps the kernel under the bar.") in first
+    assert "Tried against it" not in first
+    stamp = dict(device="NVIDIA H100 80GB HBM3", commit="abc1234", date="2026-12-06 09:04 UTC")
+    rows = [dict(variant="committed", latency_us=520.0), dict(variant="flashinfer_tc", latency_us=690.0),
+            dict(variant="balanced K=2 C=8", latency_us=524.0, chunks=2, chunk_units=8)]
+    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
+    first = latency.targets_text(table, timeline=latency.read_timeline(tmp_path)).split("\n")[0]
+    assert first.endswith("under the bar. Tried against it, a balanced schedule gained nothing (same section).")
+    rows[2]["latency_us"] = 510.0                                          # faster: not said to have gained nothing
+    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
+    assert "Tried against it" not in latency.targets_text(table, timeline=latency.read_timeline(tmp_path))
+    (tmp_path / latency.BALANCED).unlink()
     slow_fi = latency.targets_text(table, timeline=_timeline(tmp_path, fi_us=480.0)).split("\n")[0]
     assert f"would be {480 / 364:.3f}× (as it ran, {480 / 376:.3f}×), still under the bar." in slow_fi
     (tmp_path / "zipfusion_kernel_timeline_fits.csv").unlink()

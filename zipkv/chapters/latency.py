@@ -326,7 +326,20 @@ def _tail_clause(timeline, device: str) -> str:
             f"{comp.loop_end_max_us - comp.loop_end_p50_us:.1f} µs after the median one; with every loop ending at the "
             f"median, the timeline run's launch would be {fi / balanced:.3f}× (as it ran, {fi / comp.committed_us:.3f}×)"
             + (": the static split's tail alone keeps the kernel under the bar." if fi / balanced >= bar else
-               ", still under the bar."))
+               ", still under the bar.") + _tail_attempts(timeline))
+
+
+def _tail_attempts(timeline: dict) -> str:
+    """The committed attempts at the tail (the balanced schedule, the L2 assist) that gained nothing in any run, as a
+    sentence ("" if none, or if one of them was faster somewhere)."""
+    failed = []
+    runs = timeline["balanced"].groupby(["device", "commit", "date"])
+    if len(runs) and all((run.dropna(subset=["chunks"]).latency_us
+                          > run[run.variant == "committed"].latency_us.iloc[0]).all() for _, run in runs):
+        failed.append("a balanced schedule")
+    if len(timeline["assist"]) and _assist_closing(timeline["assist"]):
+        failed.append("L2 prefetches for the later split")
+    return f" Tried against it, {' and '.join(failed)} gained nothing (same section)." if failed else ""
 
 
 def _per_token_clause(fit) -> str:
