@@ -356,7 +356,7 @@ def test_the_bar_cites_the_tail_only_where_flashinfer_ran_beside_it(tmp_path):
             dict(variant="balanced K=2 C=8", latency_us=524.0, chunks=2, chunk_units=8)]
     pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
     first = latency.targets_text(table, timeline=latency.read_timeline(tmp_path)).split("\n")[0]
-    assert first.endswith("under the bar. Tried against it, a balanced schedule gained nothing (same section).")
+    assert first.endswith("under the bar. Tried against it, a balanced schedule (H100) gained nothing (same section).")
     rows[2]["latency_us"] = 510.0                                          # faster: not said to have gained nothing
     pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
     assert "Tried against it" not in latency.targets_text(table, timeline=latency.read_timeline(tmp_path))

@@ -332,13 +332,16 @@ def _tail_clause(timeline, device: str) -> str:
 def _tail_attempts(timeline: dict) -> str:
     """The committed attempts at the tail (the balanced schedule, the L2 assist) that gained nothing in any run, as a
     sentence ("" if none, or if one of them was faster somewhere)."""
+    def cards(frame):
+        return ", ".join(sorted({name.split(" ")[1] if name.startswith("NVIDIA ") else name for name in frame.device}))
+
     failed = []
     runs = timeline["balanced"].groupby(["device", "commit", "date"])
     if len(runs) and all((run.dropna(subset=["chunks"]).latency_us
                           > run[run.variant == "committed"].latency_us.iloc[0]).all() for _, run in runs):
-        failed.append("a balanced schedule")
+        failed.append(f"a balanced schedule ({cards(timeline['balanced'])})")
     if len(timeline["assist"]) and _assist_closing(timeline["assist"]):
-        failed.append("L2 prefetches for the later split")
+        failed.append(f"L2 prefetches for the later split ({cards(timeline['assist'])})")
     return f" Tried against it, {' and '.join(failed)} gained nothing (same section)." if failed else ""
 
 
