@@ -48,6 +48,8 @@ def test_paged_table_is_build_paged_caches_table_in_flashinfers_layout():
         assert all(torch.equal(a, b.to(a.dtype)) for a, b in ((indptr, zindptr), (indices, zindices), (last, zlast)))
         assert indices.dtype == torch.int32 and torch.equal(kp, baselines.nhd_pages(k, indices.long()))
         assert torch.equal(vp[indices[4].long()], v[1, :, 16:32].transpose(0, 1))     # request 1's second page
+    with pytest.raises(ValueError, match="whole pages of 16 tokens, got T=40"):
+        baselines.paged_table(k[:, :, :40], v[:, :, :40])
 
 
 def test_unknown_shape_or_method_is_a_clear_error():

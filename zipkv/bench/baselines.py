@@ -60,6 +60,8 @@ def paged_table(k, v, seed: int = 0, shuffle: bool = True):
     from zipkv.paged import physical_page_ids
 
     batch, _, T, _ = k.shape
+    if T % PAGE:
+        raise ValueError(f"k must hold whole pages of {PAGE} tokens, got T={T} (paged_table's requests are full pages)")
     ids = physical_page_ids(batch * T // PAGE, seed, shuffle=shuffle).to(k.device)
     indptr = torch.arange(batch + 1, device=k.device, dtype=torch.int32) * (T // PAGE)
     last = torch.full((batch,), PAGE, device=k.device, dtype=torch.int32)

@@ -45,7 +45,10 @@ first K x C units of each split out as fixed chunks that any free program claims
 deterministic and lossless) was slower at every K, C tried: on an H100 527.6 (K = 2, C = 8) to 552.5 us (8, 2) against
 this kernel's 523.5 us in the same rounds, on an H200 374.7 to 404.7 us against 367.2. A program whose loop has ended
 prefetching its sibling split's last N units into L2 (``.ci/gpu/l2_assist_probe.py``, output unchanged bit for bit)
-gained nothing on an H100 (544.4 us; N = 2-8: 544.6-546.5, N = 32: 578.0).
+gained nothing on an H100 (544.4 us; N = 2-8: 544.6-546.5, N = 32: 578.0). More programs in one wave did not help
+either (same H100, ``bench attention --splits 2 3 4 --stages 2 3``, ``results/paper/zipfusion_kernel_split_stage_ab.csv``):
+2 splits 544.6 / 542.9 us at 2 / 3 ring slots, 3 splits 550.3 / 632.7, 4 splits (2048 programs, 16 per SM at 2 slots)
+551.2 / 558.7.
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
