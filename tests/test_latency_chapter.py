@@ -415,3 +415,35 @@ def test_the_timeline_text_reports_l2_prefetches_for_the_later_split_against_the
     pd.DataFrame([{**r, **stamp} for r in rows] + second).to_csv(tmp_path / latency.L2_ASSIST, index=False)
     text = latency.timeline_text(latency.read_timeline(tmp_path))
     assert text.endswith("N = 2: 540.0, 8: 546.0 µs; raw pages: the committed kernel 718.0 µs, N = 2: 719.0, 8: 718.5 µs.")
+
+
+def test_the_timeline_text_reports_short_programs_left_to_the_block_scheduler(tmp_path):
+    from zipkv.book import REPO_ROOT
+
+    timeline = _timeline(tmp_path)
+    assert "Short programs" not in latency.timeline_text(timeline)
+    stamp = dict(device="NVIDIA H100 80GB HBM3", commit="abc1234", date="2026-12-06 12:21 UTC")
+    rows = [dict(variant="committed", latency_us=544.0),
+            dict(variant="tail N=0 T=0 R=8", latency_us=544.5, short_per_split=0, short_units=0, programs_per_sm=8),
+            dict(variant="tail N=1 T=16 R=8", latency_us=548.5, short_per_split=1, short_units=16, programs_per_sm=8),
+            dict(variant="tail N=4 T=4 R=8", latency_us=558.5, short_per_split=4, short_units=4, programs_per_sm=8),
+            dict(variant="tail N=1 T=16 R=0", latency_us=558.0, short_per_split=1, short_units=16, programs_per_sm=0),
+            dict(variant="flashinfer_tc", latency_us=715.0)]
+    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.SHORT_PROGRAMS, index=False)
+    text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
+    assert text.startswith("- **Short programs left to the block scheduler, tried** (`.ci/gpu/tail_blocks_probe.py`)")
+    # per short program, against the control: (548.5 - 544.5) / 1 = 4.0, (558.5 - 544.5) / 4 = 3.5
+    assert ("(commit abc1234, 2026-12-06 12:21 UTC; FlashInfer TC 715.0 µs) the committed kernel took 544.0 µs, the "
+            "rewritten copy without short programs at 8 programs per SM (the control) 544.5 µs; with N short programs "
+            "of T units per split: N = 1, T = 16: 548.5, N = 4, T = 4: 558.5 µs, every one slower, by 3.5–4.0 µs per "
+            "short program a split has; at the kernel's own residency, where the short programs start beside the long "
+            "ones, N = 1, T = 16 took 558.0 µs. Each extra range costs the launch more") in text
+    table = pd.read_csv(REPO_ROOT / "results/paper/zipfusion_attention_latency.csv")
+    first = latency.targets_text(table, timeline=latency.read_timeline(tmp_path)).split("\n")[0]
+    assert first.endswith("Tried against it, short programs left to the block scheduler (H100) gained nothing "
+                          "(same section).")
+    rows[2]["latency_us"] = 544.0                                          # faster than the control: no verdict
+    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.SHORT_PROGRAMS, index=False)
+    text = latency.timeline_text(latency.read_timeline(tmp_path))
+    assert "Each extra range" not in text and "every one slower" not in text
+    assert "Tried against it" not in latency.targets_text(table, timeline=latency.read_timeline(tmp_path))

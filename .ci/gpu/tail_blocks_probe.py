@@ -14,7 +14,9 @@ each other; then timed beside the committed kernel and FlashInfer TC in interlea
 (Llama-3.1-8B shape), all compressed.
 
 Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
-``python3 .ci/gpu/tail_blocks_probe.py OUT.csv`` (a few minutes, mostly compiling).
+``python3 .ci/gpu/tail_blocks_probe.py OUT.csv`` (about a minute). Its run (an H100) is
+``results/paper/zipfusion_kernel_short_programs_ab.csv``: every variant with short programs slower than the static
+split (the latency chapter, "Where the launch's time goes").
 """
 import math
 import os

@@ -342,7 +342,10 @@ def _tail_attempts(timeline: dict) -> str:
         failed.append(f"a balanced schedule ({cards(timeline['balanced'])})")
     if len(timeline["assist"]) and _assist_closing(timeline["assist"]):
         failed.append(f"L2 prefetches for the later split ({cards(timeline['assist'])})")
-    return f" Tried against it, {' and '.join(failed)} gained nothing (same section)." if failed else ""
+    if len(timeline["short"]) and _short_closing(timeline["short"]):
+        failed.append(f"short programs left to the block scheduler ({cards(timeline['short'])})")
+    listed = ", ".join(failed[:-1]) + (" and " if len(failed) > 1 else "") + (failed[-1] if failed else "")
+    return f" Tried against it, {listed} gained nothing (same section)." if failed else ""
 
 
 def _per_token_clause(fit) -> str:
@@ -742,16 +745,23 @@ beside the committed kernel and FlashInfer TC in the same rounds (all-compressed
 shape)."""
 
 
+SHORT_PROGRAMS = "zipfusion_kernel_short_programs_ab.csv"
+"""The committed runs of the short-programs probe (``.ci/gpu/tail_blocks_probe.py``): each split's last
+``short_per_split`` x ``short_units`` units as short programs launched after every long one, with the SM's residency
+held to ``programs_per_sm`` (0: the kernel's own), beside the committed kernel and FlashInfer TC in the same rounds
+(all compressed, 8192 x 64, Llama-3.1-8B shape)."""
+
+
 def read_timeline(folder) -> dict | None:
-    """:data:`TIMELINE`, its two companions, :data:`BALANCED` and :data:`L2_ASSIST` in ``folder`` (``results/paper``) as
-    ``{"launches", "programs", "fits", "balanced", "assist"}`` (one absent: an empty frame), or None where no timeline
-    run is committed."""
+    """:data:`TIMELINE`, its two companions, :data:`BALANCED`, :data:`L2_ASSIST` and :data:`SHORT_PROGRAMS` in
+    ``folder`` (``results/paper``) as ``{"launches", "programs", "fits", "balanced", "assist", "short"}`` (one absent: an
+    empty frame), or None where no timeline run is committed."""
     path = Path(folder) / TIMELINE
     if not path.is_file():
         return None
     parts = {"launches": path, "programs": path.with_name(path.stem + "_programs.csv"),
              "fits": path.with_name(path.stem + "_fits.csv"), "balanced": path.with_name(BALANCED),
-             "assist": path.with_name(L2_ASSIST)}
+             "assist": path.with_name(L2_ASSIST), "short": path.with_name(SHORT_PROGRAMS)}
     empty = pd.DataFrame(columns=["device", "commit", "date"])
     return {key: pd.read_csv(p) if p.is_file() else empty for key, p in parts.items()}
 
@@ -778,8 +788,8 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
     all-compressed launch's programs start, how far their page loops' ends spread (the static split's tail), what
     the merge adds, the raw pages' tail, and, against FlashInfer TC in the same run, what the launch would give with
     every loop ending at the median one's; where the run kept every program's records, how the SMs' mean loop ends
-    differ (the share of bandwidth each SM gets). Then the balanced schedule's runs (:data:`BALANCED`) and the L2
-    assist's (:data:`L2_ASSIST`), if any."""
+    differ (the share of bandwidth each SM gets). Then the balanced schedule's runs (:data:`BALANCED`), the L2
+    assist's (:data:`L2_ASSIST`) and the short programs' (:data:`SHORT_PROGRAMS`), if any."""
     if timeline is None:
         return "The timeline probe (`.ci/gpu/timeline_probe.py`) needs a GPU and no run of it is committed yet."
     items = []
@@ -821,7 +831,14 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
               "**Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`): a program whose page loop "
               "has ended before its sibling split's prefetches the sibling's last N units into L2 "
               "(`cp.async.bulk.prefetch.L2`, one per block) and computes nothing differently: its output is the "
-              "committed kernel's bit for bit. "))
+              "committed kernel's bit for bit. "),
+             ("short", _short_run, _short_closing,
+              "**Short programs left to the block scheduler, tried** (`.ci/gpu/tail_blocks_probe.py`): each split keeps "
+              "all but its last N × T units in one long program, and its last units become N short programs of T units "
+              "each, launched after every long one; with the SM's residency held to 8 programs (shared memory padded), "
+              "every long program starts at once and an SM whose long programs end early takes the short ones that are "
+              "left, with no claim and no restart inside a program. Each range has its own partial, merged in a fixed "
+              "order: the output is the same from run to run and bit for bit the same over packed and raw pages. "))
     for key, sentence, closing, heading in tried:
         runs = [sentence(run, device, commit, date)
                 for (device, commit, date), run in timeline[key].groupby(["device", "commit", "date"], sort=False)]
@@ -844,6 +861,51 @@ def _balanced_run(run: pd.DataFrame, device: str, commit: str, date: str) -> str
             + (f"every copy slower, by {per_chunk.min():.1f}–{per_chunk.max():.1f} µs per chunk a program runs (a chunk "
                "starts the program's pipeline afresh, and the programs reach their chunks at about the same time)."
                if (per_chunk > 0).all() else f"the fastest {ours / best.latency_us:.3f}× the static split's speed."))
+
+
+def _short_variants(run: pd.DataFrame):
+    """One short-programs run: (the committed kernel's µs, the control's µs or None -- no short programs, residency
+    held to 8 --, the variants with short programs and a held residency, those with the kernel's own residency)."""
+    ours = run[run.variant == "committed"].latency_us.iloc[0]
+    tried = run.dropna(subset=["short_per_split"])
+    control = tried[tried.short_per_split == 0]
+    short = tried[tried.short_per_split > 0]
+    return (ours, float(control.latency_us.iloc[0]) if len(control) else None, short[short.programs_per_sm > 0],
+            short[short.programs_per_sm == 0])
+
+
+def _short_run(run: pd.DataFrame, device: str, commit: str, date: str) -> str:
+    """One run of the short-programs probe as a sentence: the committed kernel, the control, each held-residency
+    variant and what one short program per split costs the launch, the kernel's own residency, FlashInfer TC."""
+    ours, control, held, own = _short_variants(run)
+    base = ours if control is None else control
+    cost = (held.latency_us - base) / held.short_per_split
+    text = (f"On the {device} (commit {commit}, {date}; FlashInfer TC "
+            f"{run[run.variant == 'flashinfer_tc'].latency_us.iloc[0]:.1f} µs) the committed kernel took {ours:.1f} µs"
+            + (f", the rewritten copy without short programs at 8 programs per SM (the control) {control:.1f} µs"
+               if control is not None else "") + "; with N short programs of T units per split: "
+            + ", ".join(f"N = {r.short_per_split:.0f}, T = {r.short_units:.0f}: {r.latency_us:.1f}"
+                        for r in held.itertuples()) + " µs")
+    if len(held) and (cost > 0).all():
+        text += f", every one slower, by {cost.min():.1f}–{cost.max():.1f} µs per short program a split has"
+    if len(own):
+        r = own.iloc[0]
+        text += (f"; at the kernel's own residency, where the short programs start beside the long ones, N = "
+                 f"{r.short_per_split:.0f}, T = {r.short_units:.0f} took {r.latency_us:.1f} µs")
+    return text + "."
+
+
+def _short_closing(runs: pd.DataFrame) -> str:
+    """What the short-programs runs say together, where every variant with short programs is slower than the control
+    (else the committed kernel) in every run: the cost is in each extra range, not in claiming it; else nothing."""
+    for _, run in runs.groupby(["device", "commit", "date"]):
+        ours, control, held, own = _short_variants(run)
+        if not len(held) or (held.latency_us <= (ours if control is None else control)).any():
+            return ""
+        if len(own) and (own.latency_us <= ours).any():
+            return ""
+    return (" Each extra range costs the launch more than the balance wins back, though here nothing is claimed and no "
+            "program restarts: the cost is in the range, not in claiming it.")
 
 
 def _assist_curves(run: pd.DataFrame):

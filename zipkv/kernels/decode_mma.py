@@ -48,7 +48,10 @@ prefetching its sibling split's last N units into L2 (``.ci/gpu/l2_assist_probe.
 gained nothing on an H100 (544.4 us; N = 2-8: 544.6-546.5, N = 32: 578.0). More programs in one wave did not help
 either (same H100, ``bench attention --splits 2 3 4 --stages 2 3``, ``results/paper/zipfusion_kernel_split_stage_ab.csv``):
 2 splits 544.6 / 542.9 us at 2 / 3 ring slots, 3 splits 550.3 / 632.7, 4 splits (2048 programs, 16 per SM at 2 slots)
-551.2 / 558.7.
+551.2 / 558.7. Nor did the block scheduler as the tail's queue (``.ci/gpu/tail_blocks_probe.py``, an H100 at dde18f0:
+each split's last N x T units as N short programs launched after every long one, residency held to 8 per SM): 543.9 us
+as committed, the control 544.1, N = 1: 547.7-548.9, 2: 550.9-551.5, 4: 557.8-557.9
+(``results/paper/zipfusion_kernel_short_programs_ab.csv``).
 
 One warp per program: grid ``(batch, kv_heads, num_splits)``, online softmax over one unit per step.
 
