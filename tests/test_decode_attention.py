@@ -372,6 +372,29 @@ def test_kinds_refresh_after_compress_in_place():
         decode_attention(q, cache, ip, idx, last, path="fast")
 
 
+def test_a_plan_refuses_to_run_once_the_caches_page_count_changed():
+    """A refresh after desc grew replaces the page-kinds tensor: a routed plan would read stale kinds (the raw path
+    over pages compressed since), so it refuses; a new plan runs."""
+    from zipkv.kernels.decode_attention import compress_cache_, plan
+    q, k, v = make_inputs(2, 3, 1, 32, 64, seed=8, outliers=False)
+    mask = torch.zeros(4, 2, 3, 2, dtype=torch.bool)
+    mask[2:] = True                                          # request 0 raw, request 1 compressed: routed launches
+    cache, ip, idx, last = build_paged_cache(k, v, compress=mask, shuffle=False)
+    p = plan(ip, idx, last, cache, 3)
+    assert len(p.launches) > 1
+    p.run(q)
+    grown = torch.full_like(cache.desc[:1], cache.pool.numel() << 8)   # one more page at the pool's end, raw
+    cache.pool = torch.cat([cache.pool, torch.zeros(grown.numel() * 1024, dtype=torch.uint8)])
+    cache.desc = torch.cat([cache.desc, grown]).contiguous()
+    cache.refresh()
+    compress_cache_(cache, idx[:2].long())
+    with pytest.raises(ValueError, match="number of pages changed since this plan was made"):
+        p.run(q)
+    check(plan(ip, idx, last, cache, 3).run(q), _attention(q, k, v, [32, 32]))
+    with pytest.raises(ValueError, match="k and v must be on one device, got k on cpu and v on meta"):
+        build_paged_cache(k, v.to("meta"))
+
+
 def test_occupancy_from_compiled_resources():
     from zipkv.kernels.occupancy import H200_SM, programs_per_sm
 

@@ -114,6 +114,12 @@ class PagedKVCache:
         kinds records it and refuses to run once it has changed."""
         return self._version
 
+    def holds_kinds(self, kinds: torch.Tensor) -> bool:
+        """Whether ``kinds`` (a plan's :meth:`page_kinds`) is still this cache's page-kinds tensor: a :meth:`refresh`
+        after ``desc`` changed its number of pages replaces the tensor, and a plan that routes on the old one would
+        read stale kinds."""
+        return self._kinds is not None and self._kinds[0] is kinds
+
     def refresh(self, kinds: torch.Tensor | None = None, pages: torch.Tensor | None = None) -> "PagedKVCache":
         """Recompute the cached page kinds (after editing ``desc`` by hand), in place. pages: int64 ids of the
         only pages whose descriptors changed (None: any may have). kinds: their new kinds, uint8
@@ -257,6 +263,8 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     _check_kv(v, "v")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.device != v.device:
+        raise ValueError(f"k and v must be on one device, got k on {k.device} and v on {v.device}")
     B, H, T, D = k.shape
     check_layouts(k_layout, v_layout, D)
     dev = k.device

@@ -141,6 +141,9 @@ class DecodePlan:
         if self._kinds_version is not None and cache.version != self._kinds_version:
             raise ValueError("the cache's page kinds changed since this plan chose its single specialised launch "
                              "(a uniform cache): plan again, or plan with routing='device'")
+        if not cache.holds_kinds(self._kinds):
+            raise ValueError("the cache's number of pages changed since this plan was made (its page kinds were "
+                             "recomputed into a new tensor): plan again")
         if self.batch == 0:
             return out
         qk_scale = self.softmax_scale * math.log2(math.e)
