@@ -196,6 +196,25 @@ def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):
                                             do_sample=False))
 
 
+def test_every_row_of_a_batch_must_continue_its_own_sequence(model, ids, cap):
+    """After a batched generate, a row that does not begin with its own appended tokens is refused (before, only the
+    first row was checked, and a stale second row silently lost its first tokens)."""
+    cache = C.DistilledCache.from_compressed(K.CompressedCache.from_capture(cap), model, context_ids=ids[:N])
+    two = torch.stack([ids[N:N + 1], ids[N + 1:N + 2]])
+    out = model.generate(two, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    other = torch.cat([out[1:, :1], ids[None, N + 2:N + 7]], dim=1)              # row 1: a new prompt, not its own
+    with pytest.raises(ValueError, match=r"do not continue this DistilledCache \(rows \[1\]\)"):
+        model.generate(torch.cat([torch.cat([out[:1], ids[None, N + 2:N + 4]], dim=1), other]), past_key_values=cache,
+                       max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="input_ids has 3 rows, and this DistilledCache holds the tokens an earlier "
+                                         "generate appended for 2 sequences"):
+        model.generate(torch.cat([out, out[:1]]), past_key_values=cache, max_new_tokens=2, do_sample=False)
+    more = model.generate(out, past_key_values=cache, max_new_tokens=2, do_sample=False)   # both rows continue
+    for row in range(2):                                        # each row as it would continue on its own
+        alone = model.generate(two[row:row + 1], past_key_values=cache.fresh(), max_new_tokens=5, do_sample=False)
+        assert torch.equal(more[row], alone[0])
+
+
 @pytest.mark.parametrize("method", ["kvsculpt", "select_fit", "joint_opt"])
 def test_keeping_every_pair_is_the_exact_cache(model, ids, cap, method):
     """ratio = 1 keeps the whole context: before, the fitting methods refit its values on a few training queries

@@ -217,9 +217,10 @@ class DistilledCache(Cache):
         self.n_context = n_context
         self.context_ids = None if context_ids is None else torch.as_tensor(context_ids).reshape(-1).cpu()
         self.compressed = compressed
-        self.fed_ids: torch.Tensor | None = torch.zeros(0, dtype=torch.long)
-        """``[appended]`` the token ids fed after the context so far (the first sequence's), ``None`` once an input
-        came as embeddings: what :meth:`check_continuation` compares a later ``generate``'s input with."""
+        self.fed_ids: torch.Tensor | None = torch.zeros(1, 0, dtype=torch.long)
+        """``[rows, appended]`` the token ids fed after the context so far, one row per sequence (one row: every
+        sequence's), ``None`` once an input came as embeddings or the rows could not be followed: what
+        :meth:`check_continuation` compares a later ``generate``'s input with."""
 
     @classmethod
     def from_padded(cls, layers: Sequence[tuple], n_context: int, *, dtype=None, device=None,
@@ -272,22 +273,50 @@ class DistilledCache(Cache):
         compressed context (before another ``generate``)."""
         for layer in self.layers:
             layer.restart()
-        self.fed_ids = torch.zeros(0, dtype=torch.long)
+        self.fed_ids = torch.zeros(1, 0, dtype=torch.long)
 
     def check_continuation(self, input_ids) -> None:
         """Refuse a ``generate`` input that does not continue what this cache holds: ``generate`` feeds only the
-        input beyond the cache's appended tokens, so an input that does not begin with them (a new prompt after an
-        earlier ``generate``, without :meth:`reset`) would silently lose its first tokens."""
+        input beyond the cache's appended tokens, so an input whose rows do not each begin with their sequence's
+        appended tokens (a new prompt after an earlier ``generate``, without :meth:`reset`) would silently lose its
+        first tokens."""
         held = self.get_seq_length()
         if held == 0 or input_ids is None or self.fed_ids is None:
             return
         ids = torch.as_tensor(input_ids)
-        first = ids.reshape(-1) if ids.ndim == 1 else ids[0]
-        if first.numel() <= held or not torch.equal(first[:held].cpu().long(), self.fed_ids):
-            raise ValueError(f"input_ids do not continue this DistilledCache: it still holds the {held} tokens an "
-                             f"earlier generate appended after the context, and generate would feed only the input "
-                             f"beyond its first {held} tokens: call cache.reset() to generate from the context again, "
-                             "or pass that generate's output (its tokens first) to continue it")
+        ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
+        fed = self.fed_ids.expand(ids.shape[0], -1) if self.fed_ids.shape[0] == 1 else self.fed_ids
+        if fed.shape[0] != ids.shape[0]:
+            raise ValueError(f"input_ids has {ids.shape[0]} rows, and this DistilledCache holds the tokens an earlier "
+                             f"generate appended for {fed.shape[0]} sequences: call cache.reset() to generate from the "
+                             "context again, or pass that generate's output to continue it")
+        same = (ids[:, :held].cpu().long() == fed).all(dim=1) if ids.shape[1] > held else torch.zeros(len(ids), dtype=bool)
+        if not bool(same.all()):
+            rows = f" (rows {[i for i, ok in enumerate(same.tolist()) if not ok]})" if len(ids) > 1 else ""
+            raise ValueError(f"input_ids do not continue this DistilledCache{rows}: it still holds the {held} "
+                             f"tokens an earlier generate appended after the context, and generate would feed only "
+                             f"the input beyond its first {held} tokens: call cache.reset() to generate from the "
+                             "context again, or pass that generate's output (its tokens first) to continue it")
+
+    def _follow_rows(self, pick) -> None:
+        """Apply ``pick`` (a reordering or repeat of the sequences, as on the layers) to :attr:`fed_ids`' rows."""
+        if self.fed_ids is None or self.fed_ids.shape[1] == 0:
+            return
+        rows = self.layers[0].keys.shape[0]
+        fed = self.fed_ids.expand(rows, -1) if self.fed_ids.shape[0] == 1 else self.fed_ids
+        self.fed_ids = pick(fed) if fed.shape[0] == rows else None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._follow_rows(lambda x: x.index_select(0, beam_idx.cpu()))
+        super().reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._follow_rows(lambda x: x.repeat_interleave(repeats, dim=0))
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._follow_rows(lambda x: x[indices.cpu()])
+        super().batch_select_indices(indices)
 
     def fresh(self) -> "DistilledCache":
         """A new cache over the same compressed context (shared tensors), with nothing appended."""
@@ -331,13 +360,14 @@ def _positions_hook(module, args, kwargs):
         raise ValueError("attention_mask has padding: every sequence after a DistilledCache continues at N, unpadded")
     ctx = cache.context_ids
     if (ids is not None and ctx is not None and cache.get_seq_length() == 0 and T >= ctx.numel()
-            and torch.equal(ids[0, :ctx.numel()].cpu(), ctx)):
+            and bool((ids[:, :ctx.numel()].cpu() == ctx).all(dim=1).any())):
         raise ValueError(f"input_ids begin with the {ctx.numel()} context tokens the cache already holds: pass only "
                          "the tokens after the context (positions continue at N by themselves)")
     start = cache.next_position
     kwargs["position_ids"] = torch.arange(start, start + T, device=tokens.device)[None].expand(B, -1)
-    if cache.fed_ids is not None and start - cache.n_context == cache.fed_ids.numel():
-        cache.fed_ids = None if ids is None else torch.cat([cache.fed_ids, ids[0].cpu().long()])
+    fed = cache.fed_ids
+    if fed is not None and start - cache.n_context == fed.shape[1] and ids is not None and fed.shape[0] in (1, B):
+        cache.fed_ids = torch.cat([fed.expand(B, -1), ids.cpu().long()], dim=1)
     else:                                  # rows were fed another way (embeddings, or tokens not through this hook)
         cache.fed_ids = None
     return args, kwargs
