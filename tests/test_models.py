@@ -151,6 +151,13 @@ def test_capture_rejects_ids_outside_the_vocabulary_and_empty_ids(embedded, monk
         models.capture(model, torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(TypeError, match="input_ids must be a torch.Tensor"):
         models.capture(model, [1, 2, 3])
+    ids = torch.tensor([1, 2, 3])
+    for bad, got in ((torch.arange(3.0) + 0.5, r"torch.float32 \(3,\)"), (torch.arange(2), r"torch.int64 \(2,\)"),
+                     (torch.arange(3)[None], r"torch.int64 \(1, 3\)"), (list(range(3)), "list")):
+        with pytest.raises(ValueError, match=rf"positions must be an integer tensor \[T\] = \[3\] .* got {got}"):
+            models.capture(model, ids, positions=bad)           # fractional positions would rotate what invert cannot
+    with pytest.raises(TypeError, match="model must be a loaded Hugging Face causal LM .* got NoneType"):
+        models.capture(None, ids)
     assert not forwards, "errors come before the forward pass"
 
 

@@ -558,11 +558,20 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
     model's q/k norms and RoPE, Gemma 3's included). Queries are scaled so that ``q·k/√d`` is the model's
     logit (:class:`LayerCapture`); a model that soft-caps attention logits is a ``ValueError``.
     """
+    if not (hasattr(model, "config") and hasattr(model, "get_input_embeddings")):
+        raise TypeError(f"model must be a loaded Hugging Face causal LM (load_model), got {type(model).__name__}")
     input_ids = _check_input_ids(model, input_ids)
     _query_factor(model)
     device = next(model.parameters()).device
     if positions is None:
         positions = torch.arange(input_ids.shape[0], device=device)
+    elif (not isinstance(positions, torch.Tensor) or positions.dtype not in (torch.int32, torch.int64)
+          or tuple(positions.shape) != tuple(input_ids.shape)):
+        got = (f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor)
+               else type(positions).__name__)
+        raise ValueError(f"positions must be an integer tensor [T] = [{input_ids.shape[0]}] (one position per input "
+                         f"token), got {got}")
+    positions = positions.long()
     register_attention(_CAPTURE_ATTENTION, _capture_attention)
     previous = model.config._attn_implementation
     model.set_attn_implementation(_CAPTURE_ATTENTION)
