@@ -267,7 +267,10 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
     (dict(budget="pilot", alpha=-1.0), "alpha=-1.0: expected a finite exponent"),
     (dict(budget="pilot", pilot_steps=-1), "pilot_steps=-1: expected an integer ≥ 1"),
     (dict(budget="pilots"), "budget='pilots'"), (dict(strategy="sideways"), "strategy='sideways'"),
-    (dict(scale=-2.0), "scale=-2.0"), (dict(n_synthetic=-1), "n_synthetic=-1")])
+    (dict(scale=-2.0), "scale=-2.0"), (dict(n_synthetic=-1), "n_synthetic=-1"),
+    (dict(m=0, n_synthetic=0), "m=0 and n_synthetic=0 leave no training queries"),
+    (dict(budget=None), r"budget=None: expected one of \['uniform'"),
+    (dict(budget=[[4, 4], [4, 4]]), r"budget=\[\[4, 4\], \[4, 4\]\]: expected one of")])
 def test_settings_that_need_no_capture_fail_before_it(model, ids, monkeypatch, kwargs, match):
     """A bad pilot setting failed after the capture and the whole pilot solve (87 s at N = 256 on a laptop)."""
     import zipkv
@@ -277,7 +280,25 @@ def test_settings_that_need_no_capture_fail_before_it(model, ids, monkeypatch, k
         raise AssertionError("the capture ran before the settings were checked")
     monkeypatch.setattr(models, "capture", no_capture)
     with pytest.raises(ValueError, match=match):
-        zipkv.compress(model, ids[:N], m=6, steps=1, **{"n_synthetic": 4, **kwargs})
+        zipkv.compress(model, ids[:N], **{"m": 6, "steps": 1, "n_synthetic": 4, **kwargs})
+
+
+def test_numpy_integers_are_integers_and_a_bad_joint_config_fails_before_the_capture(model, ids, monkeypatch):
+    """NumPy integer settings passed the early checks and then failed after the capture (m, n_synthetic, steps,
+    pilot_steps, seed); now they give the cache that Python ints give."""
+    import numpy as np
+
+    import zipkv
+    from zipkv import models
+
+    kw = dict(ratio=0.5, m=6, n_synthetic=4, steps=1, seed=1, budget="pilot", pilot_steps=1)
+    ours = zipkv.compress(model, ids[:N], **{k: np.int64(v) if isinstance(v, int) else v for k, v in kw.items()})
+    plain = zipkv.compress(model, ids[:N], **kw)
+    assert torch.equal(ours.lengths, plain.lengths)
+    assert all(torch.equal(a.keys, b.keys) for a, b in zip(ours.layers, plain.layers))
+    monkeypatch.setattr(models, "capture", lambda *a, **k: pytest.fail("the capture ran before the settings"))
+    with pytest.raises(TypeError, match="joint_config=5: expected a zipkv.distill.baselines.JointConfig"):
+        zipkv.compress(model, ids[:N], method="joint_opt", m=6, joint_config=5)
 
 
 def test_other_caches_are_untouched_by_the_hooks(model, ids):

@@ -317,9 +317,10 @@ class Engine:
             if not _is_int(kv_budget_bytes):
                 raise TypeError(f"kv_budget_bytes must be an int, got {type(kv_budget_bytes).__name__}")
             buffer_pages = kv_budget_bytes // ((L + 1) * page) if restore_buffer_pages is None else restore_buffer_pages
-            if not isinstance(buffer_pages, int) or buffer_pages < 1 or buffer_pages * page >= kv_budget_bytes:
+            if not _is_int(buffer_pages) or buffer_pages < 1 or buffer_pages * page >= kv_budget_bytes:
                 raise ValueError(f"restore_buffer_pages must be an int >= 1 whose pages ({page} bytes each) leave "
                                  f"room in kv_budget_bytes={kv_budget_bytes}, got {restore_buffer_pages!r}")
+            buffer_pages = int(buffer_pages)
             budget = kv_budget_bytes - buffer_pages * page
         self.kv_budget_bytes = kv_budget_bytes
         self.memory = KVMemory(L, self.kv_heads, self.head_dim, budget,

@@ -280,7 +280,7 @@ def budget_for_ratio(ratio: float, n_context: int, m: int) -> int:
     if not math.isfinite(ratio) or not m / n_context < ratio <= 1:
         raise ValueError(f"ratio={ratio!r}: expected m/N = {m}/{n_context} = {m / n_context:.4g} < ratio ≤ 1 "
                          "(r = (k + m)/N)")
-    k = round(ratio * n_context) - m
+    k = int(round(ratio * n_context) - m)
     if k < 1:
         raise ValueError(f"ratio={ratio!r} leaves k = round(r·N) − m = {k} < 1 compressed pairs (N={n_context}, m={m})")
     return k
@@ -299,8 +299,11 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
     """
     check_strategy(strategy)
     for name, value in (("m", m), ("n_synthetic", n_synthetic)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name}={value!r}: expected an integer ≥ 0")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed={seed!r}: expected an int")
+    m, n_synthetic, seed = int(m), int(n_synthetic), int(seed)        # NumPy integers as ints
     if m + n_synthetic == 0:
         raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
                          "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
@@ -311,7 +314,8 @@ def build_problems(capture, k, *, m: int = 256, n_synthetic: int = 128, strategy
     if L == 0:
         raise ValueError("capture has no layers")
     H, N, d = capture.layers[0].keys.shape
-    ks = torch.full((L, H), int(k), dtype=torch.long) if isinstance(k, int) else torch.as_tensor(k)
+    ks = (torch.full((L, H), int(k), dtype=torch.long) if isinstance(k, numbers.Integral) and not isinstance(k, bool)
+          else torch.as_tensor(k))
     if tuple(ks.shape) != (L, H):
         raise ValueError(f"budget has shape {tuple(ks.shape)}: expected [layers, kv_heads] = [{L}, {H}]")
     if tuple(capture.positions.shape) != (N,):
@@ -375,13 +379,21 @@ def _grid(problems: Sequence[Problem], solutions: Sequence[Solution], attr: str,
 
 
 def check_settings(*, m: int = 256, n_synthetic: int = 128, strategy: str = "uniform", budget="uniform",
-                   pilot_steps: int = 30, alpha: float = 0.5, scale: float | None = None, **_) -> None:
+                   pilot_steps: int = 30, alpha: float = 0.5, scale: float | None = None,
+                   joint_config: JointConfig | None = None, problems=None, **_) -> None:
     """Check :func:`compress`'s settings that need no capture, so that a bad one fails before any work (the
     capture's forward pass, a pilot solve); the rest are :func:`compress`'s to check."""
     check_strategy(strategy)
     for name, value in (("m", m), ("n_synthetic", n_synthetic)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
             raise ValueError(f"{name}={value!r}: expected an integer ≥ 0")
+    if m + n_synthetic == 0 and problems is None:
+        raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
+                         "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
+    if joint_config is not None and not isinstance(joint_config, JointConfig):
+        raise TypeError(f"joint_config={joint_config!r}: expected a zipkv.distill.baselines.JointConfig or None")
+    if not isinstance(budget, (str, torch.Tensor)):
+        raise ValueError(f"budget={budget!r}: expected one of {list(BUDGETS)} or an [L, H] tensor of ints")
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale) or scale <= 0):
         raise ValueError(f"scale={scale!r}: expected a finite positive attention score scale, or None for 1/√d")
@@ -432,10 +444,11 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     check_settings(m=m, n_synthetic=n_synthetic, strategy=strategy, budget=budget, pilot_steps=pilot_steps,
-                   alpha=alpha, scale=scale)
-    if m + n_synthetic == 0 and problems is None:
-        raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
-                         "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
+                   alpha=alpha, scale=scale, joint_config=joint_config, problems=problems)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed={seed!r}: expected an int")
+    m, n_synthetic, seed = int(m), int(n_synthetic), int(seed)                       # NumPy integers as ints
+    pilot_steps = int(pilot_steps) if isinstance(pilot_steps, numbers.Integral) else pilot_steps
     if config is not None and not isinstance(config, SculptConfig):
         raise TypeError(f"config={config!r}: expected a zipkv.distill.SculptConfig")
     cfg = config or SculptConfig()

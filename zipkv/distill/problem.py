@@ -27,6 +27,7 @@ of many problems of one shape at once.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -145,8 +146,9 @@ class SculptConfig:
     def __post_init__(self):
         for name, low in (("steps", 0), ("inner_iterations", 1), ("value_every", 1), ("history_size", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
                 raise ValueError(f"SculptConfig({name}={value!r}): expected an integer ≥ {low}")
+            setattr(self, name, int(value))                  # a NumPy integer as the int the solvers expect
         for name, positive in (("lr", True), ("ridge", False)):
             value = getattr(self, name)
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
