@@ -157,6 +157,20 @@ def test_bad_uses_are_refused(model, ids, cap):
         C.DistilledLayer(k, v, torch.zeros_like(valid))
     with pytest.raises(ValueError, match="bias"):
         C.DistilledLayer(k, v, valid, torch.full(valid.shape, float("nan")))
+    with pytest.raises(ValueError, match=r"keys \(torch.float32 on cpu\) and values \(torch.bfloat16 on cpu\)"):
+        C.DistilledLayer(k, v.bfloat16(), valid)
+    with pytest.raises(TypeError, match="keys and values must be torch.Tensor, got list and list"):
+        C.DistilledLayer(k.tolist(), v.tolist())
+    with pytest.raises(TypeError, match="layers must be DistilledLayer objects, got Tensor"):
+        C.DistilledCache([k], N)
+    # hand-built caches that do not fit the model (2 layers of 2 KV heads, head_dim 16): refused before attention
+    layer = C.DistilledLayer(k, v, valid)
+    for layers, seen in (([layer], r"1 layers, KV heads \[2\], head_dim \[16\]"),
+                         ([C.DistilledLayer(k[:1], v[:1], valid[:1])] * 2, r"2 layers, KV heads \[1\]"),
+                         ([C.DistilledLayer(k[..., :8], v[..., :8], valid)] * 2, r"head_dim \[8\]")):
+        with pytest.raises(ValueError, match=rf"the DistilledCache has .*{seen}.*; the model 2 layers of 2 KV heads of "
+                                             "head_dim 16"):
+            model.generate(ids[None, N:N + 1], past_key_values=C.DistilledCache(layers, N), max_new_tokens=1)
 
 
 def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):

@@ -68,6 +68,12 @@ class DistilledLayer(DynamicLayer):
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None):
         super().__init__()
+        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise TypeError(f"keys and values must be torch.Tensor, got {type(keys).__name__} and "
+                            f"{type(values).__name__}")
+        if not keys.is_floating_point() or values.dtype != keys.dtype or values.device != keys.device:
+            raise ValueError(f"keys ({keys.dtype} on {keys.device}) and values ({values.dtype} on {values.device}): "
+                             "expected one floating-point dtype and one device")
         if keys.ndim not in (3, 4) or values.shape != keys.shape:
             raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)}: expected equal [H, P, d] "
                              "(one context) or [B, H, P, d] (one per sequence)")
@@ -207,6 +213,10 @@ class DistilledCache(Cache):
                  compressed=None):
         if not layers:
             raise ValueError("a DistilledCache needs at least one layer")
+        wrong = next((layer for layer in layers if not isinstance(layer, DistilledLayer)), None)
+        if wrong is not None:
+            raise TypeError(f"layers must be DistilledLayer objects, got {type(wrong).__name__} "
+                            "(DistilledCache.from_padded builds them from tensors)")
         if isinstance(n_context, bool) or not isinstance(n_context, numbers.Integral) or n_context < 1:
             raise ValueError(f"n_context={n_context!r}: expected the original context length N ≥ 1")
         n_context = int(n_context)
@@ -343,10 +353,24 @@ def _check_shape(model, layers: int, kv_heads: int) -> None:
         raise ValueError(f"cache has {layers} layers × {kv_heads} KV heads, the model {want[0]} × {want[1]}")
 
 
+def _check_layers(config, cache: "DistilledCache") -> None:
+    """The cache's layers, KV heads and head_dim against the model's ``config`` (a hand-built cache failed deep in
+    the attention, or with an IndexError past its last layer)."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    seen = (len(cache.layers), sorted({layer.heads for layer in cache.layers}),
+            sorted({layer.keys.shape[-1] for layer in cache.layers}))
+    if seen != (config.num_hidden_layers, [heads], [head_dim]):
+        raise ValueError(f"the DistilledCache has {seen[0]} layers, KV heads {seen[1]}, head_dim {seen[2]}; the model "
+                         f"{config.num_hidden_layers} layers of {heads} KV heads of head_dim {head_dim}: make the cache "
+                         "for this model (zipkv.compress(model, ...))")
+
+
 def _positions_hook(module, args, kwargs):
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, DistilledCache):
         return None
+    _check_layers(module.config, cache)
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     tokens = ids if ids is not None else embeds
