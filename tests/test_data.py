@@ -65,6 +65,13 @@ def test_bad_window_arguments(tokenizer, books):
         data.windows(tokenizer, books, 0)
     with pytest.raises(ValueError, match="books is empty"):
         data.windows(tokenizer, [], 1)
+    with pytest.raises(ValueError, match="seed=-1: expected an int ≥ 0"):
+        data.windows(tokenizer, books, 1, context=16, seed=-1)
+    for bad in (None, "not a tokenizer"):
+        with pytest.raises(TypeError, match="tokenizer must be a Hugging Face tokenizer"):
+            data.windows(bad, books, 1, context=16)
+    with pytest.raises(TypeError, match="folder=5: expected a path"):
+        data.load_books(5)
 
 
 def test_no_books_anywhere_is_one_clear_error(monkeypatch):

@@ -76,6 +76,8 @@ def load_books(folder: str | os.PathLike | None = None, *, limit: int | None = N
         folder = default_books_dir()
         if folder is None:
             return _load_books_from_datasets(limit)
+    if not isinstance(folder, (str, os.PathLike)):
+        raise TypeError(f"folder={folder!r}: expected a path (str or os.PathLike) to a folder of PG19 books, or None")
     folder = Path(folder)
     manifest = folder / "manifest.json"
     if not manifest.is_file():
@@ -164,6 +166,11 @@ def windows(
         raise ValueError(f"context={context}, continuation={continuation}: expected context ≥ 1 and continuation ≥ 0")
     if not books:
         raise ValueError("books is empty: expected at least one Book (see zipkv.data.load_books)")
+    if seed < 0:
+        raise ValueError(f"seed={seed}: expected an int ≥ 0")
+    if not callable(tokenizer) or not hasattr(tokenizer, "encode"):
+        raise TypeError(f"tokenizer must be a Hugging Face tokenizer (the second value of zipkv.models.load_model), "
+                        f"got {type(tokenizer).__name__}")
     total = context + continuation
     rng = np.random.default_rng(seed)
     order = rng.permutation(len(books))
