@@ -393,6 +393,9 @@ def test_load_model_checks_its_arguments_before_loading_weights():
             models.load_model(device="cuda")
     with pytest.raises(ValueError, match="device='bogus': expected a torch device"):
         models.load_model(device="bogus")
+    for other in ("meta", "mps"):                              # meta gave a model without weights, mps failed late
+        with pytest.raises(ValueError, match=f"device='{other}': expected 'cpu' or a CUDA device"):
+            models.load_model(device=other)
     with pytest.raises(TypeError, match="name=123: expected None"):
         models.load_model(123)
 

@@ -253,6 +253,8 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
         raise ValueError(f"device={device!r}: expected a torch device such as 'cpu' or 'cuda'") from None
     if where.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: this machine has no CUDA GPU (torch.cuda.is_available() is False)")
+    if where.type not in ("cpu", "cuda"):                 # meta holds no weights; other backends are untested here
+        raise ValueError(f"device={device!r}: expected 'cpu' or a CUDA device ('cuda', 'cuda:1')")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
