@@ -158,6 +158,13 @@ def test_capture_rejects_ids_outside_the_vocabulary_and_empty_ids(embedded, monk
             models.capture(model, ids, positions=bad)           # fractional positions would rotate what invert cannot
     with pytest.raises(TypeError, match="model must be a loaded Hugging Face causal LM .* got NoneType"):
         models.capture(None, ids)
+    layers = model.config.num_hidden_layers
+    with pytest.raises(ValueError, match=rf"layer=999: expected None or an int in \[0, {layers}\)"):
+        models.Rope.of(model, 999)                              # was accepted on a model with one RoPE
+    with pytest.raises(TypeError, match="model must be a loaded Hugging Face causal LM, got str"):
+        models.Rope.of("model")
+    with pytest.raises(TypeError, match="positions must be an integer tensor \\[T\\], got list"):
+        models.Rope.of(model).invert(torch.zeros(1, 3, 64), [0, 1, 2])
     assert not forwards, "errors come before the forward pass"
 
 

@@ -11,6 +11,7 @@ import hashlib
 import math
 import importlib.util
 import os
+import numbers
 import sys
 import time
 from dataclasses import dataclass
@@ -310,6 +311,12 @@ class Rope:
     def of(cls, model, layer: int | None = None) -> "Rope":
         """The RoPE of ``model``'s decoder layer ``layer`` (``None``: the one shared by every layer;
         a ``ValueError`` for a model whose layers differ, which needs ``layer``)."""
+        if not hasattr(model, "named_modules") or not hasattr(model, "config"):
+            raise TypeError(f"model must be a loaded Hugging Face causal LM, got {type(model).__name__}")
+        layers = model.config.num_hidden_layers
+        if layer is not None and (isinstance(layer, bool) or not isinstance(layer, numbers.Integral)
+                                  or not 0 <= layer < layers):
+            raise ValueError(f"layer={layer!r}: expected None or an int in [0, {layers}) (the model's layers)")
         for name, module in model.named_modules():
             if name.endswith("rotary_emb"):
                 break
@@ -332,6 +339,9 @@ class Rope:
         return cls(module, types[layer], rotate)
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor):
+        if not isinstance(positions, torch.Tensor) or positions.is_floating_point() or positions.is_complex():
+            got = positions.dtype if isinstance(positions, torch.Tensor) else type(positions).__name__
+            raise TypeError(f"positions must be an integer tensor [T], got {got}")
         if positions.ndim != 1 or positions.shape[0] != x.shape[-2]:
             raise ValueError(f"positions has shape {tuple(positions.shape)}: expected [T] with T={x.shape[-2]} "
                              f"(x has shape {tuple(x.shape)}, [..., T, head_dim])")
@@ -488,7 +498,7 @@ class Capture:
     def prefix(self, n: int) -> "Capture":
         """The first ``n`` positions: with causal attention, the capture of ``input_ids[:n]``
         (equal up to float rounding), without a second forward pass."""
-        if not 1 <= n <= self.positions.shape[0]:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= self.positions.shape[0]:
             raise ValueError(f"n={n}: expected 1 <= n <= {self.positions.shape[0]} (captured positions)")
         layers = [LayerCapture(keys=x.keys[:, :n], values=x.values[:, :n], queries=x.queries[:, :n], window=x.window)
                   for x in self.layers]
