@@ -375,6 +375,17 @@ def test_per_sequence_layers_give_each_sequence_its_own_cache(model, ids, cap):
         one = model.generate(ids[None, N:N + 1], past_key_values=C.DistilledCache.from_compressed(c, model),
                              max_new_tokens=T, do_sample=False)[0, -T:]
         assert torch.equal(out[row], one), row
+    # several samples per sequence (generate repeats each row): each sample continues its own row's cache
+    torch.manual_seed(0)
+    samples = model.generate(ids[None, N:N + 1].expand(3, -1), past_key_values=attached.fresh(), max_new_tokens=T,
+                             do_sample=True, num_return_sequences=2)[:, -T:]
+    assert samples.shape == (6, T)
+    beams = model.generate(ids[None, N:N + 1].expand(3, -1), past_key_values=attached.fresh(), max_new_tokens=T,
+                           do_sample=False, num_beams=2)[:, -T:]
+    for row, c in enumerate(caches):
+        one = model.generate(ids[None, N:N + 1], past_key_values=C.DistilledCache.from_compressed(c, model),
+                             max_new_tokens=T, do_sample=False, num_beams=2)[0, -T:]
+        assert torch.equal(beams[row], one), row
 
 
 def test_per_sequence_shapes_are_checked(model, ids, cap):

@@ -425,6 +425,12 @@ def _mask_hook(module, args, kwargs):
         raise ValueError(f"the DistilledCache holds {layer.keys.dtype} on {layer.keys.device}, the model runs "
                          f"{hidden.dtype} on {hidden.device}: make the cache for this model, "
                          "DistilledCache.from_compressed(cache.compressed, model)")
+    rows, batch = layer.keys.shape[0], hidden.shape[0]
+    if layer.per_sequence and rows != batch:   # generate repeats each sequence (num_return_sequences, num_beams)
+        if batch % rows:
+            raise ValueError(f"a batch of {batch} sequences after a cache of {rows} sequences' own pairs: expected a "
+                             "multiple (generate repeats each sequence for num_return_sequences or num_beams)")
+        layer.batch_repeat_interleave(batch // rows)
     group = module.config.num_attention_heads // layer.heads
     kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype,
                                                    window=attention_window(module),
