@@ -141,7 +141,7 @@ def test_context_fit_recovers_each_methods_fixed_cost_slope_and_stream_rate():
 
 def test_context_text_sets_the_gain_per_token_against_the_bar_and_the_shapes_baseline():
     text = latency.context_text(latency.context_fit(_context_sweep()))
-    assert "per token ours is **1.333×** faster" in text and "which no context can exceed" in text
+    assert "per token ours is **1.333×** faster" in text and "which long contexts approach" in text
     assert text.startswith("Fitted over 3 contexts, 1024–16384 tokens, at batch 64 (commit abc1234")
     assert "torch SDPA 6.0 + 11.00" in text and "a launch costs 3.0 µs more than the baseline's" in text and "2.0 µs less" in text        # SmolLM2: the faster baseline
     assert f"the lines give {(12 + 60 * 8) / (10 + 45 * 8):.3f}×" in text
@@ -156,7 +156,12 @@ def test_targets_text_cites_the_context_fit_only_where_one_is_given():
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
     fit = latency.context_fit(_context_sweep())
     text = latency.targets_text(table, latency.read_ncu(folder), fit)
-    assert "ours is 1.333× faster: no context reaches 1.35×" in text
+    # ours with the smaller fixed cost (10 vs 12 µs): short contexts give more than the per-token gain
+    assert ("ours is 1.333× faster, and as contexts grow the ratio falls toward that (ours has the smaller fixed "
+            "cost), below 1.35×.") in text and "no context" not in text
+    larger = fit.assign(fixed_us=fit.fixed_us.where(fit.method != "zipkv_compressed", 20.0))
+    rising = latency.targets_text(table, latency.read_ncu(folder), larger)
+    assert "ours is 1.333× faster, and the ratio rises toward that as contexts grow: no context reaches 1.35×" in rising
     assert "each launch costs 3.0 µs more than torch SDPA's" in text and "not isolated here" not in text
     assert "Fixed and per-token cost" not in latency.targets_text(table, latency.read_ncu(folder))
 
