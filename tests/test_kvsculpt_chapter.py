@@ -44,8 +44,8 @@ def test_the_kl_sources_conclusion_says_how_much_kl_the_objective_gain_buys():
                                     dict(window=0, layer=-1, method="kvsculpt", kl=all_layer_kvsculpt,
                                          objective=float("nan"))])
     text = kl_sources.conclusion(sources(0.05 / 1.05))
-    assert "with every layer compressed 0.95× (this chapter's 1 window; Table 1's chapter has its own), so on this " \
-           "model the objective gain buys little KL (the paper" in text
+    assert ("with every layer compressed 0.95× Select+Fit's (KVSculpt's KL over Select+Fit's; this chapter's 1 window; "
+            "Table 1's chapter has its own), so on this model the objective gain buys little KL (the paper" in text)
     assert kl_sources.conclusion(sources(0.06)).endswith("does not buy a lower KL.")
 
 

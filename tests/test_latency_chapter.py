@@ -452,3 +452,16 @@ def test_the_timeline_text_reports_short_programs_left_to_the_block_scheduler(tm
     text = latency.timeline_text(latency.read_timeline(tmp_path))
     assert "Each extra range" not in text and "every one slower" not in text
     assert "Tried against it" not in latency.targets_text(table, timeline=latency.read_timeline(tmp_path))
+
+
+def test_the_resources_text_names_the_specialisation_that_spills():
+    from zipkv.chapters import kernels
+
+    rows = [dict(kernel="_decode_kernel", path=p, pages_per_tile=t, spill_stores=108 if (p, t) == ("mixed", 8) else 0,
+                 registers=200, shared_bytes=40960, programs_per_sm=2, num_warps=4, cp_async_ptx=72, num_stages=3)
+            for p in ("compressed", "raw", "mixed") for t in (4, 8)]
+    rows += [dict(kernel="_pipelined_kernel", path=p, registers=128, shared_bytes=18816, programs_per_sm=11,
+                  num_warps=1, num_stages=3, spill_stores=0) for p in ("compressed", "raw", "mixed")]
+    text = kernels.resources_text(pd.DataFrame(rows), 64)
+    assert "Of the options compiled, the mixed one with 8 pages per tile spills 108 bytes of registers." in text
+    assert "they spill" not in text

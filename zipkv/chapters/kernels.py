@@ -24,8 +24,9 @@ def resources_text(table: pd.DataFrame, warp_slots: int) -> str:
             f"programs ({_span(clean.programs_per_sm * clean.num_warps)} of its {warp_slots} warp slots), with "
             f"{_span(clean.cp_async_ptx)} asynchronous copies in their PTX.")
     if len(spilling):
-        text += (f" With {_span(spilling.pages_per_tile)} pages per tile they spill "
-                 f"{_span(spilling.spill_stores, ' bytes')} of registers.")
+        spills = "; ".join(f"the {path} one with {int(r.pages_per_tile)} pages per tile spills {int(r.spill_stores)} bytes"
+                           for path, r in spilling.set_index("path").iterrows())
+        text += f" Of the options compiled, {spills} of registers."
     gluon = table[table.kernel == "_pipelined_kernel"].set_index("path")
     return text + (f" The Gluon kernel's pipelined loop runs one warp per program: all-compressed "
                    f"{int(gluon.registers['compressed'])} registers, {gluon.shared_bytes['compressed'] / 1024:.1f} KB "

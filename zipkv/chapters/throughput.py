@@ -72,6 +72,8 @@ def _trend(u_from: float, u_to: float, z_from: float, z_to: float) -> str:
         return "grows"
     if u_to < u_from and z_to < z_from:
         return "shrinks"
+    if u_to == u_from and z_to == z_from:
+        return "stays"
     return "changes"
 
 
@@ -90,9 +92,11 @@ def step_text(steps, context: int = 8192) -> str:
     u32, z32 = step_row(steps, "uncompressed", largest=False), step_row(steps, "zipfusion", largest=False)
     rest = lambda r: r.step_ms - r.attention_ms                                               # noqa: E731
     per = lambda r: r.attention_us_per_request_layer                                          # noqa: E731
+    host = lambda r: max(r.host_ms, 0.0)          # a step shorter than its graph's replay: no host time shows  # noqa: E731
     return (f"At the largest batches ({u.batch} uncompressed, {z.batch} ZipFusion) the attention kernels take "
             f"{per(u):.2f} vs {per(z):.2f} µs per request and layer ({per(u) / per(z):.2f}×), while the rest of the step -- "
-            f"matrix products {z.gemm_ms:.1f} ms, other kernels {z.other_ms + z.kv_write_ms:.1f} ms, "
+            f"matrix products {z.gemm_ms:.1f} ms, other kernels {z.other_ms + z.kv_write_ms:.1f} ms, the GPU idle between "
+            f"kernels {z.gaps_ms:.1f} ms, "
             + (f"host {z.host_ms:.1f} ms" if z.host_ms > 0 else "the host's work hidden behind the GPU's")
             + f" for ZipFusion, {rest(z):.1f} ms in all; {rest(u):.1f} ms for uncompressed -- is paid once per step by every "
             "method. "
@@ -102,9 +106,9 @@ def step_text(steps, context: int = 8192) -> str:
             f"{u32.batch} the attention kernels take {per(u32):.2f} (uncompressed) and {per(z32):.2f} µs (ZipFusion) per request "
             f"and layer: from batch {u32.batch} to {u.batch} the uncompressed kernel's per-request time "
             f"{_moves(per(u) / per(u32))}, and ZipFusion's from {z32.batch} to {z.batch} {_moves(per(z) / per(z32))}. "
-            + (f"Outside the kernels, the host's share {_trend(u32.host_ms, u.host_ms, z32.host_ms, z.host_ms)} with the "
-               f"batch ({u32.host_ms:.1f} → {u.host_ms:.1f} ms uncompressed, {z32.host_ms:.1f} → {z.host_ms:.1f} ms "
-               "ZipFusion), and "
+            + (f"Outside the kernels, the host's time beyond the graph's replay (0 where hidden) "
+               f"{_trend(host(u32), host(u), host(z32), host(z))} with the batch ({host(u32):.1f} → {host(u):.1f} ms "
+               f"uncompressed, {host(z32):.1f} → {host(z):.1f} ms ZipFusion), and "
                if max(r.host_ms for r in (u, z, u32, z32)) > 0 else
                "The host's work is hidden (a mean step is no longer than a timed replay of its graph); outside the "
                "kernels, ")
