@@ -425,12 +425,15 @@ def mix_figure(sweep: pd.DataFrame):
     mb = np.linspace(0, 1.05 * fi.bytes_read, 50)
     ax.plot(mb / 1e6, mb / fi.bytes_read * fi.latency_us, color="gray", lw=1, label="FlashInfer TC's read rate")
     ax.scatter([fi.bytes_read / 1e6], [fi.latency_us], color="black", marker="s", label="FlashInfer TC (raw cache)")
-    for routing, style in (("auto", dict(color="tab:blue")), ("device", dict(facecolors="none", edgecolors="tab:red"))):
+    for routing, style, label in (("auto", dict(color="tab:blue"), "the plan's routing"),
+                                  ("device", dict(facecolors="none", edgecolors="tab:red"),
+                                   "every page through the mixed path (routing='device')")):
         rows = z[z.routing == routing]
-        ax.scatter(rows.bytes_read / 1e6, rows.latency_us, label=f"zipkv Gluon, routing={routing!r}", **style)
-    for r in z[z.routing == "auto"].itertuples():
+        ax.scatter(rows.bytes_read / 1e6, rows.latency_us, label=f"zipkv Gluon, {label}", **style)
+    auto = z[z.routing == "auto"].sort_values("bytes_read")
+    for i, r in enumerate(auto.itertuples()):      # staggered: shares with nearly equal bytes sit close together
         ax.annotate(r.kv_data.replace(" (measured mix)", "\n(measured)"), (r.bytes_read / 1e6, r.latency_us),
-                    fontsize=7, xytext=(4, -10), textcoords="offset points")
+                    fontsize=7, xytext=(4, -10 - 9 * (i % 3)), textcoords="offset points")
     ax.set_xlim(0.6 * z.bytes_read.min() / 1e6, 1.08 * fi.bytes_read / 1e6)
     ax.set_ylim(0.6 * z.latency_us.min(), 1.15 * max(z.latency_us.max(), fi.latency_us))
     ax.set_xlabel("bytes read per call (MB)")
@@ -958,7 +961,8 @@ def timeline_figure(timeline: dict, ctx: int = ZIPFUSION_PAPER.anchor_context):
     runs = list(progs.groupby(["device", "date"], sort=False).groups)
     for (device, date, kind, shuffle), g in progs.groupby(["device", "date", "kind", "shuffle"], sort=False):
         ends = np.sort(g.loop_end_ns.to_numpy()) / 1e3
-        label = f"{kind} pages, {'random' if shuffle else 'logical'} page order ({device.split(' ')[1]}, {date[:10]})"
+        label = (f"{kind} pages, {'random' if shuffle else 'logical'} page order ({device.split(' ')[1]}, "
+                 f"{date[:10]}, commit {g.commit.iloc[0]})")
         ax.plot(ends - np.median(ends), np.arange(1, len(ends) + 1) / len(ends), label=label,
                 color=colors.get((kind, bool(shuffle))), ls=("-", "--", ":", "-.")[runs.index((device, date)) % 4])
     ax.set_xlabel(f"page loop's end, from the median program's (µs; {ctx} tokens × batch 64)")
