@@ -1035,6 +1035,12 @@ def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
     assert "reaches the power cap" not in calm and calm.endswith("652 W (largest sample 655 W), SM clock 1980 MHz, "
                                                                  "the power cap lowering the clock in 0% of the samples.")
     assert chapter.power_text(fused.drop(columns="power_w")) == ""
+    # an unfused run whose samples were mostly idle (median 125 W, largest 692 W): said so, and no conclusion from it
+    idle = modules.assign(power_w=[575.0, 125.0], power_w_max=[578.0, 692.0], frac_power_capped=[0.0, 0.3])
+    text = chapter.power_text(fused, idle)
+    assert ("125 W (largest sample 692 W), SM clock 1980 MHz, the power cap lowering the clock in 30% of the samples -- a "
+            "median below half the largest sample: most samples fell outside the decode steps") in text
+    assert "reaches the power cap" not in text
     table = pd.concat([fused.assign(model=throughput.THROUGHPUT_PAPER_MODEL), modules.assign(model=THROUGHPUT_UNFUSED_MODEL)])
     got, note = chapter.paper_rows(table, None, THROUGHPUT_UNFUSED_MODEL)
     assert got.tokens_per_s.tolist() == [2300.0, 2990.0] and note == ""

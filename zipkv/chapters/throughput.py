@@ -677,9 +677,16 @@ def power_text(big, unfused=None) -> str:
         return ""
     z, u = z.iloc[0], u.iloc[0]
 
+    def steady(r):
+        """Whether a run's median draw is a decode draw: at least half its largest sample (a median far below it means
+        most samples fell where the GPU was idle, outside the decode steps)."""
+        return r.power_w >= 0.5 * r.power_w_max
+
     def gpu(r):
         return (f"{r.power_w:.0f} W (largest sample {r.power_w_max:.0f} W), SM clock {r.sm_clock_mhz:.0f} MHz, the power "
-                f"cap lowering the clock in {r.frac_power_capped:.0%} of the samples")
+                f"cap lowering the clock in {r.frac_power_capped:.0%} of the samples"
+                + ("" if steady(r) else " -- a median below half the largest sample: most samples fell outside the decode "
+                   "steps, so it is no decode draw"))
     text = (f"**Power.** Over the decode steps at the largest batches the GPU drew a median {gpu(z)} for ZipFusion, and "
             f"{gpu(u)} for uncompressed.")
     if unfused is not None and not at(unfused, "zipfusion").empty and not at(unfused, "uncompressed").empty:
@@ -690,7 +697,7 @@ def power_text(big, unfused=None) -> str:
                  f"ratio is then {zm.tokens_per_s / um.tokens_per_s:.3f}×, against {z.tokens_per_s / u.tokens_per_s:.3f}× "
                  f"fused: the fused kernels make both engines faster ({u.tokens_per_s / um.tokens_per_s:.2f}× and "
                  f"{z.tokens_per_s / zm.tokens_per_s:.2f}× the tokens/s). Unfused, ZipFusion's GPU draws {gpu(zm)}")
-        if z.frac_power_capped > zm.frac_power_capped and z.power_w > zm.power_w:
+        if steady(z) and steady(zm) and z.frac_power_capped > zm.frac_power_capped and z.power_w > zm.power_w:
             text += (". ZipFusion's shorter fused step, whose attention rebuilds every value, reaches the power cap, "
                      "which lowers the clock that rebuilding depends on")
         text += "."
