@@ -17,7 +17,6 @@ chapter, "Where the launch's time goes").
 import math
 import os
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -25,16 +24,13 @@ import pandas as pd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from descriptor_ceiling import interleaved, probe_kernel, provenance, variable_lengths  # noqa: E402
+from descriptor_ceiling import (against_committed, anchor, lossless, probe_kernel, provenance,  # noqa: E402
+                                variant_rows)
 
-from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
-from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
 from zipkv.kernels import decode_mma  # noqa: E402
-from zipkv.kernels.decode_attention import plan  # noqa: E402
-from zipkv.paged import build_paged_cache  # noqa: E402
 
-SHAPE, CTX, BATCH, PAGE, ROUNDS = "llama3.1-8b", 8192, 64, 16, 7
+SHAPE, CTX, BATCH, ROUNDS = "llama3.1-8b", 8192, 64, 7
 VARIANTS = [(2, 8), (4, 4), (4, 8), (8, 2), (8, 4)]
 """(K chunks per split, C units per chunk) timed."""
 
@@ -136,56 +132,22 @@ def balanced(mod, q, p, K, C, stages):
     return fn
 
 
-def check(mod, gen):
-    """Variable sequence lengths (1 .. 700 tokens, batch 9): each variant against the committed kernel."""
-    q, plans = variable_lengths(gen)
-    for compress, p in plans.items():
-        ref = p.run(q).float()
-        for K, C in VARIANTS:
-            got = balanced(mod, q, p, K, C, p.configs[0]["stages"])().float()
-            err = ((got - ref).norm() / ref.norm()).item()
-            if err > 1e-2:
-                raise AssertionError(f"K={K} C={C} {compress}: relative error {err:.2e} against the committed kernel")
-    print("variable lengths: every variant within 1e-2 of the committed kernel", flush=True)
-
-
 def main(out_csv):
     timer, gen = ColdTimer(), torch.Generator(device="cuda").manual_seed(0)
     mod = probe_kernel(BALANCED, "mma_balanced")
-    check(mod, gen)
-    model = ATTENTION_SHAPES[SHAPE]
-    k, v, q = attention_inputs(SHAPE, CTX, BATCH, gen)
-    ref = reference_attention(q, k, v)
-    plans = {}
-    for compress in ("eligible", "none"):
-        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, k_layout="k_mma", v_layout="v_mma")
-        plans[compress] = plan(indptr, indices, last, cache, model.q_heads)
-    p0 = plans["eligible"]
-    stages = p0.configs[0]["stages"]
-    out0 = torch.empty_like(q)
+    launch = lambda q, p, kc: balanced(mod, q, p, *kc, p.configs[0]["stages"])     # noqa: E731
+    against_committed(gen, launch, VARIANTS)
+    q, ref, plans, flashinfer = anchor(gen, CTX, BATCH)
+    p0, out0 = plans["eligible"], torch.empty_like(q)
     fns = {"committed": lambda: p0.run(q, out0)}
     for K, C in VARIANTS:
-        fn = balanced(mod, q, p0, K, C, stages)
-        a, b = fn().clone(), fn().clone()
-        raw = balanced(mod, q, plans["none"], K, C, plans["none"].configs[0]["stages"])().clone()
-        err = error_vs_reference(a, ref)[0]
-        print(f"K={K} C={C}: error {err:.2e}, deterministic {torch.equal(a, b)}, packed == raw {torch.equal(a, raw)}",
-              flush=True)
-        if err > 2e-2 or not torch.equal(a, b) or not torch.equal(a, raw):
-            raise AssertionError(f"K={K} C={C} is wrong, not deterministic or not lossless")
-        fns[f"balanced K={K} C={C}"] = fn
-    ip, ind, lp, kp, vp = paged_table(k, v)
-    fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
-    fns["flashinfer_tc"] = lambda: fi(q, kp, vp)
-    times = interleaved(fns, ROUNDS, timer)
-    fi_us = statistics.median(times["flashinfer_tc"])
-    rows = []
-    for name in fns:
-        us = statistics.median(times[name])
-        kc = dict(zip(("chunks", "chunk_units"), map(int, name.replace("=", " ").split()[2::2]))) if "K=" in name else {}
-        rows.append(dict(variant=name, latency_us=us, speedup_vs_flashinfer_tc=fi_us / us,
-                         rounds_us=" ".join(f"{t:.1f}" for t in times[name]), **kc))
-        print(f"{name:24s} {us:8.1f} us  FI TC / this {fi_us / us:.3f}", flush=True)
+        name = f"balanced K={K} C={C}"
+        fns[name] = lossless(name, launch(q, p0, (K, C)), launch(q, plans["none"], (K, C)), ref)
+    fns["flashinfer_tc"] = flashinfer
+
+    def columns(name):
+        return dict(zip(("chunks", "chunk_units"), map(int, name.replace("=", " ").split()[2::2]))) if "K=" in name else {}
+    rows = variant_rows(fns, ROUNDS, timer, columns)
     pd.DataFrame(rows).assign(shape=SHAPE, ctx=CTX, batch=BATCH, **provenance()).to_csv(out_csv, index=False)
 
 

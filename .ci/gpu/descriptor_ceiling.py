@@ -116,6 +116,59 @@ def variable_lengths(gen):
     return q, plans
 
 
+def against_committed(gen, launch, variants) -> None:
+    """Each variant of a probe's copy at :func:`variable_lengths`, within 1e-2 of the committed kernel over packed and
+    raw pages: ``launch(q, plan, variant)`` is the copy's launch function over ``plan``'s cache."""
+    q, plans = variable_lengths(gen)
+    for compress, p in plans.items():
+        ref = p.run(q).float()
+        for variant in variants:
+            got = launch(q, p, variant)().float()
+            err = ((got - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                raise AssertionError(f"{variant} {compress}: relative error {err:.2e} against the committed kernel")
+    print("variable lengths: every variant within 1e-2 of the committed kernel", flush=True)
+
+
+def anchor(gen, ctx: int, batch: int):
+    """The Llama-3.1-8B-shape point ``ctx`` x ``batch``: ``(q, its fp32 attention, {compress: plan} over packed
+    ("eligible") and raw ("none") pages in the mma layouts, FlashInfer TC's launch over the same K/V)``."""
+    model = ATTENTION_SHAPES[SHAPE]
+    k, v, q = attention_inputs(SHAPE, ctx, batch, gen)
+    plans = {}
+    for compress in ("eligible", "none"):
+        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, k_layout="k_mma", v_layout="v_mma")
+        plans[compress] = plan(indptr, indices, last, cache, model.q_heads)
+    ip, ind, lp, kp, vp = paged_table(k, v)
+    fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
+    return q, reference_attention(q, k, v), plans, lambda: fi(q, kp, vp)
+
+
+def lossless(name: str, packed, raw, ref):
+    """``packed`` (a copy's launch over packed pages) if it is within 2e-2 of fp32 attention ``ref``, gives the same
+    output twice and the same as ``raw`` (the copy over raw pages) bit for bit; else an AssertionError naming it."""
+    a, b, r = packed().clone(), packed().clone(), raw().clone()
+    err = error_vs_reference(a, ref)[0]
+    print(f"{name}: error {err:.2e}, deterministic {torch.equal(a, b)}, packed == raw {torch.equal(a, r)}", flush=True)
+    if err > 2e-2 or not torch.equal(a, b) or not torch.equal(a, r):
+        raise AssertionError(f"{name} is wrong, not deterministic or not lossless")
+    return packed
+
+
+def variant_rows(fns: dict, rounds: int, timer, columns) -> list:
+    """``fns`` (with ``"flashinfer_tc"``) timed in :func:`interleaved` rounds: a row per name with its median µs, FlashInfer
+    TC's over it, every round and ``columns(name)`` (a dict)."""
+    times = interleaved(fns, rounds, timer)
+    fi_us = statistics.median(times["flashinfer_tc"])
+    rows = []
+    for name in fns:
+        us = statistics.median(times[name])
+        rows.append(dict(variant=name, latency_us=us, speedup_vs_flashinfer_tc=fi_us / us,
+                         rounds_us=" ".join(f"{t:.1f}" for t in times[name]), **columns(name)))
+        print(f"{name:24s} {us:8.1f} us  FI TC / this {fi_us / us:.3f}", flush=True)
+    return rows
+
+
 def probe_kernel(rewrite=NO_DESCRIPTORS, name="mma_no_descriptors"):
     """decode_mma rewritten by ``rewrite`` (:data:`NO_DESCRIPTORS` or :data:`ONE_LOAD`), imported from a temporary
     file (Gluon reads the source)."""

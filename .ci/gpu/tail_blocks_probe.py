@@ -20,23 +20,19 @@ split (the latency chapter, "Where the launch's time goes").
 """
 import math
 import os
-import statistics
 import sys
 
 import pandas as pd
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from descriptor_ceiling import interleaved, probe_kernel, provenance, variable_lengths  # noqa: E402
+from descriptor_ceiling import (against_committed, anchor, lossless, probe_kernel, provenance,  # noqa: E402
+                                variant_rows)
 
-from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
-from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
 from zipkv.kernels import decode_mma, occupancy  # noqa: E402
-from zipkv.kernels.decode_attention import plan  # noqa: E402
-from zipkv.paged import build_paged_cache  # noqa: E402
 
-SHAPE, CTX, BATCH, PAGE, ROUNDS = "llama3.1-8b", 8192, 64, 16, 7
+SHAPE, CTX, BATCH, ROUNDS = "llama3.1-8b", 8192, 64, 7
 SHARED_PER_SM, SHARED_PER_BLOCK_RESERVED = 233472, 1024
 VARIANTS = [(0, 0, 8), (1, 8, 8), (1, 16, 8), (1, 32, 8), (2, 8, 8), (2, 16, 8), (4, 4, 8), (4, 8, 8), (1, 16, 0)]
 """(N short programs per split, T units each, R programs per SM; R = 0: the kernel's own residency) timed."""
@@ -147,58 +143,26 @@ def resident(compiled):
     return occupancy.programs_per_sm(compiled.n_regs, 1, compiled.metadata.shared, occupancy.H200_SM)
 
 
-def check(mod, gen):
-    """Variable sequence lengths (1 .. 700 tokens, batch 9): each variant against the committed kernel."""
-    q, plans = variable_lengths(gen)
-    for compress, p in plans.items():
-        ref = p.run(q).float()
-        for N, T, R in VARIANTS:
-            got = tail(mod, q, p, N, T, R)().float()
-            err = ((got - ref).norm() / ref.norm()).item()
-            if err > 1e-2:
-                raise AssertionError(f"N={N} T={T} R={R} {compress}: relative error {err:.2e} against the committed")
-    print("variable lengths: every variant within 1e-2 of the committed kernel", flush=True)
-
-
 def main(out_csv):
     timer, gen = ColdTimer(), torch.Generator(device="cuda").manual_seed(0)
     mod = probe_kernel(TAIL, "mma_tail_blocks")
-    check(mod, gen)
-    model = ATTENTION_SHAPES[SHAPE]
-    k, v, q = attention_inputs(SHAPE, CTX, BATCH, gen)
-    ref = reference_attention(q, k, v)
-    plans = {}
-    for compress in ("eligible", "none"):
-        cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, k_layout="k_mma", v_layout="v_mma")
-        plans[compress] = plan(indptr, indices, last, cache, model.q_heads)
-    p0 = plans["eligible"]
-    out0 = torch.empty_like(q)
+    launch = lambda q, p, ntr: tail(mod, q, p, *ntr)                                # noqa: E731
+    against_committed(gen, launch, VARIANTS)
+    q, ref, plans, flashinfer = anchor(gen, CTX, BATCH)
+    p0, out0 = plans["eligible"], torch.empty_like(q)
     fns = {"committed": lambda: p0.run(q, out0)}
     for N, T, R in VARIANTS:
-        fn = tail(mod, q, p0, N, T, R)
-        a, b = fn().clone(), fn().clone()
-        raw = tail(mod, q, plans["none"], N, T, R)().clone()
-        err = error_vs_reference(a, ref)[0]
-        print(f"N={N} T={T} R={R}: error {err:.2e}, deterministic {torch.equal(a, b)}, packed == raw "
-              f"{torch.equal(a, raw)}", flush=True)
-        if err > 2e-2 or not torch.equal(a, b) or not torch.equal(a, raw):
-            raise AssertionError(f"N={N} T={T} R={R} is wrong, not deterministic or not lossless")
-        fns[f"tail N={N} T={T} R={R}"] = fn
-        print(f"   {fn.compiled.n_regs} registers, {fn.compiled.metadata.shared} bytes of shared memory: "
-              f"{resident(fn.compiled)} programs per SM", flush=True)
-    ip, ind, lp, kp, vp = paged_table(k, v)
-    fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
-    fns["flashinfer_tc"] = lambda: fi(q, kp, vp)
-    times = interleaved(fns, ROUNDS, timer)
-    fi_us = statistics.median(times["flashinfer_tc"])
-    rows = []
-    for name in fns:
-        us = statistics.median(times[name])
+        name = f"tail N={N} T={T} R={R}"
+        fns[name] = lossless(name, launch(q, p0, (N, T, R)), launch(q, plans["none"], (N, T, R)), ref)
+        print(f"   {fns[name].compiled.n_regs} registers, {fns[name].compiled.metadata.shared} bytes of shared "
+              f"memory: {resident(fns[name].compiled)} programs per SM", flush=True)
+    fns["flashinfer_tc"] = flashinfer
+
+    def columns(name):
         ntr = dict(zip(("short_per_split", "short_units", "programs_per_sm"),
                        map(int, name.replace("=", " ").split()[2::2]))) if "N=" in name else {}
-        rows.append(dict(variant=name, latency_us=us, speedup_vs_flashinfer_tc=fi_us / us,
-                         rounds_us=" ".join(f"{t:.1f}" for t in times[name]), stages=p0.configs[0]["stages"], **ntr))
-        print(f"{name:24s} {us:8.1f} us  FI TC / this {fi_us / us:.3f}", flush=True)
+        return dict(stages=p0.configs[0]["stages"], **ntr)
+    rows = variant_rows(fns, ROUNDS, timer, columns)
     pd.DataFrame(rows).assign(shape=SHAPE, ctx=CTX, batch=BATCH, **provenance()).to_csv(out_csv, index=False)
 
 
