@@ -300,7 +300,8 @@ class DistilledCache(Cache):
             raise ValueError(f"input_ids has {ids.shape[0]} rows, and this DistilledCache holds the tokens an earlier "
                              f"generate appended for {fed.shape[0]} sequences: call cache.reset() to generate from the "
                              "context again, or pass that generate's output to continue it")
-        same = (ids[:, :held].cpu().long() == fed).all(dim=1) if ids.shape[1] > held else torch.zeros(len(ids), dtype=bool)
+        same = ((ids[:, :held].cpu().long() == fed).all(dim=1) if ids.shape[1] > held
+                else torch.zeros(len(ids), dtype=torch.bool))
         if not bool(same.all()):
             rows = f" (rows {[i for i, ok in enumerate(same.tolist()) if not ok]})" if len(ids) > 1 else ""
             raise ValueError(f"input_ids do not continue this DistilledCache{rows}: it still holds the {held} "
@@ -361,9 +362,9 @@ def _check_layers(config, cache: "DistilledCache") -> None:
     seen = (len(cache.layers), sorted({layer.heads for layer in cache.layers}),
             sorted({layer.keys.shape[-1] for layer in cache.layers}))
     if seen != (config.num_hidden_layers, [heads], [head_dim]):
-        raise ValueError(f"the DistilledCache has {seen[0]} layers, KV heads {seen[1]}, head_dim {seen[2]}; the model "
-                         f"{config.num_hidden_layers} layers of {heads} KV heads of head_dim {head_dim}: make the cache "
-                         "for this model (zipkv.compress(model, ...))")
+        raise ValueError(f"the DistilledCache has {seen[0]} layers, KV heads {seen[1]}, head_dim {seen[2]}; the "
+                         f"model {config.num_hidden_layers} layers of {heads} KV heads of head_dim {head_dim}: make "
+                         "the cache for this model (zipkv.compress(model, ...))")
 
 
 def _positions_hook(module, args, kwargs):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import math
 import importlib.util
-import os
 import numbers
+import os
 import sys
 import time
 from dataclasses import dataclass

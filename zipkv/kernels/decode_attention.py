@@ -7,9 +7,9 @@
   the split count, the launch options and the workspace. It returns a :class:`DecodePlan`.
 * :meth:`DecodePlan.run` ``(q, out=None)`` only launches: no host sync, no allocation (unless ``out``
   is None), so it can be captured in a CUDA graph. A plan stays valid while its page table and the
-  cache's number of pages are unchanged (a plan refuses to run over a cache grown since): new tokens written into a request's last page (and ``last_page_len`` raised in place, up
-  to 16) and pages compressed in place by :func:`zipkv.paged.compress_cache_` are seen by the next
-  run or graph replay, because the kernels read the pool, the descriptors and the page kinds
+  cache's number of pages are unchanged (it refuses to run over a cache grown since): new tokens
+  written into a request's last page (and ``last_page_len`` raised in place, up to 16) and pages
+  compressed in place by :func:`zipkv.paged.compress_cache_` are seen by the next run or graph replay, because the kernels read the pool, the descriptors and the page kinds
   (updated in place) when they run. The one host-side decision that depends on the cache's contents
   is a single specialised launch for a *uniform* cache (every page all-compressed or all-raw); such
   a plan refuses to run once the cache's page kinds have been recomputed (``cache.version``), and
