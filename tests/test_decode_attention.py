@@ -384,14 +384,14 @@ def test_a_plan_refuses_to_run_once_the_caches_page_count_changed():
     assert len(p.launches) > 1
     p.run(q)
     grown = torch.full_like(cache.desc[:1], cache.pool.numel() << 8)   # one more page at the pool's end, raw
-    cache.pool = torch.cat([cache.pool, torch.zeros(grown.numel() * 1024, dtype=torch.uint8)])
+    cache.pool = torch.cat([cache.pool, torch.zeros(grown.numel() * 1024, dtype=torch.uint8, device=cache.pool.device)])
     cache.desc = torch.cat([cache.desc, grown]).contiguous()
     cache.refresh()
     compress_cache_(cache, idx[:2].long())
     with pytest.raises(ValueError, match="number of pages changed since this plan was made"):
         p.run(q)
     check(plan(ip, idx, last, cache, 3).run(q), _attention(q, k, v, [32, 32]))
-    with pytest.raises(ValueError, match="k and v must be on one device, got k on cpu and v on meta"):
+    with pytest.raises(ValueError, match=f"k and v must be on one device, got k on {k.device} and v on meta"):
         build_paged_cache(k, v.to("meta"))
 
 
