@@ -347,6 +347,12 @@ def test_the_timeline_text_measures_the_static_splits_tail_against_flashinfer(tm
     assert latency.timeline_figure(_timeline(tmp_path)).axes[0].get_ylabel() == "programs whose loop has ended"
 
 
+def _write_runs(folder, name, rows, stamp, more=()):
+    """A probe's committed table ``name`` in ``folder``: ``rows`` of one run (``stamp``: device, commit, date), then
+    ``more`` rows (another run's)."""
+    pd.DataFrame([{**r, **stamp} for r in rows] + list(more)).to_csv(folder / name, index=False)
+
+
 def test_the_bar_cites_the_tail_only_where_flashinfer_ran_beside_it(tmp_path):
     from zipkv.book import REPO_ROOT
 
@@ -359,11 +365,11 @@ def test_the_bar_cites_the_tail_only_where_flashinfer_ran_beside_it(tmp_path):
     stamp = dict(device="NVIDIA H100 80GB HBM3", commit="abc1234", date="2026-12-06 09:04 UTC")
     rows = [dict(variant="committed", latency_us=520.0), dict(variant="flashinfer_tc", latency_us=690.0),
             dict(variant="balanced K=2 C=8", latency_us=524.0, chunks=2, chunk_units=8)]
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
+    _write_runs(tmp_path, latency.BALANCED, rows, stamp)
     first = latency.targets_text(table, timeline=latency.read_timeline(tmp_path)).split("\n")[0]
     assert first.endswith("under the bar. Tried against it, a balanced schedule (H100) gained nothing (same section).")
     rows[2]["latency_us"] = 510.0                                          # faster: not said to have gained nothing
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
+    _write_runs(tmp_path, latency.BALANCED, rows, stamp)
     assert "Tried against it" not in latency.targets_text(table, timeline=latency.read_timeline(tmp_path))
     (tmp_path / latency.BALANCED).unlink()
     slow_fi = latency.targets_text(table, timeline=_timeline(tmp_path, fi_us=480.0)).split("\n")[0]
@@ -381,14 +387,14 @@ def test_the_timeline_text_sets_a_balanced_schedules_cost_per_chunk_against_the_
     rows = [dict(variant="committed", latency_us=520.0), dict(variant="flashinfer_tc", latency_us=690.0),
             dict(variant="balanced K=2 C=8", latency_us=524.0, chunks=2, chunk_units=8),
             dict(variant="balanced K=8 C=2", latency_us=548.0, chunks=8, chunk_units=2)]
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
+    _write_runs(tmp_path, latency.BALANCED, rows, stamp)
     text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
     assert text.startswith("- **A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`)")
     assert ("On the NVIDIA H100 80GB HBM3 (commit abc1234, 2026-12-06 09:04 UTC) the static split took 520.0 µs, the "
             "balanced copies 524.0 µs (K = 2, C = 8) to 548.0 µs (K = 8, C = 2)") in text
     assert "FlashInfer TC 690.0 µs: every copy slower, by 2.0–3.5 µs per chunk a program runs" in text
     rows[2]["latency_us"] = 510.0                                          # one variant faster: said as such
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.BALANCED, index=False)
+    _write_runs(tmp_path, latency.BALANCED, rows, stamp)
     assert f"the fastest {520 / 510:.3f}× the static split's speed." in latency.timeline_text(latency.read_timeline(tmp_path))
 
 
@@ -404,7 +410,7 @@ def test_the_timeline_text_reports_l2_prefetches_for_the_later_split_against_the
             dict(kv_data="raw", variant="assist N=2", latency_us=719.0),
             dict(kv_data="raw", variant="assist N=8", latency_us=723.0),
             dict(kv_data="any", variant="flashinfer_tc", latency_us=716.0)]
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    _write_runs(tmp_path, latency.L2_ASSIST, rows, stamp)
     text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
     assert text.startswith("- **Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`)")
     assert ("On the NVIDIA H100 80GB HBM3 (commit abc1234, 2026-12-06 10:42 UTC; FlashInfer TC 716.0 µs), all "
@@ -413,11 +419,11 @@ def test_the_timeline_text_reports_l2_prefetches_for_the_later_split_against_the
             "programs do not wait on their last units' data") in text
     rows[6]["latency_us"] = 718.5                                           # not growing with N: no such clause
     second = [{**r, **stamp, "commit": "def5678"} for r in rows]             # a second run: the closing said once
-    pd.DataFrame([{**r, **stamp} for r in rows] + second).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    _write_runs(tmp_path, latency.L2_ASSIST, rows, stamp, second)
     text = latency.timeline_text(latency.read_timeline(tmp_path))
     assert text.count("no N is faster. ") == 2 and text.count("The later programs") == 1 and "the larger N" not in text
     second[3]["latency_us"] = 540.0                                         # one faster in one run: no verdict
-    pd.DataFrame([{**r, **stamp} for r in rows] + second).to_csv(tmp_path / latency.L2_ASSIST, index=False)
+    _write_runs(tmp_path, latency.L2_ASSIST, rows, stamp, second)
     text = latency.timeline_text(latency.read_timeline(tmp_path))
     assert text.endswith("N = 2: 540.0, 8: 546.0 µs; raw pages: the committed kernel 718.0 µs, N = 2: 719.0, 8: 718.5 µs.")
 
@@ -434,7 +440,7 @@ def test_the_timeline_text_reports_short_programs_left_to_the_block_scheduler(tm
             dict(variant="tail N=4 T=4 R=8", latency_us=558.5, short_per_split=4, short_units=4, programs_per_sm=8),
             dict(variant="tail N=1 T=16 R=0", latency_us=558.0, short_per_split=1, short_units=16, programs_per_sm=0),
             dict(variant="flashinfer_tc", latency_us=715.0)]
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.SHORT_PROGRAMS, index=False)
+    _write_runs(tmp_path, latency.SHORT_PROGRAMS, rows, stamp)
     text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
     assert text.startswith("- **Short programs left to the block scheduler, tried** (`.ci/gpu/tail_blocks_probe.py`)")
     # per short program, against the control: (548.5 - 544.5) / 1 = 4.0, (558.5 - 544.5) / 4 = 3.5
@@ -448,7 +454,7 @@ def test_the_timeline_text_reports_short_programs_left_to_the_block_scheduler(tm
     assert first.endswith("Tried against it, short programs left to the block scheduler (H100) gained nothing "
                           "(same section).")
     rows[2]["latency_us"] = 544.0                                          # faster than the control: no verdict
-    pd.DataFrame([{**r, **stamp} for r in rows]).to_csv(tmp_path / latency.SHORT_PROGRAMS, index=False)
+    _write_runs(tmp_path, latency.SHORT_PROGRAMS, rows, stamp)
     text = latency.timeline_text(latency.read_timeline(tmp_path))
     assert "Each extra range" not in text and "every one slower" not in text
     assert "Tried against it" not in latency.targets_text(table, timeline=latency.read_timeline(tmp_path))
