@@ -509,9 +509,6 @@ def compress(model, input_ids: torch.Tensor, ratio: float = 0.3, method: str = "
     if implementation not in SUPPORTED_ATTENTION:                  # else generate refuses the cache afterwards
         raise ValueError(f"attn_implementation={implementation!r}: a DistilledCache needs one of "
                          f"{list(SUPPORTED_ATTENTION)} (per-head masks); model.set_attn_implementation('sdpa')")
-    seed = settings.get("seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed={seed!r}: expected an int")
     if isinstance(settings.get("solver"), str):                   # a name, as kvsculpt_main's parameter takes it
         settings["solver"] = solver_named(settings["solver"])
     elif settings.get("solver") is not None and not callable(settings["solver"]):

@@ -77,5 +77,6 @@ def conclusion(sources: pd.DataFrame) -> str:
     return (f"KVSculpt cuts the per-layer training objective to a median {s['median_objective_ratio']:.2g}× "
             f"Select+Fit's, yet with one layer compressed at a time its KL is a median {s['median_kl_ratio']:.2f}× "
             f"Select+Fit's (higher on {s['layers_worse']} of {s['layers']} layers) and with every layer compressed "
-            f"{1 / gain:.2f}× Select+Fit's (KVSculpt's KL over Select+Fit's; this chapter's {s['windows']} window{'s' if s['windows'] != 1 else ''}; Table 1's "
+            f"{1 / gain:.2f}× Select+Fit's (KVSculpt's KL over Select+Fit's; this chapter's {s['windows']} "
+            f"window{'s' if s['windows'] != 1 else ''}; Table 1's "
             f"chapter has its own), so on this model " + tail)

@@ -380,7 +380,7 @@ def _grid(problems: Sequence[Problem], solutions: Sequence[Solution], attr: str,
 
 def check_settings(*, m: int = 256, n_synthetic: int = 128, strategy: str = "uniform", budget="uniform",
                    pilot_steps: int = 30, alpha: float = 0.5, scale: float | None = None,
-                   joint_config: JointConfig | None = None, problems=None, **_) -> None:
+                   joint_config: JointConfig | None = None, seed: int = 0, problems=None, **_) -> None:
     """Check :func:`compress`'s settings that need no capture, so that a bad one fails before any work (the
     capture's forward pass, a pilot solve); the rest are :func:`compress`'s to check."""
     check_strategy(strategy)
@@ -390,6 +390,8 @@ def check_settings(*, m: int = 256, n_synthetic: int = 128, strategy: str = "uni
     if m + n_synthetic == 0 and problems is None:
         raise ValueError("m=0 and n_synthetic=0 leave no training queries: the objective (§3.2) needs "
                          "m + n_synthetic ≥ 1 (paper: m=256, n_synthetic=128)")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed={seed!r}: expected an int")
     if joint_config is not None and not isinstance(joint_config, JointConfig):
         raise TypeError(f"joint_config={joint_config!r}: expected a zipkv.distill.baselines.JointConfig or None")
     if not isinstance(budget, (str, torch.Tensor)):
@@ -444,9 +446,7 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     check_settings(m=m, n_synthetic=n_synthetic, strategy=strategy, budget=budget, pilot_steps=pilot_steps,
-                   alpha=alpha, scale=scale, joint_config=joint_config, problems=problems)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed={seed!r}: expected an int")
+                   alpha=alpha, scale=scale, joint_config=joint_config, seed=seed, problems=problems)
     m, n_synthetic, seed = int(m), int(n_synthetic), int(seed)                       # NumPy integers as ints
     pilot_steps = int(pilot_steps) if isinstance(pilot_steps, numbers.Integral) else pilot_steps
     if config is not None and not isinstance(config, SculptConfig):
