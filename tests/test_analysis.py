@@ -1,4 +1,4 @@
-"""Experiment loops of the KVSculpt analysis chapters (zipkv.distill.analysis) on small problems."""
+"""Experiment loops of the KVSculpt analysis chapters (zipkv.study.experiments.analysis) on small problems."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from zipkv.distill import analysis as A
+from zipkv.study.experiments import analysis as A
 from zipkv.distill import baselines as B
 from zipkv.distill import budget
 from zipkv.distill.batched import solve_batched

@@ -131,7 +131,7 @@ def test_compact_layer_equals_the_reference(keys_method, k, reference_fit):
 def test_compare_gives_the_reference_kl_for_every_attention_matching_method(reference_fit):
     """beyond.compare (on-policy cascade, the KL on the continuation) on a small window: the reference's KL."""
     from zipkv.data import Window
-    from zipkv.distill import beyond
+    from zipkv.study.experiments import beyond
 
     model = tiny_llama(sharpen_logits=True)
     N, C, M = 64, 6, 8

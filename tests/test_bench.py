@@ -148,7 +148,7 @@ def test_the_ncu_mix_target_reads_the_committed_mix():
     """``bench ncu`` profiles the Gluon kernel's MIXED path on the first chapter's measured mix: that table is
     committed and gives fractions strictly between all and nothing."""
     from zipkv.bench import nsight
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
     frac = bench.measured_compressible_fraction(REPO_ROOT / nsight.MIX_CSV)
     assert all(0.0 < f < 1.0 for f in frac.values()), frac
 
@@ -158,9 +158,9 @@ def test_an_ncu_report_is_read_by_the_targets_its_header_names():
     block and its name removed) parses by its own header, and one without that header line is held to the
     targets given."""
     import re
-    from zipkv import nsight_report
+    from zipkv.study import nsight_report
     from zipkv.bench import nsight
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
     text = (REPO_ROOT / "results/paper/zipfusion_decode_ncu.txt").read_text()
     named = nsight_report.report_targets(text)
     got = nsight_report.parse(text, nsight.NCU_TARGETS, nsight.NCU_KERNELS, nsight.NCU_STALLS)

@@ -13,14 +13,14 @@ def test_kernel_kind_sorts_a_step_s_kernels():
 def _profiled_rows():
     """The committed profile's rows with the engine's default scheduler (the overlapped steps), four of them."""
     import pandas as pd
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
     rows = pd.read_csv(REPO_ROOT / "results/paper/zipfusion_engine_profile.csv")
     return rows[rows.overlap].reset_index(drop=True) if "overlap" in rows else rows
 
 
 def test_step_table_takes_a_separate_profile_when_the_run_has_none(tmp_path):
-    from zipkv.chapters import throughput as chapter
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.chapters import throughput as chapter
+    from zipkv.study.book import REPO_ROOT
     csv = REPO_ROOT / "results/paper/zipfusion_engine_profile.csv"
     import pandas as pd
     unprofiled = _profiled_rows().drop(columns=["replay_ms", "host_ms"])
@@ -33,7 +33,7 @@ def test_step_table_takes_a_separate_profile_when_the_run_has_none(tmp_path):
 
 
 def test_step_text_states_the_measured_ratio():
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
     steps, note = chapter.step_table(_profiled_rows())
     assert note == ""                                        # the rows carry their own breakdown
     u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
@@ -42,7 +42,7 @@ def test_step_text_states_the_measured_ratio():
 
 
 def test_step_text_says_how_fast_each_kernel_reads_its_bytes():
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
     steps, _ = chapter.step_table(_profiled_rows())
     u = steps[steps.method == "uncompressed"].sort_values("batch").iloc[-1]
     z = steps[steps.method == "zipfusion"].sort_values("batch").iloc[-1]
@@ -73,7 +73,7 @@ def test_idle_gaps_charge_each_wait_to_the_kernel_after_it():
 
 
 def test_step_text_says_where_the_idle_time_sits():
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
     rows = _profiled_rows().drop(columns=["launch_ms"], errors="ignore")      # added below
     rows[[c for c in rows.columns if c.startswith("gap_before_")]] = 0.0
     rows["gap_before_attention_ms"] = [0.1, 0.2, 0.3, 0.9]
@@ -99,7 +99,7 @@ def test_step_text_says_where_the_idle_time_sits():
 
 def test_step_text_reads_the_overlapped_rows_and_says_what_the_sequential_ones_take():
     import pandas as pd
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
     rows = _profiled_rows()
     seq = rows.assign(step_ms=rows.step_ms + [1.0, 2.0, 3.0, 4.0], overlap=False)
     steps, _ = chapter.step_table(pd.concat([rows.assign(overlap=True), seq], ignore_index=True))
@@ -115,7 +115,7 @@ def test_step_text_reads_the_overlapped_rows_and_says_what_the_sequential_ones_t
 def test_step_text_says_which_way_the_idle_time_moves_with_the_batch():
     """The idle time between kernels is said to grow or shrink as the rows show: the same rows with 5 ms more
     idle time at each method's largest batch, then at its smallest."""
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
     rows = _profiled_rows()
     largest = rows.batch == rows.groupby("method").batch.transform("max")
     for at, word in ((largest, "grows"), (~largest, "shrinks")):

@@ -103,7 +103,7 @@ def test_head_sensitivity_batched_equals_the_loop_on_sliding_layers(setup):
 
 
 def test_kv_fraction_counts_what_the_model_itself_holds():
-    from zipkv.distill.second_model import kv_fraction
+    from zipkv.study.experiments.second_model import kv_fraction
 
     assert kv_fraction(0.3, 2048, 30, 0, None) == round(0.3 * 2048) / 2048  # a Llama-family model: r
     # Gemma-3-270M's shape: 3 global layers at r·N, 15 sliding layers keeping their 511 pairs in both caches
@@ -116,7 +116,7 @@ def test_kv_fraction_counts_what_the_model_itself_holds():
 def test_second_model_verdict_says_when_the_bars_do_not_hold():
     import pandas as pd
 
-    from zipkv.chapters import beyond as chapter
+    from zipkv.study.chapters import beyond as chapter
 
     shape = dict(model="m", ratio=0.3, seconds=1.0, choice="", pg_id=1, context=2048, continuation=128, m=256,
                  n_synthetic=128, steps=100, probe_tokens=64, layers=18, sliding_layers=15, sliding_window=512,
@@ -139,7 +139,7 @@ def test_second_model_verdict_says_when_the_bars_do_not_hold():
 
 
 def test_memory_ratio_counts_sliding_layers_as_the_model_holds_them(setup):
-    from zipkv.distill.second_model import kv_fraction
+    from zipkv.study.experiments.second_model import kv_fraction
 
     model, ids, cap, reference, probe = setup
     for ratio in (0.5, 1.0):

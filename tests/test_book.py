@@ -9,7 +9,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from zipkv import book
+from zipkv.provenance import git_commit
+from zipkv.study import book
 
 REPO = book.REPO_ROOT
 ARTIFACTS = REPO / "test-artifacts"
@@ -175,9 +176,9 @@ def test_the_commit_stamp_ignores_executed_notebooks_but_not_code(tmp_path):
     git("add", ".")
     git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-qm", "y")
     (tmp_path / "book" / "a.ipynb").write_text('{"changed": 1}')
-    assert not book._git_commit(tmp_path).endswith("uncommitted changes")
+    assert not git_commit(tmp_path).endswith("uncommitted changes")
     (tmp_path / "code.py").write_text("x = 2\n")
-    assert book._git_commit(tmp_path).endswith("+uncommitted changes")
+    assert git_commit(tmp_path).endswith("+uncommitted changes")
 
 
 def test_from_results_renders_the_gpu_chapters_that_can_on_a_cpu(monkeypatch):
@@ -295,7 +296,7 @@ def _chromium(tmp_path, width=1280, height=1000):
 
 
 def _chapters() -> list[str]:
-    from zipkv import findings
+    from zipkv.study import findings
 
     return list(findings.chapter_docs(REPO / "_toc.yml").values())
 

@@ -2,8 +2,8 @@
 import pandas as pd
 import pytest
 
-from zipkv import book, committed
-from zipkv.distill import analysis
+from zipkv.study import book, committed
+from zipkv.study.experiments import analysis
 
 MAIN = book.REPO_ROOT / "results" / "paper" / "kvsculpt_main.csv"
 

@@ -1,4 +1,4 @@
-"""zipkv.compose: a KVSculpt prefix in ZipFusion pages -- its stored bits, and the engine serving it."""
+"""zipkv.study.experiments.compose: a KVSculpt prefix in ZipFusion pages -- its stored bits, and the engine serving it."""
 import os
 
 import torch
@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from conftest import tiny_llama  # noqa: E402
-from zipkv import compose  # noqa: E402
+from zipkv.study.experiments import compose  # noqa: E402
 from zipkv import format as fmt  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,7 +51,7 @@ def test_first_difference_is_the_first_token_where_two_generations_part(a, b, fi
 
 def test_chapter_verdict_names_each_ratio_and_says_when_not_lossless():
     import pandas as pd
-    from zipkv.chapters import compose as chapter
+    from zipkv.study.chapters import compose as chapter
     rows = [dict(window=w, pg_id=w, n_context=256, method=m, ratio=r, pairs=p, frac_compressed_k=0.8,
                  frac_compressed_v=0.9, bits_per_value=12.6, memory_vs_raw_context=p / 256 * 12.6 / 16,
                  lossless=ok, first_difference=f, new_tokens=16)

@@ -7,8 +7,8 @@ import nbformat
 import pandas as pd
 import pytest
 
-from zipkv import book, findings
-from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL
+from zipkv.study import book, findings
+from zipkv.study.settings import THROUGHPUT_MMA_BASELINE_MODEL
 
 PAPER_RESULTS = book.REPO_ROOT / "results" / "paper"
 
@@ -245,7 +245,7 @@ def test_the_read_identity_row_waits_for_a_gpu_run_of_the_lossless_chapter(tmp_p
 def test_the_mma_baseline_row_waits_for_a_throughput_run_that_timed_it(tmp_path):
     """ZipFusion's tokens/s at its largest batch over the uncompressed engine in the mma layouts: "not yet run" for a
     table without those rows (the committed run before them); the ratio of the two largest-batch rows once there."""
-    from zipkv.settings import THROUGHPUT_PAPER_MODEL
+    from zipkv.study.settings import THROUGHPUT_PAPER_MODEL
 
     claim = [c for c in findings.CLAIMS if c.ours is findings._vs_mma_baseline]
     fig5 = pd.DataFrame({"model": THROUGHPUT_PAPER_MODEL, "method": ["uncompressed", "zipfusion", "zipfusion"],

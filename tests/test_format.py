@@ -325,7 +325,7 @@ def test_unpack_rejects_the_metadata_byte_0xff_on_a_low_block():
 
 def test_format_benchmark_times_every_layout_beside_its_anchor():
     """The speed of eligible/pack/unpack is a benchmark (python -m zipkv bench format), not a wall-clock test."""
-    from zipkv.format_bench import format_benchmark
+    from zipkv.bench.format import format_benchmark
 
     table = format_benchmark(head_dim=128, n_values=16 * 128 * 8, reps=1)
     assert table.op.tolist() == ["amax over the same bytes (anchor)", *[f"eligible ({l})" for l in F.LAYOUTS],

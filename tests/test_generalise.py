@@ -394,7 +394,7 @@ def test_attention_matching_on_policy_and_selection_by_validation(model, cap, id
 
 def test_compare_runs_the_bars_ratio_everywhere_first_and_picks_attention_matching_on_validation(model):
     from zipkv.data import Window
-    from zipkv.distill import beyond
+    from zipkv.study.experiments import beyond
 
     gen = torch.Generator().manual_seed(5)
     windows = [Window(torch.randint(0, 128, (N + C,), generator=gen), N, C, i, "t", 0) for i in range(2)]
@@ -422,8 +422,8 @@ def test_compare_runs_the_bars_ratio_everywhere_first_and_picks_attention_matchi
 def test_chapter_verdict_names_ratios_a_time_budget_left_out_and_compares_equal_window_sets():
     import pandas as pd
 
-    from zipkv.chapters import beyond as chapter
-    from zipkv.distill import beyond
+    from zipkv.study.chapters import beyond as chapter
+    from zipkv.study.experiments import beyond
 
     rows = [dict(model="m", window=w, ratio=r, method=x, kl=kl, seconds=1.0, choice="am_omp" * (x == "attention_matching"))
             for r, windows in ((0.3, range(4)), (0.5, range(2)))
@@ -453,7 +453,7 @@ def test_chapter_verdict_names_ratios_a_time_budget_left_out_and_compares_equal_
 def test_extra_rows_join_only_this_model_and_settings_and_what_the_run_lacks(tmp_path):
     import pandas as pd
 
-    from zipkv.chapters import beyond as chapter
+    from zipkv.study.chapters import beyond as chapter
 
     table = pd.DataFrame({"model": ["m"] * 2, "window": [0, 0], "ratio": [0.3, 0.3], "method": ["zipkv", "select_fit"],
                           "kl": [0.01, 0.05], "seconds": [1.0, 1.0], "choice": ["", ""]})
@@ -470,12 +470,12 @@ def test_extra_rows_join_only_this_model_and_settings_and_what_the_run_lacks(tmp
     assert out.separate.tolist() == [False, False, True] and chapter.own_rows(out).seconds.tolist() == [1.0, 1.0]
     stats = chapter.kl_stats(out)
     shown = chapter.summary(out, stats, [0.3, 0.5])
-    from zipkv.distill.beyond import LABELS
+    from zipkv.study.experiments.beyond import LABELS
     assert shown.loc[LABELS["zipkv"], "seconds per context (this run, mean over its ratios)"] == 1.0
 
 
 @pytest.mark.parametrize("ratios", ["[0.3, 0.5]", [], [0.3, 1.5], [0.3, True], 0.3])
 def test_compare_refuses_ratios_that_are_not_a_list_of_fractions_before_any_work(model, ratios):
-    from zipkv.distill import beyond
+    from zipkv.study.experiments import beyond
     with pytest.raises(TypeError, match="ratios must be a non-empty list of numbers in"):
         beyond.compare(model, [], ratios, progress=False)

@@ -4,7 +4,7 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from zipkv.chapters import kvsculpt as chapter
+from zipkv.study.chapters import kvsculpt as chapter
 
 matplotlib.use("Agg")
 
@@ -35,7 +35,7 @@ def test_the_appendix_verdict_gives_the_best_baselines_kl_and_its_margin():
 
 
 def test_the_kl_sources_conclusion_says_how_much_kl_the_objective_gain_buys():
-    from zipkv.distill import kl_sources
+    from zipkv.study.experiments import kl_sources
 
     def sources(all_layer_kvsculpt):
         rows = [dict(window=0, layer=l, method=m, kl=kl, objective=obj)
@@ -50,7 +50,7 @@ def test_the_kl_sources_conclusion_says_how_much_kl_the_objective_gain_buys():
 
 
 def test_the_dampening_table_and_the_held_out_count_read_their_runs():
-    from zipkv.distill import analysis
+    from zipkv.study.experiments import analysis
 
     runs = pd.DataFrame({"policy": ["uniform", "uniform", "static", "static", "pilot", "pilot"],
                          "alpha": [0.0, 0.0, 1.0, 1.0, 1.0, 1.0], "kl": [0.02, 0.04, 0.03, 0.03, 0.06, 0.06],
@@ -66,7 +66,7 @@ def test_the_dampening_table_and_the_held_out_count_read_their_runs():
 def test_the_optimizer_table_labels_the_oracle_windows_and_averages_the_ratios_over_all():
     import pandas as pd
 
-    from zipkv.distill import analysis
+    from zipkv.study.experiments import analysis
 
     t = pd.DataFrame({"window": [0, 0, 0, 1, 1], "layer": [2] * 5,
                       "optimizer": ["adam", "lbfgs", "oracle", "adam", "lbfgs"],
@@ -82,8 +82,8 @@ def test_the_optimizer_table_labels_the_oracle_windows_and_averages_the_ratios_o
 def test_the_speed_verdict_judges_the_papers_seconds_by_the_reference_solver_as_the_findings_page_does():
     """The paper's 170 s is of a one-problem-at-a-time solver: our reference is what reproduces it or not; the
     batched solver is ours (beyond the paper), said as such, whatever it takes."""
-    from zipkv import findings
-    from zipkv.chapters import speed
+    from zipkv.study import findings
+    from zipkv.study.chapters import speed
 
     row = lambda solver, s: dict(problem_shape="Qwen2.5-1.5B 28×2×128", ctx=2048, ratio=0.3, solver=solver,  # noqa: E731
                                  seconds=s, problems=56, reference_problems=4, speedup=float("nan"))

@@ -1,4 +1,4 @@
-"""zipkv.chapters.latency's compressed-share sweep: the bytes bound, the text and the figure read the table's own
+"""zipkv.study.chapters.latency's compressed-share sweep: the bytes bound, the text and the figure read the table's own
 numbers (the GPU run makes the table: zipkv.bench.mix_sweep)."""
 import matplotlib
 
@@ -8,7 +8,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from zipkv.bench.attention import sweep_fractions, with_bytes_bound  # noqa: E402
-from zipkv.chapters import latency  # noqa: E402
+from zipkv.study.chapters import latency  # noqa: E402
 
 
 def _sweep():
@@ -103,7 +103,7 @@ def test_cpu_check_text_says_whether_every_cache_is_within_the_tolerance():
 def test_targets_text_gives_the_small_shapes_why_from_the_committed_report_and_table():
     """The SmolLM2 bar's reason reads the committed Nsight report's DRAM and occupancy rows and the table's split
     counts and FlashInfer rows; without a report with that shape, no reason is made up."""
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     folder = REPO_ROOT / "results/paper"
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
@@ -150,7 +150,7 @@ def test_context_text_sets_the_gain_per_token_against_the_bar_and_the_shapes_bas
 
 
 def test_targets_text_cites_the_context_fit_only_where_one_is_given():
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     folder = REPO_ROOT / "results/paper"
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
@@ -167,7 +167,7 @@ def test_targets_text_cites_the_context_fit_only_where_one_is_given():
 
 
 def test_findings_row_reads_the_committed_context_sweep_beside_the_chapters_table(tmp_path):
-    from zipkv import findings
+    from zipkv.study import findings
 
     claim = [c for c in findings.CLAIMS if c.ours is findings._per_token_gain]
     (tmp_path / "zipfusion_attention_latency.csv").write_text("shape\nllama3.1-8b\n")
@@ -180,7 +180,7 @@ def test_findings_row_reads_the_committed_context_sweep_beside_the_chapters_tabl
 
 
 def test_targets_section_reads_the_report_and_the_fit_committed_in_its_folder():
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     folder = REPO_ROOT / "results/paper"
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
@@ -207,7 +207,7 @@ def test_the_fit_sets_the_per_token_bar_against_the_fastest_stream_of_its_sweep(
 
 
 def test_targets_text_sets_the_bars_rate_against_the_fastest_kernel_at_the_anchor():
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     table = pd.read_csv(REPO_ROOT / "results/paper/zipfusion_attention_latency.csv")
     point = table[(table["shape"] == "llama3.1-8b") & (table.ctx == 8192) & (table.batch == 64)]
@@ -222,8 +222,8 @@ def test_targets_text_sets_the_bars_rate_against_the_fastest_kernel_at_the_ancho
 def test_the_verdict_states_the_rule_behind_reproduced_on_real_kv():
     """The committed H200 table: the verdict names the threshold (the paper's lower end less 2 %) and our slowest
     measured-mix point, so a range that overlaps the paper's but dips below it reads as what it is."""
-    from zipkv import paper_values as pv
-    from zipkv.book import REPO_ROOT
+    from zipkv.study import paper_values as pv
+    from zipkv.study.book import REPO_ROOT
 
     table = pd.read_csv(REPO_ROOT / "results" / "paper" / "zipfusion_attention_latency.csv")
     text, kind = latency.verdict(table)
@@ -242,8 +242,8 @@ def test_the_verdict_states_the_rule_behind_reproduced_on_real_kv():
 
 
 def test_the_flush_text_places_both_speedups_against_the_target():
-    from zipkv.chapters import kernels
-    from zipkv.settings import PROJECT_TARGETS
+    from zipkv.study.chapters import kernels
+    from zipkv.study.settings import PROJECT_TARGETS
 
     target = PROJECT_TARGETS.speedup_vs_flashinfer_tc
     def flushes(*speedups):
@@ -297,7 +297,7 @@ def test_ceiling_text_says_what_the_bar_needs_from_the_fitted_lines():
 
 
 def test_the_targets_cite_the_latest_ceiling_run_of_their_own_gpu_only():
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     folder = REPO_ROOT / "results/paper"
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")         # an H200 run
@@ -354,7 +354,7 @@ def _write_runs(folder, name, rows, stamp, more=()):
 
 
 def test_the_bar_cites_the_tail_only_where_flashinfer_ran_beside_it(tmp_path):
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     table = pd.read_csv(REPO_ROOT / "results/paper/zipfusion_attention_latency.csv")         # an H200 run
     first = latency.targets_text(table, timeline=_timeline(tmp_path)).split("\n")[0]
@@ -429,7 +429,7 @@ def test_the_timeline_text_reports_l2_prefetches_for_the_later_split_against_the
 
 
 def test_the_timeline_text_reports_short_programs_left_to_the_block_scheduler(tmp_path):
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     timeline = _timeline(tmp_path)
     assert "Short programs" not in latency.timeline_text(timeline)
@@ -461,7 +461,7 @@ def test_the_timeline_text_reports_short_programs_left_to_the_block_scheduler(tm
 
 
 def test_the_resources_text_names_the_specialisation_that_spills():
-    from zipkv.chapters import kernels
+    from zipkv.study.chapters import kernels
 
     rows = [dict(kernel="_decode_kernel", path=p, pages_per_tile=t, spill_stores=108 if (p, t) == ("mixed", 8) else 0,
                  registers=200, shared_bytes=40960, programs_per_sm=2, num_warps=4, cp_async_ptx=72, num_stages=3)

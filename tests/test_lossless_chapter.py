@@ -1,4 +1,4 @@
-"""zipkv.chapters.lossless: does the decode kernel read packed pages without changing a bit of its output (the
+"""zipkv.study.chapters.lossless: does the decode kernel read packed pages without changing a bit of its output (the
 Triton kernel: under TRITON_INTERPRET=1 without a GPU, on the GPU otherwise; the Gluon kernel's case runs on the GPU in test_decode_mma.py), and
 the chapter's sentences from its tables."""
 import os
@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pandas as pd  # noqa: E402
 
-from zipkv.chapters import lossless  # noqa: E402
+from zipkv.study.chapters import lossless  # noqa: E402
 
 
 def _capture(T=41, H=2, G=3, D=32, seed=0, outlier=False):

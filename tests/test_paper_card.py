@@ -4,9 +4,9 @@ engine; the measurement refuses any other GPU before it starts."""
 import pandas as pd
 import pytest
 
-from zipkv import findings
-from zipkv.chapters import paper_card
-from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL
+from zipkv.study import findings
+from zipkv.study.chapters import paper_card
+from zipkv.study.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL
 
 POINTS = [(2048, 32), (2048, 64), (2048, 96), (8192, 32), (8192, 64), (8192, 96)]
 
@@ -85,7 +85,7 @@ def test_measuring_on_another_gpu_is_an_error_before_anything_runs(tmp_path):
 def test_the_throughput_chapter_quotes_the_card_where_its_run_is_committed(tmp_path):
     """The H200 chapter's paragraph on the paper's card: ZipFusion's step and tokens/s against the mma-layout
     engine's, from the card's committed Fig. 5 rows beside the chapter's table; nothing before the card has run."""
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
 
     committed = tmp_path / "zipfusion_throughput.csv"
     assert chapter.card_text(committed) == ""

@@ -8,14 +8,17 @@ import sys
 import pytest
 import torch
 
-from zipkv.book import REPO_ROOT
+from zipkv.study.book import REPO_ROOT
 
 EXAMPLES = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
 
 
 def test_the_readme_examples_are_found():
-    """KVSculpt's cache in generate, the captured cache, the serving engine, the decode kernel."""
-    assert len(EXAMPLES) == 4 and "Engine(" in EXAMPLES[2] and "plan(" in EXAMPLES[3]
+    """The library's calls, in the order a user meets them: a distilled cache in generate, the serving engine, the
+    decode kernel, the format; then the captured cache."""
+    assert len(EXAMPLES) == 5
+    for example, call in zip(EXAMPLES, ("zipkv.compress(", "Engine(", "plan(", "zipkv.pack(", "capture(")):
+        assert call in example
 
 
 @pytest.mark.slow

@@ -1,11 +1,11 @@
-"""zipkv.report: the glued figure output is the one myst-nb's own ``glue`` writes (so the book places it)."""
+"""zipkv.study.report: the glued figure output is the one myst-nb's own ``glue`` writes (so the book places it)."""
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import pytest
 
-from zipkv import report
+from zipkv.study import report
 
 
 def _calls(monkeypatch, target, name):

@@ -2,8 +2,8 @@
 has them (host launch time varies between runs), else from the Python-launched timings."""
 import pandas as pd
 
-from zipkv import book
-from zipkv.chapters import restore
+from zipkv.study import book
+from zipkv.study.chapters import restore
 
 TABLE = pd.read_csv(book.REPO_ROOT / "results" / "paper" / "zipfusion_restore_baselines.csv")
 

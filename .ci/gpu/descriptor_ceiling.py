@@ -10,7 +10,7 @@ an empty launch (a one-element add: the floor of what the cold-L2 timer measures
 
 Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
 ``python3 .ci/gpu/descriptor_ceiling.py OUT.csv`` (about a minute). The latency chapter reads the committed table
-``results/paper/zipfusion_descriptor_ceiling.csv`` (:func:`zipkv.chapters.latency.ceiling_text`).
+``results/paper/zipfusion_descriptor_ceiling.csv`` (:func:`zipkv.study.chapters.latency.ceiling_text`).
 """
 import datetime
 import importlib.util

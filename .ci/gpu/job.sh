@@ -10,8 +10,8 @@ step() { echo "=== $(date -u +%H:%M:%S) $*"; "$@"; echo "=== rc=$? $(date -u +%H
 # timed chapters run only on the H200: their committed numbers and the kernels' tuning (decode_tuning.json) are
 # from it; on another card the job runs what measures quality or bits, not speed
 timed() { if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then step "$@"; else echo "=== skipped (not an H200): $*"; fi; }
-# ~6 min, plus its capacity table (zipkv.throughput.packed_capacity: host work, 75 s on an H100 machine at 7f9282c)
-timed python3 -m zipkv book --profile paper --force --no-html --only zipfusion_throughput
+# ~6 min, plus its capacity table (zipkv.study.experiments.throughput.packed_capacity: host work, 75 s on an H100 machine at 7f9282c)
+timed python3 -m zipkv.study book --profile paper --force --no-html --only zipfusion_throughput
 step python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py tests/test_lossless_chapter.py tests/test_engine.py \
   -k "packed_pages or lossless or reads or sentences or changed or same_kernel or fused_kernel_greedy"
 touch JOB-DONE

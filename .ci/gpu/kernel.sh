@@ -14,7 +14,7 @@ step() { echo "=== $(date -u +%H:%M:%S) $*"; "$@"; echo "=== rc=$? $(date -u +%H
 if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
   echo "=== not an H200: timings skipped"
 else
-  step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_attention_latency
+  step python3 -m zipkv.study book --profile paper --force --no-html --only zipfusion_attention_latency
   step python3 .ci/gpu/descriptor_ceiling.py /tmp/ceiling.csv
   python3 -c "import pandas as pd; c = 'results/paper/zipfusion_descriptor_ceiling.csv'; pd.concat([pd.read_csv(c), pd.read_csv('/tmp/ceiling.csv')]).to_csv(c, index=False)"
   step python3 .ci/gpu/stream_variants.py /tmp/stream.csv

@@ -16,5 +16,5 @@ if ! python3 -c "import sys, torch; from zipkv.kernels import tuning; sys.exit(0
   python3 -c "import pandas as pd; pd.concat([pd.read_csv('/tmp/tune_gluon.csv'), pd.read_csv('/tmp/tune_triton.csv')]).to_csv('results/paper/zipfusion_paper_card_tuning.csv', index=False)"
   cp zipkv/kernels/decode_tuning.json results/paper/decode_tuning.json   # packed back: copy it to zipkv/kernels/
 fi
-step python3 -m zipkv book --profile paper --force --no-html --only zipfusion_paper_card   # ~4 min (210 s at 5c6bdd9)
+step python3 -m zipkv.study book --profile paper --force --no-html --only zipfusion_paper_card   # ~4 min (210 s at 5c6bdd9)
 touch JOB-DONE

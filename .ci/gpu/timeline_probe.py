@@ -15,7 +15,7 @@ Run on the GPU machine from the repository root with the wheels on PYTHONPATH:
 ``python3 .ci/gpu/timeline_probe.py OUT`` (about 1.5 minutes; writes ``OUT.csv``, ``OUT_programs.csv`` and
 ``OUT_fits.csv``; ``TIMELINE_ONLY=1``: the timeline part only, 20 s); :file:`kernel.sh` runs it on the H200 and appends
 them to ``results/paper/zipfusion_kernel_timeline*.csv``, which the latency chapter reads
-(:func:`zipkv.chapters.latency.timeline_text`).
+(:func:`zipkv.study.chapters.latency.timeline_text`).
 """
 import math
 import os

@@ -212,9 +212,9 @@ def mix_sweep(shape: str = "llama3.1-8b", ctx: int = 8192, batch: int = 64, real
     run, with :func:`with_bytes_bound`'s ``bytes_bound_us``: the row's bytes at FlashInfer TC's measured read rate
     (the latency of a kernel as fast per byte as FlashInfer; ``latency_us / bytes_bound_us`` is the row's cost per
     byte against FlashInfer's). The columns ``frac_compressed_k`` / ``_v`` give each cache's measured fractions;
-    ``commit`` and ``date`` the run's (:func:`zipkv.book.provenance`), since the sweep is saved beside tables of
+    ``commit`` and ``date`` the run's (:func:`zipkv.provenance.provenance`), since the sweep is saved beside tables of
     other runs."""
-    from zipkv.book import provenance
+    from zipkv.provenance import provenance
 
     run = provenance("bench")
     table = attention_benchmark(shape, (ctx,), (batch,), reps=reps, methods=("zipkv_compressed", "flashinfer_tc"),

@@ -2,7 +2,7 @@
 captured step graph, split by kernel kind from a profiler trace, beside the step's wall time as the
 engine measured it (the rest is host work: scheduling, page tables, the token copy back).
 
-Used by :func:`zipkv.throughput.decode_throughput` (``profile=True``) for the throughput chapter's
+Used by :func:`zipkv.study.experiments.throughput.decode_throughput` (``profile=True``) for the throughput chapter's
 "why" rows: a tokens/s ratio is the ratio of whole steps, and only part of a step is attention.
 """
 from __future__ import annotations

@@ -39,7 +39,7 @@ def nsight_targets(ctx: int = NCU_CTX, batch: int = NCU_BATCH):
     kernel (mma layouts, default launch options) on all-compressible KV, on the same KV uncompressed and on the
     measured mix (blocks compressed at :data:`MIX_CSV`'s fractions: its MIXED specialisation), and the pack
     kernel on 1 GiB of head_dim-128 pages."""
-    from zipkv.book import REPO_ROOT
+    from zipkv.provenance import SOURCE_ROOT
     from zipkv.kernels.decode_attention import plan
     from zipkv.kernels.pack import pack_pages
     from zipkv.paged import build_paged_cache
@@ -48,7 +48,7 @@ def nsight_targets(ctx: int = NCU_CTX, batch: int = NCU_BATCH):
     calls = []
     for shape, _ in NCU_SHAPES:
         k, v, q = attention_inputs(shape, ctx, batch, gen)
-        mix = mix_mask(k.shape[0], k.shape[1], ctx, k.shape[3], measured_compressible_fraction(REPO_ROOT / MIX_CSV), 0)
+        mix = mix_mask(k.shape[0], k.shape[1], ctx, k.shape[3], measured_compressible_fraction(SOURCE_ROOT / MIX_CSV), 0)
         for mode in ("eligible", "none", mix):
             cache, indptr, indices, last = build_paged_cache(k, v, compress=mode, k_layout="k_mma", v_layout="v_mma")
             calls.append(lambda run=plan(indptr, indices, last, cache, q.shape[1]).run, q=q: run(q))
@@ -72,7 +72,7 @@ def nsight_report(out, ncu: str = "ncu", timeout: float = 900) -> str:
     import sys
     from pathlib import Path
 
-    from zipkv.book import provenance
+    from zipkv.provenance import provenance
     from zipkv.kernels.decode_mma import MMA_LAUNCH
 
     cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "zipkv/", "-k", "regex:" + "|".join(NCU_KERNELS)]

@@ -199,7 +199,7 @@ def _interpreting() -> bool:
 # table read through L1 (the shared-memory gather was 2-7x slower).
 SPLITZIP_LAUNCH = dict(chunks_per_program=8, num_warps=4, words=True, early_escapes=True)
 """``words``: the 32-bit-word SplitZip kernel where it applies, else the per-value one (both bit-exact; the sweep
-of :func:`zipkv.restore_baselines.decode_launch_sweep` times both)."""
+of :func:`zipkv.study.experiments.restore_baselines.decode_launch_sweep` times both)."""
 HUFFMAN_LAUNCH = dict(chunks_per_program=16, num_warps=4, smem_lut=False)
 
 

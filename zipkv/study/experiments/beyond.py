@@ -32,7 +32,7 @@ import torch
 
 from zipkv.models import rope_of
 
-from . import attention_matching, bias, generalise
+from zipkv.distill import attention_matching, bias, generalise
 
 METHODS = ("attention_score", "select_fit", "select_fit_dense", "select_fit_future", "kvsculpt",
            "am_highest", "am_omp", "am_lbfgs", "attention_matching", "zipkv")
@@ -54,7 +54,7 @@ LABELS = {"attention_score": "Attention Score", "select_fit": "Select+Fit (paper
 
 def _future_problems(capture, m: int, horizon: int, validation_every: int):
     """One :class:`~zipkv.distill.Problem` per (layer, KV head) whose queries are zipkv's training split."""
-    from . import Problem
+    from zipkv.distill import Problem
 
     problems = []
     for layer, lc in enumerate(capture.layers):
@@ -100,7 +100,7 @@ class _Window:
     def __init__(self, model, window, methods, m, n_synthetic, probe_tokens, zcfg, seed, w):
         from zipkv.models import capture as capture_fn
 
-        from . import build_problems
+        from zipkv.distill import build_problems
 
         started = time.perf_counter()
         N = self.N = window.context
@@ -175,8 +175,8 @@ def compare(model, windows: Sequence, ratios: Sequence[float], methods: Sequence
 
     from zipkv.models import model_shape
 
-    from . import SculptConfig, compress
-    from .kvsculpt import solver_named
+    from zipkv.distill import SculptConfig, compress
+    from zipkv.distill.kvsculpt import solver_named
 
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
@@ -304,7 +304,7 @@ def layer_kl(model, window, ratio: float = 0.3, *, m: int = 256, probe_tokens: i
 
     from zipkv.models import capture as capture_fn
 
-    from . import compress
+    from zipkv.distill import compress
 
     N = window.context
     cap = capture_fn(model, window.context_ids)

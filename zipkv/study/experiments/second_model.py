@@ -1,4 +1,4 @@
-"""A second real model for "Beyond the paper" (issue 17, item 4): :func:`zipkv.distill.beyond.compare` on
+"""A second real model for "Beyond the paper" (issue 17, item 4): :func:`zipkv.study.experiments.beyond.compare` on
 Gemma-3-270M (or any model :func:`zipkv.models.load_model` loads), one window at a time, each window's rows
 appended to a CSV as soon as it is done, with the run's provenance and settings in every row.
 
@@ -11,7 +11,7 @@ as compressed away.
 
 Command line (writes ``--out``; ``--gguf`` a ``.gguf`` file, a model folder or a Hub id)::
 
-    python -m zipkv.distill.second_model --gguf /path/to/gemma-3-270m-q4_k_m.gguf \\
+    python -m zipkv.study.experiments.second_model --gguf /path/to/gemma-3-270m-q4_k_m.gguf \\
         --out results/paper/kvsculpt_beyond_gemma.csv --windows 3 --context 2048 --ratios 0.3
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Sequence
 from . import beyond
 
 DEFAULT_METHODS = beyond.METHODS
-"""Every method of :func:`zipkv.distill.beyond.compare` (KVSculpt last: its L-BFGS steps dominate)."""
+"""Every method of :func:`zipkv.study.experiments.beyond.compare` (KVSculpt last: its L-BFGS steps dominate)."""
 
 COLUMNS = ["model", "window", "ratio", "method", "kl", "seconds", "choice", "pg_id", "context", "continuation", "m",
            "n_synthetic", "steps", "probe_tokens", "layers", "sliding_layers", "sliding_window", "kv_fraction",
@@ -47,7 +47,7 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
         ratios: Sequence[float] = (0.3,), methods: Sequence[str] = DEFAULT_METHODS, m: int = 256,
         n_synthetic: int = 128, steps: int = 100, probe_tokens: int = 64, seed: int = 0, device: str = "cpu",
         first_window: int = 0, books_dir=None, progress: bool = True):
-    """Run :func:`zipkv.distill.beyond.compare` on windows ``first_window … n_windows − 1`` of
+    """Run :func:`zipkv.study.experiments.beyond.compare` on windows ``first_window … n_windows − 1`` of
     :func:`zipkv.data.windows` (``seed``), one window per call (``window_offset``: window ``w``'s probe is sampled
     as a whole-study run samples it), appending each window's rows to ``out`` (created with a header when absent).
 
@@ -56,7 +56,7 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
     import pandas as pd
     import torch
 
-    from zipkv import book, data, models
+    from zipkv import data, models, provenance
 
     if not 0 <= first_window < n_windows:
         raise ValueError(f"first_window={first_window}, n_windows={n_windows}: expected 0 ≤ first_window < n_windows")
@@ -70,7 +70,7 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
     settings = dict(context=context, continuation=continuation, m=m, n_synthetic=n_synthetic, steps=steps,
                     probe_tokens=probe_tokens, **shape)
     out = Path(out)
-    commit = book._git_commit(book.REPO_ROOT)  # the code that runs: taken once, before any window
+    commit = provenance.git_commit()  # the code that runs: taken once, before any window
     written = []
     for w in range(first_window, n_windows):
         started = time.perf_counter()
@@ -81,7 +81,7 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
         for key, value in settings.items():
             table[key] = value
         table["kv_fraction"] = [kv_fraction(r, context, **shape) for r in table.ratio]
-        table["device"] = book.device_name()
+        table["device"] = provenance.device_name()
         table["commit"] = commit
         table["date"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
         table = table[COLUMNS]
@@ -93,9 +93,9 @@ def run(model_path: str | None, out: str | Path, *, n_windows: int = 3, context:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m zipkv.distill.second_model``: run the comparison on ``--windows`` windows of a model and append the
+    """``python -m zipkv.study.experiments.second_model``: run the comparison on ``--windows`` windows of a model and append the
     rows to ``--out``, one window at a time."""
-    parser = argparse.ArgumentParser(prog="python -m zipkv.distill.second_model", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m zipkv.study.experiments.second_model", description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", default=None, help="a .gguf file, a model folder or a Hugging Face id (default: the "
                         "embedded SmolLM2-135M-Instruct, e.g. to extend the chapter's own table: --first-window, --ratios)")
     parser.add_argument("--out", required=True, help="CSV the rows are appended to")

@@ -1,7 +1,7 @@
 """The chapter "On the paper's card": ZipFusion's Fig. 4 points and Fig. 5 setting timed on an H100, the GPU of
 ZipFusion's paper (§IV-A), beside the paper's numbers and the H200 chapters' ("Decode attention latency", "Decode
 throughput under a memory budget"). The claims it judges are the findings page's rows of this chapter
-(:data:`zipkv.settings.PAPER_CARD`), so that both judge alike."""
+(:data:`zipkv.study.settings.PAPER_CARD`), so that both judge alike."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from zipkv import findings
-from zipkv import paper_values as pv
-from zipkv.chapters.throughput import card_rows
-from zipkv.settings import PAPER_CARD, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, ZIPFUSION_PAPER
+from zipkv.study import findings
+from zipkv.study import paper_values as pv
+from zipkv.study.chapters.throughput import card_rows
+from zipkv.study.settings import PAPER_CARD, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, ZIPFUSION_PAPER
 
 CARD = "H100"
 """What the GPU's name must hold for this chapter to measure (the paper's card)."""
@@ -41,22 +41,23 @@ def on_card() -> bool:
 def measure(real_kv_csv, out_dir, *, reps: int = 30, device_name: str | None = None) -> None:
     """On an H100: Fig. 4's Llama-3.1-8B-shape points (:func:`zipkv.bench.attention_benchmark`, the measured mix and
     every block compressible, beside FlashInfer and SDPA; ``reps`` cold-L2 calls per point) into
-    ``out_dir/zipfusion_paper_card.csv``, and Fig. 5's setting (:func:`zipkv.throughput.figure5` with the tokens/s
+    ``out_dir/zipfusion_paper_card.csv``, and Fig. 5's setting (:func:`zipkv.study.experiments.throughput.figure5` with the tokens/s
     bar's two methods, 3 alternating runs at the largest batch, step profiles and the mma-layout engine; the restore
     baselines' buffers do not fit the card's 80 GB beside the budget at their largest batch) into
     ``out_dir/zipfusion_paper_card_throughput.csv``, both with the run's device, commit and date. Another GPU is an
     error before anything runs: this chapter's numbers are the H100's."""
     import torch
 
-    from zipkv import bench, book
-    from zipkv.throughput import REPEATED, figure5
+    from zipkv import bench
+    from zipkv.provenance import provenance
+    from zipkv.study.experiments.throughput import REPEATED, figure5
 
     name = device_name or (torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA GPU")
     if CARD not in name:
         raise RuntimeError(f"the chapter on the paper's card measures on an {CARD}; this machine has {name!r} "
                            f"(render the committed run with from_results=True)")
     out_dir = Path(out_dir)
-    run = book.provenance("bench")
+    run = provenance("bench")
     stamp = dict(commit=run["commit"], date=run["date"])            # the latency table names its device itself
     fraction = bench.measured_compressible_fraction(real_kv_csv)
     latency = bench.attention_benchmark("llama3.1-8b", ZIPFUSION_PAPER.contexts, ZIPFUSION_PAPER.batches, fraction,

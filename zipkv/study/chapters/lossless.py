@@ -8,7 +8,7 @@ import pandas as pd
 import torch
 
 from zipkv import format as kvformat
-from zipkv import report
+from zipkv.study import report
 from zipkv.kernels.pack import pack_pages
 
 
@@ -168,7 +168,7 @@ def generation_identity(model, prompts, new_tokens: int) -> pd.DataFrame:
     take) both engines use the torch reference attention. One row per comparison and request: comparison, request,
     identical, first_difference (index of the first differing new token, or None)."""
     from zipkv.engine import Engine, kv_budget_for
-    from zipkv.throughput import token_agreement
+    from zipkv.study.experiments.throughput import token_agreement
 
     from zipkv.models import ModelShape
 

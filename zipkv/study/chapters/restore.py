@@ -1,10 +1,10 @@
 """What the restore-before-attention chapter (ZipFusion §II-B) shows: its table, verdict, details and figure, from
-the bits measured on real KV and the GPU run of :func:`zipkv.restore_baselines.restore_step_benchmark`."""
+the bits measured on real KV and the GPU run of :func:`zipkv.study.experiments.restore_baselines.restore_step_benchmark`."""
 from __future__ import annotations
 
 import pandas as pd
 
-from zipkv import paper_values as pv
+from zipkv.study import paper_values as pv
 
 COLUMNS = ["codec", "tensor", "bits_per_value", "encode_gbps", "decode_gbps", "restore_ms_per_step",
            "attention_ms_per_step", "ctx", "batch"]

@@ -1,6 +1,6 @@
 """Decode throughput under a memory budget (ZipFusion §IV-A, §IV-C, Fig. 5): the runs of the engine of
 :mod:`zipkv.engine` at a fixed batch and at each method's largest batch under one KV budget (what the chapter
-shows of them: :mod:`zipkv.chapters.throughput`).
+shows of them: :mod:`zipkv.study.chapters.throughput`).
 
 Setup (the paper's, §IV-A): 8192-token inputs, 256 output tokens, the decode steps after the first
 token timed; prefixes pre-compressed (ZipFusion), new KV uncompressed for every method. Substitutions,
@@ -19,7 +19,7 @@ import torch
 
 from zipkv import format as fmt
 from zipkv.engine import Engine, Prefix, kv_budget_for
-from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
+from zipkv.study.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "BASELINE_LAYOUTS", "REPEATED", "engine_settings", "make_codec",
            "restore_buffer_pages", "random_llama", "real_kv_blocks", "real_prefix", "CAPACITY_LAYOUTS", "packed_capacity",
@@ -35,7 +35,7 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 METHODS = {"uncompressed": "none", "zipfusion": "prompt", "splitzip": "prompt", "huffman": "prompt"}
 """Engine compression mode per method: uncompressed stores everything raw; ZipFusion compresses the
 prefix pages, new KV stays raw (§IV-A); the restore baselines (:data:`RESTORE`) keep the prefix as their
-codec's payload and restore it before attention (:class:`zipkv.engine_step.RestoreBuffer`)."""
+codec's payload and restore it before attention (:class:`zipkv.runner.RestoreBuffer`)."""
 
 RESTORE = ("splitzip", "huffman")
 """The restore-before-attention baselines: SplitZip-style and Huffman (DFloat11-style) of :mod:`zipkv.codecs`."""
@@ -45,7 +45,7 @@ BASELINE_LAYOUTS = dict(k_layout="token", v_layout="token")
 path -- the stand-in for SGLang's FlashInfer decode (timed beside FlashInfer's tensor-core decode in "Decode
 attention latency") and the raw kernel the restore baselines' buffers go through. The engine's own default
 for raw pages on a GPU, the mma layouts and the Gluon kernel (:func:`zipkv.engine.default_layouts`), runs as rows of
-:data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL` (:func:`figure5`'s ``mma_baseline``)."""
+:data:`~zipkv.study.settings.THROUGHPUT_MMA_BASELINE_MODEL` (:func:`figure5`'s ``mma_baseline``)."""
 
 
 def engine_settings(method: str) -> dict:
@@ -274,13 +274,13 @@ def decode_throughput(model, method: str, *, kv_budget_bytes: int, blocks, conte
         res = engine.generate(prompts, new_tokens, prefixes=prefixes, max_decode_steps=steps, progress=False)
     st = res.stats
     power = monitor.summary(st["decode_seconds"]) if monitor is not None else {}
-    row = dict(method=method, **_run_columns(st), fused_ops=engine.step_ops.fused, **power,
+    row = dict(method=method, **_run_columns(st), fused_ops=engine.runner.step_ops.fused, **power,
                step_ms_each=json.dumps([round(1e3 * x["seconds"], 3) for x in st["steps"]]),
                graph_capture_s=st["graph_capture_seconds"])
-    if profile and engine.graphs.graph is not None:
+    if profile and engine.runner.graphs.graph is not None:
         from zipkv.bench.engine import step_breakdown
-        br = step_breakdown(engine.graphs.graph)
-        plan = (engine.attention.plans or [None])[0]
+        br = step_breakdown(engine.runner.graphs.graph)
+        plan = (engine.runner.attention.plans or [None])[0]
         row.update(replay_ms=br["replay_ms"], launch_ms=br["launch_ms"], host_ms=row["step_ms"] - br["replay_ms"],
                    **{f"{k}_ms": v for k, v in br["kernel_ms"].items()},
                    **{f"gap_before_{k}_ms": v for k, v in br["gap_ms"].items()},
@@ -304,7 +304,8 @@ def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24,
     for each row (``Engine(overlap=...)``; column ``overlap``): with and without the overlapped steps, what the
     host's work costs a step."""
     import pandas as pd
-    from zipkv import book, data, models
+    from zipkv.provenance import provenance
+    from zipkv import data, models
     small, tok = models.load_model(dtype=torch.bfloat16, device=device)
     model, common = _llama_setting(small, tok, data.load_books(), device=device, context=context, new_tokens=new_tokens,
                                    uncompressed_max_batch=uncompressed_max_batch, kv_windows=kv_windows,
@@ -317,15 +318,15 @@ def step_profile(*, device="cuda", context=8192, new_tokens=256, timed_steps=24,
                                   overlap=overlap, **common)
             r.pop("stats")
             rows.append({"model": THROUGHPUT_PAPER_MODEL, **r})
-    run = book.provenance("bench")
+    run = provenance("bench")
     return pd.DataFrame(rows).assign(device=run["device"], commit=run["commit"], date=run["date"])
 
 
 def gpu_run_record() -> dict:
-    """This run's provenance (:func:`zipkv.book.provenance`: ``device``, ``commit``, ``date``, ...) and, on a GPU,
+    """This run's provenance (:func:`zipkv.provenance.provenance`: ``device``, ``commit``, ``date``, ...) and, on a GPU,
     ``gpu_uuid``: the board, which tells apart two GPUs of one model (their power draw and clocks differ)."""
-    from zipkv import book
-    record = book.provenance("throughput")
+    from zipkv.provenance import provenance
+    record = provenance("throughput")
     if torch.cuda.is_available():
         record["gpu_uuid"] = str(torch.cuda.get_device_properties(0).uuid)
     return record
@@ -440,14 +441,14 @@ def figure5(*, device="cuda", shape="llama3.1-8b", context=8192, new_tokens=256,
     SplitZip's codebook is calibrated on captured KV of windows the prefixes do not use (seed + 1).
     ``shape=None`` runs the end-to-end part only (the CPU quick profile). progress_csv: rows are appended
     there as they are measured (a long GPU run keeps what it measured). profile: each Llama-shape row also gets its
-    decode-step breakdown (``decode_throughput(profile=True)``; :func:`zipkv.chapters.throughput.step_table`). repeats: runs of each of
+    decode-step breakdown (``decode_throughput(profile=True)``; :func:`zipkv.study.chapters.throughput.step_table`). repeats: runs of each of
     :data:`REPEATED`'s methods at its largest batch (an odd number; after every method's first run, in rounds that
     alternate the methods), whose median run is the row (:func:`median_run`). unfused: also run :data:`REPEATED` at
     their largest batches with the model's own modules for the step's norms, rotary and MLP product
-    (``fused_ops=False``), as rows of model :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL`. mma_baseline: also run
+    (``fused_ops=False``), as rows of model :data:`~zipkv.study.settings.THROUGHPUT_UNFUSED_MODEL`. mma_baseline: also run
     uncompressed at its largest batch with its pages in the mma layouts, read by the Gluon kernel's all-raw path (the
     engine's default on a GPU), ``repeats`` times, its median run a row of model
-    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL` (:func:`zipkv.chapters.throughput.mma_baseline_text`).
+    :data:`~zipkv.study.settings.THROUGHPUT_MMA_BASELINE_MODEL` (:func:`zipkv.study.chapters.throughput.mma_baseline_text`).
     methods: the Llama-shape runs' methods (default every one of :data:`METHODS`; a card whose memory does not hold
     the restore baselines' buffers at their largest batch, such as the H100 of ``.ci/gpu/paper_card.sh``, runs
     :data:`REPEATED`)."""

@@ -327,7 +327,7 @@ def measure(n_windows: int, context: int, *, device: str = "cpu", books_dir=None
 
 
 def main(argv=None):
-    """``python -m zipkv.restore_baselines SAMPLE OUT_DIR``: the GPU run behind the chapter, from a saved sample
+    """``python -m zipkv.study.experiments.restore_baselines SAMPLE OUT_DIR``: the GPU run behind the chapter, from a saved sample
     (``torch.save(dict(layers=[(K, V), ...], codebook=[...]))``: every 4th layer of one 2048-token PG19 window (seed
     0) and the SplitZip codebook calibrated on another (seed 1); captured and saved first when SAMPLE does not
     exist): launch sweep, then :func:`restore_step_benchmark` with the sweep's best SplitZip-style launch (the one

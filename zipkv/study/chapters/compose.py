@@ -1,10 +1,10 @@
 """Chapter "A distilled prefix in ZipFusion pages": its verdict, figure and table from
-:func:`zipkv.compose.serve_distilled`'s rows."""
+:func:`zipkv.study.experiments.compose.serve_distilled`'s rows."""
 from __future__ import annotations
 
 import pandas as pd
 
-from zipkv import report
+from zipkv.study import report
 
 __all__ = ["summary", "verdict", "figure"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from zipkv.nsight_report import NsightReport
-from zipkv.settings import PROJECT_TARGETS, ZIPFUSION_PAPER
+from zipkv.study.nsight_report import NsightReport
+from zipkv.study.settings import PROJECT_TARGETS, ZIPFUSION_PAPER
 
 COMPRESSED, UNCOMPRESSED = "decode all compressed", "decode uncompressed"
 

@@ -1,6 +1,6 @@
 """Chapter "Decode throughput under a memory budget" (ZipFusion Fig. 5, §IV-C): the verdict against the bars, the
 figure beside the paper's bars, what the bars would need, the power draw, where a decode step goes, the memory
-timeline and the end-to-end paragraph, computed from the rows of :func:`zipkv.throughput.figure5`."""
+timeline and the end-to-end paragraph, computed from the rows of :func:`zipkv.study.experiments.throughput.figure5`."""
 from __future__ import annotations
 
 import json
@@ -8,9 +8,8 @@ import math
 import statistics
 
 from zipkv import format as fmt
-from zipkv.settings import (PAPER_CARD, PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL,
-                            THROUGHPUT_UNFUSED_MODEL)
-from zipkv.throughput import LLAMA_8B, REPEATED, RESTORE
+from zipkv.study.settings import (PAPER_CARD, PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL)
+from zipkv.study.experiments.throughput import LLAMA_8B, REPEATED, RESTORE
 
 
 STEP_PARTS = {"attention_ms": "attention kernels", "gemm_ms": "matrix products", "restore_ms": "restore kernels",
@@ -209,7 +208,7 @@ def plot_throughput(df, paper: dict, fixed_batch: int = 32):
         ax.set_xticks(list(x), [f"{m}\nbatch {b}" for m, b in zip(methods, rows.batch)])
         ax.set_ylabel("decode tokens/s")
         ax.set_title(title)
-    from zipkv import paper_values as pv
+    from zipkv.study import paper_values as pv
     mb = pv.ZIPFUSION_MAX_BATCH['Llama-3.1-8B']
     axes[1].text(0.02, 0.97, f"paper (H100, SGLang): largest batch {mb['uncompressed']} → {mb['zipfusion']},\n"
                  f"tokens/s +{pv.ZIPFUSION_THROUGHPUT_GAIN_AT_MAX_BATCH['Llama-3.1-8B']:.1%} (no absolute tokens/s printed)",
@@ -248,15 +247,15 @@ def plot_memory_timeline(stats):
 
 BARS = dict(max_batch=PROJECT_TARGETS.max_batch_vs_uncompressed, tokens_per_s=PROJECT_TARGETS.tokens_per_s_vs_uncompressed,
             vs_restore=PROJECT_TARGETS.tokens_per_s_vs_best_restore)
-"""This project's bars for the chapter (issue 15, :data:`~zipkv.settings.PROJECT_TARGETS`), on the H200: ZipFusion's
+"""This project's bars for the chapter (issue 15, :data:`~zipkv.study.settings.PROJECT_TARGETS`), on the H200: ZipFusion's
 largest batch and its decode tokens/s at that batch over uncompressed's, and over the best restore baseline's --
 targets set here, not the paper's claims (the paper reports 57/46 = 1.24x, +26.3 %, 2.76x)."""
 
 
 def paper_rows(table, committed_csv=None, model: str = THROUGHPUT_PAPER_MODEL):
-    """``(rows, note)``: the Fig. 5-setting rows of ``table`` (``model``: :data:`~zipkv.settings.THROUGHPUT_PAPER_MODEL`,
-    :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL` for the runs with the modules' step kernels, or
-    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`), else -- a run
+    """``(rows, note)``: the Fig. 5-setting rows of ``table`` (``model``: :data:`~zipkv.study.settings.THROUGHPUT_PAPER_MODEL`,
+    :data:`~zipkv.study.settings.THROUGHPUT_UNFUSED_MODEL` for the runs with the modules' step kernels, or
+    :data:`~zipkv.study.settings.THROUGHPUT_MMA_BASELINE_MODEL`), else -- a run
     without them, e.g. the CPU profile -- those of the committed GPU table ``committed_csv``, with a note saying so."""
     from pathlib import Path
 
@@ -292,8 +291,8 @@ def e2e_verdict(table, same: dict) -> str:
 
 def e2e_rows(table):
     """The end-to-end rows of the chapter's ``table``: the embedded model's, outside the Fig. 5 setting (none of
-    :data:`~zipkv.settings.THROUGHPUT_PAPER_MODEL`, :data:`~zipkv.settings.THROUGHPUT_UNFUSED_MODEL`,
-    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`)."""
+    :data:`~zipkv.study.settings.THROUGHPUT_PAPER_MODEL`, :data:`~zipkv.study.settings.THROUGHPUT_UNFUSED_MODEL`,
+    :data:`~zipkv.study.settings.THROUGHPUT_MMA_BASELINE_MODEL`)."""
     return table[~table.model.isin([THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL, THROUGHPUT_MMA_BASELINE_MODEL])]
 
 
@@ -354,7 +353,7 @@ def compact_table(table):
     uncompressed at the same batch kind (the fixed batch, or each method's largest), the step, the stored bits and
     the compressed shares, and the paper's largest batch and tokens/s where it prints them. The full table
     (per-step times, profiles) is the results CSV."""
-    from zipkv import paper_values as pv
+    from zipkv.study import paper_values as pv
 
     t = table.copy()
     t["batch kind"] = ["largest" if b == mb else "fixed" for b, mb in zip(t.batch, t.max_batch)]
@@ -377,7 +376,7 @@ def compact_table(table):
 
 
 def agreement_text(same: dict) -> str:
-    """One sentence from :func:`zipkv.throughput.figure5`'s ``e2e_same_tokens``: per method, requests whose greedy tokens equal uncompressed's."""
+    """One sentence from :func:`zipkv.study.experiments.throughput.figure5`'s ``e2e_same_tokens``: per method, requests whose greedy tokens equal uncompressed's."""
     parts = []
     for method, a in same.items():
         part = f"{method} {a['identical']} of {a['requests']}"
@@ -400,7 +399,7 @@ MEMORY_TIMELINE_CAPTION = (
 
 
 def runs_text(big) -> str:
-    """How the largest-batch rows of :data:`zipkv.throughput.REPEATED` were measured (their ``tokens_per_s_runs``): the runs, the
+    """How the largest-batch rows of :data:`zipkv.study.experiments.throughput.REPEATED` were measured (their ``tokens_per_s_runs``): the runs, the
     tokens/s ratio of each round (the methods' i-th runs) and their spread; one run where there are no repeats."""
     import pandas as pd
     rows = {m: largest_batch_rows(big, m).iloc[0] for m in REPEATED}
@@ -429,7 +428,7 @@ def paper_bars() -> dict:
     """The paper's tokens/s where it prints them, keyed like :func:`plot_throughput` reads them: ZipFusion at
     batch 32, and uncompressed and SplitZip at batch 32 derived from ZipFusion's 2044 tokens/s, +15.3 % and
     2.51x (§IV-C)."""
-    from zipkv import paper_values as pv
+    from zipkv.study import paper_values as pv
     ours = pv.ZIPFUSION_TOKENS_PER_S_BATCH32['Llama-3.1-8B']
     return {("fixed", "zipfusion"): ours,
             ("fixed", "uncompressed"): ours / (1 + pv.ZIPFUSION_GAIN_BATCH32['Llama-3.1-8B']),
@@ -479,9 +478,9 @@ def bar_checks(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256
 
 def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, mma_rows=None, runs=None):
     """The chapter's verdict from the Llama-8B-shape rows ``big``: ``(markdown, kind)``; with ``mma_rows`` (rows of
-    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`) also ZipFusion's tokens/s over that uncompressed engine's,
+    :data:`~zipkv.study.settings.THROUGHPUT_MMA_BASELINE_MODEL`) also ZipFusion's tokens/s over that uncompressed engine's,
     with ``runs`` (:func:`gpu_runs`, two or more) the tokens/s ratio's range over the chapter's GPU runs."""
-    from zipkv import paper_values as pv
+    from zipkv.study import paper_values as pv
     c = bar_checks(big, fixed_batch, context, new_tokens)
     z, u, b = c["z"], c["u"], c["best_row"]
     ok = all(c[k] >= BARS[k] for k in BARS)
@@ -526,7 +525,7 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, m
 def vs_mma_baseline(big, mma_rows):
     """``(ratio, zipfusion_row, mma_row)``: ZipFusion's tokens/s at its largest batch (Llama-8B-shape rows ``big``)
     over the uncompressed engine's in the mma layouts (``mma_rows``, rows of
-    :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`); None where either is missing."""
+    :data:`~zipkv.study.settings.THROUGHPUT_MMA_BASELINE_MODEL`); None where either is missing."""
     z = largest_batch_rows(big, "zipfusion")
     if mma_rows is None or mma_rows.empty or z.empty:
         return None
@@ -536,14 +535,14 @@ def vs_mma_baseline(big, mma_rows):
 
 def mma_baseline_text(big, mma_rows) -> str:
     """ZipFusion's tokens/s at its largest batch (Llama-8B-shape rows ``big``) over the uncompressed engine's in the
-    mma layouts (``mma_rows``, rows of :data:`~zipkv.settings.THROUGHPUT_MMA_BASELINE_MODEL`), beside the ratio over
-    the chapter's uncompressed baseline (:data:`zipkv.throughput.BASELINE_LAYOUTS`); where ``mma_rows`` is empty,
+    mma layouts (``mma_rows``, rows of :data:`~zipkv.study.settings.THROUGHPUT_MMA_BASELINE_MODEL`), beside the ratio over
+    the chapter's uncompressed baseline (:data:`zipkv.study.experiments.throughput.BASELINE_LAYOUTS`); where ``mma_rows`` is empty,
     that the run did not time it."""
     u, z = (largest_batch_rows(big, m).iloc[0] for m in ("uncompressed", "zipfusion"))
     text = ("**Against the engine's own uncompressed default.** On a GPU `Engine(compress=\"none\")` stores raw pages in "
             "the mma layouts, read by the Gluon kernel's all-raw path, which \"Decode attention latency\" times as fast "
             "as the Triton kernel's or faster; the chapter's uncompressed rows are the token layouts and the Triton kernel "
-            "(`zipkv.throughput.BASELINE_LAYOUTS`), the stand-in for SGLang's FlashInfer decode. ")
+            "(`zipkv.study.experiments.throughput.BASELINE_LAYOUTS`), the stand-in for SGLang's FlashInfer decode. ")
     if (vs := vs_mma_baseline(big, mma_rows)) is None:
         return text + "This run did not time the mma-layout engine (`mma_baseline`)."
     ratio, z, m = vs
@@ -581,7 +580,7 @@ def bars_need_text(big, fixed_batch: int, context: int = 8192, new_tokens: int =
 
 
 CAPACITY_SIDE = "capacity"
-"""The chapter's side table of :func:`zipkv.throughput.packed_capacity` (columns ``device``, ``commit``, ``date``
+"""The chapter's side table of :func:`zipkv.study.experiments.throughput.packed_capacity` (columns ``device``, ``commit``, ``date``
 added): the memory manager's largest batch on the chapter's real-KV prefixes and budget per block arrangement."""
 
 
@@ -594,7 +593,7 @@ def capacity_text(capacity, big) -> str:
     best = capacity.sort_values(["max_batch", "chunks_short"], ascending=[False, True]).iloc[0]
     reach = capacity[capacity.max_batch >= needed]
     text = (f"**Placed by the memory manager.** Admitted packed, in order, under the same budget "
-            f"(`zipkv.throughput.packed_capacity`: the same real-KV prefixes, only their blocks' sizes placed; run on "
+            f"(`zipkv.study.experiments.throughput.packed_capacity`: the same real-KV prefixes, only their blocks' sizes placed; run on "
             f"{eng.device}, commit {eng.commit}, {eng.date}), ZipFusion's arrangement (keys and values in the mma "
             f"layouts, {eng.bits_per_value:.3f} bits per prefix value) holds {eng.max_batch} requests, and request "
             f"{eng.max_batch + 1} lacks {eng.chunks_short:.0f} of the budget's chunks ({eng.frac_budget_short:.2%} of it). ")
@@ -609,10 +608,10 @@ def capacity_text(capacity, big) -> str:
 
 
 def capacity_table(capacity, results_csv=None, committed_csv=None):
-    """The :data:`CAPACITY_SIDE` table the chapter shows: this run's (``capacity``, :func:`zipkv.throughput.figure5`'s),
+    """The :data:`CAPACITY_SIDE` table the chapter shows: this run's (``capacity``, :func:`zipkv.study.experiments.throughput.figure5`'s),
     saved beside ``results_csv``; for a run without the Llama-shape rows, the one committed beside ``committed_csv``
     (None where there is none)."""
-    from zipkv import committed
+    from zipkv.study import committed
     if capacity is None:
         return committed.read_committed_side(committed_csv, CAPACITY_SIDE) if committed_csv else None
     if results_csv:
@@ -718,7 +717,7 @@ def scheduler_text(big) -> str:
 
 
 RUNS_SIDE = "runs"
-"""The chapter's side table of its GPU runs (:func:`zipkv.committed.side_table` of the main table): one row per run
+"""The chapter's side table of its GPU runs (:func:`zipkv.study.committed.side_table` of the main table): one row per run
 of the Fig. 5 setting (:func:`gpu_run_row`), appended by each GPU run, so that the spread from run to run and from
 board to board (power cap, SM clock) stays beside the one run the chapter shows."""
 
@@ -743,10 +742,10 @@ def gpu_run_row(big, mma_rows, record: dict, fixed_batch: int, context: int = 81
 def append_gpu_run(results_csv, big, mma_rows, fixed_batch: int, context: int = 8192, new_tokens: int = 256,
                    record: dict | None = None) -> None:
     """Append this GPU run's row (:func:`gpu_run_row` of ``big`` and ``mma_rows``; ``record``: its provenance, by default
-    :func:`zipkv.throughput.gpu_run_record`) to the :data:`RUNS_SIDE` table beside ``results_csv``."""
+    :func:`zipkv.study.experiments.throughput.gpu_run_record`) to the :data:`RUNS_SIDE` table beside ``results_csv``."""
     import pandas as pd
-    from zipkv.committed import side_table
-    from zipkv.throughput import gpu_run_record
+    from zipkv.study.committed import side_table
+    from zipkv.study.experiments.throughput import gpu_run_record
     row = gpu_run_row(big, mma_rows, record or gpu_run_record(), fixed_batch, context, new_tokens)
     path = side_table(results_csv, RUNS_SIDE)
     runs = pd.read_csv(path) if path.exists() else pd.DataFrame()
@@ -758,7 +757,7 @@ def gpu_runs(results_csv=None, committed_csv=None, append: tuple | None = None):
     an empty frame where neither has one. ``append``: this GPU run's ``(big, mma_rows, fixed_batch, context,
     new_tokens)``, whose row (:func:`append_gpu_run`) joins the table beside ``results_csv`` first."""
     import pandas as pd
-    from zipkv.committed import side_table
+    from zipkv.study.committed import side_table
     if append is not None and results_csv is not None:
         append_gpu_run(results_csv, *append)
     for main in (results_csv, committed_csv):

@@ -58,7 +58,7 @@ decode step's norms, rotary embedding and MLP product (``Engine(fused_ops=False)
 THROUGHPUT_MMA_BASELINE_MODEL = "Llama-3.1-8B shapes, uncompressed in the mma layouts"
 """``model`` of the rows of ``zipfusion_throughput.csv`` in the Fig. 5 setting where the uncompressed engine stores its
 pages in the mma layouts, read by the Gluon kernel's all-raw path (the engine's default on a GPU), instead of the
-chapter's uncompressed baseline, the token layouts read by the Triton kernel's (``zipkv.throughput.BASELINE_LAYOUTS``)."""
+chapter's uncompressed baseline, the token layouts read by the Triton kernel's (``zipkv.study.experiments.throughput.BASELINE_LAYOUTS``)."""
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,12 @@ def scaled_down_note(**params) -> str:
     if KVSCULPT_PAPER.matches(**params):
         return ""
     return " **A scaled-down run (not the paper's setting): its numbers are not comparable with the paper's.**"
+
+
+def setting_line(model: str, n_windows: int, context: int, continuation: int, m: int, n_synthetic: int, steps: int,
+                 solver: str) -> str:
+    """One sentence naming a KVSculpt chapter's model and setting (windows, N, continuation, m, synthetic queries,
+    steps, solver), flagging a scaled-down run."""
+    return (f"{model}: {n_windows} window{'s' if n_windows != 1 else ''} of N = {context} + {continuation} tokens; m = {m}, {n_synthetic} synthetic "
+            f"queries, {steps} KVSculpt steps, {solver} solver."
+            + scaled_down_note(context=context, m=m, n_synthetic=n_synthetic, steps=steps))

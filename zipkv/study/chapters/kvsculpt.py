@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from zipkv import paper_values as pv
-from zipkv.settings import scaled_down_note
+from zipkv.study import paper_values as pv
+from zipkv.study.settings import setting_line
 
 LABELS = {"random": "Random", "attention_score": "Attn Score", "select_fit": "Select+Fit",
           "joint_opt": "Joint Opt", "kvsculpt": "KVSculpt"}
@@ -33,15 +33,6 @@ def prepare(model_name, books_dir, n_windows, context, continuation, m, n_synthe
                     joint_config=baselines.JointConfig(steps=joint_steps))
     return model, shape, windows, settings, setting_line(shape.name, len(windows), context, continuation, m,
                                                            n_synthetic, steps, solver)
-
-
-def setting_line(model: str, n_windows: int, context: int, continuation: int, m: int, n_synthetic: int, steps: int,
-                 solver: str) -> str:
-    """One sentence naming a KVSculpt chapter's model and setting (windows, N, continuation, m, synthetic queries,
-    steps, solver), flagging a scaled-down run."""
-    return (f"{model}: {n_windows} window{'s' if n_windows != 1 else ''} of N = {context} + {continuation} tokens; m = {m}, {n_synthetic} synthetic "
-            f"queries, {steps} KVSculpt steps, {solver} solver."
-            + scaled_down_note(context=context, m=m, n_synthetic=n_synthetic, steps=steps))
 
 
 def table1(kl: pd.DataFrame) -> pd.DataFrame:
@@ -192,7 +183,7 @@ def kl_sources_figure(sources: pd.DataFrame):
     against the single-layer KL ratio (KVSculpt / Select+Fit), labelled by layer."""
     import matplotlib.pyplot as plt
 
-    from zipkv.distill.kl_sources import per_layer
+    from zipkv.study.experiments.kl_sources import per_layer
 
     layers = per_layer(sources)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -216,7 +207,7 @@ def heldout_figure(sources: pd.DataFrame, heldout: pd.DataFrame):
     continuation queries."""
     import matplotlib.pyplot as plt
 
-    from zipkv.distill.kl_sources import per_layer
+    from zipkv.study.experiments.kl_sources import per_layer
 
     train = per_layer(sources).objective_ratio
     held = heldout.pivot_table(index="layer", columns="method", values="heldout")
@@ -236,7 +227,7 @@ def heldout_figure(sources: pd.DataFrame, heldout: pd.DataFrame):
 
 
 def error_table_beside_paper(table: pd.DataFrame) -> pd.DataFrame:
-    """§6's per-window table (:func:`zipkv.distill.analysis.error_table`) with the paper's numbers as two more rows:
+    """§6's per-window table (:func:`zipkv.study.experiments.analysis.error_table`) with the paper's numbers as two more rows:
     its easy sequences' growth, and its hard sequences' largest growth with the hardest one's KL concentration."""
     paper = pd.DataFrame([
         dict(window="paper", label="easy", growth_first_to_last=pv.KVSCULPT_ERROR_GROWTH["easy"]),
@@ -248,7 +239,7 @@ def error_table_beside_paper(table: pd.DataFrame) -> pd.DataFrame:
 def static_budget_figure(v_norm: pd.DataFrame, table: pd.DataFrame, k: int, kv_heads: int, alpha: float, k_max: int):
     """Table 5's figure. Left: the per-layer budget (pairs per KV head) ``‖V‖^alpha`` gives each window at the uniform
     total ``k`` (``v_norm``: ‖V‖ ``[layer, window]``). Right: that allocation's KL over uniform's per window (``table``
-    of :func:`zipkv.distill.analysis.versus_uniform`) beside the paper's per sequence."""
+    of :func:`zipkv.study.experiments.analysis.versus_uniform`) beside the paper's per sequence."""
     import matplotlib.pyplot as plt
     import torch
 
@@ -272,9 +263,9 @@ def static_budget_figure(v_norm: pd.DataFrame, table: pd.DataFrame, k: int, kv_h
 
 
 def optimizer_kl_text(kl: pd.DataFrame | None) -> str:
-    """§5.2's end-to-end sentence for the optimizer chapter from :func:`zipkv.distill.analysis.optimizer_kl`'s table,
+    """§5.2's end-to-end sentence for the optimizer chapter from :func:`zipkv.study.experiments.analysis.optimizer_kl`'s table,
     or, where the run behind the page did not measure it (``kl`` None), that it needs a run."""
-    from zipkv.distill.analysis import adam_over_lbfgs
+    from zipkv.study.experiments.analysis import adam_over_lbfgs
 
     paper = (f"(paper: {pv.KVSCULPT_ADAM_KL_RANGE[0]}–{pv.KVSCULPT_ADAM_KL_RANGE[1]}× worse on its easy sequences, "
              f"those with KVSculpt KL < {pv.KVSCULPT_EASY_KL:g})")

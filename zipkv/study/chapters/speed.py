@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from zipkv import paper_values as pv
-from zipkv.findings import verdict_for
-from zipkv.settings import KVSCULPT_PAPER, PROJECT_TARGETS
+from zipkv.study import paper_values as pv
+from zipkv.study.findings import verdict_for
+from zipkv.study.settings import KVSCULPT_PAPER, PROJECT_TARGETS
 
 
 def _qwen(timings: pd.DataFrame, solver: str, ctx: int) -> pd.DataFrame:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pandas as pd
 
 from zipkv import models
-from zipkv import paper_values as pv
+from zipkv.study import paper_values as pv
 from zipkv.distill import evaluate, kvsculpt
 
 METHODS = ("select_fit", "kvsculpt")

@@ -9,10 +9,10 @@ import numpy as np
 import pandas as pd
 
 from zipkv import format as fmt
-from zipkv import paper_values as pv
-from zipkv import report
+from zipkv.study import paper_values as pv
+from zipkv.study import report
 from zipkv.models import EMBEDDED_SHAPE, PAPER_MODELS
-from zipkv.settings import PAPER_CARD, PROJECT_TARGETS, ZIPFUSION_PAPER
+from zipkv.study.settings import PAPER_CARD, PROJECT_TARGETS, ZIPFUSION_PAPER
 
 METHOD_LABELS = {"zipkv_compressed": "zipkv (compressed)", "zipkv_uncompressed": "zipkv (uncompressed)",
                  "flashinfer_tc": "FlashInfer TC", "flashinfer_cuda": "FlashInfer CUDA-core", "sdpa": "torch SDPA"}
@@ -174,8 +174,8 @@ def _bar(ratio: float, bar: float) -> str:
 
 def read_ncu(folder):
     """The committed Nsight Compute report in ``folder`` (``zipfusion_decode_ncu.txt``, ``python -m zipkv bench
-    ncu``) parsed (:func:`zipkv.nsight_report.parse`), or None where there is none."""
-    from zipkv import nsight_report
+    ncu``) parsed (:func:`zipkv.study.nsight_report.parse`), or None where there is none."""
+    from zipkv.study import nsight_report
     from zipkv.bench import nsight
 
     path = Path(folder) / "zipfusion_decode_ncu.txt"

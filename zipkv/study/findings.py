@@ -3,7 +3,7 @@ headline claims), the paper's number, ours, a verdict and the chapter that shows
 
 Every ``our_value`` is computed here from the committed results tables (``results/<profile>/<stem>.csv``,
 one per chapter, stem = the chapter notebook's name); the papers' numbers come from
-:mod:`zipkv.paper_values`. A claim whose table is not committed reads "not yet run".
+:mod:`zipkv.study.paper_values`. A claim whose table is not committed reads "not yet run".
 
 Verdicts: a claim states a number (or a range lo–hi) and which way is better for the paper's method.
 Ours *reproduces* it when it lies in the paper's range widened by the claim's ``slack`` factor
@@ -22,11 +22,10 @@ from typing import Callable, NamedTuple
 
 import pandas as pd
 
-from zipkv import paper_values as pv
-from zipkv.chapters import restore as restore_chapter
-from zipkv.committed import table1_kvsculpt
-from zipkv.settings import (PAPER_CARD, PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL,
-                            THROUGHPUT_UNFUSED_MODEL, ZIPFUSION_PAPER)
+from zipkv.study import paper_values as pv
+from zipkv.study.chapters import restore as restore_chapter
+from zipkv.study.committed import table1_kvsculpt
+from zipkv.study.settings import (PAPER_CARD, PROJECT_TARGETS, THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL, ZIPFUSION_PAPER)
 
 COLUMNS = ["paper", "item", "claim", "paper_value", "our_value", "verdict", "tolerance", "chapter"]
 VERDICTS = ("reproduced", "exceeded", "not reproduced", "not comparable", "not yet run", "beyond the paper")
@@ -198,7 +197,7 @@ def _lossless_exact(res: Results):
 
 
 def _read_identity(res: Results):
-    from zipkv.chapters.lossless import SAME_KERNEL
+    from zipkv.study.chapters.lossless import SAME_KERNEL
 
     if not res.has("zipfusion_lossless_identity"):
         return None
@@ -260,9 +259,9 @@ def _pack(res: Results):
 
 
 def _per_token_gain(res: Results):
-    """The latency chapter's context-sweep fit (:func:`zipkv.chapters.latency.context_fit`) at the Llama-3.1-8B
+    """The latency chapter's context-sweep fit (:func:`zipkv.study.chapters.latency.context_fit`) at the Llama-3.1-8B
     shape: the all-compressed kernel's gain per token over FlashInfer TC and each launch's fixed cost."""
-    from zipkv.chapters.latency import SHAPE, fit_pair, read_context_fit
+    from zipkv.study.chapters.latency import SHAPE, fit_pair, read_context_fit
 
     fit = read_context_fit(res.directory)
     pair = None if fit is None else fit_pair(fit, SHAPE)
@@ -284,7 +283,7 @@ RESTORE_CODECS = ("splitzip", "huffman")
 
 
 def _restore_ms(column: str):
-    """``column`` of :func:`zipkv.chapters.restore.step_times` (``restore_ms`` or ``attention_ms``) over the codecs
+    """``column`` of :func:`zipkv.study.chapters.restore.step_times` (``restore_ms`` or ``attention_ms``) over the codecs
     that restore first."""
     def ours(res: Results):
         t = restore_chapter.step_times(res["zipfusion_restore_baselines"])
@@ -323,7 +322,7 @@ def _card_gain(batch: int | None = None):
     the Triton kernel, the H200 chapter's baseline; the mma layouts and the Gluon kernel's raw path, timed at the
     largest batch only), minus 1, at its largest batch (``batch`` None) or at ``batch``."""
     def ours(res: Results):
-        from zipkv.chapters.throughput import largest_batch_rows
+        from zipkv.study.chapters.throughput import largest_batch_rows
 
         t = res[f"{PAPER_CARD}_throughput"]
         big = t[t.model == THROUGHPUT_PAPER_MODEL]
@@ -381,7 +380,7 @@ def _throughput_ratio(baselines: tuple[str, ...], minus_one: bool, batch: int | 
 def _vs_mma_baseline(res: Results):
     """ZipFusion's tokens/s at its largest batch over the uncompressed engine's in the mma layouts (the engine's own
     default on a GPU, the Gluon kernel's raw path), where the throughput run timed it."""
-    from zipkv.chapters.throughput import vs_mma_baseline
+    from zipkv.study.chapters.throughput import vs_mma_baseline
 
     t = res["zipfusion_throughput"]
     vs = vs_mma_baseline(_fig5_rows(res), t[(t.model == THROUGHPUT_MMA_BASELINE_MODEL) & (t.method == "uncompressed")])
@@ -393,10 +392,10 @@ def _vs_mma_baseline(res: Results):
 
 
 def _throughput_runs(res: Results):
-    """The throughput chapter's table of GPU runs (:data:`zipkv.chapters.throughput.RUNS_SIDE`): the range of ZipFusion's
+    """The throughput chapter's table of GPU runs (:data:`zipkv.study.chapters.throughput.RUNS_SIDE`): the range of ZipFusion's
     tokens/s over uncompressed's at the largest batches, and in how many runs the project's bar holds; None before two
     runs are in it."""
-    from zipkv.chapters.throughput import BARS, RUNS_SIDE
+    from zipkv.study.chapters.throughput import BARS, RUNS_SIDE
 
     stem = f"zipfusion_throughput_{RUNS_SIDE}"
     if not res.has(stem) or len(res[stem]) < 2:
@@ -422,9 +421,9 @@ def _optimizer_gap(kind: str):
 
 
 def _adam_kl(res: Results):
-    """§5.2 from the optimizer chapter's side table (:func:`zipkv.distill.analysis.optimizer_kl`): Adam's KL over
+    """§5.2 from the optimizer chapter's side table (:func:`zipkv.study.experiments.analysis.optimizer_kl`): Adam's KL over
     L-BFGS's on the easy windows, or on every window where none is easy; None before a run committed it."""
-    from zipkv.distill.analysis import adam_over_lbfgs
+    from zipkv.study.experiments.analysis import adam_over_lbfgs
 
     if not res.has("kvsculpt_optimizer_kl"):
         return None
@@ -595,7 +594,7 @@ def _solver_agreement(res: Results):
 
 
 _SELECT_FIT = ("select_fit", "select_fit_dense", "select_fit_future")
-"""The beyond chapter's Select+Fit variants (``zipkv.distill.beyond.SELECT_FIT_VARIANTS``, not imported: no torch here)."""
+"""The beyond chapter's Select+Fit variants (``zipkv.study.experiments.beyond.SELECT_FIT_VARIANTS``, not imported: no torch here)."""
 
 
 def _zipkv_against_baselines(t: pd.DataFrame) -> str:
@@ -615,8 +614,8 @@ def _zipkv_against_baselines(t: pd.DataFrame) -> str:
 def _beyond(res: Results):
     """zipkv's distiller at r = 0.3 (the issue's bar; the lowest ratio run when 0.3 is absent) against the best
     Select+Fit variant, Attention Matching and, where it ran on the same windows, KVSculpt (the chapter's rows
-    and those of ``kvsculpt_beyond_extra.csv`` it takes: :func:`zipkv.chapters.beyond.with_extra_rows`)."""
-    from zipkv.chapters.beyond import with_extra_rows
+    and those of ``kvsculpt_beyond_extra.csv`` it takes: :func:`zipkv.study.chapters.beyond.with_extra_rows`)."""
+    from zipkv.study.chapters.beyond import with_extra_rows
 
     t, _ = with_extra_rows(res["kvsculpt_beyond"], res.directory / "kvsculpt_beyond_extra.csv")
     t = t[t.ratio == (0.3 if (t.ratio == 0.3).any() else t.ratio.min())]
@@ -639,8 +638,8 @@ def _beyond(res: Results):
 def _beyond_other_ratios(res: Results):
     """zipkv's distiller at the ratios other than 0.3 against the best baseline (any method but zipkv, by mean KL),
     over the chapter's rows and those of the separate runs in ``kvsculpt_beyond_extra.csv`` (the same model and
-    settings; rows the chapter has are not taken: :func:`zipkv.chapters.beyond.with_extra_rows`)."""
-    from zipkv.chapters.beyond import with_extra_rows
+    settings; rows the chapter has are not taken: :func:`zipkv.study.chapters.beyond.with_extra_rows`)."""
+    from zipkv.study.chapters.beyond import with_extra_rows
 
     t, _ = with_extra_rows(res["kvsculpt_beyond"], res.directory / "kvsculpt_beyond_extra.csv")
     parts = []
@@ -658,9 +657,9 @@ def _beyond_other_ratios(res: Results):
 
 
 def _step_breakdown(res: Results):
-    """Where the throughput chapter's decode step goes at the largest batches (:func:`zipkv.chapters.throughput.step_table`):
+    """Where the throughput chapter's decode step goes at the largest batches (:func:`zipkv.study.chapters.throughput.step_table`):
     from the chapter's own profiled rows, else from the separate run ``zipfusion_engine_profile.csv``."""
-    from zipkv.chapters.throughput import overlapped_rows, step_row, step_table
+    from zipkv.study.chapters.throughput import overlapped_rows, step_row, step_table
 
     big = _fig5_rows(res) if res.has("zipfusion_throughput") else None
     if big is not None and "replay_ms" in big.columns and big.replay_ms.notna().any():

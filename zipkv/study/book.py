@@ -12,9 +12,7 @@ Layout (relative to ``root``, the repository by default)::
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -26,7 +24,10 @@ from pathlib import Path
 
 import yaml
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from zipkv.provenance import SOURCE_ROOT, provenance
+
+REPO_ROOT = SOURCE_ROOT
+"""The project folder: notebooks, params, book, results (the checkout that holds the package)."""
 RESULTS_PARAMETER = "results_csv"
 """Injected into every notebook: where to write its main table."""
 
@@ -106,7 +107,7 @@ def declared_parameters(source: Path) -> dict:
 
 
 FROM_RESULTS = "from_results"
-"""The parameter of a chapter that can be re-rendered from its committed results table (:mod:`zipkv.committed`)."""
+"""The parameter of a chapter that can be re-rendered from its committed results table (:mod:`zipkv.study.committed`)."""
 
 
 def plan(profile: str, only: list[str] | None = None, root: Path = REPO_ROOT, *,
@@ -218,61 +219,6 @@ def _check_overwrites(jobs: list[NotebookJob], profile: str, root: Path) -> None
                          "committed ones back)")
 
 
-def _git_commit(root: Path) -> str:
-    if os.environ.get("ZIPKV_COMMIT"):
-        return os.environ["ZIPKV_COMMIT"]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        # book/ holds this pipeline's executed notebooks: a batch's earlier chapters must not mark its later ones
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)book"],
-                               cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        return commit + ("+uncommitted changes" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown (not a git checkout; set ZIPKV_COMMIT)"
-
-
-def device_name() -> str:
-    """The device a run computes on, for provenance: the GPU and its CUDA version, else the CPU's model and cores."""
-    import torch
-
-    if torch.cuda.is_available():
-        return f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"CPU: {cpu}, {os.cpu_count()} cores"
-
-
-def provenance(profile: str, root: Path = REPO_ROOT) -> dict:
-    """The provenance record of a run of ``profile``: device, library versions, git commit (marked when the tree has
-    uncommitted changes outside ``book/``) and date."""
-    import torch
-    import transformers
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "not installed"
-    return {
-        "profile": profile,
-        "device": device_name(),
-        "torch": torch.__version__,
-        "triton": triton_version,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-        "commit": _git_commit(root),
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 def _parameters_used(nb) -> dict:
     """Every parameter of an executed notebook: its parameters cell's defaults, then what papermill injected."""
     import ast
@@ -305,7 +251,7 @@ def _stamp(executed: Path, record: dict) -> None:
     nb = nbformat.read(executed, as_version=4)
     used = _parameters_used(nb)
     if used.get("from_results") == "True" and "committed_csv" in used:
-        from zipkv import committed
+        from zipkv.study import committed
 
         # relative to the notebook's working directory: its source's folder (papermill records the source)
         source_dir = Path(nb.metadata.get("papermill", {}).get("input_path") or executed).parent

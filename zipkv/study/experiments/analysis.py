@@ -30,13 +30,13 @@ from typing import NamedTuple, Sequence
 import torch
 
 from zipkv.models import rope_of
-from zipkv.paper_values import KVSCULPT_EASY_KL
+from zipkv.study.paper_values import KVSCULPT_EASY_KL
 
-from . import budget as budget_mod
-from .baselines import Problem, PreparedBatch, Solution, problem_loss
-from .batched import solve_batched
-from .kvsculpt import CompressedCache, SculptConfig, budget_for_ratio, build_problems, compress
-from .evaluate import kl_divergence, teacher_force
+from zipkv.distill import budget as budget_mod
+from zipkv.distill.baselines import Problem, PreparedBatch, Solution, problem_loss
+from zipkv.distill.batched import solve_batched
+from zipkv.distill.kvsculpt import CompressedCache, SculptConfig, budget_for_ratio, build_problems, compress
+from zipkv.distill.evaluate import kl_divergence, teacher_force
 
 # --- a chapter's setting ----------------------------------------------------------------------------------
 
@@ -59,9 +59,10 @@ def chapter(*, model_name, books_dir, n_windows, context, continuation, m, n_syn
 
     On the CPU it sets one intra-op thread (``torch.set_num_threads(1)``) for the rest of the process.
     ``note`` (markdown) names the model substitution and says whether this is the paper's setting
-    (:data:`zipkv.settings.KVSCULPT_PAPER`); a scaled-down run says its numbers are not comparable.
+    (:data:`zipkv.study.settings.KVSCULPT_PAPER`); a scaled-down run says its numbers are not comparable.
     """
-    from zipkv import data, models, paper_values, settings
+    from zipkv import data, models
+    from zipkv.study import paper_values, settings
 
     torch.manual_seed(seed)
     if torch.device(device).type == "cpu":  # the quick profile's batches are small: one intra-op thread runs
@@ -95,7 +96,7 @@ def committed_sweep(committed_csv, **expected) -> "BudgetSweep":
     """
     import pandas as pd
 
-    from zipkv import committed
+    from zipkv.study import committed
 
     data = json.loads(committed.read_committed_text(sweep_cache(committed_csv)))
     recorded = {**data["params"], "steps": data["params"]["config"]["steps"],
@@ -115,7 +116,7 @@ def rendered_note(model: str, n_windows: int, context: int, continuation: int, m
                   source: str) -> str:
     """The setting line of an analysis chapter rendered from committed results (``source``: which, and where they
     were computed), in place of :func:`chapter`'s ``note``."""
-    from zipkv.chapters.kvsculpt import setting_line
+    from zipkv.study.settings import setting_line
 
     return ("**Setting.** " + setting_line(model, n_windows, context, continuation, m, n_synthetic, steps, "batched")
             + f" Rendered from {source}; the provenance box names the run.")
@@ -173,7 +174,8 @@ def optimizer_chapter(*, from_results: bool, committed_csv, model_name, books_di
                                    seed=seed, contexts=contexts)
         kl = optimizer_kl(ch.model, contexts, ratio=ratio, m=m, config=ch.config, adam_lr=adam_lr)
         return table, kl, ch.note
-    from zipkv import committed, models
+    from zipkv.study import committed
+    from zipkv import models
 
     table = committed.read_committed_csv(committed_csv)
     seen = dict(layers=sorted(table.layer.unique().tolist()), n_windows=table.window.nunique(),

@@ -1,5 +1,5 @@
 """Chapter "Beyond the paper: distillation that generalises" (issue 17): its tables, figures and verdict,
-computed from :func:`zipkv.distill.beyond.compare`'s table (``model, window, ratio, method, kl, seconds``)."""
+computed from :func:`zipkv.study.experiments.beyond.compare`'s table (``model, window, ratio, method, kl, seconds``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from zipkv.distill import beyond
+from zipkv.study.experiments import beyond
 
 
 def with_extra_rows(table: pd.DataFrame, extra_csv, **settings) -> tuple[pd.DataFrame, str]:
-    """(table, sentence): ``table`` plus the rows of ``extra_csv`` (written by ``python -m zipkv.distill.second_model``
+    """(table, sentence): ``table`` plus the rows of ``extra_csv`` (written by ``python -m zipkv.study.experiments.second_model``
     for this chapter's model) that it lacks, where their settings (``context``, ``m``, ``n_synthetic``, ``steps``,
     ``probe_tokens``) equal ``settings`` (none given: the model alone); the sentence names their source, device,
     commit and date. Rows for a (window, ratio, method) that ``table`` has are not taken."""
@@ -30,14 +30,14 @@ def with_extra_rows(table: pd.DataFrame, extra_csv, **settings) -> tuple[pd.Data
     ratios = ", ".join(f"r = {r:g} on {g.window.nunique()} windows" for r, g in extra.groupby("ratio"))
     cols = [c for c in table.columns if c != "separate"]
     return (pd.concat([_marked(table), extra[cols].assign(separate=True)], ignore_index=True),
-            f"Rows from a separate run of `python -m zipkv.distill.second_model` (`{extra_csv}`: {runs}): {ratios}.")
+            f"Rows from a separate run of `python -m zipkv.study.experiments.second_model` (`{extra_csv}`: {runs}): {ratios}.")
 
 
 def with_table1_kvsculpt(table: pd.DataFrame, table1_csv) -> tuple[pd.DataFrame, str]:
     """(table, sentence): where this run has no KVSculpt rows, KVSculpt's (paper setting) from Table 1's committed
     table ``table1_csv`` on the windows both ran, if they are the same windows under the same evaluation
-    (:func:`zipkv.committed.table1_kvsculpt`); the sentence says where KVSculpt's rows come from."""
-    from zipkv.committed import table1_kvsculpt
+    (:func:`zipkv.study.committed.table1_kvsculpt`); the sentence says where KVSculpt's rows come from."""
+    from zipkv.study.committed import table1_kvsculpt
 
     if (table.method == "kvsculpt").any() or table1_csv is None:
         return table, ""
@@ -226,7 +226,7 @@ def objective_figure(objectives: pd.DataFrame):
 
 
 def layers_figure(layers: pd.DataFrame):
-    """(figure, sentence) from :func:`zipkv.distill.beyond.layer_kl`'s table pivoted to ``[layer, method]``."""
+    """(figure, sentence) from :func:`zipkv.study.experiments.beyond.layer_kl`'s table pivoted to ``[layer, method]``."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8.5, 4.2))
@@ -281,16 +281,16 @@ def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, conte
     return text
 
 
-# --- the second model (issue 17, item 4): Gemma-3-270M, from the committed rows of zipkv.distill.second_model -----
+# --- the second model (issue 17, item 4): Gemma-3-270M, from the committed rows of zipkv.study.experiments.second_model -----
 
 SECOND_MODEL_CSV = Path(__file__).resolve().parents[2] / "results" / "paper" / "kvsculpt_beyond_gemma.csv"
-"""The committed rows of ``python -m zipkv.distill.second_model`` (one row per window, ratio and method)."""
+"""The committed rows of ``python -m zipkv.study.experiments.second_model`` (one row per window, ratio and method)."""
 
 
 def second_model_rows(path: str | Path = SECOND_MODEL_CSV) -> pd.DataFrame | None:
-    """The second model's rows as committed at ``HEAD`` (:func:`zipkv.committed.read_committed_csv`), or ``None``
+    """The second model's rows as committed at ``HEAD`` (:func:`zipkv.study.committed.read_committed_csv`), or ``None``
     where none are committed."""
-    from zipkv import committed
+    from zipkv.study import committed
 
     try:
         return committed.read_committed_csv(path)
@@ -335,7 +335,7 @@ def second_model_text(rows: pd.DataFrame, ratio: float = 0.3) -> tuple[str, str]
     """(substitutions, verdict) for the second model: what ran where, how its sliding-window layers were treated
     and what the cache holds against what the model itself holds, then zipkv's mean KL at ``ratio`` beside the
     best Select+Fit variant and Attention Matching (all from ``rows``)."""
-    from zipkv.distill.second_model import kv_fraction
+    from zipkv.study.experiments.second_model import kv_fraction
 
     layers, sliding, window = int(_one(rows, "layers")), int(_one(rows, "sliding_layers")), _one(rows, "sliding_window")
     N = int(_one(rows, "context"))
@@ -344,7 +344,7 @@ def second_model_text(rows: pd.DataFrame, ratio: float = 0.3) -> tuple[str, str]
     naive = ((layers - sliding) * round(ratio * N) + sliding * min(N, int(window) - 1)) / (layers * N)
     setup = (
         f"Measured on {_one(rows, 'device')} on {_one(rows, 'date')} at commit {_one(rows, 'commit')} by "
-        f"`python -m zipkv.distill.second_model` (`zipkv.distill.beyond.compare`, one window at a time). "
+        f"`python -m zipkv.study.experiments.second_model` (`zipkv.study.experiments.beyond.compare`, one window at a time). "
         f"Substitutions against this chapter's main run: the model is {_one(rows, 'model')} (Gemma-3-270M as a Q4_K_M "
         f"GGUF, de-quantized to float32 by `zipkv.models.load_model(path)`), a CPU instead of the H200, "
         f"{len(windows)} PG19 window(s) (books {', '.join(str(int(x)) for x in windows.pg_id)}; `zipkv.data.windows`, "
@@ -421,7 +421,7 @@ def second_model_markdown(rows: pd.DataFrame | None) -> str:
     """The second model's verdict and substitutions (:func:`second_model_text`), or why there are none."""
     if rows is None or rows.empty:
         return (f"No second-model rows are committed yet ({SECOND_MODEL_CSV.name}): run "
-                "`python -m zipkv.distill.second_model` (below).")
+                "`python -m zipkv.study.experiments.second_model` (below).")
     setup, verdict = second_model_text(rows)
     return verdict + "\n\n" + setup
 

@@ -1,0 +1,85 @@
+"""The study's commands on ``python -m zipkv`` (added through the ``zipkv.commands`` entry point, or by
+``python -m zipkv.study``):
+
+``python -m zipkv book [--profile quick|paper] [--only NAME ...] [--force] [--from-results] [--no-html | --html-only]
+[--root DIR]`` — execute the notebooks, build the book.
+``python -m zipkv engine-steps [--contexts N] [--splits S ...] [--out CSV]`` — where the throughput chapter's decode
+steps go (:func:`zipkv.study.experiments.throughput.step_profile`; needs a CUDA GPU).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from zipkv.__main__ import positive_int, save_table
+
+
+def register(commands) -> dict:
+    """Add the study's commands to ``commands`` (an argparse subparsers action): ``{name: run(args) -> status}``."""
+    what = "execute the notebooks with papermill and build the HTML book"
+    book = commands.add_parser("book", description=what)
+    book.add_argument("--profile", default="quick", help="parameter profile: a file params/<profile>.yaml")
+    book.add_argument("--only", nargs="+", metavar="NAME", help="run only these notebooks (file stems)")
+    book.add_argument("--no-html", action="store_true", help="execute notebooks only; skip jupyter-book")
+    book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
+    book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
+    book.add_argument("--force", action="store_true",
+                      help="replace executed notebooks in book/ that another profile made")
+    book.add_argument("--from-results", action="store_true",
+                      help="render the chapters that can be from their committed results tables, on the CPU "
+                           "(from_results = True; no GPU needed)")
+    what = "the throughput chapter's decode steps: GPU time per kernel kind, GPU idle and host time (CUDA GPU)"
+    steps = commands.add_parser("engine-steps", description=what)
+    steps.add_argument("--contexts", type=positive_int, nargs="+", default=None,
+                       help="the prefixes' context length (default 8192; the first one given)")
+    steps.add_argument("--splits", type=int, nargs="+", default=None,
+                       help="the decode kernel's split-KV factors to run each engine with (0: the plan's choice)")
+    steps.add_argument("--out", type=Path, default=None, help="save the table here (CSV, with the commit and date)")
+    return {"book": run_book, "engine-steps": run_engine_steps}
+
+
+def run_book(args) -> int:
+    """``python -m zipkv book``."""
+    try:
+        import nbformat, papermill  # noqa: F401,E401 (the book extra)
+    except ImportError as err:
+        print(f"zipkv book: needs the book extra ({err.name} is missing): pip install 'zipkv[book]'", file=sys.stderr)
+        return 1
+    from zipkv.study import book as pipeline
+
+    root = args.root or pipeline.REPO_ROOT
+    if not (Path(root) / "params").is_dir() or not (Path(root) / "notebooks").is_dir():
+        print(f"zipkv book: --root {root}: not a zipkv project folder (expected params/ and notebooks/ in it)",
+              file=sys.stderr)
+        return 1
+    try:
+        if args.html_only:
+            index = pipeline.build_html(Path(root).resolve())
+        else:
+            index = pipeline.build(args.profile, args.only, root, html=not args.no_html, force=args.force,
+                                   from_results=args.from_results)
+    except (ValueError, pipeline.NotebookFailed, RuntimeError) as err:
+        print(f"zipkv book: {err}", file=sys.stderr)
+        return 1
+    if index:
+        print(f"book: {index}")
+    return 0
+
+
+def run_engine_steps(args) -> int:
+    """``python -m zipkv engine-steps``."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("zipkv engine-steps: needs a CUDA GPU, and this machine has none", file=sys.stderr)
+        return 1
+    from zipkv.study.experiments.throughput import step_profile
+
+    splits = [x or None for x in args.splits or [0]]            # 0: the plan's own choice
+    try:
+        table = step_profile(**({"context": args.contexts[0]} if args.contexts else {}), splits=splits)
+    except ValueError as err:
+        print(f"zipkv engine-steps: {err}", file=sys.stderr)
+        return 1
+    save_table(table, args.out)
+    return 0
