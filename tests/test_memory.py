@@ -77,7 +77,7 @@ class MemoryMachine(RuleBasedStateMachine):
                 self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
             return
         expect = self.m.can_admit(prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
-        free_before, held_before = self.m._n_free, self.m.held_bytes()
+        free_before, held_before = self.m.chunks.n_free, self.m.held_bytes()
         ids = self.m.admit(self.next_rid, prompt, max_new, reserve_ratio=ratio, hold_chunks=hold)
         assert (ids is not None) == expect
         if ids is None:
@@ -86,8 +86,8 @@ class MemoryMachine(RuleBasedStateMachine):
             prompt_pages = (prompt + 15) // 16
             need = prompt_pages + math.ceil(ratio * ((prompt + max_new + 14) // 16 - prompt_pages))
             # an independent recount: what would be left after holding the chunks, one capacity step at a time
-            left = self.m._n_free - hold
-            slots = [self.m._layer_free_slots(l) for l in range(L)]
+            left = self.m.chunks.n_free - hold
+            slots = self.m.placement.free_slots()
             cap = 0
             while left >= 0:
                 short = [l for l in range(L) if slots[l] == 0]
@@ -119,12 +119,12 @@ class MemoryMachine(RuleBasedStateMachine):
         packed = self.m.pack(kv)
         expect = self.m.can_admit_packed(packed, max_new)
         used = self.m.used_bytes()
-        chunks = [len(c) for c in self.m._comp]
-        need = self.m._packed_chunks(packed)
+        chunks = [len(c) for c in self.m.placement._comp]
+        need = self.m.placement.new_comp_chunks(packed.units, packed.head_units)
         ids = self.m.admit_packed(self.next_rid, packed, max_new)
         assert (ids is not None) == expect
         if ids is not None:          # the admission check's count of new chunks is what placing the pages took
-            assert [len(c) - n for c, n in zip(self.m._comp, chunks)] == need
+            assert [len(c) - n for c, n in zip(self.m.placement._comp, chunks)] == need
         if ids is None:
             assert self.m.used_bytes() == used
             self.refused.append((lambda: self.m.can_admit_packed(packed, max_new), self.m.space_returns))
@@ -150,9 +150,8 @@ class MemoryMachine(RuleBasedStateMachine):
         ids = self.m.alloc(rid, 1)
         if rid in self.full_reserve:
             assert ids is not None, "an admitted request could not get the page it was promised"
-        if ids is None:                  # no room: retract by the policy (the victim may be rid itself)
-            victim = self.m.retract()
-            self._drop(victim)
+        if ids is None:                  # no room: retract one (the victim may be rid itself)
+            self.retract()
             return
         self._write(rid, n, 1)
 
@@ -175,11 +174,11 @@ class MemoryMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.m.requests)
     @rule()
     def retract(self):
+        """The scheduler's choice (SGLang's ``retract_decode`` order, on the memory's own counts), freed."""
         reqs = self.m.requests
-        key = lambda q: (reqs[q].cache_len - reqs[q].prompt_len, -reqs[q].prompt_len)   # noqa: E731
-        want = min(reqs, key=key)
-        victim = self.m.retract()
-        assert victim == want and victim not in self.m.requests
+        victim = min(reqs, key=lambda q: (reqs[q].cache_len - reqs[q].prompt_len, -reqs[q].prompt_len))
+        self.m.free(victim)
+        assert victim not in self.m.requests
         self._drop(victim)
 
     # ---------------------------------------------------------------- invariants
@@ -189,29 +188,29 @@ class MemoryMachine(RuleBasedStateMachine):
         m = self.m
         ids = [p for r in m.requests.values() for p in r.pages]
         assert len(ids) == len(set(ids)), "a page id is owned by two requests"
-        assert set(ids).isdisjoint(m._free_ids) and len(ids) + len(m._free_ids) == m.max_pages, "page id lost"
+        assert set(ids).isdisjoint(m.pages._free_ids) and len(ids) + len(m.pages._free_ids) == m.max_pages, "page id lost"
         for l in range(L):
-            assert set(m._loc[l]) == set(ids)
+            assert set(m.pages._loc[l]) == set(ids)
             raw_slots, units = set(), {}
             used = 0
-            for p, loc in m._loc[l].items():
+            for p, loc in m.pages._loc[l].items():
                 if loc[0] == COMP:
                     assert 1 <= len(loc[1]) <= 2, "a compressed page lies in one extent or ends one chunk and begins another"
                     for c, start, n in loc[1]:
-                        ch = m._chunks[c]
+                        ch = m.chunks[c]
                         assert ch.state == OWNED and ch.layer == l and ch.kind == COMP and n > 0
                         for u in range(start, start + n):
                             assert (c, u) not in units, "two pages share compressed bytes"
                             units[c, u] = p
                         used += n * UNIT
                     continue
-                ch = m._chunks[loc[1]]
+                ch = m.chunks[loc[1]]
                 assert ch.state == OWNED and ch.layer == l
                 assert ch.kind == RAW and (loc[1], loc[2]) not in raw_slots, "two pages share a raw slot"
                 raw_slots.add((loc[1], loc[2]))
                 used += m.page_bytes
             assert used == m.used_bytes(l), "byte accounting"
-            for c, ch in enumerate(m._chunks):
+            for c, ch in enumerate(m.chunks):
                 if ch.state != OWNED or ch.layer != l:
                     continue
                 if ch.kind == RAW:
@@ -223,22 +222,24 @@ class MemoryMachine(RuleBasedStateMachine):
                     live_u = [u for (cc, u) in units if cc == c]
                     assert not set(free_u) & set(live_u) and len(free_u) + len(live_u) == m.units_per_chunk
                     assert live_u
-            assert m._raw_free[l] == sum(len(ch.free_slots) for ch in m._chunks
+            assert m.placement._raw_free[l] == sum(len(ch.free_slots) for ch in m.chunks
                                          if ch.state == OWNED and ch.layer == l and ch.kind == RAW)
-        states = [c.state for c in m._chunks]
-        assert states.count(FREE) == m._n_free == sum(map(len, m._free_chunks.values()))
-        assert states.count(PENDING) == sum(map(len, m._pending)) + len(m._held_pending)
+        states = [c.state for c in m.chunks]
+        assert states.count(FREE) == m.chunks.n_free == sum(map(len, m.chunks._free.values()))
+        assert states.count(PENDING) == sum(map(len, m.chunks._pending)) + len(m.chunks._held_pending)
         held = [c for r in m.requests.values() for c in r.held]
         assert len(held) == len(set(held)) and {c for c, s in enumerate(states) if s == HELD} == set(held)
         for l in range(L):
-            assert set(m._comp[l]) == {c for c, ch in enumerate(m._chunks) if ch.state == OWNED and ch.layer == l and ch.kind == COMP}
-            assert set(m._comp_open[l]) == {c for c in m._comp[l]
-                                            if max((n for _, n in m._chunks[c].extents), default=0) >= m._min_page_units}
+            comp, comp_open = m.placement._comp[l], m.placement._comp_open[l]
+            assert set(comp) == {c for c, ch in enumerate(m.chunks)
+                                 if ch.state == OWNED and ch.layer == l and ch.kind == COMP}
+            assert set(comp_open) == {c for c in comp
+                                      if max((n for _, n in m.chunks[c].extents), default=0) >= m.placement.min_page_units}
         assert m.free_bytes() + m.used_bytes() + len(held) * m.chunk_bytes == m.total_bytes
 
     @invariant()
     def chunks_change_layer_only_after_reads_done(self):
-        for c, ch in enumerate(self.m._chunks):
+        for c, ch in enumerate(self.m.chunks):
             if ch.state == OWNED:
                 before = self.since_reads_done.setdefault(c, ch.layer)
                 assert before == ch.layer, f"chunk {c} went from layer {before} to {ch.layer} before reads_done"
@@ -272,7 +273,7 @@ class MemoryMachine(RuleBasedStateMachine):
             self.m.free(rid)
         self.m.reads_done()
         assert self.m.used_bytes() == 0
-        assert self.m._n_free == self.m.num_chunks, "a freed chunk did not come back to the pool"
+        assert self.m.chunks.n_free == self.m.num_chunks, "a freed chunk did not come back to the pool"
         assert self.m.capacity_pages() == self.initial_capacity == self.m.max_request_pages
         assert self.m.available_size() == 16 * self.initial_capacity
 
@@ -306,10 +307,10 @@ def test_compression_frees_chunks_for_other_layers():
     assert m.capacity_pages() == 0                                         # pending: for layer 0 only
     m.reads_done()
     assert m.stats()["chunks_free"] == 3 and m.capacity_pages() == 7
-    layer0_chunks = {c for c, ch in enumerate(m._chunks) if ch.layer == 0 and ch.state == FREE}
+    layer0_chunks = {c for c, ch in enumerate(m.chunks) if ch.layer == 0 and ch.state == FREE}
     m.admit("b", 16, 1)                                                    # layer 1 needs one of them
     assert m.reassigned == 1
-    assert any(m._chunks[c].layer == 1 and m._chunks[c].state == OWNED for c in layer0_chunks)
+    assert any(m.chunks[c].layer == 1 and m.chunks[c].state == OWNED for c in layer0_chunks)
 
 
 def test_packed_admission_counts_the_packed_size():
@@ -364,10 +365,10 @@ def test_a_page_no_extent_holds_whole_ends_one_chunk_and_begins_the_next():
     packed = m.pack(kv)
     assert packed.head_units == [[[3] * 2 * heads] * n_pages] and m.units_per_chunk == 64
     whole_per_chunk = m.units_per_chunk // 12
-    assert m._packed_chunks(packed) == [4] < [-(-n_pages // whole_per_chunk)]
+    assert m.placement.new_comp_chunks(packed.units, packed.head_units) == [4] < [-(-n_pages // whole_per_chunk)]
     ids = m.admit_packed("r", packed, 1)
-    assert len(m._comp[0]) == 4 and m.used_bytes() == n_pages * 12 * UNIT
-    cut = [loc[1] for loc in m._loc[0].values() if len(loc[1]) == 2]
+    assert len(m.placement._comp[0]) == 4 and m.used_bytes() == n_pages * 12 * UNIT
+    cut = [loc[1] for loc in m.pages._loc[0].values() if len(loc[1]) == 2]
     assert len(cut) == 3 and all(a[0] != b[0] and a[2] % 3 == 0 and a[2] + b[2] == 12 for a, b in cut)
     cache = PagedKVCache(m.pool[: m.total_bytes], m.desc[0], D, "token", "token")
     k, v = (x.permute(1, 0, 2, 3).reshape(heads, -1, D) for x in cache.read_pages(torch.tensor(ids)))
@@ -375,7 +376,7 @@ def test_a_page_no_extent_holds_whole_ends_one_chunk_and_begins_the_next():
     assert torch.equal(v.view(torch.int16), kv[0][1].view(torch.int16))
     m.free("r")
     m.reads_done()
-    assert m.used_bytes() == 0 and m._n_free == m.num_chunks
+    assert m.used_bytes() == 0 and m.chunks.n_free == m.num_chunks
 
 
 def m_page():
@@ -391,10 +392,10 @@ def m_page():
 def test_bad_requests_are_refused_before_anything_is_allocated(kwargs, match):
     m = KVMemory(2, H, D, 2 * 4 * 2 * H * 2 * 16 * D, pages_per_chunk=2)
     m.admit("running", 20, 5)
-    snapshot = (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m._free_ids))
+    snapshot = (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m.pages._free_ids))
     with pytest.raises(ValueError, match=match):
         m.admit("new", **kwargs)
-    assert (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m._free_ids)) == snapshot
+    assert (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m.pages._free_ids)) == snapshot
     assert list(m.requests) == ["running"]
 
 
@@ -417,8 +418,8 @@ def test_a_write_of_the_wrong_tokens_is_refused_and_writes_nothing(layer, shape,
 
 
 def _state(m):
-    return (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m._free_ids), m.stats()["chunks_free"],
-            sorted(map(str, m.requests)), [dict(loc) for loc in m._loc])
+    return (m.capacity_pages(), m.outstanding, m.used_bytes(), list(m.pages._free_ids), m.stats()["chunks_free"],
+            sorted(map(str, m.requests)), [dict(loc) for loc in m.pages._loc])
 
 
 @pytest.mark.parametrize("other", [dict(head_dim=64), dict(kv_heads=2), dict(layers=3)])
@@ -457,7 +458,7 @@ def test_requests_that_can_never_fit_are_errors_not_waits():
     with pytest.raises(ValueError, match="n_tokens must be an int >= 1, got True"):
         m.alloc("a", True)
     with pytest.raises(ValueError, match="unknown request 'zz'"):
-        m.retract(candidates=["zz"])
+        m.free("zz")
     with pytest.raises(ValueError, match=r"tokens \[5, 2\) lie outside"):
         m.slots("a", 5, -3)
     assert _state(m) == before
@@ -591,7 +592,7 @@ def test_in_place_pages_wait_without_device_work_until_room_appears():
     moved = m.compress()["moved"]
     changed = set(m.changed_pages())
     assert moved > 0 and changed and changed <= set(m.requests["a"].pages)      # the moved pages, a's
-    assert moved + len(m._inplace[0]) == 8                  # a's pages: moved, or still waiting in place
+    assert moved + len(m.pages._inplace[0]) == 8            # a's pages: moved, or still waiting in place
     assert m.used_bytes(0) < 8 * m.page_bytes
     cache = PagedKVCache(m.pool[: m.total_bytes], m.desc[0], D, "token", "channel")
     k, v = (x.permute(1, 0, 2, 3).reshape(H, -1, D) for x in cache.read_pages(torch.tensor(m.requests["a"].pages)))
@@ -617,12 +618,12 @@ def test_new_pages_descriptors_are_written_once_per_step_and_equal_one_at_a_time
                 m.free(1)                           # a page freed, its id taken again by the next allocation
         return m
     a, b = run(True), run(False)
-    assert b._new_rows                               # deferred until someone reads the descriptors
+    assert b.pages._new_rows                         # deferred until someone reads the descriptors
     ids = [p for r in a.requests.values() for p in r.pages]
     assert [p for r in b.requests.values() for p in r.pages] == ids
     for da, db in zip(a.desc, b.desc):
         assert torch.equal(da[ids], db[ids])
-    assert not b._new_rows
+    assert not b.pages._new_rows
 
 
 def test_numpy_integers_are_integers_and_bad_request_ids_are_named():
@@ -642,6 +643,5 @@ def test_numpy_integers_are_integers_and_bad_request_ids_are_named():
         m.free(["a"])
     with pytest.raises(TypeError, match="rids must be a list of request ids, got str 'a'"):
         m.page_table("a")
-    with pytest.raises(ValueError, match=r"retract: candidates is empty \(1 requests running\)"):
-        m.retract([])
-    assert m.retract() == "a" and not m.requests
+    m.free("a")
+    assert not m.requests
