@@ -145,16 +145,16 @@ def test_overlapped_steps_give_the_sequential_tokens(smollm, compress, reserve, 
     is one that a run without stops makes; that run is no oracle for the stopping runs' tokens: its batches differ
     from theirs step by step, and bf16 matrix products need not give bit-equal rows for different batch sizes (on
     this project's AMD EPYC machine a near-tie broke the other way at a request's 40th token)."""
-    from zipkv import engine_step
+    from zipkv import runner
     model, prompts = smollm
     n = 24 if reserve == 1 else 40
     carried = []
-    run = engine_step.StepGraph.run
+    run = runner.StepGraph.run
 
     def counting_run(self, key, host_inputs, carry=None):
         carried.append(carry is not None)
         return run(self, key, host_inputs, carry)
-    monkeypatch.setattr(engine_step.StepGraph, "run", counting_run)
+    monkeypatch.setattr(runner.StepGraph, "run", counting_run)
     kw = dict(kv_budget_bytes=6 * _page_bytes(model), compress=compress, pages_per_chunk=1 if reserve < 1 else 2,
               reserve_ratio=reserve)
     free = Engine(model, eos_token_id=None, overlap=False, **kw).generate(prompts, n).outputs
@@ -220,7 +220,7 @@ def test_fused_kernel_engine_equals_reference_engine(restore):
     assert (got.stats["frac_compressed_k"] > 0) == (restore is None)
     if restore is None:                          # a fixed split-KV factor reaches the kernel's plans (the merge path)
         split = Engine(model, budget, attention="kernel", num_splits=2, **kw)
-        assert split.generate(prompts, 6).outputs == ref.outputs and split.attention.plans[0].num_splits == 2
+        assert split.generate(prompts, 6).outputs == ref.outputs and split.runner.attention.plans[0].num_splits == 2
 
 
 @pytest.mark.parametrize("compress", ["prompt", "none"])
@@ -263,8 +263,8 @@ def test_an_interrupted_generate_leaves_the_engine_usable(where, device):
     eng = Engine(model, 10 * _page_bytes(model), pages_per_chunk=2, eos_token_id=None)
     prompts = [list(range(3, 40)), list(range(50, 61)), list(range(70, 75))]
     want = eng.generate(prompts, 12).outputs
-    name = "run" if where == "decode" else "_prefill"
-    owner = eng.graphs if where == "decode" else eng
+    name = "run" if where == "decode" else "prefill"
+    owner = eng.runner.graphs if where == "decode" else eng.runner
     original, calls = getattr(owner, name), []
 
     def interrupted(*args):
@@ -404,19 +404,19 @@ def test_page_kinds_follow_every_descriptor_change():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(PagedKVCache, "refresh", lambda self, *a, **k: refreshed.append(1) or refresh(self, *a, **k))
         ref = Engine(model, budget, attention="reference", pages_per_chunk=2, eos_token_id=None)
-        assert not ref.attention.reads_kinds and ref.generate(prompts, 20).stats["frac_compressed_k"] > 0
+        assert not ref.runner.attention.reads_kinds and ref.generate(prompts, 20).stats["frac_compressed_k"] > 0
     assert not refreshed
     eng = Engine(model, budget, attention="kernel", pages_per_chunk=2, eos_token_id=None)
-    assert eng.attention.reads_kinds
-    plan, checked = eng.attention.plan, []
+    assert eng.runner.attention.reads_kinds
+    plan, checked = eng.runner.attention.plan, []
 
     def checked_plan(rids):
         key = plan(rids)
-        for c in eng.attention.caches:
+        for c in eng.runner.attention.caches:
             assert torch.equal(c.page_kinds(), page_kinds_of(c.desc))
         checked.append(len(rids))
         return key
-    eng.attention.plan = checked_plan
+    eng.runner.attention.plan = checked_plan
     res = eng.generate(prompts, 20)
     assert len(checked) == len(res.stats["steps"]) > 20
     assert res.stats["frac_compressed_k"] > 0 and set(map(len, res.outputs)) == {20}
@@ -650,7 +650,7 @@ def test_overlapped_steps_prepare_and_launch_without_a_host_sync(compress, monke
     (pages opening included), the launch, its token copy -- never waits for the GPU (``torch.cuda``'s sync debug
     mode raises inside each of them): it runs while the step before is computed. The throughput chapter's two
     settings: ZipFusion's packed prefixes with raw new KV, and the uncompressed cache."""
-    from zipkv import data, engine_step, memory, models
+    from zipkv import data, memory, models, runner
     model, tok = models.load_model(dtype=torch.bfloat16, device="cuda")
     ws = data.windows(tok, data.load_books(limit=4), n=4, context=100, continuation=0)
     prompts = [w.context_ids.tolist() for w in ws]               # one length: the composition never changes
@@ -667,16 +667,16 @@ def test_overlapped_steps_prepare_and_launch_without_a_host_sync(compress, monke
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         return call
-    for owner, name in ((memory.KVMemory, "alloc"), (engine_step.StepAttention, "plan"), (engine_step.StepGraph, "run"),
-                        (engine_step.StepInFlight, "__init__"), (memory.KVMemory, "keep_raw")):
+    for owner, name in ((memory.KVMemory, "alloc"), (runner.StepAttention, "plan"), (runner.StepGraph, "run"),
+                        (runner.StepInFlight, "__init__"), (memory.KVMemory, "keep_raw")):
         monkeypatch.setattr(owner, name, watched(getattr(owner, name)))
-    read = engine_step.StepInFlight.read
+    read = runner.StepInFlight.read
 
     def read_and_arm(self):
         out = read(self)
         armed[0] = armed[0] or self.mode == "replay"
         return out
-    monkeypatch.setattr(engine_step.StepInFlight, "read", read_and_arm)
+    monkeypatch.setattr(runner.StepInFlight, "read", read_and_arm)
     eng = Engine(model, kv_budget_bytes=64 * _page_bytes(model), compress=compress, eos_token_id=None)
     res = eng.generate(prompts, 40)                              # tokens 100..139: pages open at 112 and 128
     assert res.stats["overlap"] and {s["mode"] for s in res.stats["steps"]} == {"warmup", "capture", "replay"}
@@ -722,7 +722,7 @@ def test_decode_throughput_fixed_and_largest_batch():
     holds exactly 8 uncompressed requests; ZipFusion's compressed prefixes and the restore baselines' payloads fit
     more (the restore buffer sized by restore_buffer_pages); a fixed batch stays fixed; the run is the decode
     steps after the first token."""
-    from zipkv import throughput as tp
+    from zipkv.study.experiments import throughput as tp
     torch.manual_seed(0)
     model = tp.random_llama("cpu", num_hidden_layers=16, hidden_size=256, intermediate_size=256, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=64, vocab_size=300)
@@ -751,7 +751,8 @@ def test_packed_capacity_is_what_the_memory_admits_with_the_bytes():
     """packed_capacity places only the blocks' sizes (the memory on the meta device); packing the same real-KV
     prefixes' bytes into a CPU memory admits the same requests, and the first one refused lacks the same chunks,
     in every layout pair."""
-    from zipkv import format as fmt, throughput as tp
+    from zipkv import format as fmt
+    from zipkv.study.experiments import throughput as tp
     from zipkv.memory import KVMemory
     cfg = SimpleNamespace(num_hidden_layers=2, num_key_value_heads=2, num_attention_heads=4, head_dim=64, hidden_size=256)
     gen = torch.Generator().manual_seed(5)
@@ -783,8 +784,8 @@ def test_packed_capacity_is_what_the_memory_admits_with_the_bytes():
 
 
 def test_token_agreement_counts_requests_and_first_differences():
-    from zipkv.throughput import token_agreement
-    from zipkv.chapters.throughput import agreement_text
+    from zipkv.study.experiments.throughput import token_agreement
+    from zipkv.study.chapters.throughput import agreement_text
 
     a = token_agreement([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 0]])
     assert a == dict(identical=1, requests=3, first_difference=[1, 2])
@@ -793,8 +794,8 @@ def test_token_agreement_counts_requests_and_first_differences():
 
 def test_token_agreement_measures_how_near_a_tie_each_first_difference_was():
     from conftest import tiny_llama
-    from zipkv.throughput import divergence_gap, token_agreement
-    from zipkv.chapters.throughput import agreement_text
+    from zipkv.study.experiments.throughput import divergence_gap, token_agreement
+    from zipkv.study.chapters.throughput import agreement_text
 
     model = tiny_llama()
     prompts = [[3, 4, 5], [6, 7]]
@@ -811,8 +812,8 @@ def test_token_agreement_measures_how_near_a_tie_each_first_difference_was():
 def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     import pandas as pd
 
-    from zipkv import paper_values as pv
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study import paper_values as pv
+    from zipkv.study.chapters import throughput as chapter
 
     big = pd.DataFrame({"method": ["uncompressed", "uncompressed", "zipfusion", "zipfusion"], "batch": [32, 40, 32, 50],
                         "max_batch": [40, 40, 50, 50], "tokens_per_s": [1000.0, 1200.0, 900.0, 1400.0],
@@ -860,7 +861,7 @@ def test_the_batch_paragraph_says_what_the_memory_manager_admits_per_block_arran
     a run without the Llama-shape rows shows the committed table, a run with them saves its own beside its results."""
     import pandas as pd
 
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
     big = pd.DataFrame({"method": ["uncompressed", "zipfusion"] * 2, "batch": [32, 32, 40, 49], "max_batch": [40, 49] * 2,
                         "tokens_per_s": [900.0, 950.0, 1000.0, 1200.0], "kv_budget_bytes": [2**30] * 4,
                         "frac_compressed_k": [0, 0.8] * 2, "frac_compressed_v": [0, 0.9] * 2,
@@ -886,7 +887,7 @@ def test_the_committed_throughput_runs_admitted_every_zipfusion_prefix_packed():
     back to raw admission, and its rows carry the compressed fractions of the real-KV prefixes."""
     import pandas as pd
 
-    from zipkv.book import REPO_ROOT
+    from zipkv.study.book import REPO_ROOT
 
     table = pd.read_csv(REPO_ROOT / "results/paper/zipfusion_throughput.csv")
     zf = table[table.method == "zipfusion"]
@@ -900,10 +901,10 @@ def test_the_committed_capacity_table_agrees_with_the_engine_s_largest_batch():
     each row's share of the budget is its chunks over the budget's."""
     import pandas as pd
 
-    from zipkv.book import REPO_ROOT
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.book import REPO_ROOT
+    from zipkv.study.chapters import throughput as chapter
     from zipkv import format as fmt
-    from zipkv.committed import side_table
+    from zipkv.study.committed import side_table
 
     main = REPO_ROOT / "results/paper/zipfusion_throughput.csv"
     table, cap = pd.read_csv(main), pd.read_csv(side_table(main, chapter.CAPACITY_SIDE))
@@ -917,8 +918,8 @@ def test_the_committed_capacity_table_agrees_with_the_engine_s_largest_batch():
 def test_paper_rows_fall_back_to_the_committed_gpu_table(tmp_path):
     import pandas as pd
 
-    from zipkv.chapters import throughput as chapter
-    from zipkv.settings import THROUGHPUT_PAPER_MODEL
+    from zipkv.study.chapters import throughput as chapter
+    from zipkv.study.settings import THROUGHPUT_PAPER_MODEL
 
     e2e = pd.DataFrame({"model": ["SmolLM2"], "method": ["zipfusion"], "kv_budget_bytes": [2**20]})
     gpu = pd.DataFrame({"model": [THROUGHPUT_PAPER_MODEL, "SmolLM2"], "method": ["zipfusion", "zipfusion"]})
@@ -936,9 +937,10 @@ def test_the_chapter_table_and_the_end_to_end_speed_read_the_committed_rows():
     how fast each method decoded end to end, with the cache's share of the step where a GPU bandwidth is known."""
     import pandas as pd
 
-    from zipkv import paper_values as pv, throughput
-    from zipkv.book import REPO_ROOT
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study import paper_values as pv
+    from zipkv.study.experiments import throughput
+    from zipkv.study.book import REPO_ROOT
+    from zipkv.study.chapters import throughput as chapter
 
     table = pd.read_csv(REPO_ROOT / "results" / "paper" / "zipfusion_throughput.csv")
     compact = chapter.compact_table(table).data.set_index(["model", "method", "batch"])
@@ -965,9 +967,9 @@ def test_repeated_largest_batch_runs_show_their_median_and_spread():
     import matplotlib
     import pandas as pd
 
-    from zipkv import throughput
+    from zipkv.study.experiments import throughput
 
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
 
     matplotlib.use("Agg")
     runs = [dict(method="zipfusion", batch=50, max_batch=50, tokens_per_s=t, step_ms=ms)
@@ -992,7 +994,7 @@ def test_repeated_largest_batch_runs_show_their_median_and_spread():
 
 
 def test_repeated_runs_alternate_the_methods_and_replace_only_their_largest_batch_rows():
-    from zipkv import throughput
+    from zipkv.study.experiments import throughput
 
     first = [dict(model="m", method=m, batch=b, max_batch=mb, tokens_per_s=t)
              for m, b, mb, t in (("uncompressed", 32, 40, 900.0), ("uncompressed", 40, 40, 1000.0),
@@ -1016,10 +1018,10 @@ def test_repeated_runs_alternate_the_methods_and_replace_only_their_largest_batc
 def test_the_power_paragraph_compares_the_fused_and_the_modules_step_kernels():
     import pandas as pd
 
-    from zipkv import throughput
+    from zipkv.study.experiments import throughput
 
-    from zipkv.chapters import throughput as chapter
-    from zipkv.settings import THROUGHPUT_UNFUSED_MODEL
+    from zipkv.study.chapters import throughput as chapter
+    from zipkv.study.settings import THROUGHPUT_UNFUSED_MODEL
 
     def rows(tps, step, power, clock, capped):
         return pd.DataFrame({"method": ["uncompressed", "zipfusion"], "batch": [46, 57], "max_batch": [46, 57],
@@ -1077,10 +1079,10 @@ def test_the_chapter_compares_zipfusion_with_the_engines_own_uncompressed_defaul
     verdict, while the end-to-end rows leave them out."""
     import pandas as pd
 
-    from zipkv import throughput
+    from zipkv.study.experiments import throughput
 
-    from zipkv.chapters import throughput as chapter
-    from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL
+    from zipkv.study.chapters import throughput as chapter
+    from zipkv.study.settings import THROUGHPUT_MMA_BASELINE_MODEL
 
     assert throughput.engine_settings("uncompressed") == dict(compress="none", k_layout="token", v_layout="token")
     assert throughput.engine_settings("zipfusion") == dict(compress="prompt")
@@ -1109,8 +1111,9 @@ def test_figure5_runs_the_mma_layout_baseline_repeats_times_and_keeps_the_end_to
     runs come back untouched."""
     import pandas as pd
 
-    from zipkv import data, throughput
-    from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL
+    from zipkv import data
+    from zipkv.study.experiments import throughput
+    from zipkv.study.settings import THROUGHPUT_MMA_BASELINE_MODEL
 
     e2e_runs, cols = {"zipfusion": object()}, dict(kv_budget_bytes=2**30, frac_compressed_k=0.0, frac_compressed_v=0.0)
     monkeypatch.setattr(throughput, "_e2e", lambda *a, **k: ([dict(model="SmolLM2", method="uncompressed", batch=4,
@@ -1147,7 +1150,8 @@ def test_figure5_runs_only_the_methods_it_is_given_and_refuses_a_set_without_the
     before anything runs."""
     import pandas as pd
 
-    from zipkv import data, throughput
+    from zipkv import data
+    from zipkv.study.experiments import throughput
 
     cols = dict(kv_budget_bytes=2**30, frac_compressed_k=0.0, frac_compressed_v=0.0)
     e2e = [dict(model="SmolLM2", method="uncompressed", batch=4, max_batch=4, tokens_per_s=1.0, **cols)]
@@ -1176,7 +1180,7 @@ def test_the_end_to_end_paragraph_takes_the_copy_bandwidth_measured_at_the_embed
     paragraph takes the embedded model's rows, not a median over both shapes (which no run measured)."""
     import pandas as pd
 
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
 
     csv = tmp_path / "lat.csv"
     pd.DataFrame({"shape": ["llama3.1-8b"] * 3 + ["smollm2-135m"] * 3,
@@ -1189,8 +1193,8 @@ def test_the_end_to_end_paragraph_takes_the_copy_bandwidth_measured_at_the_embed
 def test_the_chapters_row_sets_and_its_cpu_verdict():
     import pandas as pd
 
-    from zipkv.chapters import throughput as chapter
-    from zipkv.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
+    from zipkv.study.chapters import throughput as chapter
+    from zipkv.study.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
     table = pd.DataFrame({"model": [THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL, THROUGHPUT_MMA_BASELINE_MODEL] + ["SmolLM2"] * 4,
                           "method": ["zipfusion", "zipfusion", "uncompressed", "uncompressed", "zipfusion", "splitzip", "huffman"],
@@ -1208,7 +1212,7 @@ def test_each_gpu_run_of_the_chapter_joins_its_table_of_runs(tmp_path):
     committed one, and states the ratio's range over the runs (in the verdict, too) and how many meet the bar."""
     import pandas as pd
 
-    from zipkv.chapters import throughput as chapter
+    from zipkv.study.chapters import throughput as chapter
 
     big = pd.DataFrame({"method": ["uncompressed", "zipfusion"] * 2, "batch": [32, 32, 46, 57], "max_batch": [46, 57] * 2,
                         "tokens_per_s": [2200.0, 2450.0, 2600.0, 3250.0], "step_ms": [14.5, 13.1, 17.7, 17.5],

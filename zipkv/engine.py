@@ -1,13 +1,19 @@
 """Batch decoding of a Hugging Face Llama-family model over :mod:`zipkv.memory` and the fused decode
 kernel, with an admission scheduler (ZipFusion §III-D, §IV-C).
 
+The engine wires three parts with the seams SGLang and vLLM v1 have: the **scheduler** (:mod:`zipkv.scheduler`:
+admission order, retraction choice, requeue -- policy, no tensors), the **step runner** (:mod:`zipkv.runner`: prefill,
+the decode step through the kernels' plan/run and its CUDA graph, the fused ops) and the **memory manager**
+(:mod:`zipkv.memory`: chunks, pages, compression, capacity and reservations). :class:`Engine` holds the loop below
+and the admission paths that move a request's KV between the runner and the memory.
+
 ``Engine(model, kv_budget_bytes=...).generate(list_of_prompt_ids, max_new_tokens)`` returns every
 request's greedy tokens and the run's statistics (decode tokens/s, batch and memory per step).
 
 One step of the loop (:meth:`Engine.generate`):
 
-1. **Admission** (first come, first served, no skipping -- SGLang's default ``fcfs``): the head of the
-   queue is admitted while its prompt pages plus the reservation for its remaining output fit
+1. **Admission** (the scheduler's first come, first served, no skipping -- SGLang's default ``fcfs``): the head
+   of the queue is admitted while its prompt pages plus the reservation for its remaining output fit
    (``reserve_ratio``, default 1: an admitted request always reaches its output length), and the batch is
    below ``max_batch``. Each admitted request is prefilled with the model's own forward (any correct
    attention: Hugging Face's, batch 1, on top of its prefix if it has one) and its first token taken
@@ -18,10 +24,10 @@ One step of the loop (:meth:`Engine.generate`):
    while it waits. A request whose raw pages fit where its packed ones do not (packed pages need compressed chunks,
    whole chunks of the pool) is admitted raw, its full pages then compressed in place (``stats["admitted_raw"]``).
 2. **Decode step** for every running request: a slot for the new token (:meth:`~zipkv.memory.KVMemory.alloc`;
-   when there is none, a request is retracted in SGLang's ``retract_decode`` order and requeued with
-   the tokens it has, to be prefilled again), then the model layer by layer: projections, RoPE at each
+   when there is none, the scheduler picks a request to retract in SGLang's ``retract_decode`` order, and it is
+   freed and requeued with the tokens it has, to be prefilled again), then the model layer by layer: projections, RoPE at each
    request's *position*, the new K/V written into its page at the cache's end, attention through
-   :class:`~zipkv.engine_step.StepAttention`, MLP; greedy next token.
+   :class:`~zipkv.runner.StepAttention`, MLP; greedy next token.
 3. **After the step**, the pages the step filled are compressed (``compress=True``: the step's reads are
    done) and pending chunks return to the shared pool; finished requests free their pages.
 
@@ -36,16 +42,16 @@ A request's **cache length** (pairs stored) is kept apart from its **position** 
 a :class:`Prefix` distilled by KVSculpt holds ``k + m`` pairs for ``N`` tokens; its prompt and outputs
 continue at position ``N``.
 
-:class:`~zipkv.engine_step.StepAttention` is the only place that calls into the attention kernels: the plan/run API of
+:class:`~zipkv.runner.StepAttention` is the only place that calls into the attention kernels: the plan/run API of
 ``zipkv.kernels.decode_attention`` (a plan per layer and batch composition, over a static page table updated in
 place), ``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
-the torch reference (``attention="reference"``). **CUDA graphs** (:class:`~zipkv.engine_step.StepGraph`): the whole decode step --
+the torch reference (``attention="reference"``). **CUDA graphs** (:class:`~zipkv.runner.StepGraph`): the whole decode step --
 embeddings, every layer's projections, KV writes, (restores,) attention and MLP, the greedy argmax -- reads its
 per-step inputs from one static device buffer and is captured once per batch composition, then replayed; the host
 only copies tokens, positions and slots in, updates the page table in place and reads the tokens back. The step's
-norms, rotary embedding and gated MLP product run as one kernel each on the GPU (:class:`~zipkv.engine_step.StepOps`).
+norms, rotary embedding and gated MLP product run as one kernel each on the GPU (:class:`~zipkv.runner.StepOps`).
 
-**Restore-before-attention baselines** (``restore=codec``, :class:`~zipkv.engine_step.RestoreBuffer`): the same loop, with each
+**Restore-before-attention baselines** (``restore=codec``, :class:`~zipkv.runner.RestoreBuffer`): the same loop, with each
 request's prefix pages kept as a :mod:`zipkv.codecs` payload and decoded per layer into one shared restore buffer
 before attention (ZipFusion §II-B's setting), its bytes counted in the same budget.
 """
@@ -54,13 +60,14 @@ from __future__ import annotations
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from zipkv import format as fmt
-from zipkv.engine_step import RestoreBuffer, StepAttention, StepGraph, StepInFlight, StepOps
 from zipkv.memory import KVMemory
+from zipkv.runner import RestoreBuffer, StepAttention, StepInFlight, StepRunner
+from zipkv.scheduler import Request, Scheduler
 
 __all__ = ["Engine", "Prefix", "GenerateResult", "DECODE_MODEL_TYPES", "kv_budget_for"]
 
@@ -151,22 +158,8 @@ class GenerateResult:
     stats: dict
 
 
-@dataclass
-class _Running:
-    rid: int
-    prompt: list
-    prefix: Prefix | None
-    max_new: int
-    out: list = field(default_factory=list)
-    position: int = 0                 # position of the next token to feed
-    pending: int = 0                  # launched steps whose token is not read yet
-    epoch: int = 0                    # raised on retraction and retirement: a step in flight then drops its token
-    staged: tuple | None = None       # restore baseline: (payload, raw tail KV, first token) of a waiting request
-    blocked: int | None = None        # memory.space_returns when its admission last failed
-
-
 DECODE_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
-"""``config.model_type`` of the models whose decoder layer :meth:`Engine._decode_forward` computes exactly as the model's
+"""``config.model_type`` of the models whose decoder layer :meth:`zipkv.runner.StepRunner.decode_forward` computes exactly as the model's
 own forward does (pre-norm residual blocks, full-width RoPE, softmax(q·k·scaling) attention, no logit or residual
 multipliers; Qwen 3's per-head q/k norms; Mixtral's expert MLP); ``tests/test_engine.py`` checks each against
 ``model.generate``. Others (Gemma 2 / 3, Granite, OLMo 2, Phi-3, StableLM, ...) are refused: their prefill would
@@ -238,12 +231,12 @@ class Engine:
     reads of its step), ``"prompt"`` (prompt and prefix pages only, new KV stays raw: ZipFusion's
     throughput setup, §IV-A) or ``"none"`` (or False: the uncompressed baseline). restore: a codec of
     :mod:`zipkv.codecs` (``SplitZip`` / ``Huffman`` instance): the restore-before-attention baseline
-    (:class:`~zipkv.engine_step.RestoreBuffer`; needs ``compress="prompt"``, the codec compressing the prefix, the token layouts);
+    (:class:`~zipkv.runner.RestoreBuffer`; needs ``compress="prompt"``, the codec compressing the prefix, the token layouts);
     restore_buffer_pages: raw pages of one layer in its shared restore buffer, taken out of the budget
     (default: ``budget / (num_layers + 1)``, what a batch of raw prefixes would need). attention:
     ``"kernel"`` (fused decode kernel), ``"reference"`` (fp32 torch reference; restore baselines then use
     the codecs' torch decoders) or ``"auto"`` (kernel on CUDA, reference elsewhere). cuda_graphs: capture
-    each batch composition's decode step in a CUDA graph (:class:`~zipkv.engine_step.StepGraph`; on CUDA only). k_layout /
+    each batch composition's decode step in a CUDA graph (:class:`~zipkv.runner.StepGraph`; on CUDA only). k_layout /
     v_layout: block arrangements of the cache (``zipkv.format``) or ``"auto"`` (:func:`default_layouts`: the mma
     layouts under the fused kernel where the Gluon kernel takes the shape). pages_per_chunk, reserve_ratio: see
     :class:`zipkv.memory.KVMemory`. max_batch: cap on running requests. num_splits: the decode kernel's split-KV
@@ -254,7 +247,7 @@ class Engine:
     so the host's scheduling, page-table updates and graph launch of step n + 1 run while the GPU computes step
     n; a request that meets its stop token runs one more step, whose token is dropped. False: launch a step,
     wait for its tokens, then prepare the next. fused_ops: the decode step's norms, rotary embedding and
-    gated MLP product through one kernel each (:class:`~zipkv.engine_step.StepOps`, :mod:`zipkv.kernels.fused_ops`) instead of the
+    gated MLP product through one kernel each (:class:`~zipkv.runner.StepOps`, :mod:`zipkv.kernels.fused_ops`) instead of the
     modules' chains of small kernels; None (default): on CUDA; True on the CPU needs ``TRITON_INTERPRET=1``.
     """
 
@@ -265,7 +258,7 @@ class Engine:
                  num_splits: int | None = None, overlap: bool = True, fused_ops: bool | None = None):
         _check_model(model)
         cfg = model.config
-        self.model, self.inner = model, model.model
+        self.model = model
         self.device = next(model.parameters()).device
         self.window = _decode_window(model)
         if attention not in ("auto", "kernel", "reference"):
@@ -329,63 +322,16 @@ class Engine:
                                extra_bytes=buffer_pages * 2 * self.kv_heads * fmt.page_bytes(self.head_dim),
                                extra_pages=buffer_pages)
         self.restore = None if restore is None else RestoreBuffer(self.memory, restore, buffer_pages, attention == "reference")
-        self.attention = StepAttention(self.memory, attention, self.q_heads, model.model.layers[0].self_attn.scaling,
-                                    static_kinds=compress == "none" or restore is not None, restore=self.restore,
-                                    num_splits=num_splits)
-        self.step_ops = StepOps(self.head_dim, self.device.type == "cuda" if fused_ops is None else fused_ops)
-        self.graphs = StepGraph(self._decode_forward, self.device, cuda_graphs)
+        self.runner = StepRunner(model, self.memory, attention=attention,
+                                 static_kinds=compress == "none" or restore is not None, restore=self.restore,
+                                 num_splits=num_splits, cuda_graphs=cuda_graphs,
+                                 fused_ops=self.device.type == "cuda" if fused_ops is None else fused_ops)
         self.compress = "none" if restore is not None else compress
         self.reserve_ratio, self.max_batch, self.overlap = reserve_ratio, max_batch, overlap
         self.eos = _eos_ids(model, eos_token_id)
         self.admitted_raw = 0     # requests of the last generate admitted raw with compression on (_admit_raw)
 
-    # ------------------------------------------------------------------ model pieces
-
-    def _prefill(self, req: _Running):
-        """Hugging Face forward over the request's tokens (on its prefix): K/V per layer ``[H, n, D]`` of
-        everything the cache must hold, and the greedy next token."""
-        from transformers import DynamicCache
-        tokens = req.prompt + req.out
-        past = DynamicCache()
-        start = 0
-        if req.prefix is not None:
-            for l in range(self.memory.num_layers):
-                k, v = req.prefix.layer(l, (self.kv_heads, self.head_dim))
-                past.update(k[None].to(self.device, torch.bfloat16), v[None].to(self.device, torch.bfloat16), l)
-            start = req.prefix.position
-        ids = torch.tensor([tokens], device=self.device)
-        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
-        with torch.no_grad():
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True, logits_to_keep=1)
-        kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
-        return kv, int(out.logits[0, -1].argmax())
-
-    def _decode_forward(self, inp):
-        """One new token per running request through every layer. inp int64 ``[4, batch]``: tokens,
-        positions, page ids and in-page offsets of the new tokens. Returns the logits' argmax ``[batch]``.
-        Neither syncs nor allocates on the host: it is the step a CUDA graph captures."""
-        tokens, positions, pages, offsets = inp
-        B, ops = tokens.shape[0], self.step_ops
-        h = self.inner.embed_tokens(tokens[:, None])                          # [B, 1, hidden]
-        cos, sin = (t[:, 0] for t in self.inner.rotary_emb(h, position_ids=positions[:, None]))   # [B, head_dim]
-        h, delta = h[:, 0], None                                              # the residual stream [B, hidden]
-        for l, layer in enumerate(self.inner.layers):
-            attn = layer.self_attn
-            h, x = ops.add_norm(h, delta, layer.input_layernorm)
-            q = attn.q_proj(x).view(B, -1, self.head_dim)                     # [B, heads, head_dim]
-            k = attn.k_proj(x).view(B, -1, self.head_dim)
-            v = attn.v_proj(x).view(B, -1, self.head_dim)
-            if hasattr(attn, "q_norm"):                                     # Qwen3-style per-head norms
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = ops.rotary(q, k, cos, sin)
-            self.memory.write_tokens(l, pages, offsets, k, v)
-            o = self.attention.run(l, q)                                      # [B, Hq, D]
-            delta = attn.o_proj(o.reshape(B, -1))
-            h, x = ops.add_norm(h, delta, layer.post_attention_layernorm)
-            delta = ops.mlp(layer.mlp, x)
-        return self.model.lm_head(ops.add_norm(h, delta, self.inner.norm)[1]).argmax(-1)
-
-    # ------------------------------------------------------------------ scheduling
+    # ------------------------------------------------------------------ requests and admission
 
     def _validate(self, prompts, max_new_tokens, prefixes):
         if not _is_int(max_new_tokens) or max_new_tokens < 1:
@@ -428,25 +374,24 @@ class Engine:
             if self.restore is not None and (cached - 1) // fmt.PAGE_TOKENS > self.restore.buffer_pages:
                 raise ValueError(f"prompts[{i}]: its {cached} cached tokens need {(cached - 1) // fmt.PAGE_TOKENS} pages "
                                  f"of the restore buffer, which holds {self.restore.buffer_pages}")
-            out.append(_Running(i, ids, pre, max_new_tokens))
+            out.append(Request(i, ids, pre, max_new_tokens))
         return out
 
-    def _restore_split(self, req: _Running):
+    def _restore_split(self, req: Request):
         """(pages kept as the codec's payload, raw tokens after them) for a restore baseline's request."""
-        cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
-        n = (cached - 1) // fmt.PAGE_TOKENS                  # every full page but one token stays raw
-        return n, cached - n * fmt.PAGE_TOKENS
+        n = (req.cached - 1) // fmt.PAGE_TOKENS              # every full page but one token stays raw
+        return n, req.cached - n * fmt.PAGE_TOKENS
 
-    def _admit(self, req: _Running) -> bool:
-        cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
-        remaining = req.max_new - len(req.out)
+    def _admit(self, req: Request) -> bool:
+        """Prefill ``req`` and place its KV in memory if it fits now (else change nothing but what it staged)."""
+        cached, remaining = req.cached, req.remaining
         if self.restore is not None:
             return self._admit_restore(req, remaining)
         if self.compress != "none":
             return self._admit_packed(req, cached, remaining) or self._admit_raw(req, cached, remaining)
         return self._admit_raw(req, cached, remaining)
 
-    def _admit_raw(self, req: _Running, cached: int, remaining: int) -> bool:
+    def _admit_raw(self, req: Request, cached: int, remaining: int) -> bool:
         """Prefill into raw pages (:meth:`zipkv.memory.KVMemory.admit`). With compression on, this is the path of a
         request whose packed pages find no room while its raw pages do (compressed chunks are whole chunks of the pool,
         so a budget of few chunks per layer may hold a request only raw); its full pages are then compressed like
@@ -454,7 +399,7 @@ class Engine:
         if not self.memory.can_admit(cached, remaining, reserve_ratio=self.reserve_ratio):
             return False
         req.staged = None                                     # packed pages that found no room: prefilled again
-        kv, first = self._prefill(req)
+        kv, first = self.runner.prefill(req)
         self.memory.admit(req.rid, cached, remaining, reserve_ratio=self.reserve_ratio)
         for l, (k, v) in enumerate(kv):
             self.memory.write(l, req.rid, 0, k, v)
@@ -470,14 +415,14 @@ class Engine:
         req.out.append(first)
         req.position = (req.prefix.position if req.prefix is not None else 0) + len(req.prompt) + len(req.out) - 1
 
-    def _admit_packed(self, req: _Running, cached: int, remaining: int) -> bool:
+    def _admit_packed(self, req: Request, cached: int, remaining: int) -> bool:
         """ZipFusion's admission: prefill, pack the full pages (kept with the waiting request until it fits),
         admit them at their packed size (:meth:`zipkv.memory.KVMemory.admit_packed`), the last page raw."""
         mem = self.memory
         if not mem.can_admit_packed(cached, remaining, reserve_ratio=self.reserve_ratio):
             return False
         if req.staged is None:
-            kv, first = self._prefill(req)
+            kv, first = self.runner.prefill(req)
             req.staged = (mem.pack(kv), first)
         packed, first = req.staged
         if mem.admit_packed(req.rid, packed, remaining, reserve_ratio=self.reserve_ratio) is None:
@@ -491,7 +436,7 @@ class Engine:
         mem.reads_done()
         return True
 
-    def _admit_restore(self, req: _Running, remaining: int) -> bool:
+    def _admit_restore(self, req: Request, remaining: int) -> bool:
         """A restore baseline's admission: prefill, encode the full pages (kept with the waiting request
         until it fits), then hold chunks for the payload, take buffer pages and admit the raw tail."""
         n_pages, tail = self._restore_split(req)
@@ -499,7 +444,7 @@ class Engine:
         if not rs.fits(n_pages) or not mem.can_admit(tail, remaining, reserve_ratio=self.reserve_ratio):
             return False
         if req.staged is None:
-            kv, first = self._prefill(req)
+            kv, first = self.runner.prefill(req)
             req.staged = (rs.encode(kv, n_pages), [(k[:, n_pages * fmt.PAGE_TOKENS:], v[:, n_pages * fmt.PAGE_TOKENS:])
                                                    for k, v in kv], first)
         payload, raw, first = req.staged
@@ -515,15 +460,14 @@ class Engine:
         mem.reads_done()
         return True
 
-    def _admit_possible(self, req: _Running) -> bool:
+    def _admit_possible(self, req: Request) -> bool:
         if self.restore is not None:
             n_pages, tail = self._restore_split(req)
-            return self.restore.fits(n_pages) and self.memory.can_admit(tail, req.max_new - len(req.out),
+            return self.restore.fits(n_pages) and self.memory.can_admit(tail, req.remaining,
                                                                         reserve_ratio=self.reserve_ratio)
-        cached = (req.prefix.length if req.prefix is not None else 0) + len(req.prompt) + len(req.out)
         packed = (self.compress != "none" and req.staged is not None
-                  and self.memory.can_admit_packed(req.staged[0], req.max_new - len(req.out), reserve_ratio=self.reserve_ratio))
-        return packed or self.memory.can_admit(cached, req.max_new - len(req.out), reserve_ratio=self.reserve_ratio)
+                  and self.memory.can_admit_packed(req.staged[0], req.remaining, reserve_ratio=self.reserve_ratio))
+        return packed or self.memory.can_admit(req.cached, req.remaining, reserve_ratio=self.reserve_ratio)
 
     def _abandon(self):
         """Free every request still held when :meth:`generate` returns or stops on an exception (KeyboardInterrupt
@@ -578,31 +522,24 @@ class Engine:
         """
         if max_decode_steps is not None and (not _is_int(max_decode_steps) or max_decode_steps < 1):
             raise ValueError(f"max_decode_steps must be an int >= 1 or None, got {max_decode_steps!r}")
-        waiting = self._validate(prompts, max_new_tokens, prefixes)
+        requests = self._validate(prompts, max_new_tokens, prefixes)
         max_new_tokens = int(max_new_tokens)
         self.admitted_raw = 0
-        running, done, steps, admitted_at, flights = [], {}, [], {}, []
-        retracted = prefill_s = 0.0
+        sched = Scheduler(requests, max_batch=self.max_batch, eos=self.eos)
+        mem, runner = self.memory, self.runner
+        steps, flights = [], []
+        prefill_s = 0.0
         frac, bits = (float("nan"), float("nan")), float("nan")
         clock = None                                       # when the time of the next step to be read began
         bar = None
-        if progress or (progress is None and len(waiting) * max_new_tokens > 64 * 64):
+        if progress or (progress is None and len(requests) * max_new_tokens > 64 * 64):
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(waiting) * max_new_tokens, desc="generate", unit="tok")
-
-        def finished(r):
-            return len(r.out) >= r.max_new or r.out[-1] in self.eos
-
-        def leave(r):                                      # a step in flight drops r's token
-            running.remove(r)
-            r.pending, r.epoch = 0, r.epoch + 1
+            bar = tqdm(total=len(requests) * max_new_tokens, desc="generate", unit="tok")
 
         def retire():
-            for r in [r for r in running if finished(r)]:
-                leave(r)
-                done[r.rid] = r.out
+            for r in sched.retire():
                 self._free(r.rid)
-            self.memory.reads_done()                       # one stream: every read issued so far is ordered
+            mem.reads_done()                               # one stream: every read issued so far is ordered
 
         def read():
             """The oldest step in flight: its tokens onto its requests, its row of ``steps``."""
@@ -612,7 +549,7 @@ class Engine:
             for (r, epoch), t in zip(f.rows, f.read()):
                 if r.epoch == epoch:
                     r.pending -= 1
-                    if not finished(r):
+                    if not r.finished(self.eos):
                         r.out.append(t)
                         got += 1
             now = time.perf_counter()
@@ -623,7 +560,7 @@ class Engine:
                 bar.update(got)
 
         try:
-            while waiting or running or flights:
+            while sched.has_work() or flights:
                 if max_decode_steps is not None and len(steps) + len(flights) >= max_decode_steps:
                     if not flights:
                         break
@@ -633,53 +570,49 @@ class Engine:
                 # a blocked request is checked again only once memory has given space back: the check walks every
                 # layer's chunks (milliseconds at Llama-8B's shape), and it prefills, which waits for the device; an
                 # attempt therefore runs with nothing in flight, so the time left out of the steps is its own
-                while (waiting and (self.max_batch is None or len(running) < self.max_batch)
-                       and waiting[0].blocked != self.memory.space_returns):
+                while (req := sched.next_to_admit(mem.space_returns)) is not None:
                     while flights:
                         read()
                     t0 = time.perf_counter()
-                    admitted = self._admit(waiting[0])
+                    admitted = self._admit(req)
                     prefill_s += time.perf_counter() - t0
                     if clock is not None:
                         clock += time.perf_counter() - t0      # admission is prefill time, not a step's
                     if not admitted:
-                        waiting[0].blocked = self.memory.space_returns
+                        sched.blocked(req, mem.space_returns)
                         break
-                    running.append(waiting.pop(0))
-                    admitted_at.setdefault(running[-1].rid, len(steps) + len(flights))
+                    sched.admitted(req, len(steps) + len(flights))
                     if bar:
                         bar.update(1)
                 retire()
-                batch = [r for r in running if len(r.out) + r.pending < r.max_new]
+                batch = sched.decode_batch()
                 if not batch:
                     if flights:
                         read()
-                    elif waiting and not self.memory.requests and not self._admit_possible(waiting[0]):
+                    elif sched.waiting and not mem.requests and not self._admit_possible(sched.waiting[0]):
                         raise RuntimeError("generate: a request does not fit an empty memory (internal error)")
                     continue
                 t0 = time.perf_counter()
-                for r in list(batch):
-                    if r not in running:
+                for r in batch:
+                    if r not in sched.running:
                         continue
-                    while self.memory.alloc(r.rid, 1) is None:             # no room: retract by policy
-                        victim = self.memory.retract([x.rid for x in running])
-                        if self.restore is not None:
-                            self.restore.release(victim)
-                        vr = next(x for x in running if x.rid == victim)
-                        leave(vr)
-                        waiting.insert(0, vr)
-                        retracted += 1
-                        if vr is r:
+                    while mem.alloc(r.rid, 1) is None:             # no room: retract by the scheduler's policy
+                        victim = sched.retraction_victim()
+                        self._free(victim.rid)
+                        sched.requeue(victim)
+                        if victim is r:
                             break
-                batch = [r for r in batch if r in running]
+                    else:
+                        r.grown += 1
+                batch = [r for r in batch if r in sched.running]
                 if not batch:
                     continue
                 rids = [r.rid for r in batch]
                 if not steps and not flights:
-                    frac, bits = self.memory.compressed_fraction(rids), self._stored_bits(rids)
-                last = [self.memory.cache_len(rid) - 1 for rid in rids]         # the new token's slot
-                key = self.attention.plan(rids)
-                if flights and not (self.overlap and self.graphs.replays(key)):
+                    frac, bits = mem.compressed_fraction(rids), self._stored_bits(rids)
+                last = [mem.cache_len(rid) - 1 for rid in rids]                 # the new token's slot
+                key = runner.plan(rids)
+                if flights and not (self.overlap and runner.replays(key)):
                     pre = time.perf_counter() - t0             # a warm-up or capture runs with nothing in flight
                     while flights:
                         read()
@@ -692,19 +625,18 @@ class Engine:
                     at = {id(r): i for i, (r, _) in enumerate(flights[-1].rows)}
                     carry = (flights[-1].tokens, torch.tensor([at[id(r)] if r.pending else -1 for r in batch]))
                 inp = torch.tensor([[0 if r.pending else r.out[-1] for r in batch], [r.position for r in batch],
-                                    [self.memory.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
+                                    [mem.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
                                     [t % fmt.PAGE_TOKENS for t in last]], dtype=torch.int64)
-                with torch.no_grad():
-                    out, mode, capture_s = self.graphs.run(key, inp, carry)
+                out, mode, capture_s = runner.launch(key, inp, carry)
                 clock += capture_s
                 for r in batch:
                     r.position, r.pending = r.position + 1, r.pending + 1
                 if self.compress == "all":
-                    self.memory.compress()                      # the pages this step filled, after its reads
-                self.memory.keep_raw()
-                st = self.memory.snapshot()                     # during the step, before finished requests leave
+                    mem.compress()                              # the pages this step filled, after its reads
+                mem.keep_raw()
+                st = mem.snapshot()                             # during the step, before finished requests leave
                 flights.append(StepInFlight([(r, r.epoch) for r in batch], out, mode, capture_s,
-                                       {k: st[k] for k in ("used_bytes", "chunks_free", "chunks_held", "reassigned")}))
+                                            {k: st[k] for k in ("used_bytes", "chunks_free", "chunks_held", "reassigned")}))
                 while len(flights) > (1 if self.overlap else 0):
                     read()
         except BaseException:                             # an interrupt or error: the engine stays usable
@@ -714,23 +646,22 @@ class Engine:
             raise
         if bar:
             bar.close()
-        for r in running + waiting:
-            done.setdefault(r.rid, r.out)
+        outputs = sched.outputs(len(prompts))
         self._abandon()                                    # requests max_decode_steps left unfinished give back their pages
         timed = [s for s in steps if s["mode"] != "warmup"] or steps
         decode_s = sum(s["seconds"] for s in timed)
         stats = dict(frac_compressed_k=frac[0], frac_compressed_v=frac[1], stored_bits_per_value=bits,
                      decode_tokens_per_s=sum(s["batch"] for s in timed) / decode_s if decode_s else float("nan"),
-                     decode_seconds=decode_s, timed_steps=len(timed), cuda_graphs=self.graphs.enabled,
+                     decode_seconds=decode_s, timed_steps=len(timed), cuda_graphs=runner.graphs.enabled,
                      overlap=self.overlap,
-                     graph_error=self.graphs.failed,
+                     graph_error=runner.graphs.failed,
                      graph_capture_seconds=sum(s["capture_seconds"] for s in steps),
                      prefill_seconds=prefill_s, steps=steps,
-                     max_batch=max((s["batch"] for s in steps), default=0), retracted=int(retracted),
+                     max_batch=max((s["batch"] for s in steps), default=0), retracted=sched.retracted,
                      admitted_raw=self.admitted_raw,
-                     admitted_at=[admitted_at.get(i) for i in range(len(prompts))],
-                     kv_budget_bytes=self.kv_budget_bytes, memory=self.memory.stats())
-        return GenerateResult([done[i] for i in range(len(prompts))], stats)
+                     admitted_at=[sched.admitted_at.get(i) for i in range(len(prompts))],
+                     kv_budget_bytes=self.kv_budget_bytes, memory=mem.stats())
+        return GenerateResult(outputs, stats)
 
     def page_bytes(self) -> int:
         """Bytes of one uncompressed logical page over all layers (16 tokens of K and V)."""

@@ -1,8 +1,13 @@
-"""The machinery one decode step of :class:`zipkv.engine.Engine` runs on (ZipFusion §III-D, §IV-A): the adapter
-onto the attention kernels' plan/run API over a static page table (:class:`StepAttention`), the shared restore
-buffer of the restore-before-attention baselines (:class:`RestoreBuffer`, §II-B), the step's elementwise ops
-(:class:`StepOps`), its CUDA graph (:class:`StepGraph`) and a launched step whose tokens the host has not read yet
-(:class:`StepInFlight`). The engine's loop, admission and bookkeeping are in :mod:`zipkv.engine`."""
+"""The step runner of :class:`zipkv.engine.Engine` (ZipFusion §III-D, §IV-A): the model's side of serving, as SGLang's
+``model_executor/model_runner.py`` and vLLM v1's ``worker/gpu_model_runner.py`` are.
+
+:class:`StepRunner` prefills a request with the model's own forward and runs the decode step -- every layer's
+projections, rotary embedding, KV writes into the memory's pages, attention, MLP and the greedy argmax -- on the
+machinery below: the adapter onto the attention kernels' plan/run API over a static page table
+(:class:`StepAttention`), the shared restore buffer of the restore-before-attention baselines (:class:`RestoreBuffer`,
+§II-B), the step's elementwise ops (:class:`StepOps`), its CUDA graph (:class:`StepGraph`) and a launched step whose
+tokens the host has not read yet (:class:`StepInFlight`). Which requests run, and when, is the scheduler's
+(:mod:`zipkv.scheduler`); where their pages are is the memory manager's (:mod:`zipkv.memory`)."""
 from __future__ import annotations
 
 import time
@@ -13,7 +18,8 @@ from zipkv import format as fmt
 from zipkv.memory import KVMemory, copy_to_device, free_extent, to_device
 from zipkv.paged import PagedKVCache, page_kinds_of
 
-__all__ = ["StepAttention", "RestoreBuffer", "StepOps", "StepGraph", "StepInFlight", "RMS_NORMS", "GATED_SILU_MLPS"]
+__all__ = ["StepRunner", "StepAttention", "RestoreBuffer", "StepOps", "StepGraph", "StepInFlight", "RMS_NORMS",
+           "GATED_SILU_MLPS"]
 
 
 class RestoreBuffer:
@@ -335,3 +341,85 @@ class StepInFlight:
         if self.event is not None:
             self.event.synchronize()
         return self.host.tolist()
+
+
+class StepRunner:
+    """The model's side of the engine: prefill, and the decode step launched through its CUDA graph.
+
+    model: a Hugging Face Llama-family ``*ForCausalLM`` in bf16 (:data:`zipkv.engine.DECODE_MODEL_TYPES`). memory: the
+    engine's :class:`~zipkv.memory.KVMemory`. attention: ``"kernel"`` or ``"reference"``; static_kinds, restore,
+    num_splits: :class:`StepAttention`'s; fused_ops: :class:`StepOps`' ``fused``; cuda_graphs: :class:`StepGraph`'s
+    ``enabled``.
+    """
+
+    def __init__(self, model, memory: KVMemory, *, attention: str, static_kinds: bool, restore: RestoreBuffer | None,
+                 num_splits: int | None, fused_ops: bool, cuda_graphs: bool):
+        cfg = model.config
+        self.model, self.inner, self.memory = model, model.model, memory
+        self.device = next(model.parameters()).device
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_heads = cfg.num_key_value_heads
+        self.attention = StepAttention(memory, attention, cfg.num_attention_heads, model.model.layers[0].self_attn.scaling,
+                                       static_kinds=static_kinds, restore=restore, num_splits=num_splits)
+        self.step_ops = StepOps(self.head_dim, fused_ops)
+        self.graphs = StepGraph(self.decode_forward, self.device, cuda_graphs)
+
+    def prefill(self, req):
+        """Hugging Face forward over request ``req``'s tokens (a :class:`zipkv.scheduler.Request`: prompt and outputs,
+        on its prefix): K/V per layer ``[kv_heads, n, head_dim]`` of everything the cache must hold, and the greedy
+        next token."""
+        from transformers import DynamicCache
+        tokens = req.prompt + req.out
+        past = DynamicCache()
+        start = 0
+        if req.prefix is not None:
+            for l in range(self.memory.num_layers):
+                k, v = req.prefix.layer(l, (self.kv_heads, self.head_dim))
+                past.update(k[None].to(self.device, torch.bfloat16), v[None].to(self.device, torch.bfloat16), l)
+            start = req.prefix.position
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.arange(start, start + len(tokens), device=self.device)[None]
+        with torch.no_grad():
+            out = self.model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True, logits_to_keep=1)
+        kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+        return kv, int(out.logits[0, -1].argmax())
+
+    def decode_forward(self, inp):
+        """One new token per running request through every layer. inp int64 ``[4, batch]``: tokens,
+        positions, page ids and in-page offsets of the new tokens. Returns the logits' argmax ``[batch]``.
+        Neither syncs nor allocates on the host: it is the step a CUDA graph captures."""
+        tokens, positions, pages, offsets = inp
+        B, ops = tokens.shape[0], self.step_ops
+        h = self.inner.embed_tokens(tokens[:, None])                          # [B, 1, hidden]
+        cos, sin = (t[:, 0] for t in self.inner.rotary_emb(h, position_ids=positions[:, None]))   # [B, head_dim]
+        h, delta = h[:, 0], None                                              # the residual stream [B, hidden]
+        for l, layer in enumerate(self.inner.layers):
+            attn = layer.self_attn
+            h, x = ops.add_norm(h, delta, layer.input_layernorm)
+            q = attn.q_proj(x).view(B, -1, self.head_dim)                     # [B, heads, head_dim]
+            k = attn.k_proj(x).view(B, -1, self.head_dim)
+            v = attn.v_proj(x).view(B, -1, self.head_dim)
+            if hasattr(attn, "q_norm"):                                     # Qwen3-style per-head norms
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = ops.rotary(q, k, cos, sin)
+            self.memory.write_tokens(l, pages, offsets, k, v)
+            o = self.attention.run(l, q)                                      # [B, Hq, D]
+            delta = attn.o_proj(o.reshape(B, -1))
+            h, x = ops.add_norm(h, delta, layer.post_attention_layernorm)
+            delta = ops.mlp(layer.mlp, x)
+        return self.model.lm_head(ops.add_norm(h, delta, self.inner.norm)[1]).argmax(-1)
+
+    def plan(self, rids) -> tuple:
+        """Bring the attention's page table up to date for the batch ``rids`` (:meth:`StepAttention.plan`): the batch
+        composition's key."""
+        return self.attention.plan(rids)
+
+    def replays(self, key) -> bool:
+        """Whether the next launch of composition ``key`` only launches (:meth:`StepGraph.replays`)."""
+        return self.graphs.replays(key)
+
+    def launch(self, key, host_inputs: torch.Tensor, carry=None):
+        """Launch the decode step of composition ``key`` on ``host_inputs`` (CPU int64 ``[4, batch]``; ``carry``: see
+        :meth:`StepGraph.run`): ``(next tokens on the device, mode, capture seconds)``."""
+        with torch.no_grad():
+            return self.graphs.run(key, host_inputs, carry)
