@@ -65,6 +65,23 @@ def test_failing_notebook_names_itself_and_the_cell(tmp_path):
         book.build("quick", root=root, html=False)
 
 
+@pytest.mark.parametrize("profile", ["../params/quick", "quick/../quick", "/tmp/quick", ""])
+def test_a_profile_is_a_name_in_params_not_a_path(profile):
+    with pytest.raises(ValueError, match="unknown profile"):
+        book.plan(profile)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--html-only", "--no-html"], "argument --no-html: not allowed with argument --html-only"),
+    (["--html-only", "--force", "--only", "findings"], "--html-only builds the HTML from book/ as it is and runs no "
+                                                       "notebook: --only, --force would be ignored"),
+    (["--html-only", "--profile", "paper"], "--profile would be ignored"),
+])
+def test_contradictory_book_options_are_refused_before_anything_runs(argv, says):
+    done = subprocess.run([sys.executable, "-m", "zipkv", "book", *argv], capture_output=True, text=True)
+    assert done.returncode == 2 and says in done.stderr and not done.stdout, done.stderr
+
+
 def test_cli_exit_code_and_message(tmp_path):
     done = subprocess.run([sys.executable, "-m", "zipkv", "book", "--profile", "nope"], capture_output=True, text=True)
     assert done.returncode == 1 and "unknown profile 'nope'" in done.stderr
@@ -214,6 +231,8 @@ def test_paper_profile_on_a_cpu_machine_is_one_line_and_leaves_git_clean():
     ("tiny:\n  x: [1, 2\n", r"is not valid YAML at line \d+"),
     ("- tiny\n", "holds a YAML list"),
     ("tiny: 3\n", r"section 'tiny' is 3"),
+    ("tiny:\n  x: 1\n  x: 2\n", r"is not valid YAML at line 3 \(duplicate key 'x' \(first at line 2\)\)"),
+    ("tiny: {}\ntiny: {}\n", r"duplicate key 'tiny'"),
 ])
 def test_malformed_params_yaml_names_the_file(tmp_path, text, says):
     root = _tiny_root(tmp_path, [], params_yaml=text)
@@ -361,14 +380,83 @@ def test_published_book_every_chapter_in_chromium(tmp_path):
     assert not problems, "\n".join(problems)
 
 
-def test_a_table_written_straight_into_results_is_kept(tmp_path):
-    """A notebook may write a side table to a path of its own under results/<profile>/ (the latency chapter's
-    pack and mix sweeps, from its working directory): the run's copy of the folder must not put the old
-    table back over it."""
-    root = _tiny_root(tmp_path, ["import pandas as pd\n"
-                                 "pd.DataFrame({'z': [x]}).to_csv('../../results/quick/side.csv', index=False)\n"
+def test_a_side_table_beside_results_csv_is_moved_after_success(tmp_path):
+    """A notebook writes a side table beside its results_csv (the latency chapter's pack and mix sweeps): the run's
+    copy of results/<profile>/ must not put the old table back over it."""
+    root = _tiny_root(tmp_path, ["import pandas as pd\nfrom pathlib import Path\n"
+                                 "pd.DataFrame({'z': [x]}).to_csv(Path(results_csv).with_name('side.csv'), index=False)\n"
                                  "pd.DataFrame({'x': [x]}).to_csv(results_csv, index=False)"])
     (root / "results" / "quick").mkdir(parents=True)
     (root / "results" / "quick" / "side.csv").write_text("z\nold\n")
     book.build("quick", root=root, html=False)
     assert (root / "results" / "quick" / "side.csv").read_text().splitlines() == ["z", "2"]
+
+
+STRAIGHT_INTO_RESULTS = ("import pandas as pd\n"
+                         "pd.DataFrame({'z': [x]}).to_csv('../../results/quick/side.csv', index=False)\n"
+                         "pd.DataFrame({'x': [x]}).to_csv(results_csv, index=False)")
+
+
+def _git_root(root):
+    """``root`` as a git checkout with everything committed: ``git status`` then shows what a run changed."""
+    for args in (["init", "-q"], ["add", "-A"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"]):
+        subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+    return root
+
+
+def _git_status(root):
+    return subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True,
+                          check=True).stdout.split("\n")[:-1]
+
+
+def test_a_notebook_writing_straight_into_results_fails_and_its_file_is_put_back(tmp_path):
+    """What the latency chapter once did (a committed table replaced from a cell, bypassing the scratch folder) is
+    refused: the run fails, naming what it wrote, and results/ is as it was."""
+    root = _tiny_root(tmp_path, [STRAIGHT_INTO_RESULTS])
+    _executed_by_hand(root, "quick")
+    (root / "results" / "quick" / "side.csv").write_text("z\nold\n")
+    _git_root(root)
+    with pytest.raises(book.NotebookFailed, match=r"wrote \['results/quick/side.csv'\] itself.*put back"):
+        book.build("quick", root=root, html=False, force=True)
+    assert _git_status(root) == []
+
+
+def test_a_run_interrupted_mid_notebook_changes_nothing(tmp_path):
+    """Ctrl-C in the middle of a notebook that has already written into results/ itself: git status is clean."""
+    import signal
+    import time
+
+    root = _tiny_root(tmp_path, [STRAIGHT_INTO_RESULTS.replace("pd.DataFrame({'x'", "import time\n"
+                                                               "open('../../started', 'w').close()\n"
+                                                               "time.sleep(60)\npd.DataFrame({'x'")])
+    _executed_by_hand(root, "quick")
+    (root / "results" / "quick" / "side.csv").write_text("z\nold\n")
+    (root / ".gitignore").write_text("started\n")
+    _git_root(root)
+    run = subprocess.Popen([sys.executable, "-m", "zipkv.study", "book", "--root", str(root), "--no-html", "--force"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env={**os.environ, "TMPDIR": str(tmp_path / "scratch")})
+    deadline = time.time() + 120
+    while not (root / "started").exists() and time.time() < deadline and run.poll() is None:
+        time.sleep(0.2)
+    assert (root / "started").exists(), run.communicate()[0]
+    run.send_signal(signal.SIGINT)
+    out, _ = run.communicate(timeout=120)
+    assert run.returncode != 0
+    assert "stopped in tiny (KeyboardInterrupt): its book/ and results/ files unchanged" in out, out
+    assert _git_status(root) == []
+
+
+def test_a_batch_failing_in_its_second_notebook_says_what_the_first_replaced(tmp_path):
+    root = _tiny_root(tmp_path, ["import pandas as pd\npd.DataFrame({'x': [x]}).to_csv(results_csv, index=False)"],
+                      params_yaml="tiny:\n  x: 2\nworse: {}\n")
+    shutil.copy(root / "notebooks" / "part" / "tiny.ipynb", root / "notebooks" / "part" / "worse.ipynb")
+    nb = nbformat.read(root / "notebooks" / "part" / "worse.ipynb", as_version=4)
+    nb.cells.append(nbformat.v4.new_code_cell("raise RuntimeError('the second notebook fails')"))
+    nbformat.write(nb, root / "notebooks" / "part" / "worse.ipynb")
+    _executed_by_hand(root, "quick")
+    _git_root(root)
+    with pytest.raises(book.NotebookFailed, match=r"notebook 'worse' failed .* this run's earlier notebooks replaced "
+                                                  r"\['results/quick/tiny.csv', 'book/part/tiny.ipynb'\]"):
+        book.build("quick", root=root, html=False, force=True)
+    assert sorted(_git_status(root)) == [" M book/part/tiny.ipynb", " M results/quick/tiny.csv"]

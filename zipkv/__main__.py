@@ -76,7 +76,7 @@ def _add_bench(commands) -> None:
     bench.add_argument("--kernels", nargs="+", choices=["triton", "gluon"], default=None,
                        help="attention: zipkv's decode kernels to time (default: every one the head_dim has)")
     bench.add_argument("--out", type=Path, default=None,
-                       help="save the table here (CSV, with the commit and date of the run; ncu: the report)")
+                       help="save the table here (CSV, with the commit and date of the run; ncu: the report, default ./zipfusion_decode_ncu.txt)")
 
 
 def main(argv: list[str] | None = None, extensions: list | None = None) -> int:
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None, extensions: list | None = None) -> int:
     extensions: modules adding commands (default: :func:`installed_extensions`)."""
     parser = argparse.ArgumentParser(prog="python -m zipkv", usage="python -m zipkv [-h] COMMAND ...",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS,
+                                     prog="python -m zipkv")
     _add_bench(commands)
     library = dict(commands.choices)
     runs = {"bench": _bench}
@@ -144,7 +145,7 @@ def _bench_table(args):
         benchmarks.nsight_targets()
         return None
     if args.what == "ncu":
-        print(benchmarks.nsight_report(args.out or Path("results/paper/zipfusion_decode_ncu.txt")))
+        print(benchmarks.nsight_report(args.out or Path("zipfusion_decode_ncu.txt")))   # a committed file only if told
         return None
     if args.what == "attention":
         fraction = benchmarks.measured_compressible_fraction(args.real_kv) if args.real_kv else None

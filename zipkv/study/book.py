@@ -52,15 +52,30 @@ def profiles(root: Path = REPO_ROOT) -> list[str]:
     return sorted(p.stem for p in (root / "params").glob("*.yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader refusing a mapping that names a key twice (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark,
+                    f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_profile(profile: str, root: Path = REPO_ROOT) -> dict:
     """``params/<profile>.yaml`` as {notebook name: {parameter: value}}; a malformed file is a
     ``ValueError`` naming it."""
     path = root / "params" / f"{profile}.yaml"
-    if not path.is_file():
+    if not isinstance(profile, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", profile) or not path.is_file():
         raise ValueError(f"unknown profile {profile!r}: expected one of {profiles(root)} (files in {root / 'params'})")
     expected = "expected a mapping of notebook names to mappings of parameters"
     try:
-        settings = yaml.safe_load(path.read_text()) or {}
+        settings = yaml.load(path.read_text(), Loader=_UniqueKeyLoader) or {}
     except yaml.YAMLError as err:
         where = getattr(err, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -290,11 +305,43 @@ def _stamp(executed: Path, record: dict) -> None:
     nbformat.write(nb, executed)
 
 
+def _published(root: Path) -> dict[Path, bytes]:
+    """Every file under ``book/`` (but its HTML build) and ``results/``: what only :func:`execute`'s moves may change."""
+    return {p: p.read_bytes() for d in ("book", "results") for p in sorted((root / d).rglob("*"))
+            if p.is_file() and "_build" not in p.relative_to(root).parts}
+
+
+def _put_back(root: Path, before: dict[Path, bytes]) -> list[str]:
+    """Restore ``book/`` and ``results/`` to ``before`` (:func:`_published`): the files a notebook wrote there
+    itself, as paths relative to ``root`` (empty when it wrote none)."""
+    now = _published(root)
+    strays = sorted(set(now) ^ set(before) | {p for p in now.keys() & before.keys() if now[p] != before[p]})
+    for path in strays:
+        if path in before:
+            path.write_bytes(before[path])
+        else:
+            path.unlink()
+    return [os.path.relpath(p, root) for p in strays]
+
+
 def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
     """Run one notebook with papermill in a temporary folder; only when it succeeded, move the
-    executed notebook into ``book/`` and the tables it wrote into ``results/<profile>/``. A failure
-    raises :class:`NotebookFailed` naming the failing cell and leaves ``book/`` and ``results/`` as
-    they were (the failed copy stays in the temporary folder, named in the message)."""
+    executed notebook into ``book/`` and the tables it wrote beside its ``results_csv`` into ``results/<profile>/``.
+    A failure (or an interrupt) raises naming the failing cell and leaves ``book/`` and ``results/`` as they were
+    (the failed copy stays in the temporary folder, named in the message). A notebook that wrote into ``book/`` or
+    ``results/`` itself, not through its ``results_csv`` folder, fails too, and what it wrote there is put back.
+    The record's ``replaced`` lists what the moves wrote, relative to ``root``."""
+    before = _published(root)
+    try:
+        return _execute(job, profile, root, before)
+    except BaseException as err:                      # a failure or Ctrl-C: nothing published changes
+        strays = _put_back(root, before)
+        if strays and isinstance(err, NotebookFailed):
+            raise NotebookFailed(f"{err} (it also wrote {strays} itself: put back)") from None
+        raise
+
+
+def _execute(job: NotebookJob, profile: str, root: Path, before: dict) -> dict:
     import papermill
     from papermill.exceptions import PapermillExecutionError
 
@@ -322,12 +369,21 @@ def execute(job: NotebookJob, profile: str, root: Path = REPO_ROOT) -> dict:
         raise NotebookFailed(f"notebook {job.name!r} ran but wrote no main table to its {RESULTS_PARAMETER} "
                              f"(executed copy: {executed}; book/ and results/ unchanged)")
     record["wall_time_s"] = round(time.perf_counter() - started, 1)
+    strays = _put_back(root, before)
+    if strays:
+        raise NotebookFailed(f"notebook {job.name!r} wrote {strays} itself: a notebook writes its tables beside its "
+                             f"{RESULTS_PARAMETER} (the pipeline moves them after success); put back, so book/ and "
+                             f"results/ are unchanged (executed copy: {executed})")
     _relocate(executed, job)
-    for table in sorted(p for p in results.rglob("*") if p.is_file()):   # what the run wrote or changed here:
-        if copied.get(table) != table.read_bytes():                      # a table it wrote straight into
-            _install(table, job.results_csv.parent / table.relative_to(results))  # results/ stays as written
+    installed = []
+    for table in sorted(p for p in results.rglob("*") if p.is_file()):   # what the run wrote or changed here
+        if copied.get(table) != table.read_bytes():
+            installed.append(job.results_csv.parent / table.relative_to(results))
+            _install(table, installed[-1])
     _install(executed, job.executed, lambda partial: _stamp(partial, record))  # stamped beside its final place
+    installed.append(job.executed)
     shutil.rmtree(scratch, ignore_errors=True)
+    record["replaced"] = [os.path.relpath(p, root) for p in installed]
     return record
 
 
@@ -404,10 +460,20 @@ def build(profile: str = "quick", only: list[str] | None = None, root: Path = RE
     jobs = plan(profile, only, root, from_results=from_results)
     preflight(jobs, profile, root, force=force)
     replaced = {j.name: p for j in jobs if (p := executed_profile(j.executed)) not in (None, profile)}
+    written = []                                       # what this batch's earlier notebooks replaced
     with tqdm(jobs, desc=f"notebooks ({profile})", unit="notebook") as bar:
         for job in bar:
             bar.set_postfix_str(job.name)
-            record = execute(job, profile, root)
+            try:
+                record = execute(job, profile, root)
+            except BaseException as err:
+                done = (f"; this run's earlier notebooks replaced {written}" if written
+                        else "; no earlier notebook of this run replaced anything")
+                if isinstance(err, NotebookFailed):
+                    raise NotebookFailed(f"{err}{done}") from None
+                bar.write(f"stopped in {job.name} ({type(err).__name__}): its book/ and results/ files unchanged{done}")
+                raise
+            written += record["replaced"]
             was = f" (replaced the {replaced[job.name]}-profile run)" if job.name in replaced else ""
             bar.write(f"{job.name}: {record['wall_time_s']} s on {record['device']}{was}")
     return build_html(root) if html else None

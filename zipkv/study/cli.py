@@ -20,8 +20,11 @@ def register(commands) -> dict:
     book = commands.add_parser("book", description=what)
     book.add_argument("--profile", default="quick", help="parameter profile: a file params/<profile>.yaml")
     book.add_argument("--only", nargs="+", metavar="NAME", help="run only these notebooks (file stems)")
-    book.add_argument("--no-html", action="store_true", help="execute notebooks only; skip jupyter-book")
-    book.add_argument("--html-only", action="store_true", help="build the HTML from the executed notebooks in book/")
+    html = book.add_mutually_exclusive_group()
+    html.add_argument("--no-html", action="store_true", help="execute notebooks only; skip jupyter-book")
+    html.add_argument("--html-only", action="store_true",
+                      help="build the HTML from the executed notebooks in book/ (runs none: no --profile, --only, "
+                           "--force or --from-results)")
     book.add_argument("--root", type=Path, default=None, help="project root (default: this repository)")
     book.add_argument("--force", action="store_true",
                       help="replace executed notebooks in book/ that another profile made")
@@ -47,6 +50,13 @@ def run_book(args) -> int:
         return 1
     from zipkv.study import book as pipeline
 
+    if args.html_only:
+        runs = [f"--{o.replace('_', '-')}" for o in ("only", "force", "from_results") if getattr(args, o)]
+        runs += ["--profile"] if args.profile != "quick" else []
+        if runs:
+            print(f"zipkv book: --html-only builds the HTML from book/ as it is and runs no notebook: "
+                  f"{', '.join(runs)} would be ignored; drop them, or drop --html-only", file=sys.stderr)
+            return 2
     root = args.root or pipeline.REPO_ROOT
     if not (Path(root) / "params").is_dir() or not (Path(root) / "notebooks").is_dir():
         print(f"zipkv book: --root {root}: not a zipkv project folder (expected params/ and notebooks/ in it)",
