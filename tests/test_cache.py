@@ -318,7 +318,7 @@ def test_numpy_integers_are_integers_and_a_bad_joint_config_fails_before_the_cap
 def test_other_caches_are_untouched_by_the_hooks(model, ids):
     C.attach(model)
     C.attach(model)  # idempotent
-    assert len(model._zipkv_cache_hooks) == 1 + model.config.num_hidden_layers
+    assert len(model._zipkv_cache_hooks) == 2 + model.config.num_hidden_layers
     with torch.no_grad():
         plain = model(ids[None]).logits
     C.detach(model)

@@ -6,6 +6,10 @@
     cache = zipkv.compress(model, context_ids, ratio=0.3)          # KVSculpt, k + m pairs per KV head
     out = model.generate(continuation_ids, past_key_values=cache, max_new_tokens=64)
 
+(transformers 5.24 and later name the argument ``cache=``, and warn on ``past_key_values=``; the ``generate`` of a
+model with zipkv's hooks takes a DistilledCache under either name on every version, and
+:func:`zipkv.models.cache_keyword` gives the installed one's name for the model's own forward.)
+
 * **Exact per-head lengths.** Adaptive budgets (§3.5) give every KV head its own ``k``. A layer is
   stored padded to its longest head, ``[1, H, P, d]``, with ``valid`` ``[H, P]`` marking real pairs;
   the padding is masked per head, so attention equals attention over each head's own pairs.
@@ -26,10 +30,12 @@ The masks and positions come from two forward pre-hooks that :func:`attach` regi
 (once; :func:`compress` and :mod:`zipkv.distill.evaluate` call it): one on the decoder sets the
 positions, one per attention module replaces the attention mask by the layer's additive mask
 ``[B, q_heads, T, P + past + T]`` (``β`` or ``−inf`` on the cached pairs, ``0``/``−inf`` causal on the
-new tokens). Both do nothing unless the forward's ``past_key_values`` is a :class:`DistilledCache`,
+new tokens). Both do nothing unless one of the forward's arguments is a :class:`DistilledCache` (found by its type,
+not by its keyword: transformers passes the cache down as ``past_key_values=`` before 5.24, as ``cache=`` since),
 and the model keeps its own attention implementation (``sdpa`` or ``eager``), so what runs is the
 model's attention with a mask. Nothing is kept outside the cache: each layer's lengths and bias live
-in its :class:`DistilledLayer`.
+in its :class:`DistilledLayer` (a third hook, after the decoder's forward, only counts the hooked forwards running,
+for the error of a layer updated without its mask).
 
 The cache follows ``transformers``' convention of appending: after ``generate`` it holds the
 generated tokens too (:meth:`DistilledCache.reset` drops them). Its ``get_seq_length()`` counts the
@@ -40,13 +46,15 @@ of its first tokens): :func:`attach` also wraps the model's ``generate`` for thi
 """
 from __future__ import annotations
 
+import inspect
 import numbers
+import threading
 import types
 from typing import Sequence
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
-from .models import attention_window
+from .models import CACHE_KEYWORDS, attention_window, cache_keyword
 
 __all__ = ["DistilledCache", "DistilledLayer", "attach", "compress", "detach"]
 
@@ -95,7 +103,9 @@ class DistilledLayer(DynamicLayer):
         self.cached = pairs[-1]
         self.valid = valid.to(keys.device)
         self.bias = bias.to(device=keys.device, dtype=torch.float32)
-        self.armed = False
+        self.armed = False      # set by the mask hook of this layer's attention, for its next update
+        self.entered = False    # set by the decoder's positions hook at the start of each forward
+        self.layer_idx: int | None = None   # set by the DistilledCache that holds it
         self._start = (self.keys, self.values, self.valid, self.bias)   # what restart() returns to (no copies)
 
     def restart(self) -> None:
@@ -115,9 +125,8 @@ class DistilledLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.armed:
-            raise RuntimeError("a DistilledCache ran through a model without zipkv's attention mask: call "
-                               "zipkv.cache.attach(model) once before using it (zipkv.compress does)")
-        self.armed = False
+            raise RuntimeError(self._unmasked_reason())
+        self.armed = self.entered = False
         B = key_states.shape[0]
         if self.keys.shape[0] != B:  # several sequences (beams, samples) continue the one compressed context
             if self.keys.shape[0] != 1:
@@ -126,6 +135,29 @@ class DistilledLayer(DynamicLayer):
             self.keys = self.keys.expand(B, -1, -1, -1)
             self.values = self.values.expand(B, -1, -1, -1)
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _unmasked_reason(self) -> str:
+        """Why this layer is being updated without its mask: the model has no zipkv hooks, or its hooks did not see
+        the cache (in the decoder's call, or in this layer's attention module's call)."""
+        import transformers
+
+        unmasked = "a DistilledCache ran through a model without zipkv's attention mask"
+        version = f"transformers {transformers.__version__}"
+        if self.entered:
+            where = "a layer" if self.layer_idx is None else f"layer {self.layer_idx}"
+            module = "its self_attn" if self.layer_idx is None else f"model.model.layers[{self.layer_idx}].self_attn"
+            return (f"{unmasked} on {where}: zipkv's hooks are on the model and its decoder got the cache, but the mask "
+                    f"hook on {module} did not see it before the layer's cache was updated: that module was replaced, "
+                    "or its hook removed, after zipkv.cache.attach(model) (zipkv.cache.detach(model), then attach "
+                    f"again), or {version} updates the cache from another module or passes it to the attention "
+                    "module some other way than as a call argument")
+        if _hooked_forwards() > 0:
+            return (f"{unmasked}: zipkv's hooks are on the model, but its decoder's forward was called without the "
+                    "DistilledCache among its arguments (the hooks look for it there under any keyword, "
+                    f"past_key_values= or cache=): {version} passes the cache some other way, which zipkv does not "
+                    "support (calling zipkv.cache.attach again does not help)")
+        return (f"{unmasked}: the model has no zipkv hooks: call zipkv.cache.attach(model) once before using it "
+                "(zipkv.compress and DistilledCache.from_compressed(..., model) do)")
 
     def get_seq_length(self) -> int:
         """Tokens appended after the compressed context."""
@@ -199,7 +231,7 @@ class DistilledLayer(DynamicLayer):
 
 
 class DistilledCache(Cache):
-    """A compressed KV cache that ``model.generate`` and ``model(...)`` accept as ``past_key_values``.
+    """A compressed KV cache that ``model.generate`` and ``model(...)`` accept as ``past_key_values`` (or ``cache``).
 
     Attributes:
         layers: one :class:`DistilledLayer` per decoder layer.
@@ -224,6 +256,8 @@ class DistilledCache(Cache):
         if len(sequences) > 1:
             raise ValueError(f"layers hold per-sequence pairs for {sequences} sequences: expected one batch size")
         super().__init__(layers=list(layers))
+        for index, layer in enumerate(self.layers):
+            layer.layer_idx = index
         self.n_context = n_context
         self.context_ids = None if context_ids is None else torch.as_tensor(context_ids).reshape(-1).cpu()
         self.compressed = compressed
@@ -367,11 +401,64 @@ def _check_layers(config, cache: "DistilledCache") -> None:
                          "the cache for this model (zipkv.compress(model, ...))")
 
 
+def _distilled_cache(args, kwargs) -> "DistilledCache | None":
+    """The :class:`DistilledCache` among a call's arguments, or ``None``: found by its type, not its keyword (a
+    forward pre-hook sees the caller's keywords, before transformers' ``deprecate_kwarg`` renames an old one)."""
+    for name in CACHE_KEYWORDS:
+        if isinstance(kwargs.get(name), DistilledCache):
+            return kwargs[name]
+    return next((value for value in (*kwargs.values(), *args) if isinstance(value, DistilledCache)), None)
+
+
+def _parameters(function) -> dict:
+    """The parameters of ``function`` behind transformers' decorators (``inspect.signature`` follows ``__wrapped__``)."""
+    try:
+        return dict(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _check_hookable(base) -> None:
+    """Refuse a decoder whose forward calls do not take the arguments the hooks replace: ``position_ids`` on the
+    decoder, ``attention_mask`` on every layer's ``self_attn`` (else the mask would be dropped or passed twice)."""
+    import transformers
+
+    version = f"transformers {transformers.__version__}"
+    if "position_ids" not in _parameters(base.forward):
+        raise TypeError(f"{type(base).__name__}.forward takes {list(_parameters(base.forward))}: expected a "
+                        f"position_ids parameter, which zipkv's positions hook sets ({version})")
+    for index, layer in enumerate(base.layers):
+        attention = getattr(layer, "self_attn", None)
+        if not isinstance(attention, torch.nn.Module):
+            raise TypeError(f"model.model.layers[{index}] ({type(layer).__name__}) has no self_attn module: expected "
+                            "a Llama-family decoder layer, whose attention module zipkv's mask hook goes on")
+        parameters = _parameters(attention.forward)
+        if "attention_mask" not in parameters:
+            raise TypeError(f"{type(attention).__name__}.forward takes {list(parameters)}: expected an attention_mask "
+                            f"parameter, which zipkv's mask hook replaces ({version})")
+
+
+_running = threading.local()
+"""``depth``: the forwards of decoders with zipkv's hooks now running in this thread, whatever their cache: an
+unmasked update outside all of them comes from a model without hooks."""
+
+
+def _hooked_forwards() -> int:
+    return getattr(_running, "depth", 0)
+
+
+def _leave_hook(module, args, output):
+    _running.depth = max(_hooked_forwards() - 1, 0)
+
+
 def _positions_hook(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, DistilledCache):
+    _running.depth = _hooked_forwards() + 1           # _leave_hook (always called, also on errors) takes it back
+    cache = _distilled_cache(args, kwargs)
+    if cache is None:
         return None
     _check_layers(module.config, cache)
+    for layer in cache.layers:     # a forward starts: no layer is masked yet (an aborted forward may have left one)
+        layer.entered, layer.armed = True, False
     ids = kwargs.get("input_ids", args[0] if args else None)
     embeds = kwargs.get("inputs_embeds")
     tokens = ids if ids is not None else embeds
@@ -400,10 +487,16 @@ def _positions_hook(module, args, kwargs):
 
 def _checked_generate(self, *args, **kwargs):
     """The model class's ``generate``, refusing an input that does not continue a :class:`DistilledCache` it is given
-    (:meth:`DistilledCache.check_continuation`); bound to the model by :func:`attach` (a copy of the model rebinds it)."""
-    cache = kwargs.get("past_key_values")
-    if isinstance(cache, DistilledCache):
-        cache.check_continuation(kwargs.get("input_ids", args[0] if args else None))
+    (:meth:`DistilledCache.check_continuation`); bound to the model by :func:`attach` (a copy of the model rebinds it).
+    A DistilledCache given as ``past_key_values=`` or ``cache=`` goes on under the name the installed transformers
+    takes (:func:`zipkv.models.cache_keyword`), so either spelling runs on every version without a deprecation."""
+    cache = _distilled_cache((), kwargs)
+    if cache is not None:
+        cache.check_continuation(kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None)))
+        keyword = cache_keyword(self)
+        given = [name for name in CACHE_KEYWORDS if kwargs.get(name) is cache]
+        if given and keyword not in kwargs:
+            kwargs[keyword] = kwargs.pop(given[0])
     return type(self).generate(self, *args, **kwargs)
 
 
@@ -413,8 +506,8 @@ def _generate_checked(model) -> bool:
 
 
 def _mask_hook(module, args, kwargs):
-    cache = kwargs.get("past_key_values")
-    if not isinstance(cache, DistilledCache):
+    cache = _distilled_cache(args, kwargs)
+    if cache is None:
         return None
     implementation = module.config._attn_implementation
     if implementation not in SUPPORTED_ATTENTION:
@@ -441,15 +534,19 @@ def _mask_hook(module, args, kwargs):
 
 
 def attach(model):
-    """Register the two pre-hooks a :class:`DistilledCache` needs on ``model`` (once; idempotent).
+    """Register the hooks a :class:`DistilledCache` needs on ``model`` (once; idempotent): the two pre-hooks, and a
+    hook after the decoder's forward that tells an unmasked update's error whether it ran inside a hooked model.
 
-    They act only on forwards whose ``past_key_values`` is a :class:`DistilledCache`; every other
-    forward runs exactly as before. Returns ``model``. :func:`detach` removes them.
+    They act only on forwards given a :class:`DistilledCache` (as ``past_key_values=`` or ``cache=``); every other
+    forward runs exactly as before. Returns ``model``. :func:`detach` removes them. A ``TypeError`` where the
+    decoder's or its attention modules' forward lacks the argument a hook sets (``position_ids``, ``attention_mask``).
     """
     if getattr(model, "_zipkv_cache_hooks", None):
         return model
     base = _decoder(model)
-    handles = [base.register_forward_pre_hook(_positions_hook, with_kwargs=True)]
+    _check_hookable(base)
+    handles = [base.register_forward_pre_hook(_positions_hook, with_kwargs=True),
+               base.register_forward_hook(_leave_hook, always_call=True)]
     for layer in base.layers:
         handles.append(layer.self_attn.register_forward_pre_hook(_mask_hook, with_kwargs=True))
     model._zipkv_cache_hooks = handles

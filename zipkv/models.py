@@ -285,6 +285,28 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     return model, tokenizer
 
 
+CACHE_KEYWORDS = ("cache", "past_key_values")
+"""The keywords transformers has taken the KV cache by: ``cache=`` since 5.24 (whose forwards still take
+``past_key_values=`` as a deprecated alias), ``past_key_values=`` before."""
+
+
+def cache_keyword(model) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``"cache"`` (transformers 5.24 and later, where
+    ``past_key_values=`` is a deprecated alias that warns) or ``"past_key_values"`` (before), read from the
+    forward's signature. ``model(**{cache_keyword(model): cache})`` runs on both."""
+    import inspect
+
+    forward = getattr(model, "forward", None)
+    if not callable(forward):
+        raise TypeError(f"model must be a loaded Hugging Face causal LM, got {type(model).__name__}")
+    parameters = inspect.signature(forward).parameters       # behind transformers' decorators (functools.wraps)
+    for name in CACHE_KEYWORDS:
+        if name in parameters:
+            return name
+    raise TypeError(f"{type(model).__name__}.forward takes {list(parameters)}: expected a cache or past_key_values "
+                    "parameter (a Hugging Face causal LM with a KV cache)")
+
+
 def model_shape(model) -> ModelShape:
     """The attention shape of a loaded model."""
     return ModelShape.from_config(model.config, name=model.config.name_or_path or None)

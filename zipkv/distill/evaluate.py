@@ -21,6 +21,8 @@ from typing import Sequence
 
 import torch
 
+from zipkv.models import cache_keyword
+
 from .baselines import JointConfig
 from .kvsculpt import CompressedCache, SculptConfig, Solver, compress
 
@@ -103,7 +105,7 @@ def teacher_force_batch(model, cache, continuation_ids: torch.Tensor) -> torch.T
     B = next(layer.keys.shape[0] for layer in cache.layers if layer.per_sequence)
     attach(model)
     device = next(model.parameters()).device
-    return model(input_ids=ids[None].expand(B, -1).to(device), past_key_values=cache, use_cache=True).logits
+    return model(input_ids=ids[None].expand(B, -1).to(device), use_cache=True, **{cache_keyword(model): cache}).logits
 
 
 def teacher_force_padded(model, layers: Sequence[tuple], n_context: int,
@@ -159,7 +161,7 @@ def _run(model, cache, continuation_ids: torch.Tensor) -> TeacherForced:
     attach(model)
     handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(decoder)]
     try:
-        out = model(input_ids=ids[None].to(device), past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[None].to(device), use_cache=True, **{cache_keyword(model): cache})
     finally:
         for h in handles:
             h.remove()

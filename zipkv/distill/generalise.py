@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zipkv.models import model_shape, rope_of
+from zipkv.models import cache_keyword, model_shape, rope_of
 
 from .bias import BiasedCache
 
@@ -286,7 +286,7 @@ def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *,
     ids = []
     for step in range(tokens):
         out = model(input_ids=token.view(1, 1), position_ids=torch.tensor([[N - 1 + step]], device=param.device),
-                    past_key_values=past, use_cache=True)
+                    use_cache=True, **{cache_keyword(model): past})
         token = torch.multinomial(torch.softmax(out.logits[0, -1].float(), dim=-1), 1, generator=generator)[0]
         ids.append(int(token))
     ids = torch.tensor(ids)
@@ -641,8 +641,8 @@ def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256
     model.set_attn_implementation(CASCADE_ATTENTION)
     try:
         positions = torch.arange(N, N + probe.ids.shape[0], device=param.device)
-        model(input_ids=probe.ids[None].to(param.device), position_ids=positions[None], past_key_values=past,
-              use_cache=True, logits_to_keep=1)
+        model(input_ids=probe.ids[None].to(param.device), position_ids=positions[None], use_cache=True,
+              logits_to_keep=1, **{cache_keyword(model): past})
         solved = _cascade["solved"]
     finally:
         model.set_attn_implementation(previous)
