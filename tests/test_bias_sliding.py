@@ -152,7 +152,7 @@ def test_zipkv_compress_on_gemma_generates(setup):
     import zipkv
 
     model, ids, cap, reference, probe = setup
-    cache = zipkv.compress(model, ids[:N], ratio=0.5, m=M, n_synthetic=8, steps=1)
+    cache = zipkv.compress(model, ids[:N], kept_fraction=0.5, m=M, n_synthetic=8, steps=1, method="kvsculpt")
     assert torch.equal(cache.lengths[[0, 2]], torch.full((2, 2), WINDOW - 1))
     assert torch.equal(cache.lengths[1], torch.full((2,), round(0.5 * N)))
     out = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=2 * WINDOW, do_sample=False)

@@ -176,21 +176,38 @@ def test_bad_uses_are_refused(model, ids, cap):
 def test_compress_refuses_bad_arguments_before_running_the_model(model, ids):
     import zipkv
 
-    for kwargs, match in ((dict(method="h2o"), "method='h2o'"), (dict(ratio=0.1, m=6), "ratio=0.1"),
-                          (dict(m=6, steps=2, config=K.SculptConfig()), "one way"),
-                          (dict(m=6, value_every=0), "value_every=0")):
+    kvsculpt = dict(method="kvsculpt")
+    for kwargs, match in ((dict(method="h2o"), "method='h2o'"),
+                          (dict(kept_fraction=0.1, m=6), r"m=6: expected an int, 0 ≤ m < 3 \(the pairs kept"),
+                          (dict(kept_fraction=0.01), r"kept_fraction=0.01: expected the fraction of the context kept"),
+                          (dict(kept_fraction=1.5), r"kept_fraction=1.5: expected the fraction of the context kept, "
+                                                    r"in \(0, 1\].*kvpress's compression_ratio is the fraction removed"),
+                          (dict(kept_tokens=40), r"kept_tokens=40: expected 2 ≤ kept_tokens ≤ N = 30"),
+                          (dict(kept_fraction=0.3, kept_tokens=9), "give one budget"),
+                          (dict(m="8"), "m='8': expected an int"),
+                          (dict(m=6, steps=2, config=K.SculptConfig(), **kvsculpt), "one way"),
+                          (dict(m=6, value_every=0, **kvsculpt), "value_every=0")):
         with pytest.raises(ValueError, match=match):
             zipkv.compress(model, ids[:N], **kwargs)
-    with pytest.raises(ValueError, match="input_ids"):
+    with pytest.raises(ValueError, match=r"input_ids .* N ≥ 16"):
         zipkv.compress(model, torch.rand(N), m=6)
+    with pytest.raises(ValueError, match=r"input_ids has shape \(8,\) .* N ≥ 16"):
+        zipkv.compress(model, ids[:8])
     for args, kwargs, match in (((model, "hello world"), dict(m=6), "input_ids must be token ids .* got str"),
                                 ((None, ids[:N]), dict(m=6), "model must be a loaded Hugging Face causal LM .* got NoneType"),
-                                ((model, ids[:N]), dict(m="8"), "m='8': expected an int"),
-                                ((model, ids[:N]), dict(m=6, ratio="0.3"), "ratio='0.3': expected a real number"),
-                                ((model, ids[:N]), dict(m=6, ratio=True), "ratio=True: expected a real number")):
+                                ((model, ids[:N]), dict(kept_fraction="0.3"), "kept_fraction='0.3': expected a number, "
+                                                                              "the fraction of the context kept"),
+                                ((model, ids[:N]), dict(kept_fraction=True), "kept_fraction=True: expected a number"),
+                                ((model, ids[:N]), dict(kept_tokens=9.0), "kept_tokens=9.0: expected an int"),
+                                ((model, ids[:N]), dict(ratio=0.3), "ratio= is now kept_fraction= .* kvpress's "
+                                                                    "compression_ratio is the fraction removed"),
+                                ((model, ids[:N]), dict(step=2, **kvsculpt), r"unexpected setting step=2 \(did you mean "
+                                                                             r"steps=\?\)"),
+                                ((model, ids[:N]), dict(steps=2), r"compress\(method='zipkv'\) got an unexpected "
+                                                                  r"setting steps=2")):
         with pytest.raises(TypeError, match=match):
             zipkv.compress(*args, **kwargs)
-    cache = zipkv.compress(model, ids[:N], ratio=0.5, method="select_fit", m=6, n_synthetic=4)
+    cache = zipkv.compress(model, ids[:N], kept_fraction=0.5, method="select_fit", m=6, n_synthetic=4)
     assert isinstance(cache, zipkv.DistilledCache) and torch.equal(cache.lengths, torch.full((2, 2), 15))
     # a second generate from the same cache without reset(): a clear error, not a reshape deep in the model
     first = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=3, do_sample=False)
@@ -235,7 +252,7 @@ def test_keeping_every_pair_is_the_exact_cache(model, ids, cap, method):
     (logits off by up to 5.6 on the embedded model)."""
     import zipkv
 
-    cache = zipkv.compress(model, ids[:N], ratio=1.0, method=method, m=6, n_synthetic=4, steps=2)
+    cache = zipkv.compress(model, ids[:N], kept_fraction=1.0, method=method, m=6, n_synthetic=4, steps=2)
     for layer, captured in zip(cache.layers, cap.layers):
         assert torch.equal(layer.keys[0], captured.keys) and torch.equal(layer.values[0], captured.values)
     assert torch.equal(greedy(model, ids[N:N + 1], past_key_values=cache), greedy(model, ids[:N + 1]))
@@ -251,13 +268,13 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
                           (dict(budget=torch.zeros(2, 2, dtype=torch.long)),
                            r"budget: compressed pairs per head must lie in \[1, ")):
         with pytest.raises(ValueError, match=match):
-            zipkv.compress(model, ids[:N], m=6, n_synthetic=4, steps=1, **kwargs)
+            zipkv.compress(model, ids[:N], m=6, n_synthetic=4, steps=1, method="kvsculpt", **kwargs)
     with pytest.raises(TypeError, match="seed=1.5: expected an int"):
-        zipkv.compress(model, ids[:N], m=6, seed=1.5)
+        zipkv.compress(model, ids[:N], m=6, seed=1.5, method="kvsculpt")
     with pytest.raises(TypeError, match=r"SculptConfig\(dtype=torch.bfloat16\): expected torch.float32 or"):
-        zipkv.compress(model, ids[:N], m=6, dtype=torch.bfloat16)             # failed in the V-step, after the capture
+        zipkv.compress(model, ids[:N], m=6, dtype=torch.bfloat16, method="kvsculpt")   # failed in the V-step
     with pytest.raises(TypeError, match="solver=3: expected"):
-        zipkv.compress(model, ids[:N], m=6, solver=3)
+        zipkv.compress(model, ids[:N], m=6, solver=3, method="kvsculpt")
     full = C.DistilledCache.from_compressed(K.CompressedCache.from_capture(capture(model, ids[:N])), model)
     layers = [(layer.keys[0], layer.values[0], layer.valid) for layer in full.layers]
     assert C.DistilledCache.from_padded(layers, np.int64(N)).n_context == N      # was refused: "expected N ≥ 1"
@@ -268,12 +285,13 @@ def test_compress_settings_are_checked_before_the_work(model, ids):
             zipkv.compress(model, ids[:N], m=6)
     finally:
         model.config._attn_implementation = implementation
-    cache = zipkv.compress(model, ids[:N], ratio=0.5, m=6, n_synthetic=4, steps=1, solver="reference")
+    cache = zipkv.compress(model, ids[:N], kept_fraction=0.5, m=6, n_synthetic=4, steps=1, solver="reference",
+                           method="kvsculpt")
     assert torch.equal(cache.lengths, torch.full((2, 2), 15))                    # a solver by name, as the CLI names it
-    cache = zipkv.compress(model, ids[:N], ratio=np.float32(0.5), method="select_fit", m=6, n_synthetic=4)
+    cache = zipkv.compress(model, ids[:N], kept_fraction=np.float32(0.5), method="select_fit", m=6, n_synthetic=4)
     assert torch.equal(cache.lengths, torch.full((2, 2), 15))                    # a numpy ratio is a ratio
     budget = torch.tensor([[4, 4], [4, 4]])
-    cache = zipkv.compress(model, ids[:N], ratio=0.9, budget=budget, method="select_fit", m=6, n_synthetic=4)
+    cache = zipkv.compress(model, ids[:N], kept_fraction=0.9, budget=budget, method="select_fit", m=6, n_synthetic=4)
     assert cache.compressed.ratio == pytest.approx((4 + 6) / N)                 # what the budget keeps
 
 
@@ -294,7 +312,7 @@ def test_settings_that_need_no_capture_fail_before_it(model, ids, monkeypatch, k
         raise AssertionError("the capture ran before the settings were checked")
     monkeypatch.setattr(models, "capture", no_capture)
     with pytest.raises(ValueError, match=match):
-        zipkv.compress(model, ids[:N], **{"m": 6, "steps": 1, "n_synthetic": 4, **kwargs})
+        zipkv.compress(model, ids[:N], **{"m": 6, "steps": 1, "n_synthetic": 4, "method": "kvsculpt", **kwargs})
 
 
 def test_numpy_integers_are_integers_and_a_bad_joint_config_fails_before_the_capture(model, ids, monkeypatch):
@@ -305,7 +323,7 @@ def test_numpy_integers_are_integers_and_a_bad_joint_config_fails_before_the_cap
     import zipkv
     from zipkv import models
 
-    kw = dict(ratio=0.5, m=6, n_synthetic=4, steps=1, seed=1, budget="pilot", pilot_steps=1)
+    kw = dict(kept_fraction=0.5, m=6, n_synthetic=4, steps=1, seed=1, budget="pilot", pilot_steps=1, method="kvsculpt")
     ours = zipkv.compress(model, ids[:N], **{k: np.int64(v) if isinstance(v, int) else v for k, v in kw.items()})
     plain = zipkv.compress(model, ids[:N], **kw)
     assert torch.equal(ours.lengths, plain.lengths)
@@ -431,7 +449,7 @@ def test_uncompressed_cache_generates_token_for_token(embedded, window):
     model, _ = embedded
     context, nxt = window.context_ids, window.continuation_ids[:1]
     plain = model.generate(torch.cat([context, nxt])[None], max_new_tokens=NEW, do_sample=False)[0, -NEW:]
-    cache = zipkv.compress(model, context, ratio=1.0, method="attention_score", m=64)
+    cache = zipkv.compress(model, context, kept_fraction=1.0, method="attention_score", m=64)
     assert torch.equal(cache.lengths, torch.full(cache.lengths.shape, CTX)), "ratio 1 keeps every original pair"
     ours = model.generate(nxt[None], past_key_values=cache, max_new_tokens=NEW, do_sample=False)[0, -NEW:]
     assert torch.equal(ours, plain)
@@ -456,7 +474,7 @@ def test_kvsculpt_cache_generates_and_its_kl_is_the_books(embedded, window):
 
     model, _ = embedded
     context, cont = window.context_ids, window.continuation_ids
-    cache = zipkv.compress(model, context, ratio=0.3, method="kvsculpt", m=32, n_synthetic=32,
+    cache = zipkv.compress(model, context, kept_fraction=0.3, method="kvsculpt", m=32, n_synthetic=32,
                            config=K.SculptConfig(steps=5, progress=False))
     assert cache.compressed.method == "kvsculpt" and torch.equal(cache.lengths, torch.full(cache.lengths.shape, 96))
     out = model.generate(cont[None, :1], past_key_values=cache, max_new_tokens=NEW, do_sample=False)
@@ -472,7 +490,7 @@ def test_kvsculpt_cache_generates_and_its_kl_is_the_books(embedded, window):
         assert torch.equal(res.sequences[0, 1:-1], cont[1:]), "generate followed the continuation"
         return torch.cat(res.logits).float()
 
-    full = zipkv.compress(model, context, ratio=1.0, method="attention_score", m=32)
+    full = zipkv.compress(model, context, kept_fraction=1.0, method="attention_score", m=32)
     kl_generate = float(E.kl_divergence(forced_logits(full), forced_logits(cache)).mean())
     book = E.evaluate(model, cache.compressed, cont, full.compressed)  # what the book's tables report
     assert kl_generate > 0
@@ -581,4 +599,80 @@ def test_mistral_style_window_masks_every_layer():
     forced = E.teacher_force(model, K.CompressedCache.from_capture(cap), ids[GN:])
     torch.testing.assert_close(forced.logits, plain, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"every layer attends within a sliding window \(\[16\] tokens"):
-        compress(model, ids[:GN], ratio=0.5, m=8)
+        compress(model, ids[:GN], kept_fraction=0.5, m=8)
+
+
+def test_the_default_is_zipkvs_distiller_the_beyond_chapters_method(model, ids, monkeypatch):
+    """zipkv.compress with every default is zipkv's own distiller exactly as the "Beyond the paper" chapter runs it
+    (probe budget, cascade-aware fit, its probe of 64 sampled tokens): the same cache, bit for bit, as the
+    chapter's calls on the same capture; its verbatim window scales with the budget."""
+    import inspect
+
+    import zipkv
+    from zipkv.distill import generalise
+    from zipkv.models import capture
+    from zipkv.study.experiments import beyond
+
+    ours = zipkv.compress(model, ids[:N])
+    cap = capture(model, ids[:N])
+    compare = inspect.signature(beyond.compare).parameters
+    kept = C.kept_pairs(N)
+    probe = generalise.sample_probe(model, cap, ids[:N], tokens=compare["probe_tokens"].default, seed=0)
+    chapter = generalise.compress(cap, kept / N, m=C.verbatim_window(kept), budget=compare["zipkv_budget"].default,
+                                  alpha=compare["alpha"].default, model=model, probe=probe,
+                                  cascade=compare["cascade"].default)
+    assert ours.compressed.method == chapter.method and torch.equal(ours.lengths, ours.compressed.budget + 4)
+    for layer, (k, v, b) in zip(ours.layers, zip(chapter.keys, chapter.values, chapter.bias)):
+        assert torch.equal(layer.keys[0][layer.valid], torch.cat(k)) and torch.equal(layer.values[0][layer.valid],
+                                                                                       torch.cat(v))
+        assert torch.equal(layer.bias[layer.valid], torch.cat(b).float()) and bool((layer.bias != 0).any())
+    assert (C.kept_pairs(N), C.verbatim_window(C.kept_pairs(N))) == (9, 4)
+    assert C.verbatim_window(C.kept_pairs(2048)) == 256, "the papers' and the chapter's m at N = 2048"
+    out = model.generate(ids[None, N:N + 1], past_key_values=ours, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 5)
+
+
+def test_the_chapters_kl_puts_the_default_at_least_3x_below_the_best_select_fit():
+    """The committed comparison (20 windows, r = 0.3, the paper profile: N = 2048, m = 256, 64 probe tokens, which
+    are zipkv.compress's defaults there): zipkv's mean KL against the best Select+Fit variant's."""
+    import pandas as pd
+
+    from zipkv.study.book import REPO_ROOT
+    from zipkv.study.experiments import beyond
+
+    table = pd.read_csv(REPO_ROOT / "results" / "paper" / "kvsculpt_beyond.csv")
+    at = table[table.ratio == 0.3]
+    means = at.groupby("method").kl.mean()
+    assert at[at.method == "zipkv"].window.nunique() == 20
+    best_select_fit = means[list(beyond.SELECT_FIT_VARIANTS)].min()
+    assert best_select_fit / means["zipkv"] >= 3
+
+
+def test_memory_compares_the_cache_with_the_full_one(model, ids):
+    import zipkv
+
+    cache = zipkv.compress(model, ids[:N], kept_tokens=12, method="attention_score", m=4)
+    mem = cache.memory()
+    element = next(model.parameters()).element_size()
+    assert mem["full_bytes"] == 2 * 2 * 2 * N * 16 * element                  # layers x K,V x KV heads x N x head_dim
+    assert mem["bytes"] == 2 * 2 * 2 * 12 * 16 * element                      # no bias: the pairs alone
+    biased = zipkv.compress(model, ids[:N], kept_tokens=12, m=4)              # zipkv's: a float32 bias per pair
+    assert mem["fraction"] == pytest.approx(mem["bytes"] / mem["full_bytes"])
+    assert biased.memory()["bytes"] == mem["bytes"] + 2 * 2 * 12 * 4
+    assert "12 of 30 pairs per KV head" in repr(cache)
+
+
+@pytest.mark.slow
+def test_the_default_runs_on_a_256_token_context_of_the_embedded_model(embedded):
+    """Every default on a short context: the verbatim window scales down with the budget (the papers' m = 256 would
+    refuse any context under ~850 tokens at 0.3), and the cache generates."""
+    import zipkv
+    from zipkv import data
+
+    model, tokenizer = embedded
+    (w,) = data.windows(tokenizer, data.load_books(), 1, context=256, continuation=8, seed=4)
+    cache = zipkv.compress(model, w.context_ids)
+    assert cache.compressed.method == "zipkv_cascade" and int(cache.lengths.float().mean().round()) == round(0.3 * 256)
+    assert 0.3 < cache.memory()["fraction"] < 0.4                     # 30 % of the pairs, and a bias per pair
+    out = model.generate(w.continuation_ids[None, :1], past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, 5)

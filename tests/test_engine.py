@@ -292,14 +292,14 @@ def test_a_distilled_cache_is_served_as_a_prefix():
     prompt, n = [7, 8, 9], 10
     budget = 16 * _page_bytes(model)
 
-    whole = zipkv.compress(model, ids, ratio=1.0, method="attention_score", m=8)
+    whole = zipkv.compress(model, ids, kept_fraction=1.0, method="attention_score", m=8)
     model.config._attn_implementation = "zipkv_reference"
     ref = _generate(model, [ids.tolist() + prompt], n)
     res = Engine(model, budget, pages_per_chunk=2).generate([prompt], n, prefixes=[Prefix.from_cache(whole)])
     _assert_tokens_of_generate(res.outputs, ref)
 
     model.set_attn_implementation("eager")
-    half = zipkv.compress(model, ids, ratio=0.5, m=8, steps=5)
+    half = zipkv.compress(model, ids, kept_fraction=0.5, m=8, steps=5, method="kvsculpt")
     prefix = Prefix.from_cache(half)
     assert (prefix.length, prefix.position) == (24, 48)
     out = Engine(model, budget, pages_per_chunk=2, eos_token_id=None).generate([prompt], n, prefixes=[prefix]).outputs[0]

@@ -584,6 +584,18 @@ def _check_input_ids(model, input_ids) -> torch.Tensor:
 
 
 @torch.no_grad()
+def check_rope_model(model) -> None:
+    """Refuse, naming the real reason, a model zipkv's distillers cannot read: a ``TypeError`` for what is not a loaded
+    Hugging Face causal LM, a ``ValueError`` for one without rotary position embeddings (GPT-2's learned positions, …)."""
+    if not (isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "get_input_embeddings")):
+        raise TypeError(f"model must be a loaded Hugging Face causal LM (zipkv.load_model or "
+                        f"AutoModelForCausalLM.from_pretrained), got {type(model).__name__}")
+    if not any(name.endswith("rotary_emb") for name, _ in model.named_modules()):
+        raise ValueError(f"model {type(model).__name__} (model_type {getattr(model.config, 'model_type', None)!r}) "
+                         "has no rotary position embedding: zipkv re-rotates queries and keeps pairs at their "
+                         "positions, so it takes RoPE models (Llama, Mistral, Qwen, Gemma, Phi-3 families)")
+
+
 def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> Capture:
     """Run ``input_ids`` [T] (or [1, T]) once and keep every layer's post-RoPE Q, K and V.
 
@@ -592,8 +604,7 @@ def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = Non
     model's q/k norms and RoPE, Gemma 3's included). Queries are scaled so that ``q·k/√d`` is the model's
     logit (:class:`LayerCapture`); a model that soft-caps attention logits is a ``ValueError``.
     """
-    if not (hasattr(model, "config") and hasattr(model, "get_input_embeddings")):
-        raise TypeError(f"model must be a loaded Hugging Face causal LM (load_model), got {type(model).__name__}")
+    check_rope_model(model)
     input_ids = _check_input_ids(model, input_ids)
     _query_factor(model)
     device = next(model.parameters()).device
