@@ -194,42 +194,64 @@ class DistilledLayer(DynamicLayer):
         self._select(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
     def additive_mask(self, query_length: int, group: int, dtype: torch.dtype, *, window: int | None = None,
-                      n_context: int | None = None) -> torch.Tensor:
+                      n_context: int | None = None, padding: torch.Tensor | None = None) -> torch.Tensor:
         """``[B', H·group, T, P + appended + T]`` additive attention mask for ``T`` new tokens (``B' = 1``, broadcast
-        over the sequences, unless the layer holds per-sequence pairs: then ``B' = B``).
+        over the sequences, unless the layer holds per-sequence pairs or ``padding`` is given: then ``B' = B``).
 
         Cached pairs: ``β`` where valid, ``−inf`` on padding (per KV head, repeated over its ``group``
         query heads, as ``repeat_kv``); appended tokens: ``0``; the new tokens: causal.
 
+        ``padding`` ``[B, appended + T]`` bool: True on the appended and new tokens that are a row's padding (a
+        left-padded batch), ``−inf`` as keys for every query of that row; each row's real tokens run at ``N``,
+        ``N + 1``, … in order.
+
         ``window`` ``W`` (a sliding-window layer, Gemma 3's): the model's own rule on top, a query at position
         ``p`` sees only keys at positions ``> p − W`` (transformers' ``sliding_window_overlay``). It needs
-        ``n_context`` ``N`` (the new tokens run at ``N + appended + t``) and the cached pairs' original
-        positions: on such a layer each head's valid pairs are taken as the context's last ``n_h`` positions
-        ``N − n_h … N − 1``, in order (the uncompressed cache, or the window that zipkv's distillers keep on
-        sliding layers: they never compress one, :attr:`zipkv.models.Capture.compressed_layers`).
+        ``n_context`` ``N`` (the new tokens run at ``N + appended + t``, or their row's under ``padding``) and the
+        cached pairs' original positions: on such a layer each head's valid pairs are taken as the context's last
+        ``n_h`` positions ``N − n_h … N − 1``, in order (the uncompressed cache, or the window that zipkv's distillers
+        keep on sliding layers: they never compress one, :attr:`zipkv.models.Capture.compressed_layers`).
         """
         H, T, past = self.heads, query_length, self.get_seq_length()
         valid = self.valid if self.per_sequence else self.valid[None]  # [B', H, P]
         bias = self.bias if self.per_sequence else self.bias[None]
         cached = bias.masked_fill(~valid, float("-inf"))  # [B', H, P]
         causal = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
-        visible = torch.cat([torch.ones(T, past, dtype=torch.bool, device=self.device), causal], dim=1)  # [T, past+T]
+        visible = torch.cat([torch.ones(T, past, dtype=torch.bool, device=self.device), causal], dim=1)[None]
+        if padding is not None:
+            if padding.ndim != 2 or padding.shape[1] != past + T or padding.dtype != torch.bool:
+                raise ValueError(f"padding has shape {tuple(padding.shape)} and dtype {padding.dtype}: expected "
+                                 f"[B, {past + T}] bool, the {past} appended tokens and the {T} new ones")
+            padding = padding.to(self.device)
+            visible = visible & ~padding[:, None, :]  # [B, T, past+T]
         if window is not None:
             if n_context is None:
                 raise ValueError("window= needs n_context= (the original context length N)")
             rank = valid.long().cumsum(dim=-1) - 1  # [B', H, P] index among the head's valid pairs
             position = n_context - valid.sum(dim=-1, keepdim=True) + rank  # [B', H, P] original positions
-            query = n_context + past + torch.arange(T, device=self.device)  # [T]
-            seen = position[:, :, None, :] > query[None, None, :, None] - window  # [B', H, T, P]
+            if padding is None:
+                later = (n_context + torch.arange(past + T, device=self.device))[None]  # [1, past+T]
+            else:
+                later = _token_positions(padding, n_context)  # [B, past+T]
+            query = later[:, past:]  # [1 or B, T]
+            seen = position[:, :, None, :] > query[:, None, :, None] - window  # [B', H, T, P]
             cached = cached[:, :, None, :].masked_fill(~seen, float("-inf"))  # [B', H, T, P]
-            later = n_context + torch.arange(past + T, device=self.device)
-            visible = visible & (later[None, :] > query[:, None] - window)
+            visible = visible & (later[:, None, :] > query[:, :, None] - window)
         else:
             cached = cached[:, :, None, :].expand(-1, -1, T, -1)
         cached = cached.repeat_interleave(group, dim=1)  # [B', Hq, T, P]
-        new = torch.zeros(T, past + T, device=self.device).masked_fill_(visible.logical_not(), float("-inf"))
-        mask = torch.cat([cached, new[None, None].expand(cached.shape[0], H * group, -1, -1)], dim=-1)
+        rows = max(cached.shape[0], visible.shape[0])
+        new = torch.zeros(visible.shape, device=self.device).masked_fill_(visible.logical_not(), float("-inf"))
+        mask = torch.cat([cached.expand(rows, -1, -1, -1), new[:, None].expand(rows, H * group, -1, -1)], dim=-1)
         return mask.to(dtype)
+
+
+def _token_positions(padding: torch.Tensor, n_context: int) -> torch.Tensor:
+    """``[B, S]`` int64 positions of ``S`` tokens after a context of ``N = n_context`` tokens, from ``padding``
+    ``[B, S]`` (True on a row's padding): each row's real tokens at ``N, N + 1, …`` in order, as if the row ran alone;
+    a padded token at ``N`` (never attended: any finite position does)."""
+    real = ~padding
+    return (n_context + real.long().cumsum(dim=1) - 1).masked_fill(padding, n_context)
 
 
 class DistilledCache(Cache):
@@ -754,12 +776,22 @@ def _distil_with_probe(model, ids, ratio: float, method: str, m: int, seed: int,
             raise TypeError(f"config={config!r}: expected a zipkv.distill.generalise.ZipkvConfig")
     elif config is not None and not isinstance(config, attention_matching.AttentionMatchingConfig):
         raise TypeError(f"config={config!r}: expected a zipkv.distill.attention_matching.AttentionMatchingConfig")
+    clock = [generalise.synchronized_time()]
+
+    def lap() -> float:
+        clock.append(generalise.synchronized_time())
+        return clock[-1] - clock[-2]
+
     cap = capture(model, ids)
+    seconds = dict(capture=lap())
     probe = generalise.sample_probe(model, cap, ids, tokens=int(probe_tokens), seed=seed)
+    seconds["probe"] = lap()
     if method == "zipkv":
-        return generalise.compress(cap, ratio, m=m, config=config, budget=budget, model=model, probe=probe,
-                                   cascade=cascade, progress=progress,
-                                   alpha=generalise.PROBE_ALPHA if alpha is None else alpha)
+        cache = generalise.compress(cap, ratio, m=m, config=config, budget=budget, model=model, probe=probe,
+                                    cascade=cascade, progress=progress,
+                                    alpha=generalise.PROBE_ALPHA if alpha is None else alpha)
+        cache.info["phase_seconds"] = {**seconds, **cache.info["phase_seconds"]}
+        return cache
     import dataclasses
 
     if config is not None:

@@ -583,7 +583,47 @@ def _check_input_ids(model, input_ids) -> torch.Tensor:
     return input_ids
 
 
-@torch.no_grad()
+MODEL_SHAPES = {
+    "smollm2-135m": ("LlamaForCausalLM", dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, max_position_embeddings=8192, rope_theta=100000.0,
+        tie_word_embeddings=True)),
+    "qwen2.5-1.5b": ("Qwen2ForCausalLM", dict(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=131072, rope_theta=1000000.0,
+        tie_word_embeddings=True)),
+    "llama3.1-8b": ("LlamaForCausalLM", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=500000.0,
+        tie_word_embeddings=False)),
+}
+"""Model shapes by name: the ``transformers`` class and its config's fields (the models' own config.json), for
+:func:`random_model` -- timing at a model's shape without its weights."""
+
+
+def random_model(name: str, *, device="cuda", dtype: torch.dtype = torch.bfloat16, seed: int = 0, **overrides):
+    """A causal LM with the shape :data:`MODEL_SHAPES` ``[name]`` (``overrides`` applied to its config) and random
+    weights, built directly on ``device`` in ``dtype``: what a timing at that shape needs (its numbers say nothing of
+    quality)."""
+    import transformers
+
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"name={name!r}: expected one of {sorted(MODEL_SHAPES)}")
+    cls_name, fields = MODEL_SHAPES[name]
+    cls = getattr(transformers, cls_name)
+    config = cls.config_class(**{**fields, **overrides})
+    torch.manual_seed(seed)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(config).eval()
+    finally:
+        torch.set_default_dtype(before)
+    model.config.name_or_path = f"{name} (random weights)"
+    return model
+
+
 def check_rope_model(model) -> None:
     """Refuse, naming the real reason, a model zipkv's distillers cannot read: a ``TypeError`` for what is not a loaded
     Hugging Face causal LM, a ``ValueError`` for one without rotary position embeddings (GPT-2's learned positions, …)."""
@@ -596,6 +636,7 @@ def check_rope_model(model) -> None:
                          "positions, so it takes RoPE models (Llama, Mistral, Qwen, Gemma, Phi-3 families)")
 
 
+@torch.no_grad()
 def capture(model, input_ids: torch.Tensor, positions: torch.Tensor | None = None) -> Capture:
     """Run ``input_ids`` [T] (or [1, T]) once and keep every layer's post-RoPE Q, K and V.
 

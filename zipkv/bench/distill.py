@@ -1,4 +1,5 @@
-"""KVSculpt solver speed: the reference against the batched solver on the same problems, in one run.
+"""Distillation speed: zipkv.compress's seconds per context at model shapes and context lengths beside the
+same run's prefill (:func:`compress_speed`); KVSculpt's reference against its batched solver on the same problems.
 
 :func:`bench_distill` times both solvers on one context's problems; :func:`speed_sweep` runs it over
 context lengths and ratios on PG19 windows (the chapter "Distillation in seconds" and
@@ -206,3 +207,75 @@ def speed_sweep(model, tokenizer, books, *, contexts=(1024, 2048, 4096, 8192), r
         timings.append(timing)
         losses.append(loss.assign(problem_shape=timing.problem_shape.iloc[0], ctx=ctx, ratio=ratio))
     return pd.concat(timings, ignore_index=True), pd.concat(losses, ignore_index=True)
+
+
+# --- zipkv.compress at model shapes ------------------------------------------------------------------------
+
+def compress_speed(shapes: Sequence[str] = ("smollm2-135m", "qwen2.5-1.5b", "llama3.1-8b"),
+                   contexts: Sequence[int] = (2048, 8192, 32768), *, kept_fraction: float = 0.3, device="cuda",
+                   seed: int = 0, progress: bool = True, out=None, **settings):
+    """Seconds of :func:`zipkv.compress` (its defaults, ``settings`` applied) per context of each length at each
+    model shape (:data:`zipkv.models.MODEL_SHAPES`, random bf16 weights: only time is measured), beside the same
+    model's prefill of the context (one forward, ``logits_to_keep=1``, after a warm-up) in the same run.
+
+    Returns a ``pandas.DataFrame``, one row per (shape, context): ``shape``, ``context``, ``prefill_s``,
+    ``compress_s`` (probe included), one ``<phase>_s`` column per phase (capture, probe, the distiller's phases),
+    ``peak_gib`` (the device's peak allocation during the compression) and ``error`` (empty, or why a point could
+    not run, e.g. out of memory), with the device. ``out``: a CSV path rewritten after every point (a long sweep
+    that is stopped keeps the points it finished).
+    """
+    import gc
+
+    import pandas as pd
+    from tqdm.auto import tqdm
+
+    import zipkv
+    from zipkv.models import random_model
+    from zipkv.provenance import device_name
+
+    rows = []
+    points = [(s, n) for s in shapes for n in contexts]
+    for shape in shapes:
+        model = random_model(shape, device=device, seed=seed)
+        model.set_attn_implementation("sdpa")
+        generator = torch.Generator().manual_seed(seed)
+        for n in contexts:
+            if progress:
+                tqdm.write(f"compress_speed: {shape} at {n} tokens")
+            ids = torch.randint(0, model.config.vocab_size, (n,), generator=generator)
+            row = dict(shape=shape, context=n, kept_fraction=kept_fraction, error="")
+            try:
+                with torch.no_grad():
+                    model(input_ids=ids[None, :256].to(device), logits_to_keep=1)      # warm-up
+                    sync(device)
+                    t0 = time.perf_counter()
+                    model(input_ids=ids[None].to(device), logits_to_keep=1)
+                    sync(device)
+                row["prefill_s"] = time.perf_counter() - t0
+                if torch.device(device).type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                t0 = time.perf_counter()
+                cache = zipkv.compress(model, ids, kept_fraction, **settings)
+                sync(device)
+                row["compress_s"] = time.perf_counter() - t0
+                for phase, s in cache.compressed.info.get("phase_seconds", {}).items():
+                    row[f"{phase}_s"] = s
+                if torch.device(device).type == "cuda":
+                    row["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                del cache
+            except torch.cuda.OutOfMemoryError as err:
+                row["error"] = f"out of memory: {str(err).splitlines()[0]}"
+            rows.append(row)
+            if out is not None:
+                pd.DataFrame(rows).assign(device=device_name()).to_csv(out, index=False)
+            gc.collect()
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+            if progress:
+                done = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
+                tqdm.write(f"  {done}  ({len(rows)}/{len(points)})")
+        del model
+        gc.collect()
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+    return pd.DataFrame(rows).assign(device=device_name())

@@ -59,6 +59,11 @@ class ZipkvConfig:
         mass_ridge: ridge of the mass fit, relative to ``tr(GᵀG)/k``, shrinking ``w = e^β`` toward 1.
         bias_bound: ``|β| ≤ bias_bound``.
         value_ridges: candidate ``λ₀`` for the values (``math.inf``: keep the original values).
+        max_train_queries, max_validation_queries: at most this many training / validation queries per KV head,
+            evenly spaced over the ones :func:`future_queries` makes (``g·(N + m)``): the fit's score matrix is
+            ``[H, queries, N]``, so without a cap it grows as ``N²`` (at N = 32,768 on Llama-3.1-8B's shape, 118 GB
+            in float32). Neither cap binds for SmolLM2 or Llama-3.1-8B at N = 2048 (6,048 and 8,064 training
+            queries), where the book measures the method.
         dtype: solve dtype (the ridge systems are solved in float64).
         device: where to solve (default: the capture's device).
     """
@@ -70,12 +75,15 @@ class ZipkvConfig:
     mass_ridge: float = 1e-3
     bias_bound: float = 3.0
     value_ridges: tuple = (1e-3, 1e-2, 1e-1, 1.0, INF)
+    max_train_queries: int | None = 8192
+    max_validation_queries: int | None = 2048
     dtype: torch.dtype = torch.float32
     device: str | torch.device | None = None
 
 
 def future_queries(queries: torch.Tensor, positions: torch.Tensor, rope, m: int, *, horizon: int = 256,
-                   validation_every: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                   validation_every: int = 8, max_train: int | None = None,
+                   max_validation: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Training and validation queries of the KV heads of one layer.
 
     Args:
@@ -85,6 +93,7 @@ def future_queries(queries: torch.Tensor, positions: torch.Tensor, rope, m: int,
         m: retain zone: the last ``m`` real queries are also kept at their own positions.
         horizon: re-rotation offsets ``o_p = (61·p) mod horizon``, so every offset in ``[0, horizon)`` occurs.
         validation_every: positions ``p`` with ``p mod validation_every = validation_every − 1`` go to validation.
+        max_train, max_validation: keep at most this many of each, evenly spaced (None: all).
 
     Returns:
         ``(train, validation)``: ``[H, n_t, d]`` and ``[H, n_v, d]`` float32, the ``g`` query heads stacked.
@@ -108,7 +117,18 @@ def future_queries(queries: torch.Tensor, positions: torch.Tensor, rope, m: int,
     retain = q[:, :, N - m:]
     train = torch.cat([content[:, :, ~held], retain[:, :, ~retain_held]], dim=2).reshape(H, -1, d)
     validation = torch.cat([content[:, :, held], retain[:, :, retain_held]], dim=2).reshape(H, -1, d)
-    return train, validation
+    return _evenly(train, max_train), _evenly(validation, max_validation)
+
+
+def _evenly(queries: torch.Tensor, most: int | None) -> torch.Tensor:
+    """At most ``most`` of ``queries`` ``[H, n, d]`` along ``n``, evenly spaced, first and last kept."""
+    n = queries.shape[1]
+    if most is None or n <= most:
+        return queries
+    if isinstance(most, bool) or not isinstance(most, int) or most < 2:
+        raise ValueError(f"a query cap of {most!r}: expected an int ≥ 2 or None")
+    index = torch.linspace(0, n - 1, most, device=queries.device).round().long()
+    return queries[:, index]
 
 
 @dataclass
@@ -405,7 +425,9 @@ def _layer_inputs(capture, layer: int, m: int, cfg: ZipkvConfig):
     H, N, d = lc.keys.shape
     g = lc.queries.shape[0] // H
     train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, rope_of(capture, layer), m,
-                                       horizon=cfg.horizon, validation_every=cfg.validation_every)
+                                       horizon=cfg.horizon, validation_every=cfg.validation_every,
+                                       max_train=getattr(cfg, "max_train_queries", None),
+                                       max_validation=getattr(cfg, "max_validation_queries", None))
     return lc, train, validation
 
 

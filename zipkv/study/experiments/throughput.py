@@ -19,6 +19,7 @@ import torch
 
 from zipkv import format as fmt
 from zipkv.engine import Engine, Prefix, kv_budget_for
+from zipkv.models import MODEL_SHAPES, random_model
 from zipkv.study.settings import THROUGHPUT_MMA_BASELINE_MODEL, THROUGHPUT_PAPER_MODEL, THROUGHPUT_UNFUSED_MODEL
 
 __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "BASELINE_LAYOUTS", "REPEATED", "engine_settings", "make_codec",
@@ -27,10 +28,8 @@ __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "BASELINE_LAYOUTS", "REPEATED", "en
            "decode_throughput", "step_profile", "token_agreement", "divergence_gap", "figure5", "repeat_largest",
            "median_run"]
 
-LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False)
-"""Llama-3.1-8B's shape (its config.json)."""
+LLAMA_8B = MODEL_SHAPES["llama3.1-8b"][1]
+"""Llama-3.1-8B's shape (its config.json, :data:`zipkv.models.MODEL_SHAPES`)."""
 
 METHODS = {"uncompressed": "none", "zipfusion": "prompt", "splitzip": "prompt", "huffman": "prompt"}
 """Engine compression mode per method: uncompressed stores everything raw; ZipFusion compresses the
@@ -94,16 +93,7 @@ def restore_buffer_pages(config, kv_budget_bytes: int, codec, prefixes, context:
 def random_llama(device="cuda", **overrides):
     """A ``LlamaForCausalLM`` with Llama-3.1-8B's shape (:data:`LLAMA_8B`, ``overrides`` applied) and
     random bf16 weights, built directly on ``device``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(**{**LLAMA_8B, **overrides})
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg).eval()
-    finally:
-        torch.set_default_dtype(before)
-    return model
+    return random_model("llama3.1-8b", device=device, **overrides)
 
 
 def real_kv_blocks(model, tokenizer, books, *, windows: int = 2, context: int = 2048, seed: int = 0):
