@@ -131,3 +131,66 @@ def agreement_figure(problems: pd.DataFrame):
     for ax in axes:
         ax.grid(alpha=0.3, which="both")
     return fig
+
+
+COMPRESS_SIDE = "compress"
+"""The side table of zipkv.compress's seconds per context at model shapes
+(:func:`zipkv.bench.distill.compress_speed`), beside the chapter's main table."""
+
+SHAPE_LABELS = {"smollm2-135m": "SmolLM2-135M", "qwen2.5-1.5b": "Qwen2.5-1.5B", "llama3.1-8b": "Llama-3.1-8B"}
+
+
+def compress_text(table: pd.DataFrame | None) -> str:
+    """What ``zipkv.compress`` with its defaults costs per context, from :func:`zipkv.bench.distill.compress_speed`'s
+    table: the largest context at the largest shape, against that model's own prefill of it, and what dominates."""
+    if table is None or not len(table):
+        return ("zipkv's own distiller (the library's default) has not been timed at the model shapes in the "
+                "committed results.")
+    ok = table[table.error.fillna("") == ""]
+    if not len(ok):
+        return f"No point of the timing at model shapes ran: {table.error.iloc[0]}."
+    shapes = [s for s in SHAPE_LABELS if s in set(ok["shape"])]
+    big = ok[ok["shape"] == shapes[-1]].sort_values("context").iloc[-1]
+    phases = [c for c in ok.columns if c.endswith("_s") and c not in ("compress_s", "prefill_s")]
+    slowest = max(phases, key=lambda c: big[c] if pd.notna(big[c]) else -1)
+    device = str(ok.device.iloc[0])
+    device = f"a CPU ({device[5:]})" if device.startswith("CPU: ") else f"an {device.split(' (')[0]}"
+    text = (f"With every default (30 % of the pairs kept, a 64-token probe), the library's compression of a "
+            f"{int(big.context):,}-token context at {SHAPE_LABELS[shapes[-1]]}'s shape takes **{big.compress_s:.1f} s** "
+            f"on {device}, {big.compress_s / big.prefill_s:.0f}× the model's own prefill of that context "
+            f"({big.prefill_s:.2f} s); its largest part is {slowest[:-2].replace('_', ' ')} "
+            f"({big[slowest]:.1f} s).")
+    failed = table[table.error.fillna("") != ""]
+    if len(failed):
+        text += " Not run: " + "; ".join(f"{SHAPE_LABELS.get(r['shape'], r['shape'])} at {int(r.context):,} tokens "
+                                         f"({r.error.split(':')[0]})" for _, r in failed.iterrows()) + "."
+    return text
+
+
+def compress_figure(table: pd.DataFrame):
+    """Seconds per context against context length, per model shape: zipkv.compress (solid) and the prefill (dashed)."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ok = table[table.error.fillna("") == ""]
+    for i, (shape, part) in enumerate(sorted(ok.groupby("shape"), key=lambda x: list(SHAPE_LABELS).index(x[0]))):
+        part = part.sort_values("context")
+        color = f"C{i}"
+        ax.plot(part.context, part.compress_s, "-o", color=color, label=f"{SHAPE_LABELS[shape]}: compress")
+        ax.plot(part.context, part.prefill_s, "--", color=color, label=f"{SHAPE_LABELS[shape]}: prefill")
+    ax.set(xscale="log", yscale="log", xlabel="context length N (tokens)", ylabel="seconds per context")
+    ax.set_xscale("log", base=2)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def compress_table(table: pd.DataFrame):
+    """The timing at model shapes: seconds by phase, peak memory, the prefill beside it."""
+    phases = [c for c in table.columns if c.endswith("_s") and c not in ("compress_s", "prefill_s")]
+    shown = table.assign(model=table["shape"].map(SHAPE_LABELS))
+    columns = ["model", "context", "prefill_s", "compress_s", *phases] + (["peak_gib"] if "peak_gib" in table else [])
+    names = {"prefill_s": "prefill (s)", "compress_s": "compress (s)", "peak_gib": "peak memory (GiB)",
+             **{c: c[:-2].replace("_", " ") + " (s)" for c in phases}}
+    return (shown[columns].rename(columns=names).style
+            .format({names[c]: "{:.2f}" for c in columns if c in names}, na_rep="–").hide(axis="index"))
