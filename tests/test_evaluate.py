@@ -179,6 +179,36 @@ def test_evaluate_errors(model, cap, full, window):
         K.CompressedCache([[torch.zeros(3, 4)]], [[torch.zeros(2, 4)]], 3)
 
 
+def test_late_errors_of_the_distillation_api_come_first_and_name_the_argument(model, cap, full, window, monkeypatch):
+    """Each of these raised a raw AttributeError, IndexError or 'str' object is not callable after seconds of work,
+    or returned an empty table."""
+    monkeypatch.setattr(E, "teacher_force", lambda *a, **k: pytest.fail("work ran before the arguments were checked"))
+    with pytest.raises(TypeError, match="reference=NoneType: expected the full cache"):
+        E.evaluate(model, full, window[1], None)
+    with pytest.raises(TypeError, match="cache=str: expected a zipkv.distill.CompressedCache"):
+        E.evaluate(model, "cache", window[1], full)
+    with pytest.raises(ValueError, match=r"continuation_ids holds ids in \[0, 500\]: expected token ids in \[0, 127\]"):
+        E.evaluate(model, full, torch.tensor([0, 500]), full)
+    for name, kwargs in (("windows", dict(windows=[], ratios=[0.5], methods=["select_fit"])),
+                         ("ratios", dict(windows=[window], ratios=[], methods=["select_fit"])),
+                         ("methods", dict(windows=[window], ratios=[0.5], methods=[]))):
+        with pytest.raises(ValueError, match=rf"{name}=.*expected a non-empty list"):
+            E.compare_methods(model, **kwargs, m=M)
+    with pytest.raises(ValueError, match=r"methods \['h2o'\]"):
+        E.compare_methods(model, [window], [0.5], ["h2o"], m=M)
+    monkeypatch.setattr(K, "build_problems", lambda *a, **k: pytest.fail("problems were built first"))
+    with pytest.raises(TypeError, match="solver=3: expected 'batched', 'reference'"):
+        K.compress(cap, 0.5, "kvsculpt", m=M, solver=3)
+    with pytest.raises(ValueError, match="solver='fast': expected 'reference' or 'batched'"):
+        K.compress(cap, 0.5, "kvsculpt", m=M, solver="fast")
+
+
+def test_the_capture_level_compress_takes_a_solver_by_name(cap):
+    """zipkv.compress took solver='batched' and the capture-level compress failed on it ('str' is not callable)."""
+    named = K.compress(cap, 0.5, "kvsculpt", m=M, n_synthetic=4, solver="batched", config=K.SculptConfig(steps=1))
+    assert named.method == "kvsculpt"
+
+
 def test_compare_methods_prints_one_line_per_run_with_seconds(model, window, capsys):
     E.compare_methods(model, [window], [0.5], ["random", "select_fit"], m=M, n_synthetic=8,
                       config=K.SculptConfig(steps=1, progress=False), n_context=N, progress=True)

@@ -24,7 +24,7 @@ import torch
 from zipkv.models import cache_keyword
 
 from .baselines import JointConfig
-from .kvsculpt import CompressedCache, SculptConfig, Solver, compress
+from .kvsculpt import METHODS, CompressedCache, SculptConfig, Solver, compress
 
 def _decoder_layers(model):
     base = getattr(model, "model", model)
@@ -194,6 +194,13 @@ def evaluate(model, cache: CompressedCache, continuation_ids: torch.Tensor,
         reference: the full cache (:meth:`CompressedCache.from_capture`) or its
             :func:`teacher_force` result, computed once and reused across methods.
     """
+    if not isinstance(cache, CompressedCache):
+        raise TypeError(f"cache={type(cache).__name__}: expected a zipkv.distill.CompressedCache (a DistilledCache's "
+                        "is its .compressed)")
+    if not isinstance(reference, (CompressedCache, TeacherForced)):
+        raise TypeError(f"reference={type(reference).__name__}: expected the full cache (CompressedCache.from_capture) "
+                        "or its teacher_force result")
+    _check_ids(model, continuation_ids, "continuation_ids")
     if isinstance(reference, CompressedCache):
         if reference.n_context != cache.n_context:
             raise ValueError(f"reference has N={reference.n_context}, the cache N={cache.n_context}")
@@ -201,6 +208,19 @@ def evaluate(model, cache: CompressedCache, continuation_ids: torch.Tensor,
     run = teacher_force(model, cache, continuation_ids)
     kl = kl_divergence(reference.logits, run.logits)
     return Evaluation(kl_per_token=kl, kl=float(kl.mean()), hidden_error=hidden_state_error(reference.hidden, run.hidden))
+
+
+def _check_ids(model, ids, name: str) -> None:
+    """``ids`` must be integer token ids ``[C]`` in the model's vocabulary, C ≥ 1: a ``ValueError`` naming ``name``
+    (an id past the vocabulary was a raw IndexError from the embedding, after the reference's forward)."""
+    ids = torch.as_tensor(ids)
+    vocab = model.get_input_embeddings().num_embeddings
+    if ids.ndim != 1 or not ids.numel() or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"{name} has shape {tuple(ids.shape)} and dtype {ids.dtype}: expected token ids [C], C ≥ 1")
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"{name} holds ids in [{lo}, {hi}]: expected token ids in [0, {vocab - 1}] (the model's "
+                         f"vocabulary of {vocab})")
 
 
 def _split_window(window, n_context: int | None):
@@ -259,6 +279,12 @@ def compare_methods(model, windows: Sequence, ratios: Sequence[float], methods: 
 
     from .kvsculpt import build_problems
 
+    for name, given in (("windows", windows), ("ratios", ratios), ("methods", methods)):
+        if isinstance(given, (str, bytes)) or not hasattr(given, "__len__") or not len(given):
+            raise ValueError(f"{name}={given!r}: expected a non-empty list (the comparison would be empty)")
+    unknown = [x for x in methods if x not in METHODS]
+    if unknown:
+        raise ValueError(f"methods {unknown}: expected names from {list(METHODS)}")
     rows, layer_rows, token_rows = [], [], []
     for w, window in enumerate(windows):
         started = time.perf_counter()

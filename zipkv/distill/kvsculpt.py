@@ -433,7 +433,8 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
         alpha: dampening exponent of the pilot allocation.
         seed: for random selection, query sampling and Joint Optimization's gate noise.
         scale: attention score scale (``1/√d`` when ``None``).
-        solver: a batch solver replacing :func:`solve` for ``"kvsculpt"`` and the pilot.
+        solver: a batch solver replacing :func:`solve` for ``"kvsculpt"`` and the pilot, or its name
+            (:func:`solver_named`: ``"batched"``, ``"reference"``).
         problems: this capture's problems from :func:`build_problems` (any ``k``; built with the same
             ``m``, ``n_synthetic``, ``strategy``, ``seed`` and ``scale``), to reuse the training queries
             across ratios and methods; their ``k`` is replaced by the budget.
@@ -451,6 +452,10 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
     pilot_steps = int(pilot_steps) if isinstance(pilot_steps, numbers.Integral) else pilot_steps
     if config is not None and not isinstance(config, SculptConfig):
         raise TypeError(f"config={config!r}: expected a zipkv.distill.SculptConfig")
+    if isinstance(solver, str):                                     # a name, as zipkv.compress takes it
+        solver = solver_named(solver)
+    elif solver is not None and not callable(solver):
+        raise TypeError(f"solver={solver!r}: expected 'batched', 'reference' or a batch solver function")
     cfg = config or SculptConfig()
     L = len(capture.layers)
     H, N, _ = capture.layers[0].keys.shape
