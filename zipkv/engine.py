@@ -8,7 +8,10 @@ the decode step through the kernels' plan/run and its CUDA graph, the fused ops)
 and the admission paths that move a request's KV between the runner and the memory.
 
 ``Engine(model, kv_budget_bytes=...).generate(list_of_prompt_ids, max_new_tokens)`` returns every
-request's greedy tokens and the run's statistics (decode tokens/s, batch and memory per step).
+request's greedy tokens and the run's statistics (decode tokens/s, batch and memory per step). ``temperature``,
+``top_p``, ``top_k`` and ``seed`` sample instead (or a :class:`~zipkv.sampling.SamplingParams` per request), ``stop``
+strings and ``stop_token_ids`` end requests early, ``Engine(..., tokenizer=tok)`` takes strings and gives texts, and
+:meth:`Engine.stream` gives the tokens as the steps are read.
 
 One step of the loop (:meth:`Engine.generate`):
 
@@ -17,7 +20,7 @@ One step of the loop (:meth:`Engine.generate`):
    (``reserve_ratio``, default 1: an admitted request always reaches its output length), and the batch is
    below ``max_batch``. Each admitted request is prefilled with the model's own forward (any correct
    attention: Hugging Face's, batch 1, on top of its prefix if it has one) and its first token taken
-   greedily from the prompt's last logits. Uncompressed: its KV is written raw
+   from the prompt's last logits, as the decode step takes the others. Uncompressed: its KV is written raw
    (:meth:`zipkv.memory.KVMemory.admit`). Compressed: its full pages are packed first and admitted at their
    packed size (:meth:`~zipkv.memory.KVMemory.admit_packed`: a pre-compressed prefix never needs its raw
    size in memory), the last, partial page raw; a request that does not fit yet keeps its packed pages
@@ -27,7 +30,10 @@ One step of the loop (:meth:`Engine.generate`):
    when there is none, the scheduler picks a request to retract in SGLang's ``retract_decode`` order, and it is
    freed and requeued with the tokens it has, to be prefilled again), then the model layer by layer: projections, RoPE at each
    request's *position*, the new K/V written into its page at the cache's end, attention through
-   :class:`~zipkv.runner.StepAttention`, MLP; greedy next token.
+   :class:`~zipkv.runner.StepAttention`, MLP; the next token, greedy or sampled (:func:`zipkv.sampling.sample`: the
+   same function in the prefill and in the step, per row, its noise hashed from the request's seed and position, so a
+   request's tokens depend neither on the requests beside it, nor on retraction, nor on overlap). The host reads the
+   tokens, and checks stop tokens and stop strings (:class:`zipkv.sampling.TextStream`).
 3. **After the step**, the pages the step filled are compressed (``compress=True``: the step's reads are
    done) and pending chunks return to the shared pool; finished requests free their pages.
 
@@ -46,10 +52,11 @@ continue at position ``N``.
 ``zipkv.kernels.decode_attention`` (a plan per layer and batch composition, over a static page table updated in
 place), ``decode_attention_reference`` and the Triton pack kernel. On the GPU the fused kernel runs; on the CPU
 the torch reference (``attention="reference"``). **CUDA graphs** (:class:`~zipkv.runner.StepGraph`): the whole decode step --
-embeddings, every layer's projections, KV writes, (restores,) attention and MLP, the greedy argmax -- reads its
-per-step inputs from one static device buffer and is captured once per batch composition, then replayed; the host
-only copies tokens, positions and slots in, updates the page table in place and reads the tokens back. The step's
-norms, rotary embedding and gated MLP product run as one kernel each on the GPU (:class:`~zipkv.runner.StepOps`).
+embeddings, every layer's projections, KV writes, (restores,) attention and MLP, the greedy argmax or the sampler --
+reads its per-step inputs (the sampling parameters among them, one column per request) from one static device buffer
+and is captured once per batch composition, then replayed; the host only copies tokens, positions and slots in,
+updates the page table in place and reads the tokens back. The step's norms, rotary embedding and gated MLP product
+run as one kernel each on the GPU (:class:`~zipkv.runner.StepOps`).
 
 **Restore-before-attention baselines** (``restore=codec``, :class:`~zipkv.runner.RestoreBuffer`): the same loop, with each
 request's prefix pages kept as a :mod:`zipkv.codecs` payload and decoded per layer into one shared restore buffer
@@ -57,19 +64,23 @@ before attention (ZipFusion §II-B's setting), its bytes counted in the same bud
 """
 from __future__ import annotations
 
+import collections
 import math
 import numbers
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from zipkv import format as fmt
 from zipkv.memory import KVMemory
 from zipkv.runner import RestoreBuffer, StepAttention, StepInFlight, StepRunner
+from zipkv.sampling import SamplingParams, TextStream, stream_key
 from zipkv.scheduler import Request, Scheduler
 
-__all__ = ["Engine", "Prefix", "GenerateResult", "DECODE_MODEL_TYPES", "kv_budget_for"]
+__all__ = ["Engine", "Prefix", "GenerateResult", "StreamOutput", "SamplingParams", "DECODE_MODEL_TYPES",
+           "kv_budget_for"]
 
 
 @dataclass
@@ -153,9 +164,20 @@ class Prefix:
 
 @dataclass
 class GenerateResult:
-    """outputs: each request's generated token ids; stats: see :meth:`Engine.generate`."""
+    """outputs: each request's generated token ids; stats: see :meth:`Engine.generate`; texts: each request's text
+    where the engine has a tokenizer, else None."""
     outputs: list
     stats: dict
+    texts: list | None = None
+
+
+class StreamOutput(NamedTuple):
+    """What :meth:`Engine.stream` gives out: request ``index`` (among the prompts) has ``token_ids`` more tokens and
+    ``text`` more text (None without a tokenizer); ``finished``: its last delta."""
+    index: int
+    token_ids: list
+    text: str | None
+    finished: bool
 
 
 DECODE_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma")
@@ -186,8 +208,10 @@ def _check_model(model):
         raise ValueError(f"model: the engine's decode step computes the Llama-family decoder layer of model types "
                          f"{DECODE_MODEL_TYPES}; got {type(model).__name__} (model_type {kind!r}), whose layers "
                          f"differ (its decode steps would not be the model's)")
-    if next(model.parameters()).dtype != torch.bfloat16:
-        raise TypeError(f"model must be in torch.bfloat16 (the KV format is BF16), got {next(model.parameters()).dtype}")
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.bfloat16:
+        raise TypeError(f"model must be in torch.bfloat16 (the KV format is BF16), got {dtype}: load it with "
+                        f"zipkv.load_model(dtype=torch.bfloat16), or convert it with model.to(torch.bfloat16)")
 
 
 def _eos_ids(model, eos_token_id):
@@ -223,7 +247,7 @@ def default_layouts(attention: str, device, restore, head_dim: int, group: int) 
 
 
 class Engine:
-    """Batch greedy decoding of ``model`` (a Hugging Face Llama-family ``*ForCausalLM`` in bf16, one of
+    """Batch decoding, greedy or sampled, of ``model`` (a Hugging Face Llama-family ``*ForCausalLM`` in bf16, one of
     :data:`DECODE_MODEL_TYPES`; others, and requests that reach past a sliding window, are refused) within
     ``kv_budget_bytes`` of KV memory.
 
@@ -249,14 +273,20 @@ class Engine:
     wait for its tokens, then prepare the next. fused_ops: the decode step's norms, rotary embedding and
     gated MLP product through one kernel each (:class:`~zipkv.runner.StepOps`, :mod:`zipkv.kernels.fused_ops`) instead of the
     modules' chains of small kernels; None (default): on CUDA; True on the CPU needs ``TRITON_INTERPRET=1``.
+    tokenizer: the model's Hugging Face tokenizer: :meth:`generate` and :meth:`stream` then take strings as prompts
+    and give texts, and ``stop`` strings can be used.
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
                  k_layout: str = "auto", v_layout: str = "auto", pages_per_chunk: int = 16,
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
-                 num_splits: int | None = None, overlap: bool = True, fused_ops: bool | None = None):
+                 num_splits: int | None = None, overlap: bool = True, fused_ops: bool | None = None, tokenizer=None):
         _check_model(model)
+        if tokenizer is not None and not (callable(tokenizer) and hasattr(tokenizer, "decode")):
+            raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable, with decode) or None, "
+                            f"got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer
         cfg = model.config
         self.model = model
         self.device = next(model.parameters()).device
@@ -330,6 +360,7 @@ class Engine:
         self.reserve_ratio, self.max_batch, self.overlap = reserve_ratio, max_batch, overlap
         self.eos = _eos_ids(model, eos_token_id)
         self.admitted_raw = 0     # requests of the last generate admitted raw with compression on (_admit_raw)
+        self.busy = False         # a generate or stream call is running (a stream between its deltas included)
 
     # ------------------------------------------------------------------ requests and admission
 
@@ -338,13 +369,19 @@ class Engine:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         max_new_tokens = int(max_new_tokens)
         if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+            raise ValueError(f"prompts must be a non-empty list of token-id lists (or strings, with a tokenizer), "
+                             f"got {type(prompts).__name__}")
         if prefixes is not None and not isinstance(prefixes, (list, tuple)):
             raise TypeError(f"prefixes must be a list (one Prefix or None per prompt), got {type(prefixes).__name__}")
         if prefixes is not None and len(prefixes) != len(prompts):
             raise ValueError(f"prefixes must hold one entry (or None) per prompt: {len(prefixes)} for {len(prompts)} prompts")
         out = []
         for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise TypeError(f"prompts[{i}] is a str: text prompts need the tokenizer, "
+                                    f"Engine(model, ..., tokenizer=tokenizer); or pass token ids")
+                p = self.tokenizer(p).input_ids
             if isinstance(p, torch.Tensor) and p.dim() != 1:
                 raise ValueError(f"prompts[{i}] must be a 1-D sequence of token ids, got a tensor of shape "
                                  f"{tuple(p.shape)} (one prompt per entry: pass ids[0], not the [1, n] batch)")
@@ -494,14 +531,26 @@ class Engine:
                 * fmt.PAGE_TOKENS * mem.num_layers * 2 * mem.kv_heads * mem.head_dim
         return 8 * used / values
 
-    def generate(self, prompts, max_new_tokens: int, *, prefixes=None, max_decode_steps: int | None = None,
-                 progress: bool | None = None) -> GenerateResult:
-        """Greedy generation for every prompt (token-id lists or 1-D tensors).
+    def generate(self, prompts, max_new_tokens: int, sampling_params=None, *, temperature=None, top_p=None,
+                 top_k=None, seed: int | None = None, stop=None, stop_token_ids=None, prefixes=None,
+                 max_decode_steps: int | None = None, progress: bool | None = None) -> GenerateResult:
+        """Generation for every prompt: greedy (the default), or sampled.
 
+        prompts: token-id lists or 1-D tensors; or strings where the engine has a ``tokenizer``, as
+        ``tokenizer(text).input_ids`` (special tokens as the tokenizer adds them; no chat template: for a chat model
+        give ``tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)``).
+        sampling_params: a :class:`~zipkv.sampling.SamplingParams` for every request, or a list of one per prompt; or
+        instead the keywords temperature, top_p, top_k, stop and stop_token_ids, its fields, for every request
+        (temperature 0 or None: greedy, exactly the engine's greedy tokens). seed: the call's seed; a request without
+        a seed of its own samples from the stream of (``seed``, its index among the prompts), so its tokens depend
+        neither on the requests beside it in a step nor on retraction or overlap; None: a fresh seed, drawn from
+        torch's default generator and returned in ``stats["seed"]``. Stop strings need the tokenizer; a request's
+        tokens and text end before the first one that appears (its tokens before the token in which it begins).
         prefixes: optional list (one :class:`Prefix` or None per prompt). max_decode_steps: stop after this
-        many decode steps (benchmarks; unfinished requests keep the tokens they have). progress: tqdm bar
-        (default: on for runs of more than 64 steps' worth of tokens).
-        Returns :class:`GenerateResult`: ``outputs`` (list of token lists, in prompt order) and ``stats``:
+        many decode steps (benchmarks; unfinished requests keep the tokens they have). progress: a tqdm bar of the
+        tokens; None (default): shown once the run has taken a second, True: from the start, False: none.
+        Returns :class:`GenerateResult`: ``outputs`` (list of token lists, in prompt order), ``texts`` (with a
+        tokenizer: each request's text, special tokens left out; else None) and ``stats``:
         ``decode_tokens_per_s`` (tokens produced by the timed decode steps / their wall time; the first
         token of each request comes from its prefill and is not counted; with CUDA graphs the first, eager
         step of each batch composition -- kernel compilation, warm-up -- is not timed, and a graph's capture
@@ -517,24 +566,138 @@ class Engine:
         pages although compression is on: their packed pages found no room, their raw ones did), ``admitted_at``
         (decode steps run before each request was first admitted), ``frac_compressed_k`` / ``_v`` (blocks stored compressed in ZipFusion's
         format over the running requests' pages at the first decode step), ``stored_bits_per_value`` (bits
-        stored per cached value then, payloads included), ``kv_budget_bytes``, ``memory`` (final
-        :meth:`KVMemory.stats`).
+        stored per cached value then, payloads included), ``seed`` (the call's seed: None where none was given and no
+        request needed one), ``kv_budget_bytes``, ``memory`` (final :meth:`KVMemory.stats`).
         """
+        run = self._start(prompts, max_new_tokens, sampling_params, seed, prefixes, max_decode_steps, progress,
+                          dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                               stop_token_ids=stop_token_ids), streaming=False)
+        while True:
+            try:
+                next(run)
+            except StopIteration as done:
+                return done.value
+
+    def stream(self, prompts, max_new_tokens: int, sampling_params=None, *, temperature=None, top_p=None,
+               top_k=None, seed: int | None = None, stop=None, stop_token_ids=None, prefixes=None,
+               max_decode_steps: int | None = None, progress: bool | None = False):
+        """:meth:`generate` as an iterator of :class:`StreamOutput` ``(index, token_ids, text, finished)``, given out as
+        the steps' tokens reach the host: per request, the deltas add up to :meth:`generate`'s tokens and text for the
+        same arguments and seed. Text a stop string might still take back is held until it cannot (as many
+        characters as the longest stop string, less one), and the tokens with it. Arguments as :meth:`generate`'s
+        (checked when this is called, before any work), but ``progress`` is off by default. The iterator's return
+        value (``StopIteration.value``, or ``result = yield from engine.stream(...)``) is :meth:`generate`'s
+        :class:`GenerateResult`. Leaving it early (``break``, ``close()``) frees the run's pages; one call runs on an
+        engine at a time."""
+        return self._start(prompts, max_new_tokens, sampling_params, seed, prefixes, max_decode_steps, progress,
+                           dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
+                                stop_token_ids=stop_token_ids), streaming=True)
+
+    def _start(self, prompts, max_new_tokens, sampling_params, seed, prefixes, max_decode_steps, progress, keywords,
+               streaming: bool):
+        """Check a call's arguments, before any work, and return its run (:meth:`_run`, not started)."""
         if max_decode_steps is not None and (not _is_int(max_decode_steps) or max_decode_steps < 1):
             raise ValueError(f"max_decode_steps must be an int >= 1 or None, got {max_decode_steps!r}")
+        if progress is not None and not isinstance(progress, bool):
+            raise TypeError(f"progress must be a bool or None, got {type(progress).__name__} {progress!r}")
+        if seed is not None and not _is_int(seed):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
         requests = self._validate(prompts, max_new_tokens, prefixes)
-        max_new_tokens = int(max_new_tokens)
+        params = self._sampling_params(len(requests), sampling_params, keywords)
+        sampled = any(not p.greedy for p in params)
+        if seed is None and any(not p.greedy and p.seed is None for p in params):
+            seed = int(torch.randint(2**62, ()))
+        for r, p in zip(requests, params):
+            r.stop_token_ids = frozenset(p.stop_token_ids)
+            if sampled:
+                r.sampling = p.step_column(stream_key(1, p.seed) if p.seed is not None else
+                                           stream_key(0, seed or 0, r.rid))
+        texts = {} if self.tokenizer is None else {r.rid: TextStream(self.tokenizer, r.prompt, p.stop, streaming)
+                                                   for r, p in zip(requests, params)}
+        return self._run(requests, int(max_new_tokens), max_decode_steps, progress, seed, texts)
+
+    def _sampling_params(self, n: int, sampling_params, keywords: dict) -> list:
+        """One :class:`~zipkv.sampling.SamplingParams` per request, from ``sampling_params`` or the keywords."""
+        given = {k: v for k, v in keywords.items() if v is not None}
+        if sampling_params is not None and given:
+            raise ValueError(f"sampling settings go either in sampling_params or in keywords, not both: got "
+                             f"sampling_params and {', '.join(given)}")
+        if sampling_params is None:
+            params = [SamplingParams(**given)] * n
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * n
+        elif isinstance(sampling_params, (list, tuple)) and len(sampling_params) == n \
+                and all(isinstance(p, SamplingParams) for p in sampling_params):
+            params = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be a zipkv.sampling.SamplingParams or a list of one per prompt "
+                            f"({n}), got {type(sampling_params).__name__}"
+                            + (f" of {len(sampling_params)}" if isinstance(sampling_params, (list, tuple)) else ""))
+        vocab = self.model.config.vocab_size
+        for p in params:
+            if p.stop and self.tokenizer is None:
+                raise ValueError(f"stop={list(p.stop)!r}: stop strings need the tokenizer, "
+                                 f"Engine(model, ..., tokenizer=tokenizer); or use stop_token_ids")
+            bad = [t for t in p.stop_token_ids if t >= vocab]
+            if bad:
+                raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}")
+        return params
+
+    def _run(self, requests, max_new_tokens, max_decode_steps, progress, seed, texts):
+        """The loop of :meth:`generate` (module docstring), as a generator of :class:`StreamOutput`; returns the
+        :class:`GenerateResult`. texts: a :class:`~zipkv.sampling.TextStream` per request index (none without a
+        tokenizer)."""
+        if self.busy:
+            raise RuntimeError("the engine is running another generate or stream call: finish it or close its stream "
+                               "(stream.close()) first")
+        self.busy = True
         self.admitted_raw = 0
         sched = Scheduler(requests, max_batch=self.max_batch, eos=self.eos)
         mem, runner = self.memory, self.runner
+        sampled = requests[0].sampling is not None
         steps, flights = [], []
         prefill_s = 0.0
         frac, bits = (float("nan"), float("nan")), float("nan")
         clock = None                                       # when the time of the next step to be read began
         bar = None
-        if progress or (progress is None and len(requests) * max_new_tokens > 64 * 64):
+        if progress is not False:
             from tqdm.auto import tqdm
-            bar = tqdm(total=len(requests) * max_new_tokens, desc="generate", unit="tok")
+            bar = tqdm(total=len(requests) * max_new_tokens, desc="generate", unit="tok", delay=0 if progress else 1)
+        events = collections.deque()                       # StreamOutput not yet given out
+        sent = dict.fromkeys(range(len(requests)), 0)      # tokens given out, per request
+        shown = dict.fromkeys(range(len(requests)), 0)     # characters of text given out, per request
+
+        def give_out(r, finished: bool, flush: bool):
+            """``r``'s tokens and text not given out yet, but those a stop string might still take back (unless
+            ``flush``)."""
+            text = texts.get(r.rid)
+            if text is None:
+                n, delta = len(r.out), None
+            else:
+                end = len(text.text) if flush else text.streamable()
+                n = len(r.out) if flush or not text.stop else text.tokens_before(end)
+                delta, shown[r.rid] = text.text[shown[r.rid]:end], end
+            if n > sent[r.rid] or delta or finished:
+                events.append(StreamOutput(r.rid, r.out[sent[r.rid]:n], delta, finished))
+                sent[r.rid] = n
+
+        def stop_strings(r, final: bool):
+            """``r``'s new tokens onto its text; a stop string there cuts its tokens and ends it."""
+            if r.rid in texts and (cut := texts[r.rid].update(r.out, final)) is not None:
+                del r.out[cut:]
+                r.stopped = True
+
+        def accept(r):
+            """The host's side of a token appended to ``r.out``: stop strings, the bar, the stream."""
+            produced, finished = len(r.out), r.finished(self.eos)
+            stop_strings(r, finished)
+            finished = finished or r.stopped
+            if bar:
+                bar.update(1)
+                if finished and produced < r.max_new:     # stopped early: the bar's total loses what it won't make
+                    bar.total -= r.max_new - produced
+                    bar.refresh()
+            give_out(r, finished, finished)
 
         def retire():
             for r in sched.retire():
@@ -545,22 +708,21 @@ class Engine:
             """The oldest step in flight: its tokens onto its requests, its row of ``steps``."""
             nonlocal clock
             f = flights.pop(0)
-            got = 0
             for (r, epoch), t in zip(f.rows, f.read()):
                 if r.epoch == epoch:
                     r.pending -= 1
                     if not r.finished(self.eos):
                         r.out.append(t)
-                        got += 1
+                        accept(r)
             now = time.perf_counter()
             steps.append(dict(batch=len(f.rows), seconds=now - clock, mode=f.mode, capture_seconds=f.capture_s,
                               **f.snapshot))
             clock = now
-            if bar:
-                bar.update(got)
 
         try:
             while sched.has_work() or flights:
+                while events:
+                    yield events.popleft()
                 if max_decode_steps is not None and len(steps) + len(flights) >= max_decode_steps:
                     if not flights:
                         break
@@ -582,8 +744,7 @@ class Engine:
                         sched.blocked(req, mem.space_returns)
                         break
                     sched.admitted(req, len(steps) + len(flights))
-                    if bar:
-                        bar.update(1)
+                    accept(req)
                 retire()
                 batch = sched.decode_batch()
                 if not batch:
@@ -626,7 +787,8 @@ class Engine:
                     carry = (flights[-1].tokens, torch.tensor([at[id(r)] if r.pending else -1 for r in batch]))
                 inp = torch.tensor([[0 if r.pending else r.out[-1] for r in batch], [r.position for r in batch],
                                     [mem.requests[rid].pages[t // fmt.PAGE_TOKENS] for rid, t in zip(rids, last)],
-                                    [t % fmt.PAGE_TOKENS for t in last]], dtype=torch.int64)
+                                    [t % fmt.PAGE_TOKENS for t in last],
+                                    *(zip(*(r.sampling for r in batch)) if sampled else ())], dtype=torch.int64)
                 out, mode, capture_s = runner.launch(key, inp, carry)
                 clock += capture_s
                 for r in batch:
@@ -639,14 +801,22 @@ class Engine:
                                             {k: st[k] for k in ("used_bytes", "chunks_free", "chunks_held", "reassigned")}))
                 while len(flights) > (1 if self.overlap else 0):
                     read()
-        except BaseException:                             # an interrupt or error: the engine stays usable
+            for r in sched.running + sched.waiting:       # left unfinished by max_decode_steps: their held-back text
+                if not r.finished(self.eos):
+                    stop_strings(r, True)
+                    give_out(r, r.stopped, True)
+            while events:
+                yield events.popleft()
+        except BaseException:               # an interrupt, an error or a closed stream: the engine stays usable
             if bar:
                 bar.close()
             self._abandon()
             raise
+        finally:
+            self.busy = False
         if bar:
             bar.close()
-        outputs = sched.outputs(len(prompts))
+        outputs = sched.outputs(len(requests))
         self._abandon()                                    # requests max_decode_steps left unfinished give back their pages
         timed = [s for s in steps if s["mode"] != "warmup"] or steps
         decode_s = sum(s["seconds"] for s in timed)
@@ -659,9 +829,9 @@ class Engine:
                      prefill_seconds=prefill_s, steps=steps,
                      max_batch=max((s["batch"] for s in steps), default=0), retracted=sched.retracted,
                      admitted_raw=self.admitted_raw,
-                     admitted_at=[sched.admitted_at.get(i) for i in range(len(prompts))],
-                     kv_budget_bytes=self.kv_budget_bytes, memory=mem.stats())
-        return GenerateResult(outputs, stats)
+                     admitted_at=[sched.admitted_at.get(i) for i in range(len(requests))],
+                     seed=seed, kv_budget_bytes=self.kv_budget_bytes, memory=mem.stats())
+        return GenerateResult(outputs, stats, [texts[i].text for i in range(len(requests))] if texts else None)
 
     def page_bytes(self) -> int:
         """Bytes of one uncompressed logical page over all layers (16 tokens of K and V)."""

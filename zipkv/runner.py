@@ -2,12 +2,13 @@
 ``model_executor/model_runner.py`` and vLLM v1's ``worker/gpu_model_runner.py`` are.
 
 :class:`StepRunner` prefills a request with the model's own forward and runs the decode step -- every layer's
-projections, rotary embedding, KV writes into the memory's pages, attention, MLP and the greedy argmax -- on the
-machinery below: the adapter onto the attention kernels' plan/run API over a static page table
-(:class:`StepAttention`), the shared restore buffer of the restore-before-attention baselines (:class:`RestoreBuffer`,
-§II-B), the step's elementwise ops (:class:`StepOps`), its CUDA graph (:class:`StepGraph`) and a launched step whose
-tokens the host has not read yet (:class:`StepInFlight`). Which requests run, and when, is the scheduler's
-(:mod:`zipkv.scheduler`); where their pages are is the memory manager's (:mod:`zipkv.memory`)."""
+projections, rotary embedding, KV writes into the memory's pages, attention, MLP and the next token (the greedy
+argmax, or :func:`zipkv.sampling.sample`) -- on the machinery below: the adapter onto the attention kernels' plan/run
+API over a static page table (:class:`StepAttention`), the shared restore buffer of the restore-before-attention
+baselines (:class:`RestoreBuffer`, §II-B), the step's elementwise ops (:class:`StepOps`), its CUDA graph
+(:class:`StepGraph`) and a launched step whose tokens the host has not read yet (:class:`StepInFlight`). Which
+requests run, and when, is the scheduler's (:mod:`zipkv.scheduler`); where their pages are is the memory manager's
+(:mod:`zipkv.memory`)."""
 from __future__ import annotations
 
 import time
@@ -17,6 +18,7 @@ import torch
 from zipkv import format as fmt
 from zipkv.memory import KVMemory, copy_to_device, free_extent, to_device
 from zipkv.paged import PagedKVCache, page_kinds_of
+from zipkv.sampling import SAMPLING_ROWS, sample, step_inputs
 
 __all__ = ["StepRunner", "StepAttention", "RestoreBuffer", "StepOps", "StepGraph", "StepInFlight", "RMS_NORMS",
            "GATED_SILU_MLPS"]
@@ -263,7 +265,8 @@ class StepOps:
 class StepGraph:
     """The whole decode step captured in a CUDA graph, one per batch composition (ZipFusion §IV-A: the
     framework runs use CUDA graphs). The step reads its inputs from a static buffer ``[4, batch]`` (tokens,
-    positions, page and in-page offset of the new token) and writes the next tokens into a static output;
+    positions, page and in-page offset of the new token; ``[8, batch]`` with the sampling rows of
+    :meth:`StepRunner.decode_forward`) and writes the next tokens into a static output;
     everything else it reads -- pool, descriptors, page kinds, the static page table, restore payloads and
     buffer -- stays in place for the composition. The composition's first step runs eagerly (it compiles
     the kernels and warms up the allocator), the second is captured and replayed, the rest replayed.
@@ -279,13 +282,13 @@ class StepGraph:
         return not self.enabled or (key == self.key and self.graph is not None)
 
     def run(self, key, host_inputs: torch.Tensor, carry=None):
-        """Launch the step on ``host_inputs`` (CPU int64 ``[4, batch]``). carry: ``(tokens, src)`` -- the tokens
-        of a step still in flight (device int64) and, per row, the index there of the row's input token, or -1
-        to keep ``host_inputs``' (CPU int64 ``[batch]``): the overlapped engine feeds a step the tokens of the
-        one before it on the device, before the host has them.
+        """Launch the step on ``host_inputs`` (CPU int64 ``[4, batch]``, or ``[8, batch]`` with the sampling rows).
+        carry: ``(tokens, src)`` -- the tokens of a step still in flight (device int64) and, per row, the index there
+        of the row's input token, or -1 to keep ``host_inputs``' (CPU int64 ``[batch]``): the overlapped engine feeds
+        a step the tokens of the one before it on the device, before the host has them.
         Returns ``(next tokens on the device, mode, capture seconds)``, mode ``"warmup"`` (a composition's
         first step, eager, before its capture), ``"capture"``, ``"replay"`` or ``"eager"`` (no graphs)."""
-        if key != self.key:
+        if key != self.key or self.inp.shape != host_inputs.shape:
             self.key, self.graph, self.warm = key, None, False
             self.inp = torch.empty(host_inputs.shape, dtype=torch.int64, device=self.device)
             self.out = torch.empty(host_inputs.shape[1], dtype=torch.int64, device=self.device)
@@ -366,8 +369,9 @@ class StepRunner:
 
     def prefill(self, req):
         """Hugging Face forward over request ``req``'s tokens (a :class:`zipkv.scheduler.Request`: prompt and outputs,
-        on its prefix): K/V per layer ``[kv_heads, n, head_dim]`` of everything the cache must hold, and the greedy
-        next token."""
+        on its prefix): K/V per layer ``[kv_heads, n, head_dim]`` of everything the cache must hold, and the next
+        token -- greedy, or drawn as the decode step draws (:func:`zipkv.sampling.sample`) where ``req.sampling``
+        is set."""
         from transformers import DynamicCache
         tokens = req.prompt + req.out
         past = DynamicCache()
@@ -382,13 +386,19 @@ class StepRunner:
         with torch.no_grad():
             out = self.model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True, logits_to_keep=1)
         kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
-        return kv, int(out.logits[0, -1].argmax())
+        if req.sampling is None:
+            return kv, int(out.logits[0, -1].argmax())
+        rows = torch.tensor(req.sampling, device=self.device)[:, None]
+        keys, top_k, temperature, top_p = step_inputs(rows)
+        return kv, int(sample(out.logits[:, -1], keys, pos[:, -1], temperature, top_k, top_p))
 
     def decode_forward(self, inp):
         """One new token per running request through every layer. inp int64 ``[4, batch]``: tokens,
-        positions, page ids and in-page offsets of the new tokens. Returns the logits' argmax ``[batch]``.
-        Neither syncs nor allocates on the host: it is the step a CUDA graph captures."""
-        tokens, positions, pages, offsets = inp
+        positions, page ids and in-page offsets of the new tokens; ``[8, batch]``: and the sampling rows
+        (:func:`zipkv.sampling.step_inputs`). Returns the logits' argmax ``[batch]``, or with the sampling rows
+        :func:`zipkv.sampling.sample`'s tokens. Neither syncs nor allocates on the host: it is the step a CUDA graph
+        captures."""
+        tokens, positions, pages, offsets = inp[:4]
         B, ops = tokens.shape[0], self.step_ops
         h = self.inner.embed_tokens(tokens[:, None])                          # [B, 1, hidden]
         cos, sin = (t[:, 0] for t in self.inner.rotary_emb(h, position_ids=positions[:, None]))   # [B, head_dim]
@@ -407,7 +417,11 @@ class StepRunner:
             delta = attn.o_proj(o.reshape(B, -1))
             h, x = ops.add_norm(h, delta, layer.post_attention_layernorm)
             delta = ops.mlp(layer.mlp, x)
-        return self.model.lm_head(ops.add_norm(h, delta, self.inner.norm)[1]).argmax(-1)
+        logits = self.model.lm_head(ops.add_norm(h, delta, self.inner.norm)[1])
+        if inp.shape[0] == 4:
+            return logits.argmax(-1)
+        keys, top_k, temperature, top_p = step_inputs(inp[4:4 + SAMPLING_ROWS])
+        return sample(logits, keys, positions, temperature, top_k, top_p)
 
     def plan(self, rids) -> tuple:
         """Bring the attention's page table up to date for the batch ``rids`` (:meth:`StepAttention.plan`): the batch

@@ -28,7 +28,9 @@ class Request:
     """One request of a :meth:`zipkv.engine.Engine.generate` call.
 
     rid: its index among the prompts. prompt: its token ids. prefix: a :class:`zipkv.engine.Prefix` it starts from
-    (or None). max_new: tokens to generate. out: tokens generated so far (kept across retraction).
+    (or None). max_new: tokens to generate. out: tokens generated so far (kept across retraction). stop_token_ids:
+    its own stop tokens, beside the call's ``eos``. sampling: its column of the decode step's sampling inputs
+    (:meth:`zipkv.sampling.SamplingParams.step_column`), or None where the call is greedy.
     """
     rid: int
     prompt: list
@@ -42,6 +44,9 @@ class Request:
     blocked: int | None = None        # the memory's space_returns when its admission last failed
     cached_at_admission: int = 0      # ``cached`` right after its last admission (its prefill's token included)
     grown: int = 0                    # tokens its cache has grown by since then (one per decode step it took part in)
+    stop_token_ids: frozenset = frozenset()
+    sampling: tuple | None = None
+    stopped: bool = False             # a stop string appeared in its text (the engine cut ``out`` before it)
 
     @property
     def cached(self) -> int:
@@ -54,8 +59,10 @@ class Request:
         return self.max_new - len(self.out)
 
     def finished(self, eos: set) -> bool:
-        """Whether it has all its tokens or its last one is a stop token."""
-        return len(self.out) >= self.max_new or (bool(self.out) and self.out[-1] in eos)
+        """Whether it has all its tokens, its last one is a stop token (of ``eos`` or its own) or it met a stop
+        string."""
+        return self.stopped or len(self.out) >= self.max_new or (
+            bool(self.out) and (self.out[-1] in eos or self.out[-1] in self.stop_token_ids))
 
 
 class Scheduler:
