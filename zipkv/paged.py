@@ -16,6 +16,15 @@ Physical storage (:class:`PagedKVCache`)
   ``[batch]`` in 1..16. A partial last page stays raw.
 * Keys use ``k_layout``, values ``v_layout`` (see ``zipkv.format``); with the token layout a raw
   page is the plain row-major ``[16, head_dim]`` bf16 page.
+* ``check`` (optional; the kernels never read it): uint8 ``[num_pages, 2, kv_heads, n_blocks]``, each
+  block's check byte (:func:`zipkv.format.meta_check` of its descriptor's low byte). It does not cover
+  addresses, so moving a slot keeps it; whoever changes a block's flag or base writes it
+  (:func:`build_paged_cache`, :func:`compress_cache_` and :meth:`PagedKVCache.import_pages` do;
+  :meth:`PagedKVCache.seal` after a change by hand). ``None``: descriptors get the structural checks only.
+
+Validation (``plan(..., validate=True)``, :func:`check_descriptors`, :meth:`PagedKVCache.read_pages`): see
+``zipkv.format``'s "Validation and checksums"; pages that leave the pool travel with CRC-32 checksums
+(:meth:`PagedKVCache.export_pages`, :meth:`PagedKVCache.import_pages`).
 
 Page kinds (:data:`PAGE_KINDS`, the values of :meth:`PagedKVCache.page_kinds`, one byte per
 (page, kv head)): :data:`MIXED` (0), :data:`COMPRESSED` (1: every K and V block compressed),
@@ -23,6 +32,7 @@ Page kinds (:data:`PAGE_KINDS`, the values of :meth:`PagedKVCache.page_kinds`, o
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 
@@ -30,7 +40,7 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["PagedKVCache", "build_paged_cache", "compress_cache_", "physical_page_ids", "page_kinds_of",
+__all__ = ["PagedKVCache", "PageExport", "build_paged_cache", "compress_cache_", "physical_page_ids", "page_kinds_of",
            "PAGE_KINDS", "MIXED", "COMPRESSED", "RAW",
            "check_cache", "check_layouts", "check_descriptors"]
 
@@ -43,13 +53,15 @@ PAGE_KINDS = ("mixed", "compressed", "raw")
 class PagedKVCache:
     """Paged KV cache whose page-heads may be compressed per block (see module docstring).
 
-    pool: uint8 ``[pool_bytes]``; desc: int64 ``[num_pages, 2, kv_heads, n_blocks]``.
+    pool: uint8 ``[pool_bytes]``; desc: int64 ``[num_pages, 2, kv_heads, n_blocks]``; check: uint8
+    ``[num_pages, 2, kv_heads, n_blocks]`` check bytes of the descriptors, or None.
     """
     pool: torch.Tensor
     desc: torch.Tensor
     head_dim: int
     k_layout: str = "token"
     v_layout: str = "token"
+    check: torch.Tensor | None = None
     _kinds: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _version: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -66,17 +78,31 @@ class PagedKVCache:
         return fmt.n_blocks(self.head_dim)
 
     def meta(self, kv: int) -> fmt.PageMeta:
-        """Metadata of keys (kv=0) or values (kv=1): PageMeta ``[num_pages, kv_heads, n_blocks]``."""
+        """Metadata of keys (kv=0) or values (kv=1): PageMeta ``[num_pages, kv_heads, n_blocks]`` (with the
+        check bytes where the cache has them)."""
         d = self.desc[:, kv]
-        return fmt.PageMeta.from_packed((d & 0xFF).to(torch.uint8),
-                                        (self.k_layout, self.v_layout)[kv], self.head_dim)
+        return fmt.PageMeta.from_packed((d & 0xFF).to(torch.uint8), (self.k_layout, self.v_layout)[kv], self.head_dim,
+                                        None if self.check is None else self.check[:, kv])
+
+    def seal(self, pages: torch.Tensor | None = None) -> "PagedKVCache":
+        """Write the check bytes of ``pages`` (int64 ids; None: every page, creating :attr:`check` if the cache has
+        none) from their descriptors as they are now: after changing flags or bases by hand. Sealing blesses what
+        is there, so seal only descriptors known to be right."""
+        if pages is None:
+            self.check = descriptor_checks(self.desc, self.k_layout, self.v_layout, self.head_dim)
+        elif self.check is None:
+            raise ValueError("seal(pages): the cache has no check bytes yet; seal() every page first")
+        else:
+            ids = pages.long().to(self.desc.device)
+            self.check[ids] = descriptor_checks(self.desc[ids], self.k_layout, self.v_layout, self.head_dim)
+        return self
 
     def slot_offsets(self) -> torch.Tensor:
         """int64 ``[num_pages, 2, kv_heads]``: byte address of each page-head slot."""
         return self.desc[..., 0] >> 8
 
-    def read_pages(self, page_ids: torch.Tensor | None = None):
-        """Decode pages with ``zipkv.format.unpack``: ``(k, v)``, each bf16
+    def read_pages(self, page_ids: torch.Tensor | None = None, *, validate: bool = True):
+        """Decode pages with ``zipkv.format.unpack`` (``validate`` passed on): ``(k, v)``, each bf16
         ``[len(page_ids), kv_heads, 16, head_dim]`` (all pages by default)."""
         ids = torch.arange(self.num_pages, device=self.desc.device) if page_ids is None else page_ids.long()
         pb = fmt.page_bytes(self.head_dim)
@@ -87,7 +113,7 @@ class PagedKVCache:
         out = []
         for kv in (0, 1):
             m = self.meta(kv)[ids]
-            out.append(fmt.unpack(slots[:, kv], m))
+            out.append(fmt.unpack(slots[:, kv], m, validate=validate))
         return out[0], out[1]
 
     def page_kinds(self) -> torch.Tensor:
@@ -124,7 +150,11 @@ class PagedKVCache:
         """Recompute the cached page kinds (after editing ``desc`` by hand), in place. pages: int64 ids of the
         only pages whose descriptors changed (None: any may have). kinds: their new kinds, uint8
         ``[len(pages) or num_pages, kv_heads]``, where the caller computed them (:func:`page_kinds_of` over
-        several caches' descriptors at once); None: computed here."""
+        several caches' descriptors at once); None: computed here. Check bytes (:attr:`check`) are not
+        rewritten -- :meth:`seal` the pages whose flags or bases were changed by hand -- except that after ``desc``
+        grew the new pages' are sealed (and a shrunk cache's dropped)."""
+        if self.check is not None and self.check.shape != self.desc.shape:
+            self._resize_check()
         shape = self._kind_shape() if pages is None else (pages.numel(), self.kv_heads)
         if kinds is not None and (tuple(kinds.shape) != tuple(shape) or kinds.dtype != torch.uint8):
             raise ValueError(f"kinds must be uint8 {list(shape)}, got {kinds.dtype} {list(kinds.shape)}")
@@ -138,6 +168,88 @@ class PagedKVCache:
             self._kinds = None
         self._version += 1
         return self
+
+    def _resize_check(self):
+        """After ``desc`` grew or shrank: keep the check bytes of the pages still there, seal the new ones."""
+        old, n = self.check, self.num_pages
+        if old.shape[1:] != self.desc.shape[1:]:
+            self.seal()
+            return
+        keep = min(old.shape[0], n)
+        check = torch.empty(self.desc.shape, dtype=torch.uint8, device=self.desc.device)
+        check[:keep] = old[:keep]
+        check[keep:] = descriptor_checks(self.desc[keep:], self.k_layout, self.v_layout, self.head_dim)
+        self.check = check
+
+    def export_pages(self, page_ids: torch.Tensor, *, checksum: bool = True, validate: bool = True) -> "PageExport":
+        """Copy pages out of the pool (offload, transfer): a :class:`PageExport` of their page-heads' bytes,
+        descriptor bytes, check bytes (this cache's, or computed now where it has none) and, with ``checksum``,
+        each page-head's CRC-32 (:func:`zipkv.format.page_checksum`, on the pool's device). page_ids: 1-D int
+        ``[n]`` physical ids. validate: check their descriptors first (:func:`check_descriptors`, one sync)."""
+        check_cache(self)
+        ids = _page_ids(self, page_ids)
+        if validate:
+            check_descriptors(self, ids)
+        pb = fmt.page_bytes(self.head_dim)
+        d = self.desc[ids]                                               # [n, 2, H, nb]
+        packed = (d & 0xFF).to(torch.uint8)
+        size = torch.where(((d >> 7) & 1).bool(), fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).sum(-1)
+        at = torch.arange(pb, device=d.device)
+        idx = ((d[..., 0] >> 8)[..., None] + at).clamp(0, self.pool.numel() - 1)
+        payload = torch.where(at < size[..., None], self.pool[idx], 0).to(torch.uint8)
+        check = (self.check[ids] if self.check is not None
+                 else descriptor_checks(d, self.k_layout, self.v_layout, self.head_dim)).clone()
+        out = PageExport(self.head_dim, self.k_layout, self.v_layout, payload, packed, check)
+        if not checksum:
+            return out
+        sums = torch.stack([fmt.page_checksum(payload[:, kv], out.meta(kv)) for kv in (0, 1)], 1)
+        return dataclasses.replace(out, checksum=sums)
+
+    def import_pages(self, pages: "PageExport", page_ids: torch.Tensor, *, validate: bool = True) -> "PagedKVCache":
+        """Write exported page-heads into pages ``page_ids`` (1-D int ``[n]``, distinct physical ids) of this cache,
+        in place: each page-head's bytes at the start of its current slot, its descriptors and check bytes
+        rewritten (check bytes only where this cache keeps them), the page kinds refreshed. Every destination
+        page-head must span at least the bytes it receives (raw pages do: a full slot). validate: first verify
+        ``pages`` (check bytes, and checksums where present: ``ValueError`` naming the page) and the destination
+        descriptors (one sync each)."""
+        check_cache(self)
+        if not isinstance(pages, PageExport):
+            raise TypeError(f"pages must be a PageExport (PagedKVCache.export_pages), got {type(pages).__name__}")
+        for name, theirs, ours in (("head_dim", pages.head_dim, self.head_dim),
+                                   ("k_layout", pages.k_layout, self.k_layout),
+                                   ("v_layout", pages.v_layout, self.v_layout)):
+            if theirs != ours:
+                raise ValueError(f"pages.{name} is {theirs!r}, this cache's {name} {ours!r}: pages of another format")
+        ids = _page_ids(self, page_ids)
+        want = (ids.numel(), 2, self.kv_heads, self.n_blocks)
+        if tuple(pages.packed.shape) != want:
+            raise ValueError(f"pages hold metadata {tuple(pages.packed.shape)} [pages, 2, kv_heads, n_blocks]; page_ids and "
+                             f"this cache need {want}")
+        if validate:
+            pages.verify()
+            check_descriptors(self, ids)
+        dev = self.desc.device
+        pages = pages.to(dev)
+        d = self.desc[ids]
+        have = torch.where(((d >> 7) & 1).bool(), fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).sum(-1)
+        comp = (pages.packed >> 7).bool()
+        need = torch.where(comp, fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).sum(-1)
+        short = need > have
+        if bool(short.any()):
+            i, kv, h = (int(x) for x in short.nonzero()[0])
+            raise ValueError(f"page_ids: page {int(ids[i])}, kv head {h}, {('keys', 'values')[kv]} spans {int(have[i, kv, h])} "
+                             f"bytes, the imported page-head needs {int(need[i, kv, h])}: import into pages with room "
+                             f"(raw pages span a full slot)")
+        start = d[..., 0] >> 8                                           # [n, 2, H]
+        at = torch.arange(fmt.page_bytes(self.head_dim), device=dev)
+        keep = at < need[..., None]
+        self.pool[(start[..., None] + at)[keep]] = pages.payload[keep]
+        size = torch.where(comp, fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).to(torch.int64)
+        offsets = torch.cumsum(size, -1) - size
+        self.desc[ids] = ((start[..., None] + offsets) << 8) | pages.packed.to(torch.int64)
+        if self.check is not None:
+            self.check[ids] = pages.check
+        return self.refresh(pages=ids)
 
     def _kind_shape(self):
         return self.desc.shape[:1] + self.desc.shape[2:3]
@@ -160,6 +272,74 @@ class PagedKVCache:
         return dict(pool_bytes=self.pool.numel(), used_bytes=used, raw_bytes=raw,
                     frac_k=float(mk.compressed.float().mean()), frac_v=float(mv.compressed.float().mean()),
                     mixed_k=mixed(mk), mixed_v=mixed(mv))
+
+
+@dataclass(frozen=True)
+class PageExport:
+    """Page-heads copied out of a :class:`PagedKVCache` (:meth:`PagedKVCache.export_pages`), self-checking:
+    payload uint8 ``[n, 2, kv_heads, 32 * head_dim]`` (each page-head's bytes from the start of its row, zeros
+    past them), packed uint8 ``[n, 2, kv_heads, n_blocks]`` (descriptor bytes ``flag << 7 | b >> 1``), check
+    uint8 (same shape; :func:`zipkv.format.meta_check`) and checksum int64 ``[n, 2, kv_heads]`` (CRC-32 of each
+    page-head's used bytes, :func:`zipkv.format.page_checksum`) or None."""
+    head_dim: int
+    k_layout: str
+    v_layout: str
+    payload: torch.Tensor
+    packed: torch.Tensor
+    check: torch.Tensor
+    checksum: torch.Tensor | None = None
+
+    def meta(self, kv: int) -> fmt.PageMeta:
+        """Keys' (0) or values' (1) metadata, PageMeta ``[n, kv_heads, n_blocks]`` with its check bytes."""
+        return fmt.PageMeta.from_packed(self.packed[:, kv], (self.k_layout, self.v_layout)[kv], self.head_dim,
+                                        self.check[:, kv])
+
+    def verify(self) -> "PageExport":
+        """``ValueError`` naming the page unless every metadata byte matches its check byte and (where taken) every
+        page-head's bytes their checksum (one device sync per check)."""
+        for kv, name in ((0, "keys"), (1, "values")):
+            m = self.meta(kv)
+            fmt.check_meta(m, f"pages ({name})")
+            fmt._check_against(m, self.packed[:, kv], f"pages ({name})")     # raw blocks' base bits too
+            want = (m.compressed.shape[0], 2, *m.compressed.shape[1:-1], fmt.page_bytes(self.head_dim))
+            if tuple(self.payload.shape) != want:
+                raise ValueError(f"pages.payload must have shape {want}, got {tuple(self.payload.shape)}")
+            if self.checksum is not None:
+                fmt.verify_checksum(self.payload[:, kv], self.checksum[:, kv], m, f"pages ({name}, [page, kv head])")
+        return self
+
+    def pages(self, *, validate: bool = True):
+        """Decode: ``(k, v)``, each bf16 ``[n, kv_heads, 16, head_dim]`` (:func:`zipkv.format.unpack`; validate:
+        :meth:`verify` first)."""
+        if validate:
+            self.verify()
+        return tuple(fmt.unpack(self.payload[:, kv], self.meta(kv), validate=validate) for kv in (0, 1))
+
+    def to(self, device) -> "PageExport":
+        """The same pages on ``device``."""
+        moved = (None if t is None else t.to(device) for t in (self.payload, self.packed, self.check, self.checksum))
+        return PageExport(self.head_dim, self.k_layout, self.v_layout, *moved)
+
+
+def descriptor_checks(desc: torch.Tensor, k_layout: str, v_layout: str, head_dim: int) -> torch.Tensor:
+    """Check bytes of block descriptors int64 ``[..., 2, kv_heads, n_blocks]`` (:func:`zipkv.format.meta_check` of
+    each low byte, keys with ``k_layout``, values with ``v_layout``): uint8, same shape."""
+    low = (desc & 0xFF).to(torch.uint8)
+    return torch.stack([fmt.meta_check(low[..., kv, :, :], lay, head_dim)
+                        for kv, lay in ((0, k_layout), (1, v_layout))], -3)
+
+
+def _page_ids(cache, page_ids) -> torch.Tensor:
+    """``page_ids`` as int64 on the cache's device: 1-D, distinct, in ``[0, num_pages)`` (syncs)."""
+    if not isinstance(page_ids, torch.Tensor) or page_ids.dim() != 1 or page_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"page_ids must be a 1-D int32/int64 tensor, got {getattr(page_ids, 'dtype', type(page_ids).__name__)} "
+                         f"{tuple(getattr(page_ids, 'shape', ()))}")
+    ids = page_ids.long().to(cache.desc.device)
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.num_pages):
+        raise ValueError(f"page_ids must lie in [0, {cache.num_pages}), got range [{int(ids.min())}, {int(ids.max())}]")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError("page_ids must not repeat")
+    return ids
 
 
 def page_kinds_of(desc: torch.Tensor) -> torch.Tensor:
@@ -204,25 +384,89 @@ def check_cache(cache):
                          f"{getattr(d, 'dtype', type(d))} {tuple(getattr(d, 'shape', ()))}")
     if d.device != p.device:
         raise ValueError(f"cache.desc is on {d.device}, cache.pool on {p.device}: they must share a device")
+    c = cache.check
+    if c is not None and (not isinstance(c, torch.Tensor) or c.dtype != torch.uint8 or c.shape != d.shape
+                          or c.device != d.device):
+        raise ValueError(f"cache.check must be None or a uint8 tensor of desc's shape {tuple(d.shape)} on {d.device}, got "
+                         f"{getattr(c, 'dtype', type(c).__name__)} {tuple(getattr(c, 'shape', ()))} on "
+                         f"{getattr(c, 'device', None)} (after growing desc, call cache.refresh())")
 
 
 def check_descriptors(cache, page_ids: torch.Tensor):
-    """ValueError naming the first page, KV head and block of ``page_ids`` (physical ids) whose block
-    does not lie inside ``cache.pool`` at a multiple of 256 bytes (one device sync): a kernel would read
-    past the pool."""
+    """ValueError naming the page, KV head and block of ``page_ids`` (physical ids, repeats allowed) whose
+    descriptor is wrong (one device sync), first of: a block that does not lie inside ``cache.pool`` at a multiple of
+    256 bytes (a kernel would read past the pool); a metadata byte that does not match its check byte in
+    ``cache.check`` (a corrupted flag or base, or a cache whose layout is not the one the check bytes were written
+    for); a raw block with base bits set; a block that does not start where the page-head's previous block ends
+    (a page-head's blocks lie back to back, in order: a flipped flag or address bit); two page-heads sharing pool
+    bytes. What this cannot see: ``zipkv.format``'s docstring, "Validation and checksums"."""
     if page_ids.numel() == 0:
         return
-    d = cache.desc[page_ids.long()]                                    # [n, 2, H, nb]
+    ids = page_ids.long()
+    d = cache.desc[ids]                                                # [n, 2, H, nb]
     addr = d >> 8
-    size = torch.where(((d >> 7) & 1).bool(), fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES)
-    bad = (addr < 0) | (addr % 256 != 0) | (addr + size > cache.pool.numel())
-    if bool(bad.any()):
-        i, kv, h, j = (int(x) for x in bad.nonzero()[0])
-        kind = "compressed" if size[i, kv, h, j] == fmt.PACKED_BLOCK_BYTES else "raw"
+    comp = ((d >> 7) & 1).bool()
+    size = torch.where(comp, fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES)
+    outside = (addr < 0) | (addr % 256 != 0) | (addr + size > cache.pool.numel())
+    raw_bits = ~comp & ((d & 0x7F) != 0)
+    gap = torch.zeros_like(comp)
+    gap[..., 1:] = addr[..., 1:] != addr[..., :-1] + size[..., :-1]
+    checked = cache.check is not None
+    bad_check = (descriptor_checks(d, cache.k_layout, cache.v_layout, cache.head_dim) != cache.check[ids]
+                 if checked else torch.zeros_like(comp))
+    start, end = addr[..., 0].reshape(-1), (addr[..., -1] + size[..., -1]).reshape(-1)
+    heads = cache.kv_heads
+    key = (ids[:, None, None] * 2 * heads + torch.arange(2 * heads, device=d.device).reshape(2, heads)).reshape(-1)
+    order = torch.argsort(start, stable=True)
+    s_start, s_end, s_key = start[order], end[order], key[order]
+    overlap = (s_start[1:] < s_end[:-1]) & (s_key[1:] != s_key[:-1])
+    found = torch.stack([outside.any(), bad_check.any(), raw_bits.any(), gap.any(), overlap.any()]).tolist()
+    if not any(found):
+        return
+
+    def head(i, kv, h):
+        return f"page {int(ids[i])}, kv head {h}, {('keys', 'values')[kv]}"
+
+    def block(i, kv, h, j):
+        return f"{head(i, kv, h)} block {j}"
+
+    def kind(i, kv, h, j):
+        return "compressed" if bool(comp[i, kv, h, j]) else "raw"
+
+    if found[0]:
+        i, kv, h, j = _first(outside)
         raise ValueError(
-            f"cache.desc: page {int(page_ids[i])}, kv head {h}, {('keys', 'values')[kv]} block {j}: a {kind} block "
-            f"at byte address {int(addr[i, kv, h, j])} ({int(size[i, kv, h, j])} bytes) does not lie inside the pool "
-            f"of {cache.pool.numel()} bytes at a multiple of 256")
+            f"cache.desc: {block(i, kv, h, j)}: a {kind(i, kv, h, j)} block at byte address {int(addr[i, kv, h, j])} "
+            f"({int(size[i, kv, h, j])} bytes) does not lie inside the pool of {cache.pool.numel()} bytes at a multiple "
+            f"of 256")
+    if found[1]:
+        for kv, layout in ((0, cache.k_layout), (1, cache.v_layout)):
+            meta = fmt.PageMeta(layout, cache.head_dim, comp[:, kv], torch.zeros_like(comp[:, kv], dtype=torch.uint8),
+                                cache.check[ids][:, kv])
+            fmt._check_against(meta, (d[:, kv] & 0xFF).to(torch.uint8), "cache.desc",
+                               lambda at, kv=kv: head(at[0], kv, at[1]), f"cache.{'kv'[kv]}_layout")
+    if found[2]:
+        i, kv, h, j = _first(raw_bits)
+        raise ValueError(f"cache.desc: {block(i, kv, h, j)}: a raw block with base bits "
+                         f"{int(d[i, kv, h, j] & 0x7F):#04x} (a raw block's are 0): the descriptor is corrupted")
+    if found[3]:
+        i, kv, h, j = _first(gap)
+        raise ValueError(
+            f"cache.desc: {block(i, kv, h, j)} starts at byte {int(addr[i, kv, h, j])}, but block {j - 1} "
+            f"({kind(i, kv, h, j - 1)}, {int(size[i, kv, h, j - 1])} bytes at {int(addr[i, kv, h, j - 1])}) ends at "
+            f"{int(addr[i, kv, h, j - 1] + size[i, kv, h, j - 1])}: a page-head's blocks lie back to back in order "
+            f"(a flipped flag or address bit?)")
+    n = int(overlap.nonzero()[0, 0])
+
+    def named(x):
+        k = int(s_key[x])
+        return f"{head(int((ids == k // (2 * heads)).nonzero()[0, 0]), k // heads % 2, k % heads)} " \
+               f"(bytes [{int(s_start[x])}, {int(s_end[x])}))"
+    raise ValueError(f"cache.desc: {named(n + 1)} overlaps {named(n)}: two page-heads share pool bytes")
+
+
+def _first(mask: torch.Tensor) -> tuple:
+    return tuple(int(x) for x in mask.nonzero()[0])
 
 
 def _check_kv(x, name):
@@ -257,6 +501,7 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     (a seeded random fraction ``f`` of the eligible blocks), or a bool tensor
     ``[num_pages, 2, kv_heads, n_blocks]`` in logical page order (forcing the mix).
     shuffle: random physical page ids; compact: slots back to back at their packed size.
+    The cache carries its descriptors' check bytes (``cache.check``).
     Returns ``(cache, indptr, indices, last_page_len)`` on k's device.
     """
     _check_kv(k, "k")
@@ -303,14 +548,17 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     pb = fmt.page_bytes(D)
     payload = torch.empty(P, 2, H, pb, dtype=torch.uint8, device=dev)
     packed = torch.empty(P, 2, H, nb, dtype=torch.uint8, device=dev)
+    check = torch.empty_like(packed)
     for kv, lay in ((0, k_layout), (1, v_layout)):
         pl, m = fmt.pack(pages[:, kv], lay, enable=enable[:, kv])
-        payload[:, kv], packed[:, kv] = pl, m.packed()
+        payload[:, kv], packed[:, kv], check[:, kv] = pl, m.packed(), m.check
     perm = physical_page_ids(P, seed, shuffle).to(dev)                 # logical page i -> physical id perm[i]
     phys_payload = torch.empty_like(payload)
     phys_payload[perm] = payload
     phys_packed = torch.empty_like(packed)
     phys_packed[perm] = packed
+    phys_check = torch.empty_like(check)
+    phys_check[perm] = check
     comp = (phys_packed >> 7).bool()
     size = torch.where(comp, fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).to(torch.int64)
     blk_off = torch.cumsum(size, -1) - size                            # inside the slot
@@ -325,7 +573,7 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     desc = ((slot[..., None] + blk_off) << 8) | phys_packed.to(torch.int64)
     indptr = torch.tensor([0] + npg, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
     last = torch.tensor([x - T16 * (n - 1) for x, n in zip(lens, npg)], dtype=torch.int32, device=dev)
-    cache = PagedKVCache(pool.contiguous(), desc.contiguous(), D, k_layout, v_layout)
+    cache = PagedKVCache(pool.contiguous(), desc.contiguous(), D, k_layout, v_layout, phys_check)
     return cache, indptr, perm.to(torch.int32), last
 
 
@@ -333,7 +581,7 @@ def compress_cache_(cache: PagedKVCache, page_ids: torch.Tensor, *,
                     pages_per_program: int | None = None) -> PagedKVCache:
     """Compress raw full pages of ``cache`` in place with the Triton pack kernel
     (ZipFusion §III-D: the page id stays, its slot shrinks to a prefix). page_ids: int
-    ``[n]`` physical ids whose page-heads are all raw; their descriptors are updated."""
+    ``[n]`` physical ids whose page-heads are all raw; their descriptors (and check bytes) are updated."""
     from zipkv.kernels.pack import pack_into
 
     check_cache(cache)
@@ -360,6 +608,8 @@ def compress_cache_(cache: PagedKVCache, page_ids: torch.Tensor, *,
         m = fmt.PageMeta.from_packed(meta, lay, cache.head_dim)
         new = ((off[:, None] + m.block_offsets()) << 8) | meta.to(torch.int64)
         cache.desc[ids, kv] = new.reshape(ids.numel(), cache.kv_heads, cache.n_blocks)
+        if cache.check is not None:
+            cache.check[ids, kv] = fmt.meta_check(meta, lay, cache.head_dim).reshape(ids.numel(), cache.kv_heads, -1)
     return cache.refresh()
 
 

@@ -2,6 +2,11 @@
 (``decode_mma.py``, CUDA only) and their fp32 torch references (``reference.py``).
 
 Launchers validate inputs and raise ``ValueError``/``TypeError``; kernels never see bad input.
+Where a launcher takes ``validate=False`` (:func:`~zipkv.kernels.decode_attention.plan`,
+:func:`~zipkv.kernels.pack.pack_into`) it skips reading the values of its index inputs (page tables,
+descriptors, offsets): bad ones are then **undefined behaviour** -- the kernels read and write out of bounds,
+which may crash the process or give NaN or silently wrong results (FlashInfer's kernels make the same
+contract). Keep ``validate=True`` unless the caller built those tensors itself.
 
 **On a CPU** the Triton kernels run only in Triton's interpreter, which Triton chooses from the
 environment variable ``TRITON_INTERPRET=1`` when a kernel module is imported. Importing zipkv

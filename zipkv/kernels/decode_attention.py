@@ -16,6 +16,23 @@
   ``routing="device"`` makes every plan route on the device instead (valid whatever gets compressed).
 * :func:`decode_attention` is the one-call convenience: ``plan(...).run(q, out)``.
 
+Checked and unchecked mode. ``plan(..., validate=True)`` (the default) reads the page table and every used
+block descriptor once (one device sync) and rejects what the kernels cannot read safely or correctly: page ids
+outside the cache, bad ``indptr``/``last_page_len``, blocks outside the pool, descriptors that do not match their
+check bytes or do not lie back to back, page-heads that overlap (``zipkv.format``'s "Validation and checksums"
+says what is and is not detected). Its runs then refuse (``ValueError``) to launch once ``indptr``, ``indices`` or
+``cache.desc`` were written since -- by torch in place, seen through the tensors' version counters, read on the
+host: no sync, nothing added to a captured CUDA graph -- unless ``cache.refresh()`` announced the descriptor change
+(:func:`zipkv.paged.compress_cache_` does); ``last_page_len`` may be raised in place (up to 16: other values
+written after ``plan`` are not seen, and are undefined behaviour). A graph replay does
+not run Python, so it checks nothing: only the eager run and the capture do. Writes that bypass torch's version
+counters (a kernel writing through a raw pointer, DLPack or numpy aliases, tensors made under
+``torch.inference_mode``) are not seen. ``plan(..., validate=False)`` reads nothing and watches nothing (a serving
+engine that rewrites its static page table in place between steps): **a bad page table or descriptor is then
+undefined behaviour**, as in FlashInfer, whose kernels do not check page tables either -- the kernels read out of
+bounds: the process may crash (a CUDA illegal address, a segfault in the interpreter), or the output be NaN or
+silently wrong. :meth:`DecodePlan.validate` checks a plan's current table at a moment of the caller's choosing.
+
 Kernels (:data:`KERNELS`): the Triton kernel (:mod:`zipkv.kernels.decode_triton`; token and channel
 layouts, any head_dim, runs under ``TRITON_INTERPRET=1`` on the CPU) and the Gluon kernel
 (:mod:`zipkv.kernels.decode_mma`; the mma layouts, CUDA only). Specialisations and routing use the
@@ -104,6 +121,7 @@ class DecodePlan:
     _kinds_version: int | None = field(repr=False)
     _fp32: bool = field(repr=False)
     _interp: bool = field(repr=False)
+    _watched: tuple | None = field(default=None, repr=False)
 
     @property
     def batch(self) -> int:
@@ -113,9 +131,21 @@ class DecodePlan:
     def launches(self) -> list:
         return [(paged.PAGE_KINDS[k], routed) for k, routed in self._launches]
 
+    def validate(self) -> "DecodePlan":
+        """Check this plan's page table and the descriptors of its pages as they are now, as ``plan(...,
+        validate=True)`` does (one device sync; not inside a CUDA graph capture), and from now on refuse to run
+        once they are written (module docstring). ``ValueError`` naming what is wrong."""
+        paged.check_cache(self.cache)
+        check_values(self.cache, self.indptr, self.indices, self.last_page_len)
+        self._watched = _watch(self.indptr, self.indices, self.cache)
+        return self
+
     def run(self, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` (bf16 ``[batch, q_heads, head_dim]``) over the planned cache into ``out``
-        (bf16, same shape; allocated if None). Launches only: no host sync."""
+        (bf16, same shape; allocated if None). Launches only: no host sync. A plan made with ``validate=True``
+        first compares the version counters of ``indptr``, ``indices`` and ``cache.desc`` with those it
+        recorded (host integers) and raises ``ValueError`` if they were written since (module docstring); with
+        ``validate=False`` a bad page table is undefined behaviour."""
         cache = self.cache
         shape = (self.batch, self.q_heads, cache.head_dim)
         if not isinstance(q, torch.Tensor):
@@ -144,6 +174,8 @@ class DecodePlan:
         if not cache.holds_kinds(self._kinds):
             raise ValueError("the cache's number of pages changed since this plan was made (its page kinds were "
                              "recomputed into a new tensor): plan again")
+        if self._watched is not None:
+            self._watched = _check_watched(self._watched, self.indptr, self.indices, cache)
         if self.batch == 0:
             return out
         qk_scale = self.softmax_scale * math.log2(math.e)
@@ -217,6 +249,41 @@ def gluon_split_count(kind: int, head_dim: int, programs: int, pages: int, gpu_n
                        resident=per_sm * sms)
 
 
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter (bumped by every in-place torch op on it or a view of it), None where it has
+    none (an inference tensor)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
+def _watch(indptr, indices, cache) -> tuple:
+    """What a checked plan compares in :meth:`DecodePlan.run`: versions of the page table and the descriptors."""
+    return (_version(indptr), _version(indices), cache.desc, _version(cache.desc), cache.version)
+
+
+def _check_watched(watched, indptr, indices, cache) -> tuple:
+    """ValueError if what :func:`_watch` recorded was written since; returns the record to keep (the descriptors
+    as they are after a ``cache.refresh()``, which announces their changes)."""
+    ip, idx, desc, desc_v, cache_v = watched
+    for name, t, v in (("indptr", indptr, ip), ("indices", indices, idx)):
+        if v is not None and _version(t) != v:
+            raise ValueError(f"{name} was written since plan(..., validate=True) checked it ({name}._version {v} -> "
+                             f"{_version(t)}): plan again, or call plan.validate(); a page table rewritten in place "
+                             f"between runs needs plan(..., validate=False), which trusts it")
+    if cache.version != cache_v:
+        return (ip, idx, cache.desc, _version(cache.desc), cache.version)
+    if cache.desc is not desc:
+        raise ValueError("cache.desc was replaced since plan(..., validate=True) checked it, and cache.refresh() was "
+                         "not called: plan again, or call plan.validate()")
+    if desc_v is not None and _version(desc) != desc_v:
+        raise ValueError(f"cache.desc was written since plan(..., validate=True) checked it (cache.desc._version "
+                         f"{desc_v} -> {_version(desc)}) and cache.refresh() was not called: plan again, call "
+                         f"plan.validate(), or cache.refresh() after changing descriptors on purpose")
+    return watched
+
+
 def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, cache: PagedKVCache,
          q_heads: int, *, softmax_scale: float | None = None, num_splits: int | None = None,
          pages_per_tile: int | None = None, validate: bool = True, path: str = "auto",
@@ -232,7 +299,14 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     1 on the CPU).
     pages_per_tile: pages per inner tile of the Triton kernel (default its launch option on the GPU, 1
     interpreting). validate: also check the page table's values and every used block descriptor (one
-    device sync); the structure (types, shapes, devices) is always checked.
+    device sync: page ids in range, blocks inside the pool, back to back, matching their check bytes, no
+    overlapping page-heads; ``zipkv.format``'s "Validation and checksums"), and make the plan's runs refuse to
+    launch once ``indptr``, ``indices`` or ``cache.desc`` were written since (module docstring). The structure
+    (types, shapes, devices) is always checked. ``validate=False`` reads and watches nothing: **a bad page table
+    or descriptor (a page id of -1 or past the pool, ``indices`` changed to such, a corrupted descriptor) is then
+    undefined behaviour** -- an out-of-bounds read that may crash the process, or NaN or wrong outputs -- as in
+    FlashInfer; use it where the caller builds the table itself (a serving engine), and
+    :meth:`DecodePlan.validate` to check it when in doubt.
     path: ``"auto"`` routes each (request, kv head) to a specialisation -- all-compressed (every page but
     the last all-compressed, K and V), all-raw, or mixed -- from the cache's page kinds: a uniform cache
     gets one launch of its specialisation; otherwise the Gluon kernel one launch of its mixed
@@ -312,7 +386,8 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
         ws = decode_triton.workspace(B, q_heads, D, num_splits, fp32, device)
     uniform = len(launches) == 1 and launches[0][0] != paged.MIXED
     return DecodePlan(cache, indptr, indices, last_page_len, int(q_heads), kernel, int(num_splits), scale, configs,
-                      launches, kinds, ws, cache.version if uniform else None, fp32, interp)
+                      launches, kinds, ws, cache.version if uniform else None, fp32, interp,
+                      _watch(indptr, indices, cache) if validate else None)
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
@@ -323,6 +398,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, indptr: torch.Tensor,
     """Decode attention of one new token per request over a paged, partly compressed cache, in one
     call: :func:`plan` then :meth:`DecodePlan.run` (same arguments; ``q`` bf16 ``[batch, q_heads,
     head_dim]``). For repeated steps over one batch layout (and CUDA graphs), plan once and run.
+    validate (default): check the page table and the used descriptors first (one device sync; :func:`plan`);
+    ``validate=False``: a bad page table or descriptor is undefined behaviour (a crash, NaN or wrong output).
     Returns bf16 ``[batch, q_heads, head_dim]``."""
     paged.check_cache(cache)
     if not isinstance(q, torch.Tensor):

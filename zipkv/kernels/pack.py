@@ -268,4 +268,4 @@ def pack_pages(pages: torch.Tensor, layout: str = "token", *, out: torch.Tensor 
             blocks = pages.view(-1)
     packed = pack_into(blocks if mma else pages.view(-1), off, out.view(-1), off, d, layout, src_packed=mma,
                        pages_per_program=pages_per_program, validate=False)   # offsets built here
-    return out, fmt.PageMeta.from_packed(packed, layout, d)
+    return out, fmt.PageMeta.from_packed(packed, layout, d).sealed()

@@ -9,10 +9,10 @@ from zipkv.kernels.inputs import batch_mismatch, check_page_table, check_scale, 
 __all__ = ["decode_attention_reference", "gather_kv"]
 
 
-def gather_kv(cache, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor):
-    """Decode every request's K and V with ``zipkv.format.unpack``: list of ``(k, v)``,
+def gather_kv(cache, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, *, validate: bool = True):
+    """Decode every request's K and V with ``zipkv.format.unpack`` (``validate`` passed on): list of ``(k, v)``,
     each bf16 ``[kv_heads, seq_len, head_dim]``."""
-    k_all, v_all = cache.read_pages()                       # [num_pages, H, 16, D]
+    k_all, v_all = cache.read_pages(validate=validate)      # [num_pages, H, 16, D]
     ip, idx, last = indptr.tolist(), indices.long(), last_page_len.tolist()
     out = []
     for b in range(len(ip) - 1):
@@ -28,8 +28,9 @@ def decode_attention_reference(q: torch.Tensor, cache, indptr, indices, last_pag
                                softmax_scale: float | None = None, validate: bool = True) -> torch.Tensor:
     """Reference of :func:`zipkv.kernels.decode_attention.decode_attention`: unpack the
     cache, then attention in fp32. q: ``[batch, q_heads, head_dim]``; returns fp32. The inputs are checked as
-    :func:`~zipkv.kernels.decode_attention.plan` checks them; ``validate=False`` skips reading the page table's values
-    (a caller that built the table itself)."""
+    :func:`~zipkv.kernels.decode_attention.plan` checks them, and every page is unpacked with validation;
+    ``validate=False`` skips reading the page table's values and the pages' checks (a caller that built the table
+    itself)."""
     paged.check_cache(cache)
     batch = check_page_table(cache, indptr, indices, last_page_len)
     if not isinstance(q, torch.Tensor) or not q.is_floating_point():
@@ -46,7 +47,7 @@ def decode_attention_reference(q: torch.Tensor, cache, indptr, indices, last_pag
     B, HQ, _ = q.shape
     G = HQ // HKV
     out = torch.empty(B, HQ, D, dtype=torch.float32, device=q.device)
-    for b, (k, v) in enumerate(gather_kv(cache, indptr, indices, last_page_len)):
+    for b, (k, v) in enumerate(gather_kv(cache, indptr, indices, last_page_len, validate=validate)):
         qb = q[b].float().reshape(cache.kv_heads, G, D)
         s = torch.einsum("hgd,htd->hgt", qb, k.float()) * scale
         out[b] = torch.einsum("hgt,htd->hgd", s.softmax(-1), v.float()).reshape(HQ, D)
