@@ -59,11 +59,12 @@ class ZipkvConfig:
         mass_ridge: ridge of the mass fit, relative to ``tr(GᵀG)/k``, shrinking ``w = e^β`` toward 1.
         bias_bound: ``|β| ≤ bias_bound``.
         value_ridges: candidate ``λ₀`` for the values (``math.inf``: keep the original values).
-        max_train_queries, max_validation_queries: at most this many training / validation queries per KV head,
-            evenly spaced over the ones :func:`future_queries` makes (``g·(N + m)``): the fit's score matrix is
-            ``[H, queries, N]``, so without a cap it grows as ``N²`` (at N = 32,768 on Llama-3.1-8B's shape, 118 GB
-            in float32). Neither cap binds for SmolLM2 or Llama-3.1-8B at N = 2048 (6,048 and 8,064 training
-            queries), where the book measures the method.
+        max_scores: at most this many scores per KV head in the fit's ``[queries, N]`` score matrix: the training
+            queries (``g·(N + m)`` from :func:`future_queries`) are thinned, evenly spaced, to ``max_scores / N`` and
+            the validation queries to a quarter of that. Without a cap the matrix grows as ``N²`` (at N = 32,768 on
+            Llama-3.1-8B's shape, 118 GB in float32); the default binds only above N = 2**13.5 ≈ 11,600 for
+            Llama-3.1-8B's shape (4,096 queries at N = 32,768) and never at N = 2048, where the book measures the
+            method. None: no cap.
         dtype: solve dtype (the ridge systems are solved in float64).
         device: where to solve (default: the capture's device).
     """
@@ -75,8 +76,7 @@ class ZipkvConfig:
     mass_ridge: float = 1e-3
     bias_bound: float = 3.0
     value_ridges: tuple = (1e-3, 1e-2, 1e-1, 1.0, INF)
-    max_train_queries: int | None = 8192
-    max_validation_queries: int | None = 2048
+    max_scores: int | None = 2**27
     dtype: torch.dtype = torch.float32
     device: str | torch.device | None = None
 
@@ -173,7 +173,9 @@ def _spd_solve(gram: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     if bool((info != 0).any()):  # not positive definite to rounding: a little more diagonal
         eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
         chol = torch.linalg.cholesky(gram + 1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1)[:, None, None] * eye)
-    return torch.cholesky_solve(rhs, chol)
+    # two triangular solves: cholesky_solve fails on CUDA for large batched systems (k = 9,830 at N = 32,768)
+    y = torch.linalg.solve_triangular(chol, rhs, upper=False)
+    return torch.linalg.solve_triangular(chol.transpose(-2, -1), y, upper=True)
 
 
 def mass_bias(t: HeadTargets, index: torch.Tensor, ridge: float, bound: float) -> torch.Tensor:
@@ -185,13 +187,26 @@ def mass_bias(t: HeadTargets, index: torch.Tensor, ridge: float, bound: float) -
     a_old = torch.exp(t.s_old.double() - t.lse.double()[..., None])  # [P, n, N − m]
     target = a_old.sum(dim=-1, keepdim=True)  # [P, n, 1]
     g = a_old.gather(2, index[:, None, :].expand(-1, a_old.shape[1], -1))  # [P, n, k]
+    del a_old
+    n, k = g.shape[1], index.shape[1]
+    if n < k:  # fewer queries than kept keys: the same solution from an n × n system
+        rho = ridge * g.square().sum(dim=(1, 2)) / k  # [P]
+        ones = g.new_ones(g.shape[0], k, 1)
+        w = (ones + _ridge_in_query_space(g, target - torch.bmm(g, ones), rho))[..., 0]
+        return torch.log(w.clamp(math.exp(-bound), math.exp(bound))).to(t.q.dtype)
     gram = torch.bmm(g.transpose(1, 2), g)
-    k = index.shape[1]
     rho = ridge * gram.diagonal(dim1=-2, dim2=-1).sum(-1) / k  # [P]
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
     rhs = torch.bmm(g.transpose(1, 2), target) + rho[:, None, None]
     w = _spd_solve(gram + rho[:, None, None] * eye, rhs)[..., 0]
     return torch.log(w.clamp(math.exp(-bound), math.exp(bound))).to(t.q.dtype)
+
+
+def _ridge_in_query_space(a: torch.Tensor, r: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+    """``argmin_x ‖a x − r‖² + λ‖x‖²`` for ``a`` ``[P, n, k]`` with ``n < k``, ``r`` ``[P, n, c]``, ``λ`` ``[P]``, as
+    ``aᵀ (a aᵀ + λI)⁻¹ r`` (Woodbury: an ``n × n`` system instead of ``k × k``): ``[P, k, c]``."""
+    eye = torch.eye(a.shape[1], dtype=a.dtype, device=a.device)
+    return torch.bmm(a.transpose(1, 2), _spd_solve(torch.bmm(a, a.transpose(1, 2)) + lam[:, None, None] * eye, r))
 
 
 def anchored_values(t: HeadTargets, keys_c, bias_c, v_sel, v_ret, ridges) -> list[torch.Tensor]:
@@ -202,6 +217,11 @@ def anchored_values(t: HeadTargets, keys_c, bias_c, v_sel, v_ret, ridges) -> lis
     a = a.double()
     a_c = a[..., :k]
     residual = t.y.double() - torch.bmm(a[..., k:], v_ret.double())
+    if a_c.shape[1] < k:  # fewer queries than kept keys: each λ's solution from an n × n system (Woodbury)
+        scale = a_c.square().sum(dim=(1, 2)) / k  # [P]
+        off = residual - torch.bmm(a_c, v_sel.double())
+        return [v_sel if math.isinf(lam) else
+                (v_sel.double() + _ridge_in_query_space(a_c, off, lam * scale)).to(v_sel.dtype) for lam in ridges]
     gram = torch.bmm(a_c.transpose(1, 2), a_c)
     rhs = torch.bmm(a_c.transpose(1, 2), residual)
     scale = gram.diagonal(dim1=-2, dim2=-1).sum(-1) / k  # [P]
@@ -372,9 +392,10 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
 
     Memory: one variant holds its own cache of every layer with the ``T`` probe tokens appended,
     ``2·L·H·(N + T)·d`` values, its logits ``T·vocab`` and one layer's attention temporaries
-    (:func:`_variant_bytes`): ~134 MB for SmolLM2-135M in float32 at N = 2048, T = 64. ``batch=None`` takes as
-    many as fit in :data:`SENSITIVITY_MEMORY` (8 GiB on CUDA: SmolLM2's 90 heads in 2 forwards of 45, ~6.0 GB;
-    1 GiB on the CPU: 7 per forward), spread evenly over the forwards needed.
+    (:func:`_variant_bytes`): ~134 MB for SmolLM2-135M in float32 at N = 2048, T = 64, 4.3 GB for Llama-3.1-8B's
+    shape in bf16 at N = 32,768. ``batch=None`` takes as many as fit in :data:`SENSITIVITY_MEMORY` (1 GiB on the
+    CPU: 7 per forward; on CUDA 8 GiB or half the free memory, whichever is more), spread evenly over the forwards
+    needed.
     """
     from .evaluate import kl_divergence, teacher_force_batch
 
@@ -397,6 +418,8 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
             for layer in range(L)]
     if batch is None:
         memory = SENSITIVITY_MEMORY.get(param.device.type, SENSITIVITY_MEMORY["cpu"])
+        if param.device.type == "cuda":  # a larger GPU's free memory takes more variants per forward
+            memory = max(memory, torch.cuda.mem_get_info(param.device)[0] // 2)
         batch = max(1, memory // _variant_bytes(model, max(k.shape[1] for k, *_ in base), probe.ids.shape[0]))
     forwards = -(-len(variants) // batch)
     size = -(-len(variants) // forwards)
@@ -420,14 +443,21 @@ raised to ``alpha``, splits the same total over layers, then heads (KVSculpt §3
 :func:`zipkv.distill.budget.allocate`)."""
 
 
+def _query_caps(max_scores: int | None, n_context: int) -> dict:
+    """:func:`future_queries`' ``max_train`` and ``max_validation`` for :attr:`ZipkvConfig.max_scores`."""
+    if max_scores is None:
+        return {}
+    train = max(2, max_scores // n_context)
+    return dict(max_train=train, max_validation=max(2, train // 4))
+
+
 def _layer_inputs(capture, layer: int, m: int, cfg: ZipkvConfig):
     lc = capture.layers[layer]
     H, N, d = lc.keys.shape
     g = lc.queries.shape[0] // H
     train, validation = future_queries(lc.queries.view(H, g, N, d), capture.positions, rope_of(capture, layer), m,
                                        horizon=cfg.horizon, validation_every=cfg.validation_every,
-                                       max_train=getattr(cfg, "max_train_queries", None),
-                                       max_validation=getattr(cfg, "max_validation_queries", None))
+                                       **_query_caps(getattr(cfg, "max_scores", None), N))
     return lc, train, validation
 
 
