@@ -132,8 +132,9 @@ def test_bad_uses_are_refused(model, ids, cap):
     cache = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
     with pytest.raises(ValueError, match="context tokens"):
         model.generate(ids[None], past_key_values=cache, max_new_tokens=1)
-    with pytest.raises(ValueError, match="padding"):
-        model(ids[None, N:], attention_mask=torch.tensor([[0] + [1] * (T - 1)]), past_key_values=cache)
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 38\) and padding: expected \[1, 8\], one column "
+                                         "per token after the context"):    # a mask over the context too
+        model(ids[None, N:], attention_mask=torch.tensor([[0] * N + [1] * T]), past_key_values=cache)
     previous = model.config._attn_implementation
     model.config._attn_implementation = "flash_attention_2"
     try:
@@ -429,6 +430,118 @@ def test_per_sequence_shapes_are_checked(model, ids, cap):
         model(ids[None, N:], past_key_values=cache)
 
 
+# --- left-padded batches: questions of different lengths over one compressed context -----------------------------
+
+def left_padded(rows, pad: int = 0):
+    """``(ids [B, L], attention_mask [B, L])``: token rows of different lengths, left-padded with ``pad``."""
+    width = max(len(row) for row in rows)
+    batch = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        batch[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return batch, mask
+
+
+def generated(model, inputs, cache, new: int, attention_mask=None, **kwargs):
+    """Greedy ``generate`` from ``cache`` without stopping at eos: ``(tokens [B, new], logits [B, new, vocab])``
+    (no ``attention_mask``: all ones, not one that ``generate`` infers from the pad id)."""
+    mask = torch.ones_like(inputs) if attention_mask is None else attention_mask
+    out = model.generate(inputs, attention_mask=mask, past_key_values=cache, max_new_tokens=new, do_sample=False,
+                         eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[:, inputs.shape[1]:], torch.stack(out.logits, dim=1)
+
+
+def test_a_left_padded_batch_gives_each_row_what_it_gives_alone(model, ids, cap, monkeypatch):
+    """Rows of 1, 7 and 3 tokens after one cache, left-padded into one generate: each row's greedy tokens and logits
+    are those of the row alone (and of the model on context + row); a second generate that continues the batch's
+    output (its mask extended by ones) continues each row as it would continue alone."""
+    full = K.CompressedCache.from_capture(cap)
+    rows = [ids[N:N + 1], ids[N + 1:N + 8], ids[N + 2:N + 5]]
+    batch, mask = left_padded(rows)
+    cache = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
+    tokens, logits = generated(model, batch, cache, T, attention_mask=mask)
+    assert torch.equal(cache.padding, torch.cat([mask == 0, torch.zeros(3, T - 1, dtype=torch.bool)], dim=1))
+    for i, row in enumerate(rows):
+        alone, alone_logits = generated(model, row[None], C.DistilledCache.from_compressed(full, model), T)
+        assert torch.equal(tokens[i], alone[0]), i
+        torch.testing.assert_close(logits[i], alone_logits[0], atol=1e-4, rtol=1e-4)
+        plain = model.generate(torch.cat([ids[:N], row])[None], attention_mask=torch.ones(1, N + len(row)),
+                               max_new_tokens=T, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(tokens[i], plain[0, N + len(row):]), i
+    more = torch.cat([mask, torch.ones(3, T, dtype=torch.long)], dim=1)
+    again, _ = generated(model, torch.cat([batch, tokens], dim=1), cache, 4, attention_mask=more)
+    for i, row in enumerate(rows):
+        alone, _ = generated(model, row[None], C.DistilledCache.from_compressed(full, model), T + 4)
+        assert torch.equal(torch.cat([tokens[i], again[i]]), alone[0]), i
+    # the positions matter: rows run at the padded batch's positions (N + column) are not the rows alone
+    monkeypatch.setattr(C, "_token_positions",
+                        lambda padding, n: (n + torch.arange(padding.shape[1])).expand(padding.shape))
+    _, wrong = generated(model, batch, C.DistilledCache.from_compressed(full, model), T, attention_mask=mask)
+    assert (wrong[0] - logits[0]).abs().max() > 1e-2
+
+
+def test_beam_search_and_per_sequence_pairs_over_a_padded_batch(model, ids, cap):
+    """Beams reorder the rows' padding with their tokens; a cache of per-sequence pairs takes a padded batch too."""
+    full = K.CompressedCache.from_capture(cap)
+    rows = [ids[N:N + 6], ids[N + 6:N + 8]]
+    batch, mask = left_padded(rows)
+    beams = model.generate(batch, attention_mask=mask, past_key_values=C.DistilledCache.from_compressed(full, model),
+                           max_new_tokens=T, do_sample=False, num_beams=3, eos_token_id=None, pad_token_id=0)
+    short = K.compress(cap, 0.5, "select_fit", m=M, n_synthetic=8, config=K.SculptConfig(progress=False))
+    per_sequence = C.DistilledCache([C.DistilledLayer(*layer) for layer in _stacked([full, short])], N)
+    own = model.generate(batch, attention_mask=mask, past_key_values=per_sequence, max_new_tokens=T, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    for i, (row, c) in enumerate(zip(rows, (full, short))):
+        alone = model.generate(row[None], past_key_values=C.DistilledCache.from_compressed(full, model),
+                               max_new_tokens=T, do_sample=False, num_beams=3, eos_token_id=None)
+        assert torch.equal(beams[i, -T:], alone[0, -T:]), i
+        alone = model.generate(row[None], past_key_values=C.DistilledCache.from_compressed(c, model), max_new_tokens=T,
+                               do_sample=False, eos_token_id=None)
+        assert torch.equal(own[i, -T:], alone[0, -T:]), i
+
+
+def test_padding_is_checked_and_an_all_ones_mask_changes_nothing(model, ids, cap):
+    from zipkv.models import cache_keyword
+
+    full = K.CompressedCache.from_capture(cap)
+    cache = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
+    keyword = cache_keyword(model)
+    with torch.no_grad():
+        bare = model(ids[None, N:], **{keyword: cache}).logits
+        cache.reset()
+        ones = model(ids[None, N:], attention_mask=torch.ones(1, T, dtype=torch.long), **{keyword: cache}).logits
+    assert torch.equal(ones, bare) and cache.padding is None, "the unpadded path as before"
+    batch, mask = left_padded([ids[N:N + 2], ids[:N + 1]])                  # row 1 repeats the context
+    with pytest.raises(ValueError, match="input_ids begin with the 30 context tokens"):
+        model.generate(batch, attention_mask=mask, past_key_values=cache.fresh(), max_new_tokens=1)
+    batch, mask = left_padded([ids[N:N + 2], ids[N:N + 5]])
+    cache = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
+    out = model.generate(batch, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    other = torch.ones_like(out)
+    other[1, 0] = 0                                                          # row 1's first token, not row 0's
+    with pytest.raises(ValueError, match=r"attention_mask marks other tokens among the 7 appended ones as padding than "
+                                         "the earlier forwards' masks"):
+        model.generate(out, attention_mask=other, past_key_values=cache, max_new_tokens=1)
+    unpadded = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
+    first = model.generate(ids[None, N:N + 2], past_key_values=unpadded, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="attention_mask marks other tokens among the 3 appended ones"):
+        model.generate(first, attention_mask=torch.tensor([[0, 1, 1, 1]]), past_key_values=unpadded, max_new_tokens=1)
+    with pytest.raises(ValueError, match="a batch of 1 sequences after a DistilledCache that holds the padded tokens "
+                                         r"of 2: call cache.reset\(\)"):
+        model(ids[None, N:N + 1], **{keyword: cache})
+    with pytest.raises(ValueError, match=r"padding has shape \(2, 3\) and dtype torch.bool: expected \[B, 8\] bool"):
+        cache.layers[0].additive_mask(1, 2, torch.float32, padding=torch.zeros(2, 3, dtype=torch.bool))
+    # continuing without the mask (all ones): the padding the cache holds goes on
+    again = model.generate(out, attention_mask=torch.ones_like(out), past_key_values=cache, max_new_tokens=3,
+                           do_sample=False)
+    twin = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
+    model.generate(batch, attention_mask=mask, past_key_values=twin, max_new_tokens=3, do_sample=False)
+    extended = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
+    assert torch.equal(again, model.generate(out, attention_mask=extended, past_key_values=twin, max_new_tokens=3,
+                                             do_sample=False))
+    cache.reset()
+    assert cache.padding is None and cache.get_seq_length() == 0
+
 # --- the embedded model on a PG19 window (the bars of issue 18) ---------------------------------------------
 
 CTX, NEW = 320, 16
@@ -453,6 +566,25 @@ def test_uncompressed_cache_generates_token_for_token(embedded, window):
     assert torch.equal(cache.lengths, torch.full(cache.lengths.shape, CTX)), "ratio 1 keeps every original pair"
     ours = model.generate(nxt[None], past_key_values=cache, max_new_tokens=NEW, do_sample=False)[0, -NEW:]
     assert torch.equal(ours, plain)
+
+
+@pytest.mark.slow
+def test_a_padded_batch_on_the_embedded_model_follows_each_row(embedded, window):
+    """Three continuations of 1, 9 and 4 tokens over one compressed PG19 context (30 % kept), left-padded into one
+    generate: each row's greedy tokens and logits are those it gives alone from the same cache (after reset())."""
+    import zipkv
+
+    model, _ = embedded
+    cache = zipkv.compress(model, window.context_ids, kept_fraction=0.3, method="attention_score", m=32)
+    cont = window.continuation_ids
+    rows = [cont[:1], cont[1:10], cont[3:7]]
+    batch, mask = left_padded(rows)
+    tokens, logits = generated(model, batch, cache, NEW, attention_mask=mask)
+    for i, row in enumerate(rows):
+        cache.reset()
+        alone, alone_logits = generated(model, row[None], cache, NEW)
+        assert torch.equal(tokens[i], alone[0]), i
+        torch.testing.assert_close(logits[i], alone_logits[0], atol=1e-3, rtol=1e-4)
 
 
 class Force:
@@ -609,6 +741,7 @@ def test_the_default_is_zipkvs_distiller_the_beyond_chapters_method(model, ids, 
     import inspect
 
     import zipkv
+    from zipkv import compression
     from zipkv.distill import generalise
     from zipkv.models import capture
     from zipkv.study.experiments import beyond
@@ -616,9 +749,9 @@ def test_the_default_is_zipkvs_distiller_the_beyond_chapters_method(model, ids, 
     ours = zipkv.compress(model, ids[:N])
     cap = capture(model, ids[:N])
     compare = inspect.signature(beyond.compare).parameters
-    kept = C.kept_pairs(N)
+    kept = compression.kept_pairs(N)
     probe = generalise.sample_probe(model, cap, ids[:N], tokens=compare["probe_tokens"].default, seed=0)
-    chapter = generalise.compress(cap, kept / N, m=C.verbatim_window(kept), budget=compare["zipkv_budget"].default,
+    chapter = generalise.compress(cap, kept / N, m=compression.verbatim_window(kept), budget=compare["zipkv_budget"].default,
                                   alpha=compare["alpha"].default, model=model, probe=probe,
                                   cascade=compare["cascade"].default)
     assert ours.compressed.method == chapter.method and torch.equal(ours.lengths, ours.compressed.budget + 4)
@@ -626,8 +759,8 @@ def test_the_default_is_zipkvs_distiller_the_beyond_chapters_method(model, ids, 
         assert torch.equal(layer.keys[0][layer.valid], torch.cat(k)) and torch.equal(layer.values[0][layer.valid],
                                                                                        torch.cat(v))
         assert torch.equal(layer.bias[layer.valid], torch.cat(b).float()) and bool((layer.bias != 0).any())
-    assert (C.kept_pairs(N), C.verbatim_window(C.kept_pairs(N))) == (9, 4)
-    assert C.verbatim_window(C.kept_pairs(2048)) == 256, "the papers' and the chapter's m at N = 2048"
+    assert (compression.kept_pairs(N), compression.verbatim_window(compression.kept_pairs(N))) == (9, 4)
+    assert compression.verbatim_window(compression.kept_pairs(2048)) == 256, "the papers' and the chapter's m at N = 2048"
     out = model.generate(ids[None, N:N + 1], past_key_values=ours, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 5)
 

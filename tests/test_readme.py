@@ -14,10 +14,11 @@ EXAMPLES = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_tex
 
 
 def test_the_readme_examples_are_found():
-    """The library's calls, in the order a user meets them: a distilled cache in generate, the serving engine, the
-    decode kernel, the format; then the captured cache."""
-    assert len(EXAMPLES) == 5
-    for example, call in zip(EXAMPLES, ("zipkv.compress(", "Engine(", "plan(", "zipkv.pack(", "capture(")):
+    """The library's calls, in the order a user meets them: a distilled cache in generate, text in and answers out,
+    the serving engine, the decode kernel, the format; then the captured cache."""
+    assert len(EXAMPLES) == 6
+    for example, call in zip(EXAMPLES, ("zipkv.compress(", "zipkv.answer(", "Engine(", "plan(", "zipkv.pack(",
+                                        "capture(")):
         assert call in example
 
 

@@ -139,6 +139,26 @@ def test_generate_takes_the_cache_under_either_keyword_without_a_deprecation(set
         model.generate(ids[None, N + 2:N + 3], max_new_tokens=2, do_sample=False, **{keyword: cache})
 
 
+@pytest.mark.parametrize("keyword", ["cache", "past_key_values"])
+def test_a_left_padded_batch_runs_each_row_as_the_model_does(setup, keyword):
+    """Rows of 1, 5 and 2 tokens after one cache, left-padded into one ``generate`` under either keyword: each row's
+    greedy tokens are the model's own on context + row, past the sliding window too, on the installed transformers
+    (each row's positions and padding come from its ``attention_mask`` row, in the prompt and every decode step)."""
+    model, ids, full = setup
+    rows = [ids[N:N + 1], ids[N + 1:N + T], ids[N + 2:N + 4]]
+    width, new = T - 1, 20
+    batch = torch.stack([torch.cat([torch.zeros(width - len(row), dtype=torch.long), row]) for row in rows])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(row) for row in rows])[:, None]).long()
+    cache = C.DistilledCache.from_compressed(full, model, context_ids=ids[:N])
+    greedy = dict(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        out = model.generate(batch, attention_mask=mask, **greedy, **{keyword: cache})
+    for i, row in enumerate(rows):
+        plain = model.generate(torch.cat([ids[:N], row])[None], attention_mask=torch.ones(1, N + len(row)), **greedy)
+        assert torch.equal(out[i, width:], plain[0, N + len(row):]), i
+
+
 def test_an_unmasked_update_names_its_reason(monkeypatch):
     """A layer updated without its mask says why: no hooks on the model (attach it); hooks whose decoder call had no
     DistilledCache among its arguments (what a transformers that passes the cache some other way looks like: attach
@@ -158,7 +178,7 @@ def test_an_unmasked_update_names_its_reason(monkeypatch):
                                                rf"the DistilledCache .* {version} passes the cache some other way"):
             model(ids[None, N:], **{keyword: cache.fresh()})
     with pytest.raises(ValueError, match="padding"):            # a hook raising: the count still goes back to 0
-        model(ids[None, N:], attention_mask=torch.tensor([[0] + [1] * (T - 1)]), **{keyword: cache.fresh()})
+        model(ids[None, N:], attention_mask=torch.tensor([[0] + [1] * T]), **{keyword: cache.fresh()})
     assert C._hooked_forwards() == 0
     model._zipkv_cache_hooks[3].remove()                           # layer 1's mask hook
     with pytest.raises(RuntimeError, match=rf"on layer 1: zipkv's hooks are on the model and its decoder got the "

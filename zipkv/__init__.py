@@ -12,9 +12,13 @@ What users import (each name's own docstring says what it takes and returns):
 * ``zipkv.build_paged_cache(k, v)`` and ``zipkv.plan(indptr, indices, last_page_len, cache, q_heads).run(q)`` --
   the decode-attention kernel over a paged, partly compressed cache, with FlashInfer's page tables and plan/run.
 * ``zipkv.pack(pages)`` / ``zipkv.unpack(payload, meta)`` -- the lossless block format, bit-exact, in plain torch.
+* ``zipkv.answer(model, tokenizer, context, questions)`` -- text in, answers out: the context compressed once, every
+  question answered after it in one batched ``generate`` (also the ``transformers`` pipeline task
+  ``"zipkv-text-generation"`` once :mod:`zipkv.pipeline` is imported).
 
 Submodules: :mod:`zipkv.format`, :mod:`zipkv.paged`, :mod:`zipkv.kernels`, :mod:`zipkv.memory`,
-:mod:`zipkv.scheduler`, :mod:`zipkv.runner`, :mod:`zipkv.engine`, :mod:`zipkv.codecs`, :mod:`zipkv.cache`,
+:mod:`zipkv.scheduler`, :mod:`zipkv.runner`, :mod:`zipkv.engine`, :mod:`zipkv.codecs`, :mod:`zipkv.compression`,
+:mod:`zipkv.cache`, :mod:`zipkv.pipeline`,
 :mod:`zipkv.distill`, :mod:`zipkv.models`, :mod:`zipkv.data`, :mod:`zipkv.bench`. The book's study is
 :mod:`zipkv.study`, which the library never imports.
 """
@@ -22,11 +26,11 @@ Submodules: :mod:`zipkv.format`, :mod:`zipkv.paged`, :mod:`zipkv.kernels`, :mod:
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "compress": "zipkv.cache", "DistilledCache": "zipkv.cache",
+    "compress": "zipkv.compression", "DistilledCache": "zipkv.cache",
     "Engine": "zipkv.engine", "kv_budget_for": "zipkv.engine",
     "plan": "zipkv.kernels.decode_attention", "build_paged_cache": "zipkv.paged",
     "pack": "zipkv.format", "unpack": "zipkv.format",
-    "load_model": "zipkv.models",
+    "load_model": "zipkv.models", "SamplingParams": "zipkv.sampling", "answer": "zipkv.pipeline",
 }
 __all__ = ["__version__", *_PUBLIC]
 

@@ -1,9 +1,9 @@
 """A distilled KV cache as a Hugging Face ``transformers`` ``Cache``: generate from it (KVSculpt §3, §4).
 
-:func:`compress` captures a context, compresses it with a KVSculpt method and returns a
+:func:`zipkv.compress` (:mod:`zipkv.compression`) captures a context, compresses it and returns a
 :class:`DistilledCache` that ``model.generate`` accepts::
 
-    cache = zipkv.compress(model, context_ids, ratio=0.3)          # KVSculpt, k + m pairs per KV head
+    cache = zipkv.compress(model, context_ids, kept_fraction=0.3)   # k + m pairs per KV head
     out = model.generate(continuation_ids, past_key_values=cache, max_new_tokens=64)
 
 (transformers 5.24 and later name the argument ``cache=``, and warn on ``past_key_values=``; the ``generate`` of a
@@ -19,6 +19,13 @@ model with zipkv's hooks takes a DistilledCache under either name on every versi
   other layers of the same cache may hold one context shared by all ``B`` sequences.
 * **Positions continue at N.** The continuation runs at positions ``N, N+1, …`` (``N`` the original
   context length), not at the number of cached pairs.
+* **Left-padded batches.** Continuations of different lengths run as one batch with a 2-D ``attention_mask``
+  (``0`` on a row's padding, one column per token after the context): each row's padding is masked out of its
+  attention, and its real tokens run at ``N, N+1, …`` exactly as if it ran alone, in the prompt and in every
+  decode step after it (:attr:`DistilledCache.padding`)::
+
+      batch = tokenizer(questions, padding=True, padding_side="left", return_tensors="pt")
+      model.generate(**batch, past_key_values=cache, max_new_tokens=64)
 * **A per-key logit bias** ``β`` ``[H, P]`` per layer (zero by default) is added to the attention
   logits of the cached pairs: pairs that stand for several tokens (Attention Matching) need it.
 * **Sliding-window layers** (Gemma 3's: the attention module's ``sliding_window`` ``W``) keep the model's
@@ -47,7 +54,6 @@ of its first tokens): :func:`attach` also wraps the model's ``generate`` for thi
 from __future__ import annotations
 
 import inspect
-import math
 import numbers
 import threading
 import types
@@ -57,8 +63,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 from .models import CACHE_KEYWORDS, attention_window, cache_keyword
 
-__all__ = ["DistilledCache", "DistilledLayer", "METHODS", "attach", "compress", "detach", "kept_pairs",
-           "verbatim_window"]
+__all__ = ["DistilledCache", "DistilledLayer", "attach", "detach"]
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 """Attention implementations that take the per-head additive mask (flash attention takes no mask)."""
@@ -289,6 +294,10 @@ class DistilledCache(Cache):
         """``[rows, appended]`` the token ids fed after the context so far, one row per sequence (one row: every
         sequence's), ``None`` once an input came as embeddings or the rows could not be followed: what
         :meth:`check_continuation` compares a later ``generate``'s input with."""
+        self.padding: torch.Tensor | None = None
+        """``[rows, appended]`` bool, True on the appended tokens that are a row's padding (a left-padded batch: its
+        row never attends them, and its real tokens run at ``N, N + 1, …``), ``None`` while no appended token is; during
+        a forward it covers that forward's tokens too. Set from each forward's 2-D ``attention_mask``."""
 
     @classmethod
     def from_padded(cls, layers: Sequence[tuple], n_context: int, *, dtype=None, device=None,
@@ -353,7 +362,8 @@ class DistilledCache(Cache):
 
     @property
     def next_position(self) -> int:
-        """The position of the next token fed: ``N`` plus the tokens appended so far."""
+        """The position of the next token fed to a row without padding: ``N`` plus the tokens appended so far (a padded
+        row's: ``N`` plus its real tokens, :attr:`padding`)."""
         return self.n_context + self.get_seq_length()
 
     def reset(self) -> None:
@@ -362,6 +372,7 @@ class DistilledCache(Cache):
         for layer in self.layers:
             layer.restart()
         self.fed_ids = torch.zeros(1, 0, dtype=torch.long)
+        self.padding = None
 
     def check_continuation(self, input_ids) -> None:
         """Refuse a ``generate`` input that does not continue what this cache holds: ``generate`` feeds only the
@@ -388,7 +399,10 @@ class DistilledCache(Cache):
                              "context again, or pass that generate's output (its tokens first) to continue it")
 
     def _follow_rows(self, pick) -> None:
-        """Apply ``pick`` (a reordering or repeat of the sequences, as on the layers) to :attr:`fed_ids`' rows."""
+        """Apply ``pick`` (a reordering or repeat of the sequences, as on the layers) to the rows of :attr:`fed_ids`
+        and :attr:`padding`."""
+        if self.padding is not None:
+            self.padding = pick(self.padding)
         if self.fed_ids is None or self.fed_ids.shape[1] == 0:
             return
         rows = self.layers[0].keys.shape[0]
@@ -396,7 +410,7 @@ class DistilledCache(Cache):
         self.fed_ids = pick(fed) if fed.shape[0] == rows else None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._follow_rows(lambda x: x.index_select(0, beam_idx.cpu()))
+        self._follow_rows(lambda x: x.index_select(0, beam_idx.to(x.device)))
         super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -404,8 +418,14 @@ class DistilledCache(Cache):
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._follow_rows(lambda x: x[indices.cpu()])
+        self._follow_rows(lambda x: x[indices.to(x.device)])
         super().batch_select_indices(indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.padding is not None:
+            kept = self.padding[:, :self.get_seq_length()]
+            self.padding = kept if bool(kept.any()) else None
 
     def fresh(self) -> "DistilledCache":
         """A new cache over the same compressed context (shared tensors), with nothing appended."""
@@ -511,22 +531,59 @@ def _positions_hook(module, args, kwargs):
         raise ValueError(f"no new input tokens: the DistilledCache still holds the {cache.get_seq_length()} tokens an "
                          "earlier generate appended after the context, and generate feeds only the input beyond them; "
                          "call cache.reset() before generating from the context again")
-    mask = kwargs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.bool().all()):
-        raise ValueError("attention_mask has padding: every sequence after a DistilledCache continues at N, unpadded")
+    padding = _padding(cache, kwargs.get("attention_mask"), B, T)
     ctx = cache.context_ids
-    if (ids is not None and ctx is not None and cache.get_seq_length() == 0 and T >= ctx.numel()
-            and bool((ids[:, :ctx.numel()].cpu() == ctx).all(dim=1).any())):
+    if ids is not None and ctx is not None and cache.get_seq_length() == 0 and _repeats_context(ids, ctx, padding):
         raise ValueError(f"input_ids begin with the {ctx.numel()} context tokens the cache already holds: pass only "
                          "the tokens after the context (positions continue at N by themselves)")
     start = cache.next_position
-    kwargs["position_ids"] = torch.arange(start, start + T, device=tokens.device)[None].expand(B, -1)
+    if padding is None:
+        kwargs["position_ids"] = torch.arange(start, start + T, device=tokens.device)[None].expand(B, -1)
+    else:
+        kwargs["position_ids"] = _token_positions(padding, cache.n_context)[:, -T:].to(tokens.device)
+    cache.padding = padding
     fed = cache.fed_ids
     if fed is not None and start - cache.n_context == fed.shape[1] and ids is not None and fed.shape[0] in (1, B):
         cache.fed_ids = torch.cat([fed.expand(B, -1), ids.cpu().long()], dim=1)
     else:                                  # rows were fed another way (embeddings, or tokens not through this hook)
         cache.fed_ids = None
     return args, kwargs
+
+
+def _padding(cache: "DistilledCache", mask, rows: int, new: int) -> torch.Tensor | None:
+    """``[rows, appended + new]`` bool, True on the padded tokens of a forward of ``new`` tokens after ``cache``: from
+    its 2-D ``attention_mask`` where that has zeros (one column per token after the context: the appended ones, then
+    the new ones), else the padding the cache holds and none among the new tokens (an all-ones mask of any width, or
+    none: ``generate`` builds one, or drops one, where the caller gave none); ``None`` where no token is padding."""
+    held, past = cache.padding, cache.get_seq_length()
+    if held is not None and held.shape[0] != rows:
+        raise ValueError(f"a batch of {rows} sequences after a DistilledCache that holds the padded tokens of "
+                         f"{held.shape[0]}: call cache.reset() to start again from the context, or continue those "
+                         f"{held.shape[0]} sequences")
+    if isinstance(mask, torch.Tensor) and mask.ndim == 2 and not bool(mask.bool().all()):
+        if tuple(mask.shape) != (rows, past + new):
+            raise ValueError(f"attention_mask has shape {tuple(mask.shape)} and padding: expected [{rows}, "
+                             f"{past + new}], one column per token after the context (the {past} tokens the "
+                             f"DistilledCache appended, then the {new} new ones); the context itself has no column")
+        padding = mask.logical_not()
+        earlier = padding.new_zeros(rows, past) if held is None else held.to(padding.device)
+        if not torch.equal(padding[:, :past], earlier):
+            raise ValueError(f"attention_mask marks other tokens among the {past} appended ones as padding than the "
+                             "earlier forwards' masks: pass the mask they had, extended by ones for the tokens "
+                             "generated since")
+    elif held is not None:
+        padding = torch.cat([held, held.new_zeros(rows, new)], dim=1)
+    else:
+        return None
+    return padding if bool(padding.any()) else None
+
+
+def _repeats_context(ids: torch.Tensor, context: torch.Tensor, padding: torch.Tensor | None) -> bool:
+    """Whether a row of ``ids`` ``[B, T]`` begins with the ``context`` ids (a padded row: its tokens where
+    ``padding`` ``[B, T]`` is False)."""
+    n = context.numel()
+    rows = ids.cpu() if padding is None else [row[~pad] for row, pad in zip(ids.cpu(), padding.cpu())]
+    return any(len(row) >= n and bool((row[:n] == context).all()) for row in rows)
 
 
 def _checked_generate(self, *args, **kwargs):
@@ -572,7 +629,7 @@ def _mask_hook(module, args, kwargs):
     group = module.config.num_attention_heads // layer.heads
     kwargs["attention_mask"] = layer.additive_mask(hidden.shape[1], group, hidden.dtype,
                                                    window=attention_window(module),
-                                                   n_context=cache.n_context)
+                                                   n_context=cache.n_context, padding=cache.padding)
     layer.armed = True
     return args, kwargs
 
@@ -606,198 +663,3 @@ def detach(model) -> None:
     model._zipkv_cache_hooks = None
     if _generate_checked(model):
         del model.generate                                    # the class's own generate again
-
-
-METHODS = ("zipkv", "attention_matching", "kvsculpt", "select_fit", "attention_score", "joint_opt", "random")
-"""The methods of :func:`compress`, the default first: zipkv's own distiller (the lowest KL in the book's comparison,
-"Beyond the paper"), Attention Matching (its three key constructions, the one with the lowest validation objective
-kept), KVSculpt (the paper), then KVSculpt §4's baselines."""
-
-MIN_CONTEXT = 16
-"""The shortest context :func:`compress` takes: one page of tokens."""
-
-_KVSCULPT_SETTINGS = ("n_synthetic", "strategy", "budget", "config", "joint_config", "pilot_steps", "alpha", "scale",
-                      "solver", "problems")
-_SETTINGS = {
-    "zipkv": ("probe_tokens", "budget", "alpha", "cascade", "config"),
-    "attention_matching": ("probe_tokens", "config"),
-    **{name: _KVSCULPT_SETTINGS for name in ("kvsculpt", "select_fit", "attention_score", "joint_opt", "random")},
-}
-"""Each method's settings beyond ``kept_fraction``/``kept_tokens``, ``m`` and ``seed``."""
-
-
-def verbatim_window(kept_pairs: int) -> int:
-    """The default ``m``: the context's last tokens kept as they are, half the pairs kept per head, at most 256 (the
-    papers' retain zone at N = 2048)."""
-    return min(256, kept_pairs // 2)
-
-
-def kept_pairs(n_context: int, kept_fraction=None, kept_tokens=None) -> int:
-    """Pairs kept per KV head on average for a context of ``n_context`` tokens, from the fraction kept or a token
-    budget (exactly one; neither: 0.3 of the context). A ``ValueError``/``TypeError`` naming the argument otherwise."""
-    if kept_fraction is not None and kept_tokens is not None:
-        raise ValueError(f"kept_fraction={kept_fraction!r} and kept_tokens={kept_tokens!r}: give one budget, the "
-                         "fraction of the context kept or the number of tokens kept")
-    if kept_tokens is not None:
-        if isinstance(kept_tokens, bool) or not isinstance(kept_tokens, numbers.Integral):
-            raise TypeError(f"kept_tokens={kept_tokens!r}: expected an int, the KV pairs kept per head")
-        if not 2 <= kept_tokens <= n_context:
-            raise ValueError(f"kept_tokens={kept_tokens}: expected 2 ≤ kept_tokens ≤ N = {n_context}, the context's "
-                             "length (the pairs kept per head)")
-        return int(kept_tokens)
-    fraction = 0.3 if kept_fraction is None else kept_fraction
-    if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real) or not math.isfinite(fraction):
-        raise TypeError(f"kept_fraction={fraction!r}: expected a number, the fraction of the context kept")
-    kept = round(float(fraction) * n_context)
-    if not 0 < fraction <= 1 or kept < 2:
-        raise ValueError(f"kept_fraction={fraction!r}: expected the fraction of the context kept, in (0, 1], keeping "
-                         f"at least 2 of the N = {n_context} tokens' pairs per head (kvpress's compression_ratio is "
-                         "the fraction removed: kept_fraction = 1 - compression_ratio)")
-    return kept
-
-
-def _check_settings(method: str, settings: dict) -> None:
-    """Settings :func:`compress` does not take for ``method``: a ``TypeError`` naming the nearest valid one."""
-    import difflib
-
-    from .distill.problem import SculptConfig
-
-    solver_fields = tuple(SculptConfig.__dataclass_fields__) if _SETTINGS[method] == _KVSCULPT_SETTINGS else ()
-    allowed = ("kept_fraction", "kept_tokens", "m", "seed", "progress") + _SETTINGS[method] + solver_fields
-    for name in settings:
-        if name in allowed:
-            continue
-        if name == "ratio":
-            raise TypeError("ratio= is now kept_fraction= (the fraction of the context's KV pairs kept, r = (k + m)/N "
-                            "in KVSculpt's notation; kvpress's compression_ratio is the fraction removed)")
-        near = difflib.get_close_matches(name, allowed, n=1)
-        hint = f" (did you mean {near[0]}=?)" if near else ""
-        raise TypeError(f"compress(method={method!r}) got an unexpected setting {name}={settings[name]!r}{hint}; it "
-                        f"takes {sorted(allowed)}")
-
-
-def compress(model, input_ids: torch.Tensor, kept_fraction: float | None = None, *, kept_tokens: int | None = None,
-             method: str = "zipkv", m: int | None = None, seed: int = 0, progress: bool = False,
-             **settings) -> DistilledCache:
-    """Compress the KV cache of the context ``input_ids`` into fewer pairs per KV head, for ``generate``.
-
-    The default method is zipkv's own distiller (:mod:`zipkv.distill.generalise`, "Beyond the paper" in the book):
-    the model samples ``probe_tokens`` tokens of its own continuation, the KL on them when one head alone is
-    compressed splits the pairs over layers and heads, and each layer is fitted to future queries and the probe's
-    on-policy queries -- old keys kept, a per-key logit bias matching the attention mass of the dropped ones,
-    values by ridge regression. Its seconds per context are measured in the book's distillation-speed chapter.
-
-    Args:
-        model: a Hugging Face causal LM with rotary position embeddings (Llama, Mistral, Qwen, Gemma families).
-        input_ids: ``[N]`` or ``[1, N]`` context token ids, ``N ≥`` :data:`MIN_CONTEXT`.
-        kept_fraction: the fraction of the context's KV pairs kept per head on average (default 0.3): KVSculpt's
-            ``r = (k + m)/N``. Not kvpress's ``compression_ratio``, the fraction removed.
-        kept_tokens: instead, the number of pairs kept per head on average (a token budget).
-        method: one of :data:`METHODS`.
-        m: the context's last ``m`` tokens kept verbatim (default :func:`verbatim_window`: half the pairs kept, at
-            most 256).
-        seed: the probe's sampling seed (zipkv, Attention Matching) or KVSculpt's synthetic queries'.
-        progress: a progress bar over the layers (zipkv's uniform fit).
-        settings: the method's own (a ``TypeError`` names any other before any work):
-            zipkv -- ``probe_tokens`` (64), ``budget`` (``"probe"``, or ``"uniform"``/``"pilot"``), ``alpha``,
-            ``cascade`` (True), ``config`` (:class:`~zipkv.distill.generalise.ZipkvConfig`);
-            attention_matching -- ``probe_tokens``, ``config`` (an
-            :class:`~zipkv.distill.attention_matching.AttentionMatchingConfig`: that construction alone);
-            KVSculpt and its baselines -- :func:`zipkv.distill.kvsculpt.compress`'s (``n_synthetic``, ``budget``,
-            ``config``, …) or :class:`~zipkv.distill.SculptConfig`'s fields (``steps=20``, ``device=…``).
-
-    Returns:
-        A :class:`DistilledCache` in the model's dtype and device, for ``model.generate(next_ids,
-        past_key_values=cache, ...)`` where ``next_ids`` are the tokens after the context; ``cache.memory()``
-        compares its bytes with the full cache's.
-    """
-    from .distill import batched
-    from .distill.kvsculpt import budget_for_ratio, check_settings, compress as compress_capture, solver_named
-    from .distill.problem import SculptConfig
-    from .models import capture, check_rope_model
-
-    check_rope_model(model)
-    try:
-        ids = torch.as_tensor(input_ids)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"input_ids must be token ids (a tensor, list or array of ints), got {type(input_ids).__name__}"
-                        ) from None
-    ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
-    if ids.ndim != 1 or ids.numel() < MIN_CONTEXT or ids.is_floating_point():
-        raise ValueError(f"input_ids has shape {tuple(torch.as_tensor(input_ids).shape)} and dtype {ids.dtype}: "
-                         f"expected integer token ids [N] or [1, N], N ≥ {MIN_CONTEXT}")
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
-    _check_settings(method, settings)
-    N = ids.numel()
-    kept = kept_pairs(N, kept_fraction, kept_tokens)
-    if m is None:
-        m = verbatim_window(kept)
-    elif isinstance(m, bool) or not isinstance(m, numbers.Integral) or not 0 <= m < kept:
-        raise ValueError(f"m={m!r}: expected an int, 0 ≤ m < {kept} (the pairs kept per head), the last tokens "
-                         "kept verbatim")
-    ratio = kept / N
-    budget_for_ratio(ratio, N, int(m))
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation not in SUPPORTED_ATTENTION:                  # else generate refuses the cache afterwards
-        raise ValueError(f"attn_implementation={implementation!r}: a DistilledCache needs one of "
-                         f"{list(SUPPORTED_ATTENTION)} (per-head masks); model.set_attn_implementation('sdpa')")
-    if method in ("zipkv", "attention_matching"):
-        compressed = _distil_with_probe(model, ids, ratio, method, int(m), seed, progress, **settings)
-        return DistilledCache.from_compressed(compressed, model, context_ids=ids)
-    check_settings(m=m, seed=seed, **settings)                     # the settings that need no capture
-    if isinstance(settings.get("solver"), str):                   # a name, as kvsculpt_main's parameter takes it
-        settings["solver"] = solver_named(settings["solver"])
-    elif settings.get("solver") is not None and not callable(settings["solver"]):
-        raise TypeError(f"solver={settings['solver']!r}: expected 'batched', 'reference' or a batch solver function")
-    fields = {name: settings.pop(name) for name in list(settings) if name in SculptConfig.__dataclass_fields__}
-    if fields:
-        if settings.get("config") is not None:
-            raise ValueError(f"{sorted(fields)} and config=: give the solver settings one way")
-        settings["config"] = SculptConfig(**fields)
-    settings.setdefault("solver", batched.solve)
-    compressed = compress_capture(capture(model, ids), ratio, method, m=int(m), seed=seed, **settings)
-    return DistilledCache.from_compressed(compressed, model, context_ids=ids)
-
-
-def _distil_with_probe(model, ids, ratio: float, method: str, m: int, seed: int, progress: bool, *,
-                       probe_tokens: int = 64, budget: str = "probe", alpha: float | None = None, cascade: bool = True,
-                       config=None):
-    """zipkv's distiller or Attention Matching on the context ``ids``: capture, the model's sampled probe, the fit."""
-    from .distill import attention_matching, generalise
-    from .models import capture
-
-    if isinstance(probe_tokens, bool) or not isinstance(probe_tokens, numbers.Integral) or probe_tokens < 1:
-        raise ValueError(f"probe_tokens={probe_tokens!r}: expected an int ≥ 1 (the model's sampled continuation)")
-    if method == "zipkv":
-        if budget not in generalise.BUDGETS:
-            raise ValueError(f"budget={budget!r}: expected one of {list(generalise.BUDGETS)}")
-        if config is not None and not isinstance(config, generalise.ZipkvConfig):
-            raise TypeError(f"config={config!r}: expected a zipkv.distill.generalise.ZipkvConfig")
-    elif config is not None and not isinstance(config, attention_matching.AttentionMatchingConfig):
-        raise TypeError(f"config={config!r}: expected a zipkv.distill.attention_matching.AttentionMatchingConfig")
-    clock = [generalise.synchronized_time()]
-
-    def lap() -> float:
-        clock.append(generalise.synchronized_time())
-        return clock[-1] - clock[-2]
-
-    cap = capture(model, ids)
-    seconds = dict(capture=lap())
-    probe = generalise.sample_probe(model, cap, ids, tokens=int(probe_tokens), seed=seed)
-    seconds["probe"] = lap()
-    if method == "zipkv":
-        cache = generalise.compress(cap, ratio, m=m, config=config, budget=budget, model=model, probe=probe,
-                                    cascade=cascade, progress=progress,
-                                    alpha=generalise.PROBE_ALPHA if alpha is None else alpha)
-        cache.info["phase_seconds"] = {**seconds, **cache.info["phase_seconds"]}
-        return cache
-    import dataclasses
-
-    if config is not None:
-        return attention_matching.compress(cap, ratio, m=m, config=config, model=model, probe=probe)
-    caches = {f"am_{keys}": attention_matching.compress(cap, ratio, m=m, model=model, probe=probe,
-                                                        config=dataclasses.replace(
-                                                            attention_matching.AttentionMatchingConfig(), keys=keys))
-              for keys in attention_matching.KEY_METHODS}
-    return caches[attention_matching.select_by_validation(caches)]

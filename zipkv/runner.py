@@ -17,6 +17,7 @@ import torch
 
 from zipkv import format as fmt
 from zipkv.memory import KVMemory, copy_to_device, free_extent, to_device
+from zipkv.models import cache_keyword
 from zipkv.paged import PagedKVCache, page_kinds_of
 from zipkv.sampling import SAMPLING_ROWS, sample, step_inputs
 
@@ -384,8 +385,9 @@ class StepRunner:
         ids = torch.tensor([tokens], device=self.device)
         pos = torch.arange(start, start + len(tokens), device=self.device)[None]
         with torch.no_grad():
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=past, use_cache=True, logits_to_keep=1)
-        kv = [(layer.keys[0], layer.values[0]) for layer in out.past_key_values.layers]
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1,
+                             **{cache_keyword(self.model): past})
+        kv = [(layer.keys[0], layer.values[0]) for layer in past.layers]      # the model appended to ``past`` itself
         if req.sampling is None:
             return kv, int(out.logits[0, -1].argmax())
         rows = torch.tensor(req.sampling, device=self.device)[:, None]
