@@ -221,7 +221,7 @@ def compress_speed(shapes: Sequence[str] = ("smollm2-135m", "qwen2.5-1.5b", "lla
     Returns a ``pandas.DataFrame``, one row per (shape, context): ``shape``, ``context``, ``prefill_s``,
     ``compress_s`` (probe included), one ``<phase>_s`` column per phase (capture, probe, the distiller's phases),
     ``peak_gib`` (the device's peak allocation during the compression) and ``error`` (empty, or why a point could
-    not run, e.g. out of memory), with the device. ``out``: a CSV path rewritten after every point (a long sweep
+    not run, e.g. out of memory), with the run's device, commit and date. ``out``: a CSV path rewritten after every point (a long sweep
     that is stopped keeps the points it finished).
     """
     import gc
@@ -231,8 +231,6 @@ def compress_speed(shapes: Sequence[str] = ("smollm2-135m", "qwen2.5-1.5b", "lla
 
     import zipkv
     from zipkv.models import random_model
-    from zipkv.provenance import device_name
-
     rows = []
     points = [(s, n) for s in shapes for n in contexts]
     for shape in shapes:
@@ -267,7 +265,7 @@ def compress_speed(shapes: Sequence[str] = ("smollm2-135m", "qwen2.5-1.5b", "lla
                 row["error"] = f"out of memory: {str(err).splitlines()[0]}"
             rows.append(row)
             if out is not None:
-                pd.DataFrame(rows).assign(device=device_name()).to_csv(out, index=False)
+                pd.DataFrame(rows).assign(**_stamp()).to_csv(out, index=False)
             gc.collect()
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -278,4 +276,12 @@ def compress_speed(shapes: Sequence[str] = ("smollm2-135m", "qwen2.5-1.5b", "lla
         gc.collect()
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
-    return pd.DataFrame(rows).assign(device=device_name())
+    return pd.DataFrame(rows).assign(**_stamp())
+
+
+def _stamp() -> dict:
+    """The run's device, commit and date (:func:`zipkv.provenance.provenance`), for each saved row."""
+    from zipkv.provenance import provenance
+
+    run = provenance("bench")
+    return dict(device=run["device"], commit=run["commit"], date=run["date"])

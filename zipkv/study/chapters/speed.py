@@ -160,6 +160,8 @@ def compress_text(table: pd.DataFrame | None) -> str:
             f"on {device}, {big.compress_s / big.prefill_s:.0f}× the model's own prefill of that context "
             f"({big.prefill_s:.2f} s); its largest part is {slowest[:-2].replace('_', ' ')} "
             f"({big[slowest]:.1f} s).")
+    if "commit" in ok:
+        text += f" Measured at commit {ok.commit.iloc[0]}, {ok.date.iloc[0]}."
     failed = table[table.error.fillna("") != ""]
     if len(failed):
         text += " Not run: " + "; ".join(f"{SHAPE_LABELS.get(r['shape'], r['shape'])} at {int(r.context):,} tokens "
