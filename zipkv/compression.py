@@ -96,7 +96,15 @@ def compress(model, input_ids: torch.Tensor, kept_fraction: float | None = None,
     the model samples ``probe_tokens`` tokens of its own continuation, the KL on them when one head alone is
     compressed splits the pairs over layers and heads, and each layer is fitted to future queries and the probe's
     on-policy queries -- old keys kept, a per-key logit bias matching the attention mass of the dropped ones,
-    values by ridge regression. Its seconds per context are measured in the book's distillation-speed chapter.
+    values by ridge regression.
+
+    Cost (:func:`zipkv.bench.distill.compress_speed`, the book's distillation-speed chapter,
+    ``results/paper/distill_speed_compress.csv``): on an H200 with every default, 7.3 s per 2,048-token context at
+    SmolLM2-135M's shape, 14.5 s at Llama-3.1-8B's, 176 s for 32,768 tokens at Llama-3.1-8B's (the first run, before
+    the query-space solves that long contexts now take); about half of it the probe's 64 sampled tokens and the
+    two fits. On 2 CPU cores the embedded model takes about 30 s for a 256-token context. Every cost grows with the
+    context's length and the model's layers and KV heads; the distiller's memory peaks at the ``[queries, N]``
+    score matrix of one layer (:attr:`~zipkv.distill.generalise.ZipkvConfig.max_scores`).
 
     Args:
         model: a Hugging Face causal LM with rotary position embeddings (Llama, Mistral, Qwen, Gemma families).
