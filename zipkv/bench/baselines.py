@@ -19,17 +19,21 @@ class FlashInferDecode:
         indptr, indices, last_page_len: the CSR page table (int32, on the GPU).
         q_heads, kv_heads, head_dim, page_size: the attention shape.
         use_tensor_cores: FlashInfer's tensor-core (prefill-style) path or its CUDA-core path.
+        kv_dtype: the pages' dtype: ``torch.bfloat16``, or ``torch.float8_e4m3fn`` (FlashInfer's FP8 KV cache, scale 1:
+            the pages passed to the call are already e4m3).
     """
 
     def __init__(self, indptr, indices, last_page_len, q_heads: int, kv_heads: int, head_dim: int,
-                 page_size: int, use_tensor_cores: bool):
+                 page_size: int, use_tensor_cores: bool, kv_dtype: torch.dtype = torch.bfloat16):
         import flashinfer
 
+        if kv_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise ValueError(f"kv_dtype={kv_dtype}: expected torch.bfloat16 or torch.float8_e4m3fn")
         self.workspace = torch.empty(256 << 20, dtype=torch.uint8, device=indptr.device)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                      use_tensor_cores=use_tensor_cores)
         self.wrapper.plan(indptr, indices, last_page_len, q_heads, kv_heads, head_dim, page_size,
-                          pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                          pos_encoding_mode="NONE", q_data_type=torch.bfloat16, kv_data_type=kv_dtype)
 
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
         """q [batch, q_heads, d]; k_pages, v_pages [num_pages, page_size, kv_heads, d] → [batch, q_heads, d]."""
