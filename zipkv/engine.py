@@ -274,14 +274,17 @@ class Engine:
     gated MLP product through one kernel each (:class:`~zipkv.runner.StepOps`, :mod:`zipkv.kernels.fused_ops`) instead of the
     modules' chains of small kernels; None (default): on CUDA; True on the CPU needs ``TRITON_INTERPRET=1``.
     tokenizer: the model's Hugging Face tokenizer: :meth:`generate` and :meth:`stream` then take strings as prompts
-    and give texts, and ``stop`` strings can be used.
+    and give texts, and ``stop`` strings can be used. pool, admission: the memory manager's ablation options
+    (:class:`zipkv.memory.KVMemory`: ``pool="per_layer"``, ``admission="uncompressed"``; the defaults are ZipFusion's).
+    :meth:`serve` serves a trace of requests arriving over time (:mod:`zipkv.serving`).
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
                  k_layout: str = "auto", v_layout: str = "auto", pages_per_chunk: int = 16,
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
-                 num_splits: int | None = None, overlap: bool = True, fused_ops: bool | None = None, tokenizer=None):
+                 num_splits: int | None = None, overlap: bool = True, fused_ops: bool | None = None, tokenizer=None,
+                 pool: str = "shared", admission: str = "compressed"):
         _check_model(model)
         if tokenizer is not None and not (callable(tokenizer) and hasattr(tokenizer, "decode")):
             raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable, with decode) or None, "
@@ -350,7 +353,7 @@ class Engine:
                                pages_per_chunk=pages_per_chunk, k_layout=k_layout, v_layout=v_layout,
                                device=self.device, pack_slots=StepAttention.pack_slots(attention),
                                extra_bytes=buffer_pages * 2 * self.kv_heads * fmt.page_bytes(self.head_dim),
-                               extra_pages=buffer_pages)
+                               extra_pages=buffer_pages, pool=pool, admission=admission)
         self.restore = None if restore is None else RestoreBuffer(self.memory, restore, buffer_pages, attention == "reference")
         self.runner = StepRunner(model, self.memory, attention=attention,
                                  static_kinds=compress == "none" or restore is not None, restore=self.restore,
@@ -593,6 +596,12 @@ class Engine:
                            dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
                                 stop_token_ids=stop_token_ids), streaming=True)
 
+    def serve(self, trace, *, clock="simulated", cost=None, prefixes=None, progress: bool | None = False):
+        """Serve ``trace`` (a :class:`zipkv.serving.Trace`: requests arriving over time, greedy) and record what a
+        serving benchmark measures: :func:`zipkv.serving.serve` (its docstring has the clocks and the records)."""
+        from zipkv.serving import serve
+        return serve(self, trace, clock=clock, cost=cost, prefixes=prefixes, progress=progress)
+
     def _start(self, prompts, max_new_tokens, sampling_params, seed, prefixes, max_decode_steps, progress, keywords,
                streaming: bool):
         """Check a call's arguments, before any work, and return its run (:meth:`_run`, not started)."""
@@ -643,16 +652,18 @@ class Engine:
                 raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad[0]}")
         return params
 
-    def _run(self, requests, max_new_tokens, max_decode_steps, progress, seed, texts):
+    def _run(self, requests, max_new_tokens, max_decode_steps, progress, seed, texts, serving=None):
         """The loop of :meth:`generate` (module docstring), as a generator of :class:`StreamOutput`; returns the
         :class:`GenerateResult`. texts: a :class:`~zipkv.sampling.TextStream` per request index (none without a
-        tokenizer)."""
+        tokenizer). serving: a :class:`zipkv.serving.Recorder` when a trace is served (:meth:`serve`): requests
+        arrive on its clock, which it advances and on which it records each token, admission, retraction and step."""
         if self.busy:
             raise RuntimeError("the engine is running another generate or stream call: finish it or close its stream "
                                "(stream.close()) first")
         self.busy = True
         self.admitted_raw = 0
-        sched = Scheduler(requests, max_batch=self.max_batch, eos=self.eos)
+        sched = Scheduler(requests, max_batch=self.max_batch, eos=self.eos,
+                          arrivals=None if serving is None else serving.arrivals)
         mem, runner = self.memory, self.runner
         sampled = requests[0].sampling is not None
         steps, flights = [], []
@@ -689,6 +700,8 @@ class Engine:
 
         def accept(r):
             """The host's side of a token appended to ``r.out``: stop strings, the bar, the stream."""
+            if serving is not None:
+                serving.token(r)
             produced, finished = len(r.out), r.finished(self.eos)
             stop_strings(r, finished)
             finished = finished or r.stopped
@@ -708,7 +721,10 @@ class Engine:
             """The oldest step in flight: its tokens onto its requests, its row of ``steps``."""
             nonlocal clock
             f = flights.pop(0)
-            for (r, epoch), t in zip(f.rows, f.read()):
+            toks = f.read()
+            if serving is not None:
+                serving.step(len(f.rows), f.snapshot, sched)
+            for (r, epoch), t in zip(f.rows, toks):
                 if r.epoch == epoch:
                     r.pending -= 1
                     if not r.finished(self.eos):
@@ -728,6 +744,8 @@ class Engine:
                         break
                     read()
                     continue
+                if serving is not None:                    # arrivals; an idle engine waits for the next one
+                    serving.arrive(sched, idle=not (sched.running or sched.waiting or flights))
                 retire()
                 # a blocked request is checked again only once memory has given space back: the check walks every
                 # layer's chunks (milliseconds at Llama-8B's shape), and it prefills, which waits for the device; an
@@ -744,6 +762,8 @@ class Engine:
                         sched.blocked(req, mem.space_returns)
                         break
                     sched.admitted(req, len(steps) + len(flights))
+                    if serving is not None:
+                        serving.admitted(req, time.perf_counter() - t0)
                     accept(req)
                 retire()
                 batch = sched.decode_batch()
@@ -761,6 +781,8 @@ class Engine:
                         victim = sched.retraction_victim()
                         self._free(victim.rid)
                         sched.requeue(victim)
+                        if serving is not None:
+                            serving.retracted(victim)
                         if victim is r:
                             break
                     else:

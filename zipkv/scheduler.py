@@ -15,6 +15,9 @@ fits and the step runner to prefill and decode it -- so it runs, and is tested, 
   that has grown by the fewest tokens since its admission, ties broken by the most tokens cached at admission.
 * **Requeue** -- a retracted request goes back to the *front* of the waiting queue with every token it has; it is
   prefilled again (on its prompt and outputs) when admitted (vLLM's preemption by recompute).
+* **Arrivals** -- served as a trace (:mod:`zipkv.serving`), a request joins the back of the waiting queue only once
+  the clock has reached its arrival time (:meth:`Scheduler.arrive`); without arrival times every request is waiting
+  from the start (:meth:`zipkv.engine.Engine.generate`).
 """
 from __future__ import annotations
 
@@ -69,11 +72,18 @@ class Scheduler:
     """The waiting queue and the running batch of one ``generate`` call (module docstring).
 
     requests: :class:`Request` s in arrival order. max_batch: cap on running requests (None: none). eos: stop token
-    ids (:meth:`Request.finished`).
+    ids (:meth:`Request.finished`). arrivals: per request its arrival time (seconds, in the order of ``requests``), or
+    None: all waiting from the start.
     """
 
-    def __init__(self, requests, *, max_batch: int | None = None, eos=frozenset()):
-        self.waiting: list[Request] = list(requests)
+    def __init__(self, requests, *, max_batch: int | None = None, eos=frozenset(), arrivals=None):
+        requests = list(requests)
+        if arrivals is not None and len(arrivals) != len(requests):
+            raise ValueError(f"arrivals must hold one time per request: {len(arrivals)} for {len(requests)} requests")
+        # not yet arrived, latest first (popped from the end); ties keep the requests' order
+        self.future: list = [] if arrivals is None else sorted(zip(arrivals, range(len(requests)), requests),
+                                                              key=lambda a: (-a[0], -a[1]))
+        self.waiting: list[Request] = requests if arrivals is None else []
         self.running: list[Request] = []
         self.done: dict = {}
         self.max_batch, self.eos = max_batch, set(eos)
@@ -81,7 +91,22 @@ class Scheduler:
         self.admitted_at: dict = {}
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.future)
+
+    # ------------------------------------------------------------------ arrivals
+
+    def arrive(self, now: float) -> list[Request]:
+        """The requests whose arrival time is ``now`` or earlier join the back of the waiting queue, in arrival order.
+        Returns them."""
+        came = []
+        while self.future and self.future[-1][0] <= now:
+            came.append(self.future.pop()[2])
+        self.waiting.extend(came)
+        return came
+
+    def next_arrival(self) -> float | None:
+        """The arrival time of the next request not yet arrived, or None."""
+        return self.future[-1][0] if self.future else None
 
     # ------------------------------------------------------------------ admission
 
@@ -143,6 +168,6 @@ class Scheduler:
 
     def outputs(self, n: int) -> list:
         """Every request's tokens in prompt order (unfinished ones with the tokens they have)."""
-        for r in self.running + self.waiting:
+        for r in self.running + self.waiting + [f[2] for f in self.future]:
             self.done.setdefault(r.rid, r.out)
         return [self.done[i] for i in range(n)]

@@ -54,6 +54,15 @@ requests fit and :meth:`alloc` can fail: it then returns ``None`` and changes no
 overwrite), and the caller retracts a request: it frees it (:meth:`free`) and requeues it. Which one is policy,
 the scheduler's (:mod:`zipkv.scheduler`: SGLang's ``retract_decode`` order).
 
+Ablation options (the memory manager chapter)
+---------------------------------------------
+``pool="per_layer"``: each layer a fixed share of the chunks, freed chunks serving only their own layer
+(:class:`~zipkv.memory.chunks.ChunkPool` ``per_layer``): the capacity is then the layer with the least room.
+``admission="uncompressed"``: compression still runs, but admission does not count the room it frees -- a request is
+admitted only while every running request's pages *at their uncompressed size*, the outstanding reservations and its
+own pages fit the budget's uncompressed capacity (:attr:`KVMemory.max_request_pages`), as an uncompressed server
+would (ZipFusion's "capacity grows as compression releases memory" turned off). Decode growth is unchanged.
+
 Mapping onto serving engines
 ----------------------------
 * SGLang ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator``: ``alloc(need_size)`` ->
@@ -128,7 +137,9 @@ class KVMemory:
     extra_pages: a region of ``extra_bytes`` after the budget's chunks (at :attr:`extra_offset` of
     ``pool``) and ``extra_pages`` descriptor rows after the ``max_pages`` the memory allocates, both for
     the caller (the engine's restore buffer, whose pages the kernel reads through the same ``desc``);
-    they are not part of ``kv_budget_bytes``.
+    they are not part of ``kv_budget_bytes``. pool: ``"shared"`` (chunks move between layers) or ``"per_layer"``;
+    admission: ``"compressed"`` (room compression frees admits requests) or ``"uncompressed"`` (module docstring,
+    "Ablation options").
 
     Parts: ``chunks`` (:class:`~zipkv.memory.chunks.ChunkPool`), ``placement``
     (:class:`~zipkv.memory.placement.Placement`), ``pages`` (:class:`~zipkv.memory.pages.Pages`).
@@ -136,7 +147,12 @@ class KVMemory:
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, kv_budget_bytes: int, *,
                  pages_per_chunk: int = 16, k_layout: str = "token", v_layout: str = "token",
-                 device="cpu", pack_slots=None, extra_bytes: int = 0, extra_pages: int = 0):
+                 device="cpu", pack_slots=None, extra_bytes: int = 0, extra_pages: int = 0,
+                 pool: str = "shared", admission: str = "compressed"):
+        if pool not in ("shared", "per_layer"):
+            raise ValueError(f"pool must be 'shared' or 'per_layer', got {pool!r}")
+        if admission not in ("compressed", "uncompressed"):
+            raise ValueError(f"admission must be 'compressed' or 'uncompressed', got {admission!r}")
         for name, x in (("num_layers", num_layers), ("kv_heads", kv_heads), ("pages_per_chunk", pages_per_chunk)):
             if not _is_int(x) or x < 1:
                 raise ValueError(f"{name} must be a positive int, got {x!r}")
@@ -167,7 +183,8 @@ class KVMemory:
         self.units_per_chunk = self.chunk_bytes // UNIT
         self.device = torch.device(device)
         min_page_units = 2 * kv_heads * fmt.n_blocks(head_dim) * fmt.PACKED_BLOCK_BYTES // UNIT
-        self.chunks = ChunkPool(self.num_chunks, num_layers)
+        self.pool_kind, self.admission = pool, admission
+        self.chunks = ChunkPool(self.num_chunks, num_layers, per_layer=pool == "per_layer")
         self.placement = Placement(self.chunks, self.pages_per_chunk, self.page_bytes, min_page_units)
         self.pages = Pages(self.placement, kv_heads, head_dim, self.layouts, self.device,
                            pack_slots or pack_slots_reference, extra_bytes, extra_pages)
@@ -196,7 +213,7 @@ class KVMemory:
     def capacity_pages(self) -> int:
         """New logical pages that fit raw now: a raw slot in every layer (own free slots, own pending
         chunks, then chunks of the shared pool)."""
-        return cap.capacity(self.placement.free_slots(), self.chunks.n_free, self.pages_per_chunk)
+        return cap.capacity(self.placement.free_slots(), self.chunks.free_chunks, self.pages_per_chunk)
 
     @property
     def outstanding(self) -> int:
@@ -241,14 +258,27 @@ class KVMemory:
         if not _is_int(hold_chunks) or hold_chunks < 0:
             raise ValueError(f"hold_chunks must be an int >= 0, got {hold_chunks!r}")
         need = cap.pages_for(prompt_len + max_new_tokens - 1)
+        if hold_chunks and self.pool_kind == "per_layer":
+            raise ValueError(f"hold_chunks={hold_chunks}: a request holds chunks of the shared pool, and this memory's "
+                             f"chunks are per-layer shares (pool='per_layer'); expected hold_chunks=0")
         if hold_chunks and not cap.fits([0] * self.num_layers, self.num_chunks, need, self.pages_per_chunk, hold_chunks):
             raise ValueError(f"hold_chunks={hold_chunks}: with {need} pages per layer for {prompt_len} prompt + "
                              f"{max_new_tokens} new tokens, the request never fits the budget's {self.num_chunks} "
                              f"chunks of {self.pages_per_chunk} pages")
 
     def _fits(self, prompt_pages, reserve, hold_chunks):
-        return cap.fits(self.placement.free_slots(), self.chunks.n_free, prompt_pages + reserve + self.outstanding,
-                        self.pages_per_chunk, hold_chunks)
+        return self._fits_uncompressed(prompt_pages + reserve) and cap.fits(
+            self.placement.free_slots(), self.chunks.free_chunks, prompt_pages + reserve + self.outstanding,
+            self.pages_per_chunk, hold_chunks)
+
+    def _fits_uncompressed(self, pages: int) -> bool:
+        """With ``admission="uncompressed"``: whether ``pages`` more pages, beside every running request's pages at
+        their uncompressed size and the outstanding reservations, fit the budget's uncompressed capacity (the room
+        compression freed is not counted); True otherwise."""
+        if self.admission == "compressed":
+            return True
+        held = sum(len(r.pages) for r in self.requests.values())
+        return held + self.outstanding + pages <= self.max_request_pages
 
     def can_admit(self, prompt_len: int, max_new_tokens: int, *, reserve_ratio: float = 1.0,
                   hold_chunks: int = 0) -> bool:
@@ -293,6 +323,8 @@ class KVMemory:
         tokens = packed if isinstance(packed, int) else packed.tokens
         prompt_pages, reserve = self._check_new(_PROBE, tokens, max_new_tokens, reserve_ratio)
         n_full = tokens // fmt.PAGE_TOKENS
+        if not self._fits_uncompressed(prompt_pages + reserve):
+            return False
         if isinstance(packed, int):
             return self._fits(prompt_pages - n_full, reserve, 0)
         free, n_free, need = self._after_packed(packed, prompt_pages - n_full + reserve)
@@ -302,7 +334,7 @@ class KVMemory:
         """``(free slots per layer, free chunks, raw pages needed)`` once ``packed``'s pages took their compressed
         chunks, for a request that then needs ``raw_pages`` raw pages beside the outstanding reservations."""
         new = self.placement.new_comp_chunks(packed.units, packed.head_units)
-        free, n_free = cap.take_chunks(self.placement.free_slots(), self.chunks.n_free,
+        free, n_free = cap.take_chunks(self.placement.free_slots(), self.chunks.free_chunks,
                                        [self.chunks.n_pending(l) for l in range(self.num_layers)], new,
                                        self.pages_per_chunk)
         return free, n_free, raw_pages + self.outstanding

@@ -5,6 +5,10 @@ chunk, **pending** (emptied by its layer, waiting for the attention reads that m
 request for bytes kept outside the pages. A layer takes its own pending chunk back at once; any other layer gets it
 only after :meth:`ChunkPool.reads_done` (a chunk *reassigned*). Only chunk numbers live here: where the pages sit
 inside an owned chunk is :mod:`zipkv.memory.placement`'s, the bytes are :mod:`zipkv.memory.pages`'.
+
+``per_layer=True`` is the ablation of the shared pool (the memory manager chapter): each layer gets a fixed share of
+the chunks (chunk ``c`` belongs to layer ``c % num_layers``) and a chunk it empties returns to its own share only, so
+no chunk is ever reassigned and room compression frees in one layer never serves another.
 """
 from __future__ import annotations
 
@@ -27,12 +31,17 @@ class Chunk:
 class ChunkPool:
     """``num_chunks`` chunks shared by ``num_layers`` layers: chunk ``c`` is ``pool[c]`` (a :class:`Chunk`).
 
-    n_free: chunks in the pool; reassigned: chunks taken so far by a layer other than their last owner."""
+    n_free: chunks in the pool; reassigned: chunks taken so far by a layer other than their last owner. per_layer:
+    each layer only ever takes the chunks of its own fixed share (module docstring)."""
 
-    def __init__(self, num_chunks: int, num_layers: int):
-        self.num_layers = num_layers
+    def __init__(self, num_chunks: int, num_layers: int, *, per_layer: bool = False):
+        self.num_layers, self.per_layer = num_layers, bool(per_layer)
         self._chunks = [Chunk() for _ in range(num_chunks)]
-        self._free = {-1: list(range(num_chunks - 1, -1, -1))}     # free chunks by last owner (-1: none)
+        if self.per_layer:                       # free chunks by layer; every chunk's last owner is its home layer
+            self._free = {l: [c for c in range(num_chunks - 1, -1, -1) if c % num_layers == l]
+                          for l in range(num_layers)}
+        else:
+            self._free = {-1: list(range(num_chunks - 1, -1, -1))}     # free chunks by last owner (-1: none)
         self.n_free = num_chunks
         self._pending = [[] for _ in range(num_layers)]
         self._held_pending = []                                      # held chunks let go, before reads_done
@@ -58,8 +67,18 @@ class ChunkPool:
         """Chunks ``layer`` owns as ``kind`` (:data:`RAW` or :data:`COMP`)."""
         return sum(1 for c in self._chunks if c.state == OWNED and c.layer == layer and c.kind == kind)
 
+    @property
+    def free_chunks(self):
+        """The pool's free chunks as the capacity arithmetic takes them (:mod:`zipkv.memory.capacity`): their number
+        (shared pool), or per layer the free chunks of its own share (``per_layer``)."""
+        if self.per_layer:
+            return [len(self._free[l]) for l in range(self.num_layers)]
+        return self.n_free
+
     def can_take(self, layer: int) -> bool:
         """Whether :meth:`take` finds a chunk for ``layer``."""
+        if self.per_layer:
+            return bool(self._pending[layer] or self._free[layer])
         return bool(self._pending[layer]) or self.n_free > 0
 
     def take(self, layer: int, kind: str) -> int | None:
@@ -67,8 +86,8 @@ class ChunkPool:
         one from the pool (its last owner's first, then one never owned, then any). None if there is none."""
         if self._pending[layer]:
             c = self._pending[layer].pop()
-        elif self.n_free:
-            owner = next(o for o in (layer, -1, *self._free) if self._free.get(o))
+        elif self.can_take(layer):
+            owner = next(o for o in ((layer,) if self.per_layer else (layer, -1, *self._free)) if self._free.get(o))
             c = self._free[owner].pop()
             self.n_free -= 1
             if owner not in (-1, layer):
@@ -86,7 +105,10 @@ class ChunkPool:
         self._pending[ch.layer].append(c)
 
     def hold(self) -> int:
-        """A free chunk held for a request (one never owned first, then any); the pool must have one."""
+        """A free chunk held for a request (one never owned first, then any); the pool must have one (and be shared:
+        per-layer shares hold no chunk for a request)."""
+        if self.per_layer:
+            raise ValueError("a request holds chunks of the shared pool only; these chunks are per-layer shares")
         owner = next(o for o in (-1, *self._free) if self._free.get(o))
         c = self._free[owner].pop()
         self.n_free -= 1

@@ -142,7 +142,7 @@ class Placement:
             return None
         new = [0] * self.num_layers
         new[layer] = 1
-        free, n_free = cap.take_chunks(self.free_slots(), self.chunks.n_free,
+        free, n_free = cap.take_chunks(self.free_slots(), self.chunks.free_chunks,
                                        [self.chunks.n_pending(l) for l in range(self.num_layers)], new,
                                        self.pages_per_chunk)
         if cap.capacity(free, n_free, self.pages_per_chunk) < outstanding:
