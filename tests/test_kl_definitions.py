@@ -79,6 +79,7 @@ def test_the_experiment_loop_on_a_tiny_model(one_thread):
     """Both experiments on one window of a tiny random Llama: every (method, queries) row, the n_s = N rows trained
     on N synthetic queries, an uncompressed-equivalent sanity check through the definitions table, and the page's
     ratio table in the one direction (Select+Fit's KL over the method's)."""
+    from zipkv.study.chapters import kvsculpt_why as page
     from zipkv.study.experiments import kvsculpt_why as why
 
     model = tiny_llama(sharpen_logits=True)
@@ -95,10 +96,10 @@ def test_the_experiment_loop_on_a_tiny_model(one_thread):
     # KVSculpt starts at Select+Fit's solution and keeps its best iterate: never a higher training objective
     by = table.set_index(["method", "queries"])
     assert by.loc[("kvsculpt", "paper"), "train"] <= by.loc[("select_fit", "paper"), "train"] * (1 + 1e-6)
-    gains = why.gains(table)
+    gains = page.gains(table)
     sf = by.loc[("select_fit", "paper"), "kl"]
     assert gains.loc[0.5, "KVSculpt, n_s = N"] == pytest.approx(sf / by.loc[("kvsculpt", "dense"), "kl"], rel=1e-12)
-    shown = why.definitions_table(definitions, 0.5)
+    shown = page.definitions_table(definitions, 0.5)
     assert shown.loc[KL_DEFINITIONS["sum"].label, "× ours"] == pytest.approx(CONT, rel=1e-9)
     with pytest.raises(ValueError, match="methods"):
         why.measure(model, [window], [0.5], m=M, n_synthetic=4, steps=2, methods=[("kvsculpt", "all")])
@@ -106,11 +107,11 @@ def test_the_experiment_loop_on_a_tiny_model(one_thread):
 
 def test_queries_per_head_counts_equations_and_unknowns():
     from zipkv.models import EMBEDDED_NAME, EMBEDDED_SHAPE
-    from zipkv.study.experiments import kvsculpt_why as why
+    from zipkv.study.chapters import kvsculpt_why as page
 
-    t = why.queries_per_head(2048, 256, 128, ratios=(0.5,))
+    t = page.queries_per_head(2048, 256, 128, ratios=(0.5,))
     g = EMBEDDED_SHAPE.q_heads // EMBEDDED_SHAPE.kv_heads
     assert t.loc[EMBEDDED_NAME, "queries, n_s = 128"] == g * (256 + 128)
     assert t.loc[EMBEDDED_NAME, "queries, n_s = N"] == g * (256 + 2048)
-    assert t.loc[EMBEDDED_NAME, "k at r = 0.5"] == round(0.5 * 2048) - 256
+    assert t.loc[EMBEDDED_NAME, "queries per pair, r = 0.5"] == pytest.approx(g * (256 + 128) / (round(0.5 * 2048) - 256))
     assert isinstance(t, pd.DataFrame) and len(t) == 2
