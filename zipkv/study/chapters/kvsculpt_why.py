@@ -154,6 +154,34 @@ def queries_per_head(n_context: int = 2048, m: int = 256, n_synthetic: int = 128
     return pd.DataFrame(rows).set_index("model")
 
 
+def with_committed(table: pd.DataFrame, results: str | Path) -> pd.DataFrame:
+    """``table`` plus the rows the committed paper-profile tables under ``results`` hold for its windows and lacks:
+    Table 1's (Random, Attention Score, Select+Fit and KVSculpt on the paper's queries) and the beyond chapter's
+    Select+Fit with n_s = N, at Table 1's ratios, marked ``committed``. Only where both ran the same windows under
+    the same evaluation: Select+Fit's KL (paper's queries) agrees with each table's to 1e-4 relative on every
+    (window, ratio) both have; otherwise ``table`` unchanged. Those rows carry no objectives."""
+    from zipkv.study.chapters.beyond import with_extra_rows
+
+    results = Path(results)
+    keys = ["window", "ratio"]
+    main = pd.read_csv(results / "kvsculpt_main.csv").assign(queries="paper")
+    beyond, _ = with_extra_rows(pd.read_csv(results / "kvsculpt_beyond.csv"), results / "kvsculpt_beyond_extra.csv")
+    beyond = beyond[beyond.method.isin(["select_fit", "select_fit_dense"])].assign(queries="paper")
+    beyond.loc[beyond.method == "select_fit_dense", ["method", "queries"]] = ["select_fit", "dense"]
+    ours = table[(table.method == "select_fit") & (table.queries == "paper")][keys + ["kl"]]
+    for other in (main, beyond):
+        sf = ours.merge(other[(other.method == "select_fit") & (other.queries == "paper")][keys + ["kl"]], on=keys,
+                        suffixes=("", "_committed"))
+        if sf.empty or not ((sf.kl - sf.kl_committed).abs() <= 1e-4 * sf.kl_committed.abs()).all():
+            return table
+    have = set(map(tuple, table[keys + ["method", "queries"]].itertuples(index=False)))
+    extra = pd.concat([main[main.method.isin(["random", "attention_score", "select_fit", "kvsculpt"])],
+                       beyond[beyond.queries == "dense"]])[keys + ["method", "queries", "kl"]]
+    extra = extra[extra.window.isin(table.window.unique()) & extra.ratio.isin(main.ratio.unique())]
+    extra = extra[[row not in have for row in map(tuple, extra[keys + ["method", "queries"]].itertuples(index=False))]]
+    return pd.concat([table, extra.assign(committed=True)], ignore_index=True)
+
+
 def evidence(results: str | Path) -> dict:
     """The numbers the KVSculpt chapters committed under ``results`` (``results/paper``), as the page cites them.
 

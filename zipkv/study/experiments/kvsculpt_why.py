@@ -84,17 +84,3 @@ def measure(model, windows, ratios, *, m: int, n_synthetic: int, steps: int, sol
             rows += [dict(row, heldout=held[f"{row['method']}/{row['queries']}"]) for row in measured]
     return pd.DataFrame(rows), pd.DataFrame(definition_rows)
 
-
-def with_table1(table: pd.DataFrame, table1: pd.DataFrame) -> pd.DataFrame:
-    """``table`` plus KVSculpt's rows (paper's queries) from Table 1's table ``table1`` (``window, ratio, method, kl``)
-    where ``table`` has none, provided both ran the same windows under the same evaluation: their Select+Fit KLs
-    (paper's queries) agree to 1e-4 relative on every (window, ratio) both have. Those rows carry no objectives."""
-    if ((table.method == "kvsculpt") & (table.queries == "paper")).any():
-        return table
-    keys = ["window", "ratio"]
-    ours = table[(table.method == "select_fit") & (table.queries == "paper")][keys + ["kl"]]
-    sf = ours.merge(table1[table1.method == "select_fit"][keys + ["kl"]], on=keys, suffixes=("", "_t1"))
-    if sf.empty or not ((sf.kl - sf.kl_t1).abs() <= 1e-4 * sf.kl_t1.abs()).all():
-        return table
-    rows = table1[table1.method == "kvsculpt"].merge(sf[keys], on=keys)[keys + ["method", "kl"]]
-    return pd.concat([table, rows.assign(queries="paper", from_table1=True)], ignore_index=True)
