@@ -115,3 +115,22 @@ def test_queries_per_head_counts_equations_and_unknowns():
     assert t.loc[EMBEDDED_NAME, "queries, n_s = N"] == g * (256 + 2048)
     assert t.loc[EMBEDDED_NAME, "queries per pair, r = 0.5"] == pytest.approx(g * (256 + 128) / (round(0.5 * 2048) - 256))
     assert isinstance(t, pd.DataFrame) and len(t) == 2
+
+
+def test_committed_rows_join_only_on_the_same_windows():
+    """Table 1's and the beyond chapter's committed rows join a run on the same windows (Select+Fit's KL agrees), at
+    Table 1's ratios; a run whose Select+Fit disagrees (other windows) gets none."""
+    from pathlib import Path
+
+    from zipkv.study.chapters import kvsculpt_why as page
+
+    results = Path(__file__).resolve().parents[1] / "results" / "paper"
+    main = pd.read_csv(results / "kvsculpt_main.csv")
+    run = main[(main.ratio == 0.3) & (main.method == "select_fit") & (main.window < 2)].assign(queries="paper")
+    joined = page.with_committed(run, results)
+    added = joined[joined.committed.fillna(False).astype(bool)]
+    assert set(added.window) == {0, 1} and set(added.ratio) == set(main.ratio)
+    assert {("kvsculpt", "paper"), ("select_fit", "dense")} <= set(zip(added.method, added.queries))
+    assert not ((added.method == "select_fit") & (added.queries == "paper") & (added.ratio == 0.3)).any()
+    other = run.assign(kl=run.kl * 1.01)
+    assert len(page.with_committed(other, results)) == len(other)
