@@ -324,3 +324,15 @@ def quote(table: pd.DataFrame, definitions: pd.DataFrame, e: dict, model: str) -
             f"paper's and a KVSculpt gain of {gm['select_fit'] / gm['kvsculpt']:.2f}×. On this model, fitting more "
             f"queries helps more than freeing the keys; the paper's own model, {pv.KVSCULPT_MODEL}, remains untested "
             "here.")
+
+
+def sources_note(table: pd.DataFrame) -> str:
+    """Which methods' rows this run measured and which it took from the committed tables (:func:`with_committed`)."""
+    if "committed" not in table or not table.committed.fillna(False).astype(bool).any():
+        return "Every row was measured by this run."
+    taken = table.committed.fillna(False).astype(bool)
+    name = lambda t: ", ".join(sorted({LABELS[m, q] for m, q in zip(t.method, t.queries)}))     # noqa: E731
+    ratios = _ratios(sorted(table[~taken].ratio.unique()))
+    return (f"This run measured {name(table[~taken])} at r ∈ {ratios}; the other rows are the committed runs of "
+            "Table 1's chapter and of the chapter \"Beyond the paper\" on the same windows (their Select+Fit KLs "
+            "agree with this run's).")
