@@ -119,7 +119,7 @@ def definitions_table(definitions: pd.DataFrame, ratio: float = 0.3) -> pd.DataF
     kl = kl.reindex([d for d in KL_DEFINITIONS if d in kl.index])
     paper = {key: pv.KVSCULPT_TABLE1[key[0]][ratio] for key in kl.columns
              if key[1] == "paper" and ratio in pv.KVSCULPT_TABLE1.get(key[0], {})}
-    table = pd.DataFrame({LABELS[key]: kl[key].values for key in kl.columns},
+    table = pd.DataFrame({LABELS[key]: kl[key].values for key in LABELS if key in kl.columns},
                          index=[KL_DEFINITIONS[d].label for d in kl.index])
     table["× ours"] = (kl / kl.loc["ours"]).mean(axis=1).values
     table["paper / ours (median)"] = [pd.Series({k: v / kl.loc[d, k] for k, v in paper.items()}).median()
