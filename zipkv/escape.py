@@ -539,8 +539,8 @@ def survey(captures, *, k_layout: str = "token", v_layout: str = "token", per_bl
     for name, lay in (("k_layout", k_layout), ("v_layout", v_layout)):
         fmt._check_layout(lay, name)
     for k in per_block:
-        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 0 <= k <= MAX_BLOCK_ESCAPES:
-            raise ValueError(f"per_block must hold ints in 0..{MAX_BLOCK_ESCAPES} (escape entries per block), got "
+        if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= MAX_BLOCK_ESCAPES:
+            raise ValueError(f"per_block must hold ints in 1..{MAX_BLOCK_ESCAPES} (escape entries per block; the unbounded list is always measured), got "
                              f"{k!r}")
     groups, hists = [], {}                       # one histogram stack per head_dim (page-heads have nb blocks)
     for w, cap in enumerate(captures):
