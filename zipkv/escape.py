@@ -91,8 +91,8 @@ __all__ = ["PER_BLOCK", "MAX_BLOCK_ESCAPES", "meta_check", "check_meta", "UNUSED
 
 UNUSED = -1
 """An unused escape entry (0xFFFF as uint16)."""
-PER_BLOCK = 2
-"""Default escape entries per block of a page-head: ``capacity = PER_BLOCK * n_blocks`` (0.0625 bits per value)."""
+PER_BLOCK = 1
+"""Default escape entries per block of a page-head: ``capacity = PER_BLOCK * n_blocks`` (0.03125 bits per value; :func:`survey` measures the overflow it leaves)."""
 MAX_CAPACITY = 127 * 8
 MAX_BLOCK_ESCAPES = 127
 """Escapes one block may list (7 bits of its second metadata byte); a block with more is stored raw."""
