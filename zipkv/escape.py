@@ -86,13 +86,15 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["PER_BLOCK", "MAX_BLOCK_ESCAPES", "meta_check", "check_meta", "UNUSED", "EscapeMeta", "escape_counts", "pack", "unpack", "survey", "CANDIDATES",
+__all__ = ["PER_BLOCK", "MAX_BLOCK_ESCAPES", "meta_check", "check_meta", "UNUSED", "EscapeMeta", "escape_counts",
+           "pack", "unpack", "survey", "CANDIDATES",
            "ANCHORS"]
 
 UNUSED = -1
 """An unused escape entry (0xFFFF as uint16)."""
 PER_BLOCK = 1
-"""Default escape entries per block of a page-head: ``capacity = PER_BLOCK * n_blocks`` (0.03125 bits per value; :func:`survey` measures the overflow it leaves)."""
+"""Default escape entries per block of a page-head: ``capacity = PER_BLOCK * n_blocks`` (0.03125 bits per value;
+:func:`survey` measures the overflow it leaves)."""
 MAX_CAPACITY = 127 * 8
 MAX_BLOCK_ESCAPES = 127
 """Escapes one block may list (7 bits of its second metadata byte); a block with more is stored raw."""
@@ -237,7 +239,8 @@ def _check_structure(meta: EscapeMeta, name: str = "meta") -> None:
     if not isinstance(meta.zero, torch.Tensor) or meta.zero.dtype != torch.bool \
             or meta.zero.shape != meta.compressed.shape:
         raise TypeError(f"{name}.zero must be a bool tensor of shape {tuple(meta.compressed.shape)}, got "
-                        f"{getattr(meta.zero, 'dtype', type(meta.zero).__name__)} {tuple(getattr(meta.zero, 'shape', ()))}")
+                        f"{getattr(meta.zero, 'dtype', type(meta.zero).__name__)} "
+                        f"{tuple(getattr(meta.zero, 'shape', ()))}")
     if meta.check is not None and (not isinstance(meta.check, torch.Tensor) or meta.check.dtype != torch.uint8
                                    or meta.check.shape != meta.compressed.shape):
         raise ValueError(f"{name}.check must be None or a uint8 tensor of shape {tuple(meta.compressed.shape)}, got "
@@ -255,7 +258,8 @@ def check_meta(meta: EscapeMeta, name: str = "meta") -> None:
         if bool(bad.any()):
             at = fmt._where(bad)
             raise ValueError(f"{name}: page {at[:-1]}, block {at[-1]}: flag {bool(meta.compressed[at])}, base "
-                             f"{int(meta.base[at])}, count {int(meta.count[at])} and zero mode {bool(meta.zero[at])} do not match its check byte "
+                             f"{int(meta.base[at])}, count {int(meta.count[at])} and zero mode {bool(meta.zero[at])} "
+                             f"do not match its check byte "
                              f"{int(meta.check[at]):#04x} (layout {meta.layout!r}, head_dim {meta.head_dim}): the "
                              "metadata is corrupted or for another layout")
     raw_count = ~meta.compressed & ((meta.count != 0) | meta.zero)
@@ -308,7 +312,8 @@ def pack(pages: torch.Tensor, layout: str = "token", *, capacity: int | None = N
     """Compress pages into the escape format (module docstring).
 
     pages: ``[..., 16, head_dim]`` bf16; layout: one of :data:`zipkv.format.LAYOUTS`; capacity: escape entries per
-    page-head (None: ``PER_BLOCK * n_blocks``). Returns ``(payload, escapes, meta)``: payload uint8 ``[..., 32 * head_dim]`` (the slot as
+    page-head (None: ``PER_BLOCK * n_blocks``). Returns ``(payload, escapes, meta)``: payload uint8
+    ``[..., 32 * head_dim]`` (the slot as
     :func:`zipkv.format.pack` lays it out), escapes int16 ``[..., capacity]``, and an :class:`EscapeMeta`.
     """
     d = fmt._check_pages(pages)
@@ -367,7 +372,8 @@ def _check_list(e, block, used, meta: EscapeMeta, decoded_blocks: torch.Tensor, 
     stale = ~used & (e != 0xFFFF)
     if bool(stale.any()):
         at = fmt._where(stale)
-        raise ValueError(f"{name}: page {at[:-1]}, entry {at[-1]} is {e[at]:#06x} past the {int(meta.count[at[:-1]].sum())} "
+        raise ValueError(f"{name}: page {at[:-1]}, entry {at[-1]} is {e[at]:#06x} past the "
+                         f"{int(meta.count[at[:-1]].sum())} "
                          "escapes the metadata counts; unused entries hold -1 (0xFFFF): the list or the counts are "
                          "corrupted")
     pos, pair = e >> 7, e & 0x7F
@@ -540,7 +546,8 @@ def survey(captures, *, k_layout: str = "token", v_layout: str = "token", per_bl
         fmt._check_layout(lay, name)
     for k in per_block:
         if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= MAX_BLOCK_ESCAPES:
-            raise ValueError(f"per_block must hold ints in 1..{MAX_BLOCK_ESCAPES} (escape entries per block; the unbounded list is always measured), got "
+            raise ValueError(f"per_block must hold ints in 1..{MAX_BLOCK_ESCAPES} (escape entries per block; the "
+                             f"unbounded list is always measured), got "
                              f"{k!r}")
     groups, hists = [], {}                       # one histogram stack per head_dim (page-heads have nb blocks)
     for w, cap in enumerate(captures):
