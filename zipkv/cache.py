@@ -170,8 +170,11 @@ class DistilledLayer(DynamicLayer):
         """Tokens appended after the compressed context."""
         return self.keys.shape[-2] - self.cached
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # the size of the mask transformers builds from the 2-D attention mask; the hook replaces it
+    def get_mask_sizes(self, query_length) -> tuple[int, int]:
+        # the size of the mask transformers builds from the 2-D attention mask; the hook replaces it. transformers
+        # < 5.4 (kvpress's range) passes the new tokens' cache_position tensor instead of their number.
+        if isinstance(query_length, torch.Tensor):
+            query_length = query_length.shape[0]
         return self.get_seq_length() + query_length, 0
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -603,7 +603,8 @@ def _cascade_attention(module, query, key, value, attention_mask, scaling, dropo
     state = _cascade
     layer = module.layer_idx
     if state["inputs"][layer] is None:  # a layer that is not compressed attends as the model does
-        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)
     lc, tr, va = state["inputs"][layer]
     H, N, d = lc.keys.shape
     m = state["m"]
@@ -627,7 +628,8 @@ def _cascade_attention(module, query, key, value, attention_mask, scaling, dropo
     # the DistilledCache's mask: β on the cached pairs, −inf on padding, the probe tokens causal
     mask = DistilledLayer(keys, values, valid, bias).additive_mask(P, g, query.dtype)
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, torch.cat([keys[None], key[:, :, N:]], dim=2),
-                                           torch.cat([values[None], value[:, :, N:]], dim=2), mask, scaling=scaling)
+                                           torch.cat([values[None], value[:, :, N:]], dim=2), mask, dropout=dropout,
+                                           scaling=scaling)  # dropout: kvpress's patch of these functions needs it
 
 
 def per_head_fit(config: ZipkvConfig):
