@@ -331,7 +331,7 @@ def sources_note(table: pd.DataFrame) -> str:
     if "committed" not in table or not table.committed.fillna(False).astype(bool).any():
         return "Every row was measured by this run."
     taken = table.committed.fillna(False).astype(bool)
-    name = lambda t: ", ".join(sorted({LABELS[m, q] for m, q in zip(t.method, t.queries)}))     # noqa: E731
+    name = lambda t: "; ".join(LABELS[k] for k in LABELS if k in set(zip(t.method, t.queries)))   # noqa: E731
     ratios = _ratios(sorted(table[~taken].ratio.unique()))
     return (f"This run measured {name(table[~taken])} at r ∈ {ratios}; the other rows are the committed runs of "
             "Table 1's chapter and of the chapter \"Beyond the paper\" on the same windows (their Select+Fit KLs "
