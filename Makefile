@@ -32,9 +32,11 @@ VENV_LATEST := .venv-latest
 PY_LATEST := $(VENV_LATEST)/bin/python
 STAMP_LATEST := $(VENV_LATEST)/.installed
 PURELIB := import sysconfig; print(sysconfig.get_paths()["purelib"])
-# what must work with the newest transformers: the README's examples, the cache, generate, the engine's greedy tokens
-COMPAT_TESTS := tests/test_transformers_compat.py tests/test_cache.py tests/test_readme.py \
-  tests/test_engine.py::test_greedy_tokens_equal_generate
+# what must work with the newest transformers: the README's examples that call into transformers (compress and
+# generate, text in and answers out, the captured cache), the cache, generate, the engine's greedy tokens
+README_EXAMPLE := tests/test_readme.py::test_a_readme_example_runs_as_written
+COMPAT_TESTS := tests/test_transformers_compat.py tests/test_cache.py '$(README_EXAMPLE)[0]' '$(README_EXAMPLE)[1]' \
+  '$(README_EXAMPLE)[5]' tests/test_engine.py::test_greedy_tokens_equal_generate
 
 venv-latest: $(STAMP_LATEST)
 
@@ -85,8 +87,10 @@ browser:
 book: venv
 	$(PY) -m zipkv book --profile $(PROFILE) --force
 
+# Two pytest workers, one test file each at a time (--dist loadfile: a file's fixtures load once): the book's
+# notebook run, the longest test, overlaps the rest.
 test: venv browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 --dist loadfile tests
 	$(MAKE) test-latest
 	$(MAKE) test-kvpress
 

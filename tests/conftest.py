@@ -9,6 +9,11 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    # pytest-xdist's workers share the cores: torch's intra-op threads divided among them, not multiplied
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def embedded():

@@ -148,3 +148,20 @@ def test_compare_gives_the_reference_kl_for_every_attention_matching_method(refe
     assert (new.choice == old.choice).all()
     for row in old.index:
         assert new.kl[row] == pytest.approx(old.kl[row], rel=1e-6, abs=1e-9), row
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("keys", "best", ValueError, r"AttentionMatchingConfig\(keys='best'\): expected one of \['highest', 'omp', 'lbfgs'\]"),
+    ("omp_rounds", 0, ValueError, r"AttentionMatchingConfig\(omp_rounds=0\): expected an int ≥ 1"),     # was accepted
+    ("lbfgs_steps", -1, ValueError, r"AttentionMatchingConfig\(lbfgs_steps=-1\): expected an int ≥ 0"),
+    ("nnls_iters", 1.5, ValueError, r"AttentionMatchingConfig\(nnls_iters=1.5\): expected an int ≥ 0"),
+    ("bias_bound", -1.0, ValueError, r"AttentionMatchingConfig\(bias_bound=-1.0\): expected a number ≥ 0"),
+    ("ridge", float("nan"), ValueError, r"AttentionMatchingConfig\(ridge=nan\): expected a finite number ≥ 0"),
+    ("dtype", torch.int32, TypeError, r"AttentionMatchingConfig\(dtype=torch.int32\): expected torch.float32"),
+    ("device", "nodevice", ValueError, r"AttentionMatchingConfig\(device='nodevice'\): expected a torch device"),
+])
+def test_attention_matching_config_is_checked_when_made(field, value, error, match):
+    """Bad settings were used silently (negative step counts, a negative bias bound) or failed deep in the solve
+    (torch's dtype and device errors, a Cholesky error for a negative ridge)."""
+    with pytest.raises(error, match=match):
+        attention_matching.AttentionMatchingConfig(**{field: value})

@@ -240,6 +240,19 @@ def test_malformed_params_yaml_names_the_file(tmp_path, text, says):
         book.plan("quick", root=root)
 
 
+def test_yaml_merge_keys_merge_and_the_sections_own_keys_win(tmp_path):
+    """``params/paper.yaml`` shares settings through merge keys (``<<: *kvsculpt_paper``); the duplicate-key loader
+    refused them ("could not determine a constructor for the tag 'tag:yaml.org,2002:merge'"), so every paper-profile
+    run stopped on the YAML. A key given twice in one section is still refused."""
+    root = _tiny_root(tmp_path, [], params_yaml="base: &b\n  x: 1\n  y: 2\ntiny:\n  <<: *b\n  x: 3\n")
+    assert book.load_profile("quick", root) == {"base": {"x": 1, "y": 2}, "tiny": {"x": 3, "y": 2}}
+    (root / "params" / "quick.yaml").write_text("base: &b\n  x: 1\ntiny:\n  <<: *b\n  x: 3\n  x: 4\n")
+    with pytest.raises(ValueError, match=r"duplicate key 'x'"):
+        book.load_profile("quick", root)
+    paper = book.load_profile("paper")
+    assert paper["kvsculpt_appendix"]["n_windows"] == 20 and paper["kvsculpt_appendix"]["steps"] == 100
+
+
 @pytest.mark.slow
 def test_quick_book_builds_and_renders_in_chromium(tmp_path):
     """Run the whole quick profile in a copy of the project, build the HTML, open it in Chromium."""

@@ -809,3 +809,46 @@ def test_the_default_runs_on_a_256_token_context_of_the_embedded_model(embedded)
     assert 0.3 < cache.memory()["fraction"] < 0.4                     # 30 % of the pairs, and a bias per pair
     out = model.generate(w.continuation_ids[None, :1], past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert out.shape == (1, 5)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(seed="a"), TypeError, "seed='a': expected an int"),                     # torch's manual_seed error, late
+    (dict(seed=None), TypeError, "seed=None: expected an int"),
+    (dict(seed=2**70), ValueError, r"seed=1180591620717411303424: expected an int in \[-2\*\*62, 2\*\*62\)"),
+    (dict(progress="no"), TypeError, "progress='no': expected True .* or False"),    # read as True
+    (dict(cascade="no"), TypeError, "cascade='no': expected True .* or False"),      # read as True
+    (dict(cascade=None), TypeError, "cascade=None: expected True"),                  # read as False
+    (dict(probe_tokens=10**6), ValueError, r"probe_tokens=1000000: expected at most the model's context window, "
+                                           r"config.max_position_embeddings=512"),  # sampled for hours
+])
+def test_zipkvs_settings_are_checked_before_the_capture(model, ids, monkeypatch, kwargs, error, match):
+    import zipkv
+    from zipkv import models
+
+    monkeypatch.setattr(models, "capture", lambda *a, **k: pytest.fail("the capture ran before the settings"))
+    with pytest.raises(error, match=match):
+        zipkv.compress(model, ids[:N], m=6, **kwargs)
+
+
+def test_the_cache_checks_what_generate_and_its_callers_give_it(model, ids, cap):
+    """Token ids past the vocabulary were an IndexError from the embedding; rows of a beam search or a batch
+    selection out of range, torch's IndexError; a CompressedCache or layers of another kind, AttributeErrors."""
+    cache = C.DistilledCache.from_compressed(K.CompressedCache.from_capture(cap), model, context_ids=ids[:N])
+    with pytest.raises(ValueError, match=r"input_ids holds ids in \[500, 500\]: expected token ids in \[0, 127\]"):
+        model.generate(torch.tensor([[500]]), past_key_values=cache, max_new_tokens=2)
+    for call, match in ((lambda: cache.reorder_cache(torch.tensor([3])), r"beam_idx must hold rows in \[0, 1\)"),
+                        (lambda: cache.batch_select_indices(torch.tensor([5])), r"indices must hold rows in \[0, 1\)"),
+                        (lambda: cache.batch_repeat_interleave(0), "repeats must be an int >= 1, got 0")):
+        with pytest.raises(ValueError, match=match):
+            call()
+    assert cache.layers[0].keys.shape[0] == 1
+    out = model.generate(ids[None, N:N + 1], past_key_values=cache, max_new_tokens=2, do_sample=False)
+    with pytest.raises(TypeError, match=r"input_ids must be token ids \[T\] or \[batch, T\] .* got str"):
+        cache.check_continuation("abc")
+    assert torch.equal(out, model.generate(ids[None, N:N + 1], past_key_values=cache.fresh(), max_new_tokens=2,
+                                           do_sample=False))
+    with pytest.raises(TypeError, match="compressed must be a zipkv.distill.kvsculpt.CompressedCache .* got str"):
+        C.DistilledCache.from_compressed("cache")
+    with pytest.raises(ValueError, match=r"layer 0: expected \(keys, values, valid\) or \(keys, values, valid, bias\) "
+                                         r"tensors, got int"):
+        C.DistilledCache.from_padded([1, 2], N)

@@ -111,6 +111,14 @@ def test_malformed_manifest_names_the_file(tmp_path, manifest, says):
         data.load_books(folder)
 
 
+def test_a_book_that_is_not_utf8_names_its_file(tmp_path):
+    """A Latin-1 book was Python's UnicodeDecodeError, naming neither the file nor the book."""
+    folder = _write_books(tmp_path / "b", ["some text"])
+    (folder / "0.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    with pytest.raises(ValueError, match=rf"{folder / '0.txt'} \(pg_id=0 in manifest.json\) is not UTF-8 text"):
+        data.load_books(folder)
+
+
 def test_manifest_pg_ids_may_be_digit_strings(tmp_path):
     folder = _write_books(tmp_path / "b", ["some text"])
     (folder / "manifest.json").write_text('[{"pg_id": "0"}]')

@@ -259,6 +259,35 @@ def test_build_errors():
         build_paged_cache(k, k, [17.9])
     cache, *_ = build_paged_cache(k, k, torch.tensor([17]), compress=np.float32(0.5))
     assert cache.num_pages == 2
+    with pytest.raises(TypeError, match=r"seq_lens must be None or a sequence of 1 integer lengths .* got int 5"):
+        build_paged_cache(k, k, 5)                                   # was "'int' object is not iterable"
+    for seed, error in (("a", TypeError), (1.5, TypeError), (None, TypeError), (2**70, ValueError)):
+        with pytest.raises(error, match=r"seed must (be an int|lie in)"):   # were torch's and Python's own errors
+            build_paged_cache(k, k, seed=seed)
+
+
+def test_cache_methods_check_their_page_ids_and_arguments():
+    """``read_pages`` read page -1 as the last page and cut float ids to ints (silently other pages), ``seal``,
+    ``meta`` and ``refresh`` failed with IndexError/AttributeError from inside torch."""
+    k = torch.randn(1, 2, 40, 64).to(torch.bfloat16)
+    cache, *_ = build_paged_cache(k, k)
+    check = cache.check.clone()
+    for bad, match in ((torch.tensor([-1]), r"page_ids must lie in \[0, 3\), got range \[-1, -1\]"),
+                       (torch.tensor([3]), r"page_ids must lie in \[0, 3\)"),
+                       (torch.tensor([0.0]), "page_ids must be a 1-D int32/int64 tensor, got torch.float32"),
+                       ([0], "page_ids must be a 1-D int32/int64 tensor, got list")):
+        with pytest.raises(ValueError, match=match):
+            cache.read_pages(bad)
+    assert cache.read_pages(torch.tensor([2, 2]))[0].shape == (2, 2, 16, 64)     # repeats are fine
+    for bad, match in (([0], "pages must be a 1-D int32/int64 tensor"), (torch.tensor([9]), r"pages must lie in")):
+        with pytest.raises(ValueError, match=match):
+            cache.seal(bad)
+    assert torch.equal(cache.check, check)
+    for kv in (2, -1, "k"):
+        with pytest.raises(ValueError, match=r"kv must be 0 \(keys\) or 1 \(values\), got"):
+            cache.meta(kv)
+    with pytest.raises(ValueError, match="pages must be None or a 1-D int32/int64 tensor of page ids, got list"):
+        cache.refresh(pages=[0])
 
 
 def _request_mask(lens, H, D, kinds):

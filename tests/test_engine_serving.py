@@ -17,7 +17,9 @@ import pytest  # noqa: E402
 
 from conftest import tiny_llama  # noqa: E402
 from test_engine import reference_attention  # noqa: E402, F401  (registers the "zipkv_reference" attention)
-from zipkv.engine import Engine, StreamOutput  # noqa: E402
+import numpy as np  # noqa: E402
+
+from zipkv.engine import Engine, Prefix, StreamOutput  # noqa: E402
 from zipkv.sampling import SamplingParams, TextStream, gumbel_noise, sample, step_inputs, stream_key  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -426,6 +428,12 @@ def test_the_progress_bar_waits_a_second_by_default(model, monkeypatch):
     (dict(progress="yes"), TypeError, r"progress must be a bool or None, got str 'yes'"),
     (dict(prompts=["hello", [1, 2]]), TypeError, r"prompts\[0\] is a str: text prompts need the tokenizer"),
     (dict(prompts="hello"), ValueError, r"prompts must be a non-empty list .* got str"),
+    (dict(prompts=[{1: 2}, [3]]), TypeError, r"prompts\[0\] must be a sequence of token ids, got dict"),  # its keys
+    (dict(prompts=[[1], {3, 2}]), TypeError, r"prompts\[1\] must be a sequence of token ids, got set"),   # unordered
+    (dict(prefixes=[Prefix([(torch.ones(2, 3, 32, dtype=torch.long),) * 2] * 2, 3), None]), TypeError,
+     r"prefixes\[0\]: prefix layer 0: expected \(keys, values\) as floating-point torch tensors .* torch.int64"),
+    (dict(prefixes=[Prefix([(np.ones((2, 3, 32), np.float32),) * 2] * 2, 3), None]), TypeError,
+     r"prefixes\[0\]: prefix layer 0: .* got \['ndarray float32', 'ndarray float32'\]"),   # an AttributeError late
 ])
 @pytest.mark.parametrize("call", ["generate", "stream"])
 def test_bad_arguments_are_refused_before_any_work(model, kw, error, match, call):
@@ -449,3 +457,32 @@ def test_a_model_or_tokenizer_the_engine_cannot_use_says_how_to_fix_it(model):
         Engine(fp32, 10**6)
     with pytest.raises(TypeError, match="tokenizer must be a Hugging Face tokenizer .* got str"):
         Engine(model, 10**6, tokenizer="gpt2")
+
+
+def test_constructor_arguments_that_would_be_ignored_or_never_fit_are_refused(model):
+    """``restore_buffer_pages`` without ``restore`` was silently ignored; a budget past the machine's memory spent
+    hours building the memory's chunk bookkeeping (a hang) before the pool's allocation could fail."""
+    import time
+
+    with pytest.raises(ValueError, match=r"restore_buffer_pages=3 sizes the restore baseline's buffer: it needs "
+                                         r"restore="):
+        _engine(model, restore_buffer_pages=3)
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"kv_budget_bytes=1000000000000000 is more than the whole memory of cpu"):
+        Engine(model, 10**15, attention="reference")
+    assert time.perf_counter() - started < 5
+
+
+def test_layouts_no_kernel_reads_are_refused_for_the_kernel_and_read_by_the_reference():
+    """A k_mma/token pair, which no decode kernel reads, failed at the first decode step, after the prefill, under
+    either attention: now the kernel's engine refuses it when made, and the reference reads any pair of layouts (the
+    greedy tokens of the token layouts)."""
+    model = tiny_llama(q_heads=4, kv_heads=2, head_dim=64, seed=5).to(torch.bfloat16)
+    model.config._attn_implementation = "zipkv_reference"
+    with pytest.raises(ValueError, match=r"k_layout/v_layout: the mma layouts go together .* got k_layout='k_mma', "
+                                         r"v_layout='token'"):
+        Engine(model, 10**6, attention="kernel", k_layout="k_mma", v_layout="token")
+    want = _engine(model, 20).generate(PROMPTS, 6).outputs
+    for layouts in (("token", "v_mma"), ("k_mma", "channel")):
+        eng = _engine(model, 20, k_layout=layouts[0], v_layout=layouts[1])
+        assert eng.memory.layouts == layouts and eng.generate(PROMPTS, 6).outputs == want

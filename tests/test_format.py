@@ -348,3 +348,42 @@ def test_mma_layouts_at_head_dim_64_are_half_tiles():
         src = torch.where((((rows >> 2) & 1) == 0)[:, None, None], a[None], b[None])    # [16, 16, 64]
         want = torch.cat([src[rows, 2 * l], src[rows, 2 * l + 1]], -1)
         assert torch.equal(bits(tile), bits(want)), layout
+
+
+def test_mma_index_is_only_for_the_mma_layouts():
+    """``mma_index("token")`` returned the v_mma index: a silently wrong arrangement for a layout that has none."""
+    for layout in ("token", "channel"):
+        with pytest.raises(ValueError, match=rf"layout must be one of the mma layouts .* got '{layout}'"):
+            F.mma_index(layout)
+    assert F.mma_index("k_mma").shape == (4, 512)
+
+
+def test_malformed_arguments_are_named_before_they_are_used():
+    """Arguments that are not tensors, or metadata of another head_dim, were used before they were checked: an
+    AttributeError from ``meta.compressed.shape`` or ``payload.shape``, a message naming ``head_dim`` for
+    ``meta.head_dim`` or ``layout`` for ``meta.layout``, a float ``compressed`` sealed with check bytes."""
+    import numpy as np
+
+    good = random_pages((3,), 64)
+    payload, meta = F.pack(good)
+    for validate in (True, False):
+        with pytest.raises(TypeError, match="meta.compressed must be a bool tensor, got <class 'list'>"):
+            F.unpack(payload, F.PageMeta("token", 64, [True, False], meta.base), validate=validate)
+        with pytest.raises(ValueError, match=r"meta.head_dim: head_dim must be one of .* got 48"):
+            F.unpack(payload, F.PageMeta("token", 48, meta.compressed, meta.base), validate=validate)
+        with pytest.raises(ValueError, match="meta.layout must be one of .* got 'row'"):
+            F.unpack(payload, F.PageMeta("row", 64, meta.compressed, meta.base), validate=validate)
+    sums = F.page_checksum(payload, meta)
+    for bad in (payload.tolist(), None):
+        with pytest.raises(TypeError, match=r"payload must be a uint8 tensor \[..., L\] .* got (list|NoneType)"):
+            F.verify_checksum(bad, sums, meta)
+    with pytest.raises(TypeError, match=r"got torch.uint8 tensor of shape \(\)"):
+        F.page_checksum(torch.tensor(5, dtype=torch.uint8))         # was "must be a uint8 tensor, got torch.uint8"
+    with pytest.raises(TypeError, match=r"blocks must be a torch.Tensor \[..., 2, 512\], got list"):
+        F.from_blocks([[0.0] * 512] * 2, "token", 64)
+    with pytest.raises(TypeError, match="meta.compressed must be a bool tensor, got torch.float32"):
+        F.PageMeta("token", 64, meta.compressed.float(), meta.base).sealed()
+    with pytest.raises(IndexError, match=r"PageMeta\[10\]: the metadata holds pages \(3,\)"):
+        meta[10]
+    assert not bool(F.pack(good, enable=np.bool_(False))[1].compressed.any())   # numpy's bool: "got bool" before
+    assert torch.equal(bits(F.unpack(*F.pack(good, enable=np.bool_(True)))), bits(good))

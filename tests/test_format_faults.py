@@ -426,6 +426,17 @@ def test_export_import_round_trip_and_corruption_in_transit():
             dst.import_pages(bad, into)
     with pytest.raises(ValueError, match=r"pages.k_layout is 'token', this cache's k_layout 'channel'"):
         PagedKVCache(dst.pool, dst.desc, 128, "channel", "token").import_pages(out, into)
+    pool, desc = dst.pool.clone(), dst.desc.clone()
+    for what, value, match in (("check", None, r"pages.check must be a torch.uint8 tensor of shape \(3, 2, 2, 4\), "
+                                                r"got NoneType"),
+                               ("packed", out.packed.tolist(), r"pages.packed must be a uint8 tensor \[n, 2, kv_heads, 4\]"),
+                               ("payload", out.payload[..., :100], r"pages.payload must be a torch.uint8 tensor of "
+                                                                   r"shape \(3, 2, 2, 4096\), got torch.uint8 \(3, 2, 2, 100\)")):
+        bad = type(out)(**{**out.__dict__, what: value})
+        for validate in (True, False):      # the fields' types and shapes are checked either way (were raw errors)
+            with pytest.raises(ValueError, match=match):
+                dst.import_pages(bad, into, validate=validate)
+    assert torch.equal(dst.pool, pool) and torch.equal(dst.desc, desc)
     compressed = idx[:1].contiguous() if bool(((src.desc[int(idx[0])] >> 7) & 1).any()) else None
     if compressed is not None:
         raw = dst.export_pages(idx2[:1].contiguous())

@@ -479,3 +479,22 @@ def test_compare_refuses_ratios_that_are_not_a_list_of_fractions_before_any_work
     from zipkv.study.experiments import beyond
     with pytest.raises(TypeError, match="ratios must be a non-empty list of numbers in"):
         beyond.compare(model, [], ratios, progress=False)
+
+
+@pytest.mark.parametrize("field, value, error, match", [
+    ("horizon", 2.5, ValueError, r"ZipkvConfig\(horizon=2.5\): expected an int ≥ 1"),   # "positions must be an integer"
+    ("selection", "median", ValueError, r"ZipkvConfig\(selection='median'\): expected 'mean' or 'max'"),
+    ("bias", "no", TypeError, r"ZipkvConfig\(bias='no'\): expected True"),                   # read as True
+    ("mass_ridge", -1.0, ValueError, r"ZipkvConfig\(mass_ridge=-1.0\): expected a finite number ≥ 0"),  # a Cholesky error
+    ("bias_bound", -1.0, ValueError, r"ZipkvConfig\(bias_bound=-1.0\): expected a number ≥ 0"),         # silently used
+    ("value_ridges", (), ValueError, r"ZipkvConfig\(value_ridges=\(\)\): expected a non-empty tuple"),  # torch.stack's
+    ("value_ridges", 0.1, ValueError, r"ZipkvConfig\(value_ridges=0.1\)"),                  # "'float' object is not iterable"
+    ("max_scores", 0, ValueError, r"ZipkvConfig\(max_scores=0\): expected an int ≥ 1 or None"),
+    ("dtype", torch.int32, TypeError, r"ZipkvConfig\(dtype=torch.int32\): expected torch.float32 or torch.float64"),
+    ("device", "nodevice", ValueError, r"ZipkvConfig\(device='nodevice'\): expected a torch device"),
+])
+def test_zipkv_config_is_checked_when_made(field, value, error, match):
+    """A bad setting of zipkv's distiller failed deep in the solve (or not at all): now when the config is made."""
+    with pytest.raises(error, match=match):
+        generalise.ZipkvConfig(**{field: value})
+    assert generalise.ZipkvConfig(horizon=8, max_scores=None, value_ridges=(math.inf,), bias_bound=math.inf).horizon == 8

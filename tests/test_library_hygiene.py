@@ -90,6 +90,20 @@ def test_bad_command_lines_are_one_clear_line(tmp_path):
         done.stderr.count("\n") == 1 and "m=256" in done.stderr, done.stderr
 
 
+def test_an_out_path_that_cannot_be_written_is_one_line_before_the_run(tmp_path):
+    """``--out`` naming a folder ran the whole benchmark, then ended in pandas' IsADirectoryError traceback."""
+    (tmp_path / "file").write_text("x")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    folder = f"--out {tmp_path}: is a folder; expected the path of a file to write"
+    for argv, says in ((("bench", "format", "--out", str(tmp_path)), folder),
+                       (("bench", "attention", "--out", str(tmp_path)), folder),
+                       (("bench", "format", "--out", str(tmp_path / "file" / "t.csv")),
+                        f"--out {tmp_path / 'file' / 't.csv'}: {tmp_path / 'file'} is a file, not a folder")):
+        done = subprocess.run([sys.executable, "-m", "zipkv", *argv], capture_output=True, text=True, env=env)
+        assert done.returncode == 1 and done.stderr == f"zipkv bench {argv[1]}: {says}\n" and not done.stdout, \
+            done.stderr[-2000:]
+
+
 LIBRARY_SIDE_EFFECTS = """
 import importlib, json, sys
 from pathlib import Path

@@ -645,3 +645,68 @@ def test_numpy_integers_are_integers_and_bad_request_ids_are_named():
         m.page_table("a")
     m.free("a")
     assert not m.requests
+
+
+def test_constructor_arguments_that_could_never_work_are_refused_at_once():
+    """An unavailable device failed with torch's AssertionError, a pack_slots that is no function at the first
+    compress; a budget past the device's memory spent hours building the bookkeeping of its chunks before the pool's
+    allocation failed. The meta device (bookkeeping without bytes) stays a device."""
+    import time
+
+    assert KVMemory(2, H, D, 2**20, device="meta").device.type == "meta"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"device='cuda': this machine has no CUDA GPU"):
+            KVMemory(2, H, D, 2**20, device="cuda")
+    for device in ("nodevice", 5):
+        with pytest.raises(ValueError, match=rf"device={device!r}: expected a torch device"):
+            KVMemory(2, H, D, 2**20, device=device)
+    with pytest.raises(TypeError, match="pack_slots must be None or a function .* got str"):
+        KVMemory(2, H, D, 2**20, pack_slots="fast")
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match=r"kv_budget_bytes=1000000000000000 is more than the whole memory of cpu"):
+        KVMemory(2, H, D, 10**15)
+    assert time.perf_counter() - started < 5
+
+
+def test_low_level_writes_and_queries_check_their_arguments():
+    """``write_tokens`` (public, no host sync) wrote a [1, 1, D] K by broadcasting, wrote into an unallocated page's
+    descriptor row (address 0: another request's bytes) and raised IndexError for a bad layer, page or offset;
+    ``used_bytes(-1)`` was the last layer's; numpy ints were refused with a misleading message; a string of request
+    ids was read letter by letter; K on another device and pack's malformed layers were torch's or Python's errors."""
+    import numpy as np
+
+    m = KVMemory(2, H, D, 8 * 2 * m_page(), pages_per_chunk=2)
+    m.admit("a", 20, 5)
+    page = torch.tensor(m.requests["a"].pages[1:2])
+    one = torch.ones(1, H, D, dtype=torch.bfloat16)
+    pool = m.pool.clone()
+    for args, match in (
+            ((2, page, torch.tensor([0]), one, one), r"write_tokens: layer must be an int in \[0, 2\), got 2"),
+            ((0, page, torch.tensor([16]), one, one), r"offsets must lie in \[0, 16\), got range \[16, 16\]"),
+            ((0, torch.tensor([m.max_pages - 1]), torch.tensor([0]), one, one), "is not a raw page of layer 0"),
+            ((0, page, torch.tensor([0]), one[:, :, :1], one[:, :, :1]), r"k must be bf16 \[n, kv_heads=1, head_dim=32\]"),
+            ((0, page, torch.tensor([0.0]), one, one), "offsets must be a 1-D int64 tensor"),
+            ((0, page, torch.tensor([0]), one.float(), one), "got torch.float32")):
+        with pytest.raises(ValueError, match=match):
+            m.write_tokens(*args)
+    assert torch.equal(m.pool, pool)
+    m.write_tokens(0, page, torch.tensor([3]), one, one)                       # a right one is written
+    assert not torch.equal(m.pool, pool)
+    with pytest.raises(ValueError, match="write: k is on meta, the memory on cpu"):
+        m.write(0, "a", 0, torch.empty(H, 2, D, dtype=torch.bfloat16, device="meta"), one.transpose(0, 1).expand(H, 2, D))
+    m.write(np.int64(1), "a", np.int64(4), one.transpose(0, 1), one.transpose(0, 1))    # numpy ints are ints
+    with pytest.raises(TypeError, match="start must be an int, got float 0.0"):
+        m.slots("a", 0.0, 2)
+    for layer in (-1, 2, "0"):
+        with pytest.raises(ValueError, match=r"used_bytes: layer must be an int in \[0, 2\)"):
+            m.used_bytes(layer)
+    with pytest.raises(TypeError, match="rids must be None or a list of request ids, got str 'a'"):
+        m.compressed_fraction("a")
+    with pytest.raises(ValueError, match="device='nodevice': expected a torch device"):
+        m.page_table(["a"], device="nodevice")
+    kv = torch.ones(H, 20, D, dtype=torch.bfloat16)
+    for bad, match in (([(kv, kv, kv)] * 2, r"kv\[0\] must be a \(k, v\) pair of tensors .* got tuple of 3"),
+                       ([(kv.tolist(), kv)] * 2, r"kv\[0\] must be a \(k, v\) pair of tensors"),
+                       ([kv, kv], r"kv\[0\] must be a \(k, v\) pair of tensors .* got Tensor")):
+        with pytest.raises(ValueError, match=match):
+            m.pack(bad)

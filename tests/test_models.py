@@ -192,6 +192,27 @@ def test_a_local_folder_without_config_is_a_clear_error(tmp_path):
         models.load_model(tmp_path)
 
 
+def test_a_folder_gguf_or_dtype_that_cannot_load_is_named_before_loading(tmp_path):
+    """A folder with config.json alone failed in the tokenizer ("Couldn't instantiate the backend tokenizer ... You
+    need to have sentencepiece"), a file that is no GGUF after "converting ... once" was announced, an integer dtype
+    after the tokenizer loaded (transformers' "cannot be instantiated under dtype=torch.int8")."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    with pytest.raises(ValueError, match=r"a local folder with config.json but no tokenizer file \(one of "
+                                         r"tokenizer.json, .*\) and no weights file \(one of \*.safetensors"):
+        models.load_model(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"but no weights file \(one of"):
+        models.load_model(tmp_path)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model")
+    with pytest.raises(ValueError, match=r"gguf='.*junk.gguf' is not a GGUF file \(it starts with b'not ', not the "
+                                         r"magic bytes b'GGUF'\)"):
+        models.converted_gguf(junk)
+    for dtype in (torch.int8, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match=rf"dtype={dtype}: expected a floating-point torch.dtype"):
+            models.load_model(dtype=dtype)
+
+
 # --- Gemma 3: one RoPE per layer type, sliding-window layers, query scaling (a tiny random model) ----------------
 
 @pytest.fixture(scope="module")
@@ -423,3 +444,31 @@ def test_decoding_with_the_embedded_tokenizer_prints_no_warning(tokenizer, sampl
         logger.removeHandler(handler)
     assert text.startswith("It was the best of times") and not records
     assert "clean_up_tokenization" not in capsys.readouterr().err
+
+
+def test_two_processes_converting_one_gguf_convert_it_once(tmp_path, monkeypatch):
+    """Test workers or notebooks started together on a fresh machine each found no converted copy; both converted
+    into the same ``.partial`` folder. Now the second waits for the first's lock and reuses its folder."""
+    import threading
+    import time
+
+    monkeypatch.setenv("ZIPKV_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))
+    calls = []
+
+    def fake_convert(source, target):
+        calls.append(target)
+        time.sleep(0.5)                                    # the other thread arrives while this one converts
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+        (target / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(models, "_convert", fake_convert)
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(models.converted_gguf(gguf))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and found == [calls[0], calls[0]]

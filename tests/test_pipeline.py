@@ -124,7 +124,9 @@ def test_bad_input_is_refused_before_any_work(tokenizer, plain_tokenizer, contex
             ((tokenizer, context, QUESTIONS), dict(max_new_tokens=0), ValueError, "max_new_tokens=0: expected an int"),
             ((tokenizer, context, QUESTIONS), dict(generate_kwargs=dict(attention_mask=None, num_beams=2)), ValueError,
              r"generate_kwargs sets \['attention_mask'\]"),
-            ((tokenizer, context, QUESTIONS), dict(separator=None), TypeError, "separator=None: expected a str")):
+            ((tokenizer, context, QUESTIONS), dict(separator=None), TypeError, "separator=None: expected a str"),
+            ((tokenizer, "", QUESTIONS), {}, ValueError, "context='' is empty: expected the document"),  # was answered
+            ((tokenizer, " \n", QUESTIONS), {}, ValueError, r"context=' \\n' is empty")):
         with pytest.raises(error, match=match):
             P.answer(model, *args, **kwargs)
 
@@ -152,7 +154,9 @@ def test_the_pipeline_refuses_bad_input_before_any_work(embedded, plain_tokenize
             ((context,), dict(question="Who?", kept_fraction=1.5), ValueError,
              r"kept_fraction=1.5: expected the fraction of the context kept, in \(0, 1\]"),
             ((context,), dict(question="Who?", kept_fracton=0.5), TypeError,
-             r"unexpected setting kept_fracton=0.5 \(did you mean kept_fraction=\?\)")):
+             r"unexpected setting kept_fracton=0.5 \(did you mean kept_fraction=\?\)"),
+            ((context,), dict(question="Who?", generate_kwargs=dict(num_beam=2)), ValueError,   # after the compression
+             r"generate_kwargs=\{'num_beam': 2\}: The following `model_kwargs` are not used by the model: \['num_beam'\]")):
         with pytest.raises(error, match=match):
             pipe(*args, **kwargs)
     bare = transformers.pipeline(P.TASK, model=model, tokenizer=plain_tokenizer, chat_template=True)

@@ -100,8 +100,23 @@ def main(argv: list[str] | None = None, extensions: list | None = None) -> int:
     return runs[args.command](args)
 
 
+def out_problem(out: Path | None) -> str | None:
+    """Why ``--out`` cannot be written (a folder, a parent that is a file), found before the run; None when it can."""
+    if out is None:
+        return None
+    if out.is_dir():
+        return f"--out {out}: is a folder; expected the path of a file to write"
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"--out {out}: {parent} is a file, not a folder"
+    return None
+
+
 def _bench(args) -> int:
     """``python -m zipkv bench``: run the benchmark ``args.what``, print its table, save it with ``--out``."""
+    if (problem := out_problem(args.out)) is not None:
+        print(f"zipkv bench {args.what}: {problem}", file=sys.stderr)
+        return 1
     if args.what in GPU_BENCHMARKS:
         import torch
 
@@ -115,7 +130,11 @@ def _bench(args) -> int:
         return 1
     if table is None:
         return 0
-    save_table(table, args.out)
+    try:
+        save_table(table, args.out)
+    except OSError as err:                                      # e.g. no permission: the table was printed
+        print(f"zipkv bench {args.what}: --out {args.out}: {err.strerror or err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -308,9 +308,16 @@ class DistilledCache(Cache):
         """From per-layer ``(keys, values, valid)`` or ``(keys, values, valid, bias)``: ``[H, P_l, d]`` twice,
         ``[H, P_l]`` bool (False entries are masked out for that head, wherever they are), ``[H, P_l]`` float."""
         built = []
+        if isinstance(layers, (str, bytes)) or not hasattr(layers, "__iter__"):
+            raise TypeError(f"layers must be a list of per-layer (keys, values, valid[, bias]) tensors, got "
+                            f"{type(layers).__name__}")
         for index, layer in enumerate(layers):
-            if len(layer) not in (3, 4):
-                raise ValueError(f"layer {index}: expected (keys, values, valid) or (keys, values, valid, bias)")
+            if not isinstance(layer, (tuple, list)) or len(layer) not in (3, 4) \
+                    or not all(isinstance(t, torch.Tensor) for t in layer):
+                raise ValueError(f"layer {index}: expected (keys, values, valid) or (keys, values, valid, bias) tensors, "
+                                 f"got {type(layer).__name__}"
+                                 + (f" of {[type(t).__name__ for t in layer]}" if isinstance(layer, (tuple, list))
+                                    else ""))
             k, v, valid = layer[:3]
             bias = layer[3] if len(layer) == 4 else None
             k = k.to(device=device or k.device, dtype=dtype or k.dtype)
@@ -326,6 +333,9 @@ class DistilledCache(Cache):
                         context_ids: torch.Tensor | None = None) -> "DistilledCache":
         """From a :class:`~zipkv.distill.kvsculpt.CompressedCache`, in ``model``'s dtype and device (when
         given; the model also gets :func:`attach`'s hooks and is checked against the cache's shape)."""
+        if not all(hasattr(compressed, a) for a in ("num_layers", "num_heads", "n_context", "padded", "padded_bias")):
+            raise TypeError(f"compressed must be a zipkv.distill.kvsculpt.CompressedCache (a distiller's result), got "
+                            f"{type(compressed).__name__}")
         if model is not None:
             param = next(model.parameters())
             dtype, device = dtype or param.dtype, device or param.device
@@ -385,7 +395,13 @@ class DistilledCache(Cache):
         held = self.get_seq_length()
         if held == 0 or input_ids is None or self.fed_ids is None:
             return
-        ids = torch.as_tensor(input_ids)
+        try:
+            ids = torch.as_tensor(input_ids)
+        except (TypeError, ValueError, RuntimeError):
+            ids = None
+        if ids is None or ids.is_floating_point() or ids.dtype == torch.bool or ids.ndim not in (1, 2):
+            raise TypeError(f"input_ids must be token ids [T] or [batch, T] (a tensor of ints), got "
+                            f"{type(input_ids).__name__} {getattr(ids, 'dtype', '')} {tuple(getattr(ids, 'shape', ()))}")
         ids = ids.reshape(1, -1) if ids.ndim == 1 else ids
         fed = self.fed_ids.expand(ids.shape[0], -1) if self.fed_ids.shape[0] == 1 else self.fed_ids
         if fed.shape[0] != ids.shape[0]:
@@ -412,15 +428,31 @@ class DistilledCache(Cache):
         fed = self.fed_ids.expand(rows, -1) if self.fed_ids.shape[0] == 1 else self.fed_ids
         self.fed_ids = pick(fed) if fed.shape[0] == rows else None
 
+    def _check_rows(self, indices, name: str) -> None:
+        """``indices`` (``generate``'s choice of rows: beams, kept sequences) a 1-D integer tensor of rows in
+        ``[0, rows)``; its values are read only where it is on the CPU (no device sync inside ``generate``)."""
+        rows = self.layers[0].keys.shape[0]
+        if not isinstance(indices, torch.Tensor) or indices.dim() != 1 or indices.is_floating_point() \
+                or indices.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor of rows, got "
+                             f"{getattr(indices, 'dtype', type(indices).__name__)} {tuple(getattr(indices, 'shape', ()))}")
+        if indices.device.type == "cpu" and indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= rows):
+            raise ValueError(f"{name} must hold rows in [0, {rows}) (the cache holds {rows} sequences), got range "
+                             f"[{int(indices.min())}, {int(indices.max())}]")
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._check_rows(beam_idx, "beam_idx")
         self._follow_rows(lambda x: x.index_select(0, beam_idx.to(x.device)))
         super().reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        if isinstance(repeats, bool) or not isinstance(repeats, numbers.Integral) or repeats < 1:
+            raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
         self._follow_rows(lambda x: x.repeat_interleave(repeats, dim=0))
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._check_rows(indices, "indices")
         self._follow_rows(lambda x: x[indices.to(x.device)])
         super().batch_select_indices(indices)
 
@@ -596,7 +628,14 @@ def _checked_generate(self, *args, **kwargs):
     takes (:func:`zipkv.models.cache_keyword`), so either spelling runs on every version without a deprecation."""
     cache = _distilled_cache((), kwargs)
     if cache is not None:
-        cache.check_continuation(kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None)))
+        ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+        embedding = self.get_input_embeddings() if hasattr(self, "get_input_embeddings") else None
+        vocab = getattr(embedding, "num_embeddings", None) or getattr(self.config, "vocab_size", None)
+        if isinstance(ids, torch.Tensor) and ids.numel() and not ids.is_floating_point() and isinstance(vocab, int) \
+                and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise ValueError(f"input_ids holds ids in [{int(ids.min())}, {int(ids.max())}]: expected token ids in "
+                             f"[0, {vocab - 1}] (the model's vocabulary of {vocab})")
+        cache.check_continuation(ids)
         keyword = cache_keyword(self)
         given = [name for name in CACHE_KEYWORDS if kwargs.get(name) is cache]
         if given and keyword not in kwargs:

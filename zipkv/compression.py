@@ -148,6 +148,13 @@ def compress(model, input_ids: torch.Tensor, kept_fraction: float | None = None,
     if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     _check_settings(method, settings)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed={seed!r}: expected an int")
+    if not -2 ** 62 <= seed < 2 ** 62:
+        raise ValueError(f"seed={seed}: expected an int in [-2**62, 2**62) (torch.Generator's seeds, with room for "
+                         "the offsets per layer and head that the distillers add)")
+    if not isinstance(progress, bool):
+        raise TypeError(f"progress={progress!r}: expected True (a progress bar over the layers) or False")
     N = ids.numel()
     kept = kept_pairs(N, kept_fraction, kept_tokens)
     if m is None:
@@ -188,7 +195,14 @@ def _distil_with_probe(model, ids, ratio: float, method: str, m: int, seed: int,
 
     if isinstance(probe_tokens, bool) or not isinstance(probe_tokens, numbers.Integral) or probe_tokens < 1:
         raise ValueError(f"probe_tokens={probe_tokens!r}: expected an int ≥ 1 (the model's sampled continuation)")
+    window = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(window, int) and probe_tokens > window:
+        raise ValueError(f"probe_tokens={probe_tokens}: expected at most the model's context window, "
+                         f"config.max_position_embeddings={window} (the probe samples one token per forward pass)")
     if method == "zipkv":
+        if not isinstance(cascade, bool):
+            raise TypeError(f"cascade={cascade!r}: expected True (each layer fitted to the probe's queries as the "
+                            "layers before it, compressed, produce them) or False")
         if budget not in generalise.BUDGETS:
             raise ValueError(f"budget={budget!r}: expected one of {list(generalise.BUDGETS)}")
         if config is not None and not isinstance(config, generalise.ZipkvConfig):

@@ -91,7 +91,12 @@ def load_books(folder: str | os.PathLike | None = None, *, limit: int | None = N
         path = folder / f"{pg_id}.txt"
         if not path.is_file():
             raise FileNotFoundError(f"manifest.json in {folder} lists pg_id={pg_id}, but {path} is missing")
-        books.append(Book(pg_id, title, path.read_text(encoding="utf-8")))
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{path} (pg_id={pg_id} in manifest.json) is not UTF-8 text ({err.reason} at byte "
+                             f"{err.start}): expected a plain-text book in UTF-8") from None
+        books.append(Book(pg_id, title, text))
     return books
 
 

@@ -65,6 +65,7 @@ before attention (ZipFusion §II-B's setting), its bytes counted in the same bud
 from __future__ import annotations
 
 import collections
+import collections.abc
 import math
 import numbers
 import time
@@ -75,6 +76,7 @@ import torch
 
 from zipkv import format as fmt
 from zipkv.memory import KVMemory
+from zipkv.paged import check_layouts
 from zipkv.runner import RestoreBuffer, StepAttention, StepInFlight, StepRunner
 from zipkv.sampling import SamplingParams, TextStream, stream_key
 from zipkv.scheduler import Request, Scheduler
@@ -130,10 +132,15 @@ class Prefix:
         kv = self.kv(l) if callable(self.kv) else self.kv[l]
         if shape is not None:
             want = (shape[0], self.length, shape[1])
-            got = [tuple(getattr(t, "shape", ())) for t in (kv if isinstance(kv, (tuple, list)) else [kv])]
+            pair = kv if isinstance(kv, (tuple, list)) else [kv]
+            got = [tuple(getattr(t, "shape", ())) for t in pair]
             if len(got) != 2 or any(g != want for g in got):
                 raise ValueError(f"prefix layer {l}: expected (keys, values) of shape {list(want)} each "
                                  f"([kv_heads, length, head_dim]), got shapes {got}")
+            kinds = [f"{type(t).__name__} {getattr(t, 'dtype', '')}".strip() for t in pair]
+            if not all(isinstance(t, torch.Tensor) and t.is_floating_point() for t in pair):
+                raise TypeError(f"prefix layer {l}: expected (keys, values) as floating-point torch tensors "
+                                f"(bf16, as the cache stores them), got {kinds}")
         return kv
 
     def check(self, name: str, num_layers: int, kv_heads: int, head_dim: int):
@@ -154,8 +161,8 @@ class Prefix:
         for l in range(num_layers):
             try:
                 self.layer(l, (kv_heads, head_dim))
-            except ValueError as err:
-                raise ValueError(f"{name}: {err}") from None
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{name}: {err}") from None
 
     @property
     def position(self) -> int:
@@ -276,7 +283,7 @@ class Engine:
     tokenizer: the model's Hugging Face tokenizer: :meth:`generate` and :meth:`stream` then take strings as prompts
     and give texts, and ``stop`` strings can be used. pool, admission: the memory manager's ablation options
     (:class:`zipkv.memory.KVMemory`: ``pool="per_layer"``, ``admission="uncompressed"``; the defaults are ZipFusion's).
-    :meth:`serve` serves a trace of requests arriving over time (:mod:`zipkv.serving`).
+    :func:`zipkv.serving.serve` serves it a trace of requests arriving over time.
     """
 
     def __init__(self, model, kv_budget_bytes: int, *, compress="all", attention: str = "auto",
@@ -330,8 +337,13 @@ class Engine:
         self.q_heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         auto = default_layouts(attention, self.device, restore, self.head_dim, self.q_heads // self.kv_heads)
         k_layout, v_layout = (a if lay == "auto" else lay for lay, a in zip((k_layout, v_layout), auto))
+        if attention == "kernel":                     # the decode kernels' pairs, before the first step finds out
+            check_layouts(k_layout, v_layout, self.head_dim)
         L = cfg.num_hidden_layers
         buffer_pages, budget = 0, kv_budget_bytes
+        if restore is None and restore_buffer_pages is not None:
+            raise ValueError(f"restore_buffer_pages={restore_buffer_pages!r} sizes the restore baseline's buffer: it "
+                             f"needs restore= (a zipkv.codecs.SplitZip or Huffman codec), or leave it None")
         if restore is not None:
             if not (hasattr(restore, "encode") and getattr(restore, "name", None) in ("splitzip", "huffman")):
                 raise TypeError(f"restore must be a zipkv.codecs.SplitZip or Huffman codec, got {type(restore).__name__}")
@@ -388,8 +400,9 @@ class Engine:
             if isinstance(p, torch.Tensor) and p.dim() != 1:
                 raise ValueError(f"prompts[{i}] must be a 1-D sequence of token ids, got a tensor of shape "
                                  f"{tuple(p.shape)} (one prompt per entry: pass ids[0], not the [1, n] batch)")
-            if isinstance(p, (str, bytes)) or not hasattr(p, "__iter__"):
-                raise TypeError(f"prompts[{i}] must be a sequence of token ids, got {type(p).__name__}")
+            if isinstance(p, (str, bytes, collections.abc.Set, collections.abc.Mapping)) or not hasattr(p, "__iter__"):
+                raise TypeError(f"prompts[{i}] must be a sequence of token ids, got {type(p).__name__} (expected a "
+                                f"list, tuple or 1-D tensor of ints)")
             ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
             if not ids:
                 raise ValueError(f"prompts[{i}] is empty: a request needs at least one prompt token")
@@ -595,12 +608,6 @@ class Engine:
         return self._start(prompts, max_new_tokens, sampling_params, seed, prefixes, max_decode_steps, progress,
                            dict(temperature=temperature, top_p=top_p, top_k=top_k, stop=stop,
                                 stop_token_ids=stop_token_ids), streaming=True)
-
-    def serve(self, trace, *, clock="simulated", cost=None, prefixes=None, progress: bool | None = False):
-        """Serve ``trace`` (a :class:`zipkv.serving.Trace`: requests arriving over time, greedy) and record what a
-        serving benchmark measures: :func:`zipkv.serving.serve` (its docstring has the clocks and the records)."""
-        from zipkv.serving import serve
-        return serve(self, trace, clock=clock, cost=cost, prefixes=prefixes, progress=progress)
 
     def _start(self, prompts, max_new_tokens, sampling_params, seed, prefixes, max_decode_steps, progress, keywords,
                streaming: bool):

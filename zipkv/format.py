@@ -232,6 +232,8 @@ def from_blocks(blocks: torch.Tensor, layout: str, head_dim: int) -> torch.Tenso
     _check_layout(layout)
     _check_layout_head_dim(layout, head_dim)
     nb = n_blocks(head_dim)
+    if not isinstance(blocks, torch.Tensor):
+        raise TypeError(f"blocks must be a torch.Tensor [..., {nb}, {BLOCK_VALUES}], got {type(blocks).__name__}")
     if blocks.shape[-2:] != (nb, BLOCK_VALUES):
         raise ValueError(f"blocks must have shape [..., {nb}, {BLOCK_VALUES}], got {tuple(blocks.shape)}")
     lead = blocks.shape[:-2]
@@ -247,7 +249,10 @@ def from_blocks(blocks: torch.Tensor, layout: str, head_dim: int) -> torch.Tenso
 def mma_index(layout: str, device="cpu", head_dim: int = MMA_HEAD_DIM) -> torch.Tensor:
     """int64 ``[n_blocks, 512]``: for an mma layout, the flat page index ``token * head_dim + channel`` of
     the value at position ``p`` of block ``j`` (module docstring)."""
-    _check_layout_head_dim(layout, head_dim)
+    if layout not in MMA_LAYOUTS:
+        raise ValueError(f"layout must be one of the mma layouts {MMA_LAYOUTS}, got {layout!r} (the token and channel "
+                         f"layouts have no mma index: zipkv.format.to_blocks arranges them)")
+    _check_layout_head_dim(layout, _check_head_dim(head_dim))
     return _mma_index(layout, head_dim).to(device)
 
 
@@ -371,6 +376,7 @@ class PageMeta:
     def sealed(self) -> "PageMeta":
         """This metadata with its check bytes computed from its flags and bases (:func:`meta_check`): what
         :func:`pack` returns. Seal only metadata known to be right (e.g. just written by a pack kernel)."""
+        _check_meta_structure(self)
         return PageMeta(self.layout, self.head_dim, self.compressed, self.base,
                         meta_check(self.packed(), self.layout, self.head_dim))
 
@@ -395,8 +401,12 @@ class PageMeta:
 
     def __getitem__(self, idx) -> "PageMeta":
         """Select pages (indexing the leading dims)."""
-        return PageMeta(self.layout, self.head_dim, self.compressed[idx], self.base[idx],
-                        None if self.check is None else self.check[idx])
+        try:
+            return PageMeta(self.layout, self.head_dim, self.compressed[idx], self.base[idx],
+                            None if self.check is None else self.check[idx])
+        except IndexError as err:
+            raise IndexError(f"PageMeta[{idx!r}]: the metadata holds pages {tuple(self.compressed.shape[:-1])} "
+                             f"(and {self.compressed.shape[-1]} blocks each): {err}") from None
 
 
 # ----------------------------------------------------------------------------- check bytes
@@ -473,6 +483,14 @@ def check_meta(meta: "PageMeta", name: str = "meta") -> None:
     """The checks of :func:`unpack` that read only metadata (module docstring): dtypes and shapes, no odd base
     on a compressed block, and every block's check byte where ``meta.check`` is given. ``ValueError``/``TypeError``
     naming the page and block."""
+    _check_meta_structure(meta, name)
+    _check_bases(meta, name)
+    if meta.check is not None:
+        _check_against(meta, meta.packed(), name)
+
+
+def _check_meta_structure(meta: "PageMeta", name: str = "meta") -> None:
+    """The types and shapes of ``meta``'s fields (what ``unpack(..., validate=False)`` checks too): reads no values."""
     if not isinstance(meta, PageMeta):
         raise TypeError(f"{name} must be a PageMeta, got {type(meta).__name__}")
     _check_layout(meta.layout, f"{name}.layout")
@@ -490,9 +508,6 @@ def check_meta(meta: "PageMeta", name: str = "meta") -> None:
                                    or meta.check.shape != meta.compressed.shape):
         raise ValueError(f"{name}.check must be None or a uint8 tensor of shape {tuple(meta.compressed.shape)}, got "
                          f"{getattr(meta.check, 'dtype', type(meta.check).__name__)} {tuple(getattr(meta.check, 'shape', ()))}")
-    _check_bases(meta, name)
-    if meta.check is not None:
-        _check_against(meta, meta.packed(), name)
 
 
 _UNIT = 256  # blocks are 3 (packed) or 4 (raw) units of 256 bytes
@@ -524,6 +539,8 @@ def pack(pages: torch.Tensor, layout: str = "token", *, enable: bool | torch.Ten
     """
     d = _check_pages(pages)
     _check_layout(layout)
+    if type(enable).__module__ == "numpy" and getattr(enable, "dtype", None) == bool and enable.ndim == 0:
+        enable = bool(enable)                          # numpy's bool scalar
     if not isinstance(enable, (bool, torch.Tensor)):   # a list or None would read as one truth value
         raise TypeError(f"enable must be a bool or a bool tensor [..., n_blocks], got {type(enable).__name__}")
     nb = PAGE_TOKENS * d // BLOCK_VALUES
@@ -604,23 +621,15 @@ def unpack(payload: torch.Tensor, meta: PageMeta, *, validate: bool = True) -> t
     ``meta.head_dim`` -- and the codes against the bases (a base that no code names, codes that pass exponent
     255): a ``ValueError`` naming the page and block instead of wrong values (module docstring: what is and is
     not detected). ``validate=False`` checks types and shapes only and decodes what the metadata says."""
-    if not isinstance(meta, PageMeta):
-        raise TypeError(f"meta must be a PageMeta, got {type(meta).__name__}")
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
         raise TypeError(f"payload must be a uint8 tensor, got {getattr(payload, 'dtype', type(payload))}")
-    d, nb = meta.head_dim, meta.n_blocks
-    pb = nb * RAW_BLOCK_BYTES
-    lead = meta.compressed.shape[:-1]
     if validate:
         check_meta(meta)
     else:
-        if meta.compressed.dtype != torch.bool:
-            raise TypeError(f"meta.compressed must be a bool tensor, got {meta.compressed.dtype}")
-        if meta.base.dtype != torch.uint8:
-            raise TypeError(f"meta.base must be a uint8 tensor, got {meta.base.dtype}")
-        if meta.compressed.shape[-1:] != (nb,) or meta.base.shape != meta.compressed.shape:
-            raise ValueError(f"meta.compressed/meta.base must have shape [..., {nb}] (meta.head_dim={d}), got "
-                             f"{tuple(meta.compressed.shape)} / {tuple(meta.base.shape)}")
+        _check_meta_structure(meta)
+    d, nb = meta.head_dim, meta.n_blocks
+    pb = nb * RAW_BLOCK_BYTES
+    lead = meta.compressed.shape[:-1]
     if payload.shape[:-1] != lead:
         raise ValueError(f"payload must have shape [{', '.join(map(str, lead))}, L] to match meta, "
                          f"got {tuple(payload.shape)}")
@@ -690,14 +699,20 @@ def _crc32_tables_on(length: int, device: torch.device):
 _CRC_CHUNK = 1 << 24                 # bytes per gather (bounds the int32 temporaries)
 
 
+def _check_payload(payload, name: str = "payload") -> None:
+    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() < 1:
+        got = (f"{payload.dtype} tensor of shape {tuple(payload.shape)}" if isinstance(payload, torch.Tensor)
+               else type(payload).__name__)
+        raise TypeError(f"{name} must be a uint8 tensor [..., L] (one row of bytes per page), got {got}")
+
+
 def page_checksum(payload: torch.Tensor, meta: PageMeta | None = None) -> torch.Tensor:
     """CRC-32 (``zlib.crc32``'s) of each page's bytes: payload uint8 ``[..., L]`` -> int64 ``[...]`` in
     ``[0, 2**32)``, computed in torch on the payload's device (one table gather and a xor tree per byte).
     meta: only the first ``meta.nbytes`` bytes of each page (the bytes :func:`unpack` reads; the rest of a
     slot is not part of the page); None: all ``L`` bytes. Finds every 1, 2 or 3 flipped bits of a page up to
     11 KB and every burst of up to 32 (module docstring)."""
-    if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8 or payload.dim() < 1:
-        raise TypeError(f"payload must be a uint8 tensor [..., L], got {getattr(payload, 'dtype', type(payload).__name__)}")
+    _check_payload(payload)
     lead, width = payload.shape[:-1], payload.shape[-1]
     if meta is None:
         used = torch.full(lead, width, dtype=torch.int64, device=payload.device)
@@ -733,6 +748,7 @@ def verify_checksum(payload: torch.Tensor, checksum: torch.Tensor, meta: PageMet
                     name: str = "payload") -> None:
     """``ValueError`` naming the first page whose :func:`page_checksum` (with ``meta``) is not ``checksum``
     (int64 ``[...]``, recorded when the pages were written): its bytes changed since (one device sync)."""
+    _check_payload(payload, name)
     if not isinstance(checksum, torch.Tensor) or checksum.dtype != torch.int64 or checksum.shape != payload.shape[:-1]:
         raise ValueError(f"checksum must be an int64 tensor of shape {tuple(payload.shape[:-1])} (one per page), got "
                          f"{getattr(checksum, 'dtype', type(checksum).__name__)} {tuple(getattr(checksum, 'shape', ()))}")

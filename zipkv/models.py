@@ -152,6 +152,41 @@ def converted_gguf(gguf: str | os.PathLike) -> Path:
     target = cache_dir() / f"{gguf.stem}-{key}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
+    with open(gguf, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"gguf={str(gguf)!r} is not a GGUF file (it starts with {magic!r}, not the magic bytes "
+                         f"b'GGUF'): expected a .gguf model file")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(target.with_name(target.name + ".lock")):      # another process converting it: wait, reuse
+        if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+            return target
+        _convert(gguf, target)
+    return target
+
+
+def _exclusive(path: Path):
+    """A context holding an exclusive lock on ``path`` (``fcntl.flock``; where the platform has none, no lock)."""
+    import contextlib
+
+    try:
+        import fcntl
+    except ImportError:                                   # not on POSIX: concurrent conversions each write their own
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def held():
+        with open(path, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+    return held()
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    """De-quantize ``gguf`` and save it as a safetensors folder at ``target`` (written beside it, then renamed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     print(f"zipkv: converting {gguf.name} to safetensors once (de-quantizing takes a while; later loads take seconds) "
@@ -163,7 +198,7 @@ def converted_gguf(gguf: str | os.PathLike) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     if target.exists():
@@ -172,7 +207,6 @@ def converted_gguf(gguf: str | os.PathLike) -> Path:
         shutil.rmtree(target)
     partial.rename(target)
     print(f"zipkv: conversion done in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    return target
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -195,6 +229,12 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+"""Files of which a local model folder holds at least one: its tokenizer."""
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+"""Files of which a local model folder holds at least one: its weights."""
+
+
 def _resolve_model_name(name: str | os.PathLike) -> tuple[str, bool]:
     """``(source, local_files_only)`` for ``load_model(name)``: a local folder, a Hub id already in the
     local Hugging Face cache, or a Hub id to download. Fails at once, not after the Hub client's
@@ -204,6 +244,13 @@ def _resolve_model_name(name: str | os.PathLike) -> tuple[str, bool]:
         if not (path / "config.json").is_file():
             raise ValueError(f"name={str(name)!r} is a local path without config.json: expected a Hugging Face "
                              "model folder (config.json, tokenizer and weights, as save_pretrained writes it)")
+        missing = [f"no {what} file (one of {', '.join(files)})"
+                   for what, files in (("tokenizer", TOKENIZER_FILES), ("weights", WEIGHT_FILES))
+                   if not any(next(path.glob(pattern), None) for pattern in files)]
+        if missing:
+            raise ValueError(f"name={str(name)!r} is a local folder with config.json but {' and '.join(missing)}: "
+                             "expected a Hugging Face model folder (config.json, tokenizer and weights, as "
+                             "save_pretrained writes it)")
         return str(path), True
     from huggingface_hub import constants, try_to_load_from_cache
 
@@ -244,8 +291,9 @@ def load_model(name: str | os.PathLike | None = None, *, dtype: torch.dtype = to
     Returns:
         ``(model, tokenizer)``.
     """
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype={dtype!r}: expected a torch.dtype such as torch.bfloat16")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype={dtype!r}: expected a floating-point torch.dtype such as torch.bfloat16 or "
+                        "torch.float32")
     if name is not None and not isinstance(name, (str, os.PathLike)):
         raise TypeError(f"name={name!r}: expected None (the embedded model), a path or a Hugging Face model id")
     try:                                                  # before the weights load, not after

@@ -80,6 +80,8 @@ class PagedKVCache:
     def meta(self, kv: int) -> fmt.PageMeta:
         """Metadata of keys (kv=0) or values (kv=1): PageMeta ``[num_pages, kv_heads, n_blocks]`` (with the
         check bytes where the cache has them)."""
+        if kv not in (0, 1) or isinstance(kv, bool):
+            raise ValueError(f"kv must be 0 (keys) or 1 (values), got {kv!r}")
         d = self.desc[:, kv]
         return fmt.PageMeta.from_packed((d & 0xFF).to(torch.uint8), (self.k_layout, self.v_layout)[kv], self.head_dim,
                                         None if self.check is None else self.check[:, kv])
@@ -93,7 +95,7 @@ class PagedKVCache:
         elif self.check is None:
             raise ValueError("seal(pages): the cache has no check bytes yet; seal() every page first")
         else:
-            ids = pages.long().to(self.desc.device)
+            ids = _page_ids(self, pages, distinct=False, name="pages")
             self.check[ids] = descriptor_checks(self.desc[ids], self.k_layout, self.v_layout, self.head_dim)
         return self
 
@@ -104,7 +106,8 @@ class PagedKVCache:
     def read_pages(self, page_ids: torch.Tensor | None = None, *, validate: bool = True):
         """Decode pages with ``zipkv.format.unpack`` (``validate`` passed on): ``(k, v)``, each bf16
         ``[len(page_ids), kv_heads, 16, head_dim]`` (all pages by default)."""
-        ids = torch.arange(self.num_pages, device=self.desc.device) if page_ids is None else page_ids.long()
+        ids = (torch.arange(self.num_pages, device=self.desc.device) if page_ids is None
+               else _page_ids(self, page_ids, distinct=False))
         pb = fmt.page_bytes(self.head_dim)
         off = self.slot_offsets()[ids]                                   # [n, 2, H]
         padded = torch.cat([self.pool, self.pool.new_zeros(pb)])        # compact slots may end early
@@ -153,6 +156,10 @@ class PagedKVCache:
         several caches' descriptors at once); None: computed here. Check bytes (:attr:`check`) are not
         rewritten -- :meth:`seal` the pages whose flags or bases were changed by hand -- except that after ``desc``
         grew the new pages' are sealed (and a shrunk cache's dropped)."""
+        if pages is not None and (not isinstance(pages, torch.Tensor) or pages.dim() != 1
+                                  or pages.dtype not in (torch.int32, torch.int64)):
+            raise ValueError(f"pages must be None or a 1-D int32/int64 tensor of page ids, got "
+                             f"{getattr(pages, 'dtype', type(pages).__name__)} {tuple(getattr(pages, 'shape', ()))}")
         if self.check is not None and self.check.shape != self.desc.shape:
             self._resize_check()
         shape = self._kind_shape() if pages is None else (pages.numel(), self.kv_heads)
@@ -220,6 +227,7 @@ class PagedKVCache:
                                    ("v_layout", pages.v_layout, self.v_layout)):
             if theirs != ours:
                 raise ValueError(f"pages.{name} is {theirs!r}, this cache's {name} {ours!r}: pages of another format")
+        pages.check_structure()
         ids = _page_ids(self, page_ids)
         want = (ids.numel(), 2, self.kv_heads, self.n_blocks)
         if tuple(pages.packed.shape) != want:
@@ -289,6 +297,28 @@ class PageExport:
     check: torch.Tensor
     checksum: torch.Tensor | None = None
 
+    def check_structure(self) -> "PageExport":
+        """``TypeError``/``ValueError`` naming the field unless every field has its type, dtype and shape (reads no
+        values: what ``import_pages(..., validate=False)`` still checks)."""
+        fmt._check_head_dim(self.head_dim, "pages.head_dim")
+        check_layouts(self.k_layout, self.v_layout, self.head_dim, "pages.")
+        p = self.packed
+        if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 4 or p.shape[1] != 2 \
+                or p.shape[3] != fmt.n_blocks(self.head_dim):
+            raise ValueError(f"pages.packed must be a uint8 tensor [n, 2, kv_heads, {fmt.n_blocks(self.head_dim)}], got "
+                             f"{getattr(p, 'dtype', type(p).__name__)} {tuple(getattr(p, 'shape', ()))}")
+        want = {"payload": (torch.uint8, (*p.shape[:3], fmt.page_bytes(self.head_dim))),
+                "check": (torch.uint8, tuple(p.shape)), "checksum": (torch.int64, tuple(p.shape[:3]))}
+        for name, (dtype, shape) in want.items():
+            t = getattr(self, name)
+            if t is None and name == "checksum":
+                continue
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+                raise ValueError(f"pages.{name} must be a {dtype} tensor of shape {shape}"
+                                 f"{' or None' if name == 'checksum' else ''}, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        return self
+
     def meta(self, kv: int) -> fmt.PageMeta:
         """Keys' (0) or values' (1) metadata, PageMeta ``[n, kv_heads, n_blocks]`` with its check bytes."""
         return fmt.PageMeta.from_packed(self.packed[:, kv], (self.k_layout, self.v_layout)[kv], self.head_dim,
@@ -297,6 +327,7 @@ class PageExport:
     def verify(self) -> "PageExport":
         """``ValueError`` naming the page unless every metadata byte matches its check byte and (where taken) every
         page-head's bytes their checksum (one device sync per check)."""
+        self.check_structure()
         for kv, name in ((0, "keys"), (1, "values")):
             m = self.meta(kv)
             fmt.check_meta(m, f"pages ({name})")
@@ -317,6 +348,10 @@ class PageExport:
 
     def to(self, device) -> "PageExport":
         """The same pages on ``device``."""
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device={device!r}: expected a torch device such as 'cpu' or 'cuda'") from None
         moved = (None if t is None else t.to(device) for t in (self.payload, self.packed, self.check, self.checksum))
         return PageExport(self.head_dim, self.k_layout, self.v_layout, *moved)
 
@@ -329,16 +364,16 @@ def descriptor_checks(desc: torch.Tensor, k_layout: str, v_layout: str, head_dim
                         for kv, lay in ((0, k_layout), (1, v_layout))], -3)
 
 
-def _page_ids(cache, page_ids) -> torch.Tensor:
-    """``page_ids`` as int64 on the cache's device: 1-D, distinct, in ``[0, num_pages)`` (syncs)."""
+def _page_ids(cache, page_ids, *, distinct: bool = True, name: str = "page_ids") -> torch.Tensor:
+    """``page_ids`` as int64 on the cache's device: 1-D, in ``[0, num_pages)``, distinct where ``distinct`` (syncs)."""
     if not isinstance(page_ids, torch.Tensor) or page_ids.dim() != 1 or page_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"page_ids must be a 1-D int32/int64 tensor, got {getattr(page_ids, 'dtype', type(page_ids).__name__)} "
+        raise ValueError(f"{name} must be a 1-D int32/int64 tensor, got {getattr(page_ids, 'dtype', type(page_ids).__name__)} "
                          f"{tuple(getattr(page_ids, 'shape', ()))}")
     ids = page_ids.long().to(cache.desc.device)
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= cache.num_pages):
-        raise ValueError(f"page_ids must lie in [0, {cache.num_pages}), got range [{int(ids.min())}, {int(ids.max())}]")
-    if ids.unique().numel() != ids.numel():
-        raise ValueError("page_ids must not repeat")
+        raise ValueError(f"{name} must lie in [0, {cache.num_pages}), got range [{int(ids.min())}, {int(ids.max())}]")
+    if distinct and ids.unique().numel() != ids.numel():
+        raise ValueError(f"{name} must not repeat")
     return ids
 
 
@@ -363,13 +398,18 @@ def check_layouts(k_layout, v_layout, head_dim, prefix=""):
                          f"v_layout={fmt.MMA_LAYOUTS[1]!r}), got k_layout={k_layout!r}, v_layout={v_layout!r}")
 
 
-def check_cache(cache):
+def check_cache(cache, *, kernel_layouts: bool = True):
     """TypeError/ValueError unless ``cache`` is a well-formed :class:`PagedKVCache` (types, shapes,
-    alignment; no device sync)."""
+    alignment; no device sync). kernel_layouts: its layouts must be a pair a decode kernel reads
+    (:func:`check_layouts`); False: any layouts defined at its head_dim (what ``zipkv.format.unpack`` decodes)."""
     if not isinstance(cache, PagedKVCache):
         raise TypeError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
     fmt._check_head_dim(cache.head_dim, "cache.head_dim")
-    check_layouts(cache.k_layout, cache.v_layout, cache.head_dim, "cache.")
+    if kernel_layouts:
+        check_layouts(cache.k_layout, cache.v_layout, cache.head_dim, "cache.")
+    else:
+        for name, layout in (("cache.k_layout", cache.k_layout), ("cache.v_layout", cache.v_layout)):
+            fmt._check_layout_head_dim(fmt._check_layout(layout, name), cache.head_dim, name)
     p, d = cache.pool, cache.desc
     if not isinstance(p, torch.Tensor) or p.dtype != torch.uint8 or p.dim() != 1 or not p.is_contiguous():
         raise TypeError(f"cache.pool must be a contiguous 1-D uint8 tensor, got "
@@ -513,6 +553,14 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     B, H, T, D = k.shape
     check_layouts(k_layout, v_layout, D)
     dev = k.device
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
+    if not -2 ** 63 <= seed < 2 ** 64 - 1:
+        raise ValueError(f"seed must lie in [-2**63, 2**64 - 1) (torch.Generator's seeds), got {seed}")
+    if seq_lens is not None and (isinstance(seq_lens, (str, bytes)) or not hasattr(seq_lens, "__len__")
+                                 or getattr(seq_lens, "ndim", 1) != 1):
+        raise TypeError(f"seq_lens must be None or a sequence of {B} integer lengths (a list or a 1-D tensor), got "
+                        f"{type(seq_lens).__name__} {seq_lens!r}")
     lens = [T] * B if seq_lens is None else (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else list(seq_lens))
     if any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in lens):
         raise TypeError(f"seq_lens must hold integer lengths, got {lens}")

@@ -88,6 +88,25 @@ def _check_generation(max_new_tokens, generate_kwargs) -> dict:
     return dict(generate_kwargs)
 
 
+def _check_generate_kwargs(model, generate_kwargs: dict) -> None:
+    """``generate_kwargs`` that ``model.generate`` would refuse for its names -- neither a generation setting, nor one
+    of ``generate``'s own arguments, nor an input of the model -- is a ``ValueError`` before the context is compressed
+    (``generate`` itself checks only after the work; its own check does the judging, where the model has it)."""
+    import copy
+    import inspect
+
+    config = getattr(model, "generation_config", None)
+    validate = getattr(model, "_validate_model_kwargs", None)
+    if config is None or validate is None or not generate_kwargs:
+        return
+    rest = copy.deepcopy(config).update(**generate_kwargs)             # the names that are no generation setting
+    rest = {k: v for k, v in rest.items() if k not in inspect.signature(type(model).generate).parameters}
+    try:
+        validate(dict(rest))
+    except ValueError as err:
+        raise ValueError(f"generate_kwargs={generate_kwargs!r}: {err}") from None
+
+
 def prompt_ids(tokenizer, context: str, questions: Sequence[str], *, chat_template: bool | None = None,
                separator: str = "\n\n") -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The token ids of each question's prompt, split where the questions begin.
@@ -107,6 +126,8 @@ def prompt_ids(tokenizer, context: str, questions: Sequence[str], *, chat_templa
     templated = _check_tokenizer(tokenizer, chat_template)
     if not isinstance(context, str):
         raise TypeError(f"context must be a str (the document the questions are about), got {type(context).__name__}")
+    if not context.strip():
+        raise ValueError(f"context={context!r} is empty: expected the document the questions are about")
     questions = _check_questions(questions)
     if not isinstance(separator, str):
         raise TypeError(f"separator={separator!r}: expected a str, the text between the context and a question")
@@ -158,6 +179,7 @@ def _generate_answers(model, tokenizer, context_ids: torch.Tensor, question_ids:
                       settings: dict) -> list[str]:
     """Compress ``context_ids`` ``[N]`` once and answer every ``question_ids[q]`` ``[T_q]`` after it in one
     left-padded ``generate``."""
+    _check_generate_kwargs(model, generate_kwargs)
     cache = compress(model, context_ids, kept_fraction, method=method, **settings)
     eos, pad = _special_ids(model, tokenizer)
     device = next(model.parameters()).device

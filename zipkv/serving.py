@@ -7,7 +7,7 @@ its number of output tokens. :func:`poisson_trace` draws one -- Poisson arrivals
 lengths uniform over stated ranges, prompts cut from PG19 windows (:func:`zipkv.data.windows`) -- and
 :func:`all_at_once` the same requests all arriving at 0; both are seeded: the same arguments give the same trace.
 
-:func:`serve` (or :meth:`zipkv.engine.Engine.serve`) runs the engine's own loop (:meth:`zipkv.engine.Engine.generate`:
+:func:`serve` runs the engine's own loop (:meth:`zipkv.engine.Engine.generate`:
 the same admission, compression as pages fill, retraction when a step finds no page, greedy tokens) with the requests
 joining the waiting queue as the clock reaches their arrival times, and records
 

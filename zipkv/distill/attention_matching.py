@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from .bias import BiasedCache
-from .generalise import HeadTargets, _spd_solve, layer_targets, objective
+from .generalise import HeadTargets, _spd_solve, check_config, layer_targets, objective
 
 KEY_METHODS = ("highest", "omp", "lbfgs")
 """Attention Matching's key constructions (module docstring)."""
@@ -79,6 +79,12 @@ class AttentionMatchingConfig:
     ridge: float = 1e-6
     dtype: torch.dtype = torch.float32
     device: str | torch.device | None = None
+
+    def __post_init__(self):
+        if self.keys not in KEY_METHODS:
+            raise ValueError(f"AttentionMatchingConfig(keys={self.keys!r}): expected one of {list(KEY_METHODS)}")
+        check_config(self, ints=(("horizon", 1), ("validation_every", 2), ("omp_rounds", 1), ("lbfgs_steps", 0),
+                                 ("nnls_iters", 0)), reals=(("bias_bound", False), ("ridge", True)))
 
 
 def largest_eigenvalue(gram: torch.Tensor, rtol: float = 1e-10, check_every: int = 8,

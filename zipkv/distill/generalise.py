@@ -35,6 +35,7 @@ value), with no iterative optimiser: its cost is a few matmuls of the ``[H, n_q,
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass
 
@@ -79,6 +80,48 @@ class ZipkvConfig:
     max_scores: int | None = 2**27
     dtype: torch.dtype = torch.float32
     device: str | torch.device | None = None
+
+    def __post_init__(self):
+        check_config(self, ints=(("horizon", 1), ("validation_every", 2)),
+                     reals=(("mass_ridge", True), ("bias_bound", False)))
+        if self.selection not in ("mean", "max"):
+            raise ValueError(f"ZipkvConfig(selection={self.selection!r}): expected 'mean' or 'max'")
+        if not isinstance(self.bias, bool):
+            raise TypeError(f"ZipkvConfig(bias={self.bias!r}): expected True (fit the per-key bias) or False")
+        ridges = self.value_ridges
+        if (not isinstance(ridges, (tuple, list)) or not ridges
+                or any(isinstance(r, bool) or not isinstance(r, numbers.Real) or not r >= 0 for r in ridges)):
+            raise ValueError(f"ZipkvConfig(value_ridges={ridges!r}): expected a non-empty tuple of numbers ≥ 0 (math.inf: "
+                             "keep the original values)")
+        if self.max_scores is not None and (isinstance(self.max_scores, bool)
+                                            or not isinstance(self.max_scores, numbers.Integral) or self.max_scores < 1):
+            raise ValueError(f"ZipkvConfig(max_scores={self.max_scores!r}): expected an int ≥ 1 or None (no cap)")
+
+
+def check_config(config, *, ints=(), reals=()) -> None:
+    """A distiller's settings (``config``, a dataclass with ``dtype`` and ``device``): ``ints`` ``(field, least)`` ints,
+    ``reals`` ``(field, finite)`` numbers ≥ 0, ``dtype`` float32 or float64, ``device`` None or a device this machine
+    has. A ``ValueError``/``TypeError`` naming the field, when the config is made (not in the middle of a solve)."""
+    name = type(config).__name__
+    for field, least in ints:
+        value = getattr(config, field)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+            raise ValueError(f"{name}({field}={value!r}): expected an int ≥ {least}")
+        setattr(config, field, int(value))
+    for field, finite in reals:
+        value = getattr(config, field)
+        if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0
+                or (finite and not math.isfinite(value))):
+            raise ValueError(f"{name}({field}={value!r}): expected a {'finite ' if finite else ''}number ≥ 0")
+    if config.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name}(dtype={config.dtype!r}): expected torch.float32 or torch.float64")
+    if config.device is not None:
+        try:
+            device = torch.device(config.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{name}(device={config.device!r}): expected a torch device such as 'cpu' or 'cuda'") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{name}(device={config.device!r}): this machine has no CUDA GPU")
 
 
 def future_queries(queries: torch.Tensor, positions: torch.Tensor, rope, m: int, *, horizon: int = 256,

@@ -30,8 +30,8 @@ def decode_attention_reference(q: torch.Tensor, cache, indptr, indices, last_pag
     cache, then attention in fp32. q: ``[batch, q_heads, head_dim]``; returns fp32. The inputs are checked as
     :func:`~zipkv.kernels.decode_attention.plan` checks them, and every page is unpacked with validation;
     ``validate=False`` skips reading the page table's values and the pages' checks (a caller that built the table
-    itself)."""
-    paged.check_cache(cache)
+    itself). Unlike the kernels it reads any layouts for keys and values, the mma layouts outside their pair too."""
+    paged.check_cache(cache, kernel_layouts=False)
     batch = check_page_table(cache, indptr, indices, last_page_len)
     if not isinstance(q, torch.Tensor) or not q.is_floating_point():
         raise TypeError(f"q must be a floating-point torch.Tensor, got {getattr(q, 'dtype', type(q).__name__)}")

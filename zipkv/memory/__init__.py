@@ -92,6 +92,7 @@ holds the parts, each with its one job:
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +125,43 @@ _PROBE = object()
 def _is_int(x) -> bool:
     """An integer (Python's or numpy's), not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` where the pool can be allocated: the CPU, an available CUDA GPU, or the meta
+    device (bookkeeping without bytes)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"device={device!r}: expected a torch device such as 'cpu' or 'cuda'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this machine has no CUDA GPU (torch.cuda.is_available() is False)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise ValueError(f"device={device!r}: expected 'cpu', a CUDA device ('cuda', 'cuda:1') or 'meta'")
+    if dev.type == "cuda" and dev.index is None:       # the tensors made on it say which GPU
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """Bytes of memory ``device`` has (the GPU's, or the machine's RAM), or None where that cannot be read."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device).total_memory
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        return None
+
+
+def _check_fits_device(pool_bytes: int, device: torch.device) -> None:
+    """A pool larger than the device's whole memory can never be allocated: a ``ValueError`` before the bookkeeping
+    of its chunks is built (which, for such a budget, would take hours)."""
+    total = None if device.type == "meta" else _device_memory(device)
+    if total is not None and pool_bytes > total:
+        raise ValueError(f"kv_budget_bytes={pool_bytes} is more than the whole memory of {device} ({total} bytes): "
+                         f"expected a budget that fits the device")
 
 
 class KVMemory:
@@ -165,6 +203,11 @@ class KVMemory:
         for name, x in (("extra_bytes", extra_bytes), ("extra_pages", extra_pages)):
             if not _is_int(x) or x < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+        if pack_slots is not None and not callable(pack_slots):
+            raise TypeError(f"pack_slots must be None or a function f(pool, offsets, head_dim, layout) -> metadata "
+                            f"bytes, got {type(pack_slots).__name__}")
+        device = _check_device(device)
+        _check_fits_device(int(kv_budget_bytes) + int(extra_bytes), device)
         num_layers, kv_heads, pages_per_chunk, kv_budget_bytes = map(int, (num_layers, kv_heads, pages_per_chunk,
                                                                            kv_budget_bytes))
         extra_bytes, extra_pages = int(extra_bytes), int(extra_pages)
@@ -413,8 +456,11 @@ class KVMemory:
     def slots(self, rid, start: int, n: int):
         """Page ids and in-page offsets of tokens ``start .. start + n - 1`` of request ``rid``."""
         r = self._request(rid)
-        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (start, n)) or n < 0 \
-                or start < 0 or start + n > r.cache_len:
+        for name, x in (("start", start), ("n", n)):
+            if not _is_int(x):
+                raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+        start, n = int(start), int(n)
+        if n < 0 or start < 0 or start + n > r.cache_len:
             raise ValueError(f"tokens [{start}, {start + n}) lie outside request {rid!r}'s cache of {r.cache_len}")
         t = torch.arange(start, start + n)
         pages = torch.tensor(r.pages, dtype=torch.int64)[t // fmt.PAGE_TOKENS]
@@ -423,25 +469,57 @@ class KVMemory:
     def write_tokens(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor) -> None:
         """Write one token's K and V per row into raw pages of ``layer``: pages, offsets int64 ``[n]``;
-        k, v bf16 ``[n, kv_heads, head_dim]``. No host sync (the engine checks the pages are raw: only
-        pages that are not full are written)."""
+        k, v bf16 ``[n, kv_heads, head_dim]``, on the memory's device. No host sync: the types, shapes and devices
+        are checked on the host; the values of ``pages`` and ``offsets`` (allocated raw pages of ``layer``, offsets in
+        0..15) only where they are CPU tensors -- on a GPU the caller vouches for them (the engine writes only its
+        requests' filling pages)."""
+        layer = self._check_layer(layer, "write_tokens")
+        n = pages.shape[0] if isinstance(pages, torch.Tensor) and pages.dim() == 1 else None
+        for name, t in (("pages", pages), ("offsets", offsets)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1 or t.shape[0] != n \
+                    or t.device != self.device:
+                raise ValueError(f"write_tokens: {name} must be a 1-D int64 tensor on {self.device} (one entry per "
+                                 f"row, as many as pages), got {getattr(t, 'dtype', type(t).__name__)} "
+                                 f"{tuple(getattr(t, 'shape', ()))} on {getattr(t, 'device', None)}")
+        self._check_kv(k, v, (n, self.kv_heads, self.head_dim), "write_tokens", "[n, kv_heads, head_dim]")
+        if self.device.type == "cpu" and n:
+            if int(offsets.min()) < 0 or int(offsets.max()) >= fmt.PAGE_TOKENS:
+                raise ValueError(f"write_tokens: offsets must lie in [0, {fmt.PAGE_TOKENS}), got range "
+                                 f"[{int(offsets.min())}, {int(offsets.max())}]")
+            for p in set(pages.tolist()):
+                if p not in self.pages._loc[layer] or not self.pages.is_raw(layer, p):
+                    raise ValueError(f"write_tokens: page {p} is not a raw page of layer {layer} (unallocated, or "
+                                     f"compressed): only the filling pages of running requests are written")
         self.pages.write_tokens(layer, pages, offsets, k, v)
+
+    def _check_layer(self, layer, what: str) -> int:
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"{what}: layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return int(layer)
+
+    def _check_kv(self, k, v, shape: tuple, what: str, spelled: str) -> None:
+        """k and v bf16 tensors of ``shape`` (``None`` entries: any size, the same for both) on the memory's device."""
+        for name, t in (("k", k), ("v", v)):
+            ok = (isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and t.dim() == len(shape)
+                  and all(w is None or g == w for g, w in zip(t.shape, shape)) and t.shape == getattr(k, "shape", None))
+            if not ok:
+                want = spelled.replace("kv_heads", f"kv_heads={self.kv_heads}").replace("head_dim",
+                                                                                        f"head_dim={self.head_dim}")
+                raise ValueError(f"{what}: {name} must be bf16 {want} like k, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+            if t.device != self.device:
+                raise ValueError(f"{what}: {name} is on {t.device}, the memory on {self.device}")
 
     def write(self, layer: int, rid, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write tokens ``start ..`` of request ``rid`` in ``layer``: k, v bf16 ``[kv_heads, n, head_dim]``."""
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"write: layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        for name, t in (("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 3 \
-                    or (t.shape[0], t.shape[2]) != (self.kv_heads, self.head_dim) or t.shape != k.shape:
-                raise ValueError(f"write: {name} must be bf16 [kv_heads={self.kv_heads}, n, head_dim={self.head_dim}] "
-                                 f"like k, got {getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        layer = self._check_layer(layer, "write")
+        self._check_kv(k, v, (self.kv_heads, None, self.head_dim), "write", "[kv_heads, n, head_dim]")
         n = k.shape[1]
         pages, offsets = self.slots(rid, start, n)
         for p in set(pages.tolist()):
             if not self.pages.is_raw(layer, p):
                 raise ValueError(f"write: page {p} of request {rid!r} is compressed (only filling pages are written)")
-        self.write_tokens(layer, pages, offsets, k.transpose(0, 1), v.transpose(0, 1))
+        self.pages.write_tokens(layer, pages, offsets, k.transpose(0, 1), v.transpose(0, 1))
 
     def page_table(self, rids, device=None):
         """FlashInfer CSR page table of requests ``rids`` (the same for every layer): ``indptr``,
@@ -454,7 +532,7 @@ class KVMemory:
             indptr.append(indptr[-1] + cap.pages_for(r.cache_len))
             indices += r.pages[: cap.pages_for(r.cache_len)]
         last = [r.cache_len - fmt.PAGE_TOKENS * (cap.pages_for(r.cache_len) - 1) for r in reqs]
-        dev = self.device if device is None else device
+        dev = self.device if device is None else _check_device(device)
         t = lambda x: to_device(torch.tensor(x, dtype=torch.int32), dev)          # noqa: E731  (one copy each)
         return t(indptr), t(indices), t(last)
 
@@ -502,6 +580,8 @@ class KVMemory:
     def compressed_fraction(self, rids=None):
         """Fractions of K and V blocks stored compressed over the pages of ``rids`` (default all running
         requests), all layers: ``(frac_k, frac_v)``."""
+        if rids is not None and (isinstance(rids, (str, bytes)) or not hasattr(rids, "__iter__")):
+            raise TypeError(f"rids must be None or a list of request ids, got {type(rids).__name__} {rids!r}")
         return self.pages.compressed_fraction([p for r in (self.requests if rids is None else rids)
                                                for p in self._request(r).pages])
 
@@ -510,7 +590,7 @@ class KVMemory:
     def used_bytes(self, layer: int | None = None) -> int:
         """Bytes held by pages (raw slots, in-place compressed slots, compressed extents) of ``layer``
         (all layers by default)."""
-        return sum(self.placement.used) if layer is None else self.placement.used[layer]
+        return sum(self.placement.used) if layer is None else self.placement.used[self._check_layer(layer, "used_bytes")]
 
     def held_bytes(self) -> int:
         """Bytes of the whole chunks running requests hold for bytes kept outside the pages (``hold_chunks``)."""

@@ -350,6 +350,13 @@ class Pages:
         if not isinstance(kv, (list, tuple)) or len(kv) != self.num_layers:
             raise ValueError(f"kv must hold one (k, v) pair per layer ({self.num_layers}), got "
                              f"{len(kv) if isinstance(kv, (list, tuple)) else type(kv).__name__}")
+        for l, pair in enumerate(kv):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2 \
+                    or not all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in pair):
+                raise ValueError(f"kv[{l}] must be a (k, v) pair of tensors [kv_heads, n, head_dim], got "
+                                 f"{type(pair).__name__}"
+                                 + (f" of {len(pair)}: {[tuple(getattr(t, 'shape', ())) for t in pair]}"
+                                    if isinstance(pair, (list, tuple)) else ""))
         n_tok = kv[0][0].shape[1]
         n, H, sb = n_tok // fmt.PAGE_TOKENS, self.kv_heads, self.slot_bytes
         slots, metas, head_units, tails = [], [], [], []

@@ -53,11 +53,14 @@ def profiles(root: Path = REPO_ROOT) -> list[str]:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """YAML's safe loader refusing a mapping that names a key twice (PyYAML keeps the last silently)."""
+    """YAML's safe loader refusing a mapping that names a key twice (PyYAML keeps the last silently). Merge keys
+    (``<<: *anchor``) still merge: the keys a mapping writes itself override the merged ones, as YAML says."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from zipkv.__main__ import positive_int, save_table
+from zipkv.__main__ import out_problem, positive_int, save_table
 
 
 def register(commands) -> dict:
@@ -80,6 +80,9 @@ def run_engine_steps(args) -> int:
     """``python -m zipkv engine-steps``."""
     import torch
 
+    if (problem := out_problem(args.out)) is not None:
+        print(f"zipkv engine-steps: {problem}", file=sys.stderr)
+        return 1
     if not torch.cuda.is_available():
         print("zipkv engine-steps: needs a CUDA GPU, and this machine has none", file=sys.stderr)
         return 1
@@ -91,5 +94,9 @@ def run_engine_steps(args) -> int:
     except ValueError as err:
         print(f"zipkv engine-steps: {err}", file=sys.stderr)
         return 1
-    save_table(table, args.out)
+    try:
+        save_table(table, args.out)
+    except OSError as err:
+        print(f"zipkv engine-steps: --out {args.out}: {err.strerror or err}", file=sys.stderr)
+        return 1
     return 0
