@@ -9,7 +9,8 @@
 * :mod:`~zipkv.bench.tune`: launch tuning of the decode kernels (Triton, and Gluon with ``--kernel gluon``);
 * :mod:`~zipkv.bench.engine`: a captured decode step's GPU time by kernel kind;
 * :mod:`~zipkv.bench.distill`: KVSculpt's one-problem-at-a-time solver against the batched one (seconds per context);
-* :mod:`~zipkv.bench.power`: the GPU's SM clock, power draw and power-cap share during a run.
+* :mod:`~zipkv.bench.power`: the GPU's SM clock, power draw and power-cap share during a run;
+* :mod:`~zipkv.bench.kv_fp8`: what an FP8 KV cache costs the model's next-token distributions (runs on the CPU).
 
 Every timing is reported with the bytes it moved and its fraction of the copy bandwidth measured in the same
 process, never against a typed-in constant. The names below are re-exported (``from zipkv import bench;
