@@ -7,6 +7,7 @@ import numpy as np
 import pandas as pd
 
 from zipkv.study import paper_values as pv
+from zipkv.study import report
 from zipkv.study.findings import verdict_for
 from zipkv.study.settings import KVSCULPT_PAPER, PROJECT_TARGETS
 
@@ -196,3 +197,18 @@ def compress_table(table: pd.DataFrame):
              **{c: c[:-2].replace("_", " ") + " (s)" for c in phases}}
     return (shown[columns].rename(columns=names).style
             .format({names[c]: "{:.2f}" for c in columns if c in names}, na_rep="–").hide(axis="index"))
+
+
+def show_quality(losses) -> None:
+    """The solvers' final losses (:func:`quality_summary`) as a sentence and a table; without the per-problem losses
+    (a page rendered from the committed table), where to find the comparison instead."""
+    from IPython.display import display
+
+    if losses is None:
+        report.markdown("The per-problem losses are not part of the committed table: run the chapter (no "
+                        "`from_results`) for this section; the chapter \"Do the two solvers agree?\" compares the "
+                        "solvers on every problem of a window.")
+        return
+    summary, sentence = quality_summary(losses)
+    report.markdown(sentence)
+    display(summary)
