@@ -44,6 +44,7 @@ import torch
 from zipkv.models import cache_keyword, model_shape, rope_of
 
 from .bias import BiasedCache
+from .problem import check_solver_device
 
 INF = math.inf
 
@@ -113,15 +114,7 @@ def check_config(config, *, ints=(), reals=()) -> None:
         if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0
                 or (finite and not math.isfinite(value))):
             raise ValueError(f"{name}({field}={value!r}): expected a {'finite ' if finite else ''}number ≥ 0")
-    if config.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"{name}(dtype={config.dtype!r}): expected torch.float32 or torch.float64")
-    if config.device is not None:
-        try:
-            device = torch.device(config.device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"{name}(device={config.device!r}): expected a torch device such as 'cpu' or 'cuda'") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"{name}(device={config.device!r}): this machine has no CUDA GPU")
+    check_solver_device(config)
 
 
 def future_queries(queries: torch.Tensor, positions: torch.Tensor, rope, m: int, *, horizon: int = 256,

@@ -154,15 +154,7 @@ class SculptConfig:
             if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                     or value < 0 or (positive and value == 0)):
                 raise ValueError(f"SculptConfig({name}={value!r}): expected a finite number {'>' if positive else '≥'} 0")
-        if self.dtype not in (torch.float32, torch.float64):   # the V-step's triangular solve needs one of these
-            raise TypeError(f"SculptConfig(dtype={self.dtype!r}): expected torch.float32 or torch.float64")
-        if self.device is not None:
-            try:
-                device = torch.device(self.device)
-            except (RuntimeError, TypeError):
-                raise ValueError(f"SculptConfig(device={self.device!r}): expected a torch device such as 'cpu' or 'cuda'") from None
-            if device.type == "cuda" and not torch.cuda.is_available():
-                raise ValueError(f"SculptConfig(device={self.device!r}): this machine has no CUDA GPU")
+        check_solver_device(self)
 
 
 Solver = Callable[[Sequence[Problem], SculptConfig], list[Solution]]
@@ -456,3 +448,18 @@ class PreparedBatch(_Objective):
                                  lse_mse=stats[2][i], seconds=seconds,
                                  history=list(histories[i]) if histories is not None else []))
         return sols
+
+
+def check_solver_device(config) -> None:
+    """A distiller's config's ``dtype`` (float32 or float64: the value solves' triangular solves need one of these)
+    and ``device`` (None, or a device this machine has): a ``TypeError``/``ValueError`` naming the config's field."""
+    name = type(config).__name__
+    if config.dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"{name}(dtype={config.dtype!r}): expected torch.float32 or torch.float64")
+    if config.device is not None:
+        try:
+            device = torch.device(config.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{name}(device={config.device!r}): expected a torch device such as 'cpu' or 'cuda'") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{name}(device={config.device!r}): this machine has no CUDA GPU")
