@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from descriptor_ceiling import interleaved, provenance  # noqa: E402
 
-from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
+from zipkv.bench.attention import (ATTENTION_SHAPES, attention_inputs, measured_compressible_fraction,  # noqa: E402
+                                   mix_mask)
 from zipkv.bench.baselines import FlashInferDecode, error_vs_reference, paged_table, reference_attention  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
 from zipkv.kernels import decode_mma  # noqa: E402
@@ -34,6 +35,7 @@ from zipkv.kernels.decode_attention import plan  # noqa: E402
 from zipkv.paged import build_paged_cache  # noqa: E402
 
 SHAPE, PAGE, ROUNDS = "llama3.1-8b", 16, 3
+MIX = measured_compressible_fraction(Path(__file__).resolve().parents[2] / "results/paper/model_data_kv_cache.csv")
 POINTS = [(int(c), int(b)) for c, b in (p.split("x") for p in
                                          os.environ.get("POINTS", "32768x1 32768x4 131072x1 131072x4 32768x16").split())]
 SPLITS = [int(s) for s in os.environ.get("SPLITS", "0").split()]       # 0: the plan's choice
@@ -172,7 +174,8 @@ def main(path):
         ip, ind, lp, kp, vp = paged_table(k, v)
         fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
         fns, meta, outs = {"flashinfer_tc": lambda: fi(q, kp, vp)}, {}, {}
-        for kind, compress in (("compressed", "eligible"), ("raw", "none")):
+        mix = mix_mask(batch, model.kv_heads, ctx, model.head_dim, MIX, 0)
+        for kind, compress in (("compressed", "eligible"), ("measured mix", mix), ("raw", "none")):
             cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, k_layout="k_mma",
                                                              v_layout="v_mma")
             for requested in SPLITS:
@@ -197,8 +200,8 @@ def main(path):
             row = dict(ctx=ctx, batch=batch, kind=kind, splits=s, groups=groups(s)[1], plan_default=default,
                        committed_us=committed, tree_us=tree, flashinfer_tc_us=fi_us, committed_ratio=fi_us / committed,
                        tree_ratio=fi_us / tree, tree_rel_error=err,
-                       packed_equals_raw=bool(torch.equal(outs[("compressed", s)], outs[("raw", s)]))
-                       if ("raw", s) in outs and ("compressed", s) in outs else None)
+                       packed_equals_raw=bool(torch.equal(outs[(kind, s)], outs[("raw", s)]))
+                       if ("raw", s) in outs and kind != "raw" else None)
             rows.append(row)
             print({key: (round(val, 3) if isinstance(val, float) else val) for key, val in row.items()}, flush=True)
         del fns, k, v, q, kp, vp, fi, ref, outs

@@ -14,6 +14,8 @@ import os
 import statistics
 import sys
 
+from pathlib import Path
+
 import pandas as pd
 import torch
 
@@ -21,13 +23,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from descriptor_ceiling import interleaved, probe_kernel, provenance  # noqa: E402
 from timeline_probe import TIMELINE  # noqa: E402
 
-from zipkv.bench.attention import ATTENTION_SHAPES, attention_inputs  # noqa: E402
+from zipkv.bench.attention import (ATTENTION_SHAPES, attention_inputs, measured_compressible_fraction,  # noqa: E402
+                                   mix_mask)
 from zipkv.bench.baselines import FlashInferDecode, paged_table  # noqa: E402
 from zipkv.bench.timing import ColdTimer  # noqa: E402
 from zipkv.kernels.decode_attention import plan  # noqa: E402
 from zipkv.paged import build_paged_cache  # noqa: E402
 
 SHAPE, PAGE, ROUNDS = "llama3.1-8b", 16, 3
+MIX = measured_compressible_fraction(Path(__file__).resolve().parents[2] / "results/paper/model_data_kv_cache.csv")
 POINTS = [(int(c), int(b)) for c, b in (p.split("x") for p in
                                          os.environ.get("POINTS", "32768x1 32768x4 131072x1 131072x4 32768x16").split())]
 SPLITS = [int(s) for s in os.environ.get("SPLITS", "4 8 16 32 64 128 256").split()]
@@ -43,7 +47,8 @@ def main(path):
         ip, ind, lp, kp, vp = paged_table(k, v)
         fi = FlashInferDecode(ip, ind, lp, model.q_heads, model.kv_heads, model.head_dim, PAGE, True)
         fns, plans = {"flashinfer_tc": lambda: fi(q, kp, vp)}, {}
-        for kind, compress in (("compressed", "eligible"), ("raw", "none")):
+        mix = mix_mask(batch, model.kv_heads, ctx, model.head_dim, MIX, 0)
+        for kind, compress in (("compressed", "eligible"), ("measured mix", mix), ("raw", "none")):
             cache, indptr, indices, last = build_paged_cache(k, v, compress=compress, k_layout="k_mma",
                                                              v_layout="v_mma")
             default = plan(indptr, indices, last, cache, model.q_heads).num_splits
