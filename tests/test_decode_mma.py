@@ -232,3 +232,69 @@ def test_packed_pages_give_the_raw_pages_bits(D, G):
         plain = build_paged_cache(k2, v2, full, k_layout="k_mma", v_layout="v_mma", compress="none")
         assert packed[0].kind() == "compressed" and plain[0].kind() == "raw"
         assert torch.equal(decode_attention(q2, *packed, num_splits=splits), decode_attention(q2, *plain, num_splits=splits))
+
+
+@needs_gpu
+@pytest.mark.parametrize("D,G,split_counts", [(128, 1, (17, 41)), (128, 4, (17, 30, 41)), (64, 1, (17, 21)),
+                                              (64, 4, (17, 21)), (128, 3, (17,)), (128, 8, (17,))])
+def test_many_splits_merge_in_two_levels(D, G, split_counts):
+    """More than 16 splits merge in two levels (groups of ceil(sqrt(splits)) splits, then the groups): the output
+    matches the fp32 reference for every page kind, packed pages give the raw pages' bits at the same split count,
+    repeated runs give the same bits, and every arrival counter is back at zero -- up to one split per unit (the
+    page count: the shorter requests' splits are empty), partial last pages."""
+    lens = [16 * 40 + 7, 16 * 25, 16 * 33 + 1]
+    q, k, v = make_inputs(3, 2, G, max(lens), seed=D + G, outliers=True, D=D)
+    ref = None
+    for splits in split_counts:
+        raw = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma", compress="none")
+        want = decode_attention(q, *raw, num_splits=splits)
+        if ref is None:
+            ref = decode_attention_reference(q, *raw)
+        check(want, ref)
+        for compress in ("eligible", 0.5):
+            packed = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma", compress=compress)
+            cache, ip, idx, last = packed
+            p = plan(ip, idx, last, cache, q.shape[1], num_splits=splits)
+            first = p.run(q)
+            assert torch.equal(first, want), f"{compress} pages at {splits} splits differ from raw pages"
+            assert torch.equal(p.run(q), first)
+            assert int(p._ws["counters"].count_nonzero()) == 0
+        # a uniform all-compressed cache (full pages, no wide block): the COMPRESSED specialisation vs RAW
+        full = [16 * (n // 16) for n in lens]
+        q2, k2, v2 = make_inputs(3, 2, G, max(lens), seed=D + G + 1, outliers=False, D=D)
+        packed = build_paged_cache(k2, v2, full, k_layout="k_mma", v_layout="v_mma")
+        plain = build_paged_cache(k2, v2, full, k_layout="k_mma", v_layout="v_mma", compress="none")
+        assert packed[0].kind() == "compressed"
+        assert torch.equal(decode_attention(q2, *packed, num_splits=splits),
+                           decode_attention(q2, *plain, num_splits=splits))
+
+
+@needs_gpu
+def test_many_splits_in_a_cuda_graph():
+    """A plan of 20 splits (two merge levels) captured in a CUDA graph equals eager, and a replay after new tokens
+    are written into the raw partial last page (last_page_len raised in place) sees them."""
+    from test_decode_attention import _attention, _write_page
+    q, k, v = make_inputs(2, 2, 4, 16 * 40, seed=31, outliers=True)
+    lens = [16 * 39 + 5, 16 * 30 + 2]
+    cache, ip, idx, last = build_paged_cache(k, v, lens, k_layout="k_mma", v_layout="v_mma", compress=0.5)
+    p = plan(ip, idx, last, cache, q.shape[1], num_splits=20)
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        p.run(q, out)                                      # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        p.run(q, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, p.run(q))
+    check(out, _attention(q, k, v, lens))
+    _write_page(cache, int(idx[int(ip[1]) - 1]), k[0, :, 16 * 39:16 * 40], v[0, :, 16 * 39:16 * 40])
+    last[0] = 11
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, p.run(q))
+    check(out, _attention(q, k, v, [16 * 39 + 11, lens[1]]))
+    assert int(p._ws["counters"].count_nonzero()) == 0
