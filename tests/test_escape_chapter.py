@@ -1,0 +1,94 @@
+"""The escape-format chapter's module: its run's round trips, summary, verdict, figure and layout texts on
+synthetic captures (the survey itself: tests/test_format_escape.py)."""
+from types import SimpleNamespace
+
+import matplotlib
+import pandas as pd
+import pytest
+import torch
+
+from zipkv import escape as E
+from zipkv.study.chapters import escape as chapter
+from zipkv.study.settings import PROJECT_TARGETS
+
+matplotlib.use("Agg")
+
+
+def _kv(seed, tokens, d, tail):
+    """bf16 [2, tokens, d]; ``tail`` 0: magnitudes in [1, 2) (every block fits ZipFusion's window), else a
+    log-normal spread of that width (tiny values: escapes)."""
+    g = torch.Generator().manual_seed(seed)
+    if tail == 0:
+        return (torch.sign(torch.randn(2, tokens, d, generator=g)) * (1 + torch.rand(2, tokens, d, generator=g))).to(
+            torch.bfloat16)
+    x = torch.randn(2, tokens, d, generator=g) * torch.exp(tail * torch.randn(2, tokens, d, generator=g))
+    return x.to(torch.bfloat16)
+
+
+def _table(tail_k=1.5, tail_v=0):
+    """The chapter's table for two toy models: survey rows joined with their round trips, as ``run`` makes it."""
+    tables = []
+    for model, d in (("SmolLM2-135M-Instruct", 64), ("gemma-3-270m-q4_k_m", 256)):
+        captures = [SimpleNamespace(layers=[SimpleNamespace(keys=_kv(10 * w + i, 37, d, tail_k),
+                                                            values=_kv(100 + 10 * w + i, 37, d, tail_v))
+                                            for i in range(2)]) for w in range(2)]
+        t = E.survey(captures, model=model)
+        tables.append(t.merge(chapter.round_trips(captures), on=["window", "layer", "tensor"]).assign(context=37))
+    return pd.concat(tables, ignore_index=True)
+
+
+def test_round_trips_are_exact_and_pack_leaves_raw_the_blocks_the_survey_counts():
+    table = _table()
+    assert table.round_trip_exact.all()
+    s = chapter.summary(table)
+    assert list(s.index) == [("SmolLM2-135M", "keys"), ("SmolLM2-135M", "values"), ("Gemma-3-270M", "keys"),
+                             ("Gemma-3-270M", "values")]
+    assert s["packed = counted (blocks raw)"].all()
+    assert (s["read back bit for bit (layers × windows)"] == "4 of 4").all()
+    shares = s[["blocks with 0", "with 1", "with 2", "with 3 or more"]].sum(axis=1)
+    assert shares.to_numpy() == pytest.approx(1.0)
+    assert (s["unbounded list (bits/value)"] >= 12).all() and (s["ZipFusion (bits/value)"] <= 16.1).all()
+
+
+def test_the_stored_format_is_one_list_entry_per_block():
+    table = _table()
+    stored = chapter._default_area(table)
+    assert set(stored.capacity // (stored.head_dim * 16 // 512)) == {E.PER_BLOCK}
+
+
+@pytest.mark.parametrize("tail_k, kind", [(0, "tip"), (3.0, "warning")])
+def test_the_verdict_follows_the_numbers_against_the_target(tail_k, kind):
+    table = _table(tail_k=tail_k)
+    text, got = chapter.verdict(table, 37)
+    s = chapter.summary(table)
+    over = s["escape format (bits/value)"] > PROJECT_TARGETS.escape_bits_per_value
+    assert got == ("warning" if over.any() else "tip") == kind
+    assert "2 PG19 windows of 37 tokens" in text and "read back bit for bit" in text
+    assert f"{s.loc[('Gemma-3-270M', 'keys'), 'escape format (bits/value)']:.2f}" in text
+    assert ("miss it by" in text) == over.any()
+    assert ("no fixed area reaches" in chapter.layouts_text(table)) == (
+        chapter.layouts(table).loc["escape+zero, top anchor, 1 per block"] > PROJECT_TARGETS.escape_bits_per_value
+    ).any()
+
+
+def test_a_failed_round_trip_turns_the_verdict():
+    table = _table(tail_k=0).copy()
+    table.loc[0, "round_trip_exact"] = False
+    text, kind = chapter.verdict(table, 37)
+    assert kind == "warning" and "did not read back bit for bit" in text
+
+
+def test_figure_and_tables_render():
+    table = _table()
+    fig = chapter.figure(table)
+    assert [ax.get_xlabel() for ax in fig.axes] == ["stored bits per value (metadata and list included)",
+                                                    "blocks by escapes they need (% of blocks)"]
+    layouts = chapter.layouts(table)
+    assert "ZipFusion's format" in layouts.index and layouts.shape[1] == 4
+    assert chapter.shown(table).shape[0] == 4
+
+
+def test_model_names_are_checked_and_passed_on():
+    assert chapter.model_source(None) is None and chapter.model_source("some/model") == "some/model"
+    with pytest.raises(TypeError, match="model_names must be a non-empty list"):
+        chapter.run("gemma-3-270m", n_windows=1, context=16)
