@@ -324,6 +324,39 @@ def test_a_distilled_cache_is_served_as_a_prefix():
         Prefix.from_cache([])
 
 
+@pytest.mark.parametrize("compress,reserve,pages,pages_per_chunk,new", [("all", 1.0, 7, 2, 20), ("all", 0.2, 7, 2, 40),
+                                                                      ("none", 0.2, 6, 1, 40)])
+def test_the_reference_keeps_unpacked_pages_only_while_they_are_current(tiny_engine_model, compress, reserve, pages,
+                                                                       pages_per_chunk, new, monkeypatch):
+    """The reference engine unpacks a page once and keeps it until it changes (``runner.UnpackedPages``): in every
+    layer of every step its attention equals, bit for bit, the reference's over pages unpacked afresh -- while pages
+    fill, compress in place and move into compressed chunks that other layers gave back, requests are admitted
+    between steps, retracted (short reservations) and their page ids handed to others, and through a second generate
+    over the same engine's pages."""
+    from zipkv import runner
+    from zipkv.kernels.reference import decode_attention_reference
+
+    model = tiny_engine_model
+    kept = []
+    run = runner.StepAttention.run
+
+    def checked_run(self, layer, q):
+        got = run(self, layer, q)
+        want = decode_attention_reference(q, self.caches[layer], *self.table, softmax_scale=self.scale).to(q.dtype)
+        kept.append(self.unpacked is not None)
+        assert torch.equal(got, want), layer
+        return got
+    monkeypatch.setattr(runner.StepAttention, "run", checked_run)
+    eng = Engine(model, pages * _page_bytes(model), attention="reference", compress=compress,
+                 pages_per_chunk=pages_per_chunk, reserve_ratio=reserve, eos_token_id=None)
+    prompts = [list(range(3, 40)), list(range(50, 61)), list(range(70, 75)), list(range(5, 38))]
+    first = eng.generate(prompts, new)
+    assert eng.generate(prompts, new).outputs == first.outputs
+    assert kept and all(kept)
+    assert len(set(first.stats["admitted_at"])) > 1 and (first.stats["retracted"] > 0) == (reserve < 1)
+    assert (max(s["reassigned"] for s in first.stats["steps"]) > 0) == (compress == "all")
+
+
 @pytest.mark.parametrize("compress", ["prompt", "all"])
 def test_a_request_whose_packed_pages_find_no_chunk_is_admitted_raw(tiny_engine_model, compress):
     """A budget of one 16-page chunk per layer: packed pages need a compressed chunk of their own beside the raw

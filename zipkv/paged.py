@@ -108,14 +108,15 @@ class PagedKVCache:
         ``[len(page_ids), kv_heads, 16, head_dim]`` (all pages by default)."""
         ids = (torch.arange(self.num_pages, device=self.desc.device) if page_ids is None
                else _page_ids(self, page_ids, distinct=False))
-        pb = fmt.page_bytes(self.head_dim)
-        off = self.slot_offsets()[ids]                                   # [n, 2, H]
-        padded = torch.cat([self.pool, self.pool.new_zeros(pb)])        # compact slots may end early
-        idx = off[..., None] + torch.arange(pb, device=off.device)
-        slots = padded[idx]                                              # [n, 2, H, pb]
+        pb, size = fmt.page_bytes(self.head_dim), self.pool.numel()
+        d = self.desc[ids]                                               # [n, 2, H, nb]: only the pages read
+        idx = (d[..., 0] >> 8)[..., None] + torch.arange(pb, device=d.device)
+        # a compact slot may end early, near the pool's end: bytes past the pool read as zeros (without copying it)
+        slots = torch.where(idx < size, self.pool[idx.clamp(max=size - 1)], 0)                    # [n, 2, H, pb]
         out = []
-        for kv in (0, 1):
-            m = self.meta(kv)[ids]
+        for kv, layout in ((0, self.k_layout), (1, self.v_layout)):
+            m = fmt.PageMeta.from_packed((d[:, kv] & 0xFF).to(torch.uint8), layout, self.head_dim,
+                                         None if self.check is None else self.check[ids, kv])
             out.append(fmt.unpack(slots[:, kv], m, validate=validate))
         return out[0], out[1]
 

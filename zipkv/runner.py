@@ -4,7 +4,8 @@
 :class:`StepRunner` prefills a request with the model's own forward and runs the decode step -- every layer's
 projections, rotary embedding, KV writes into the memory's pages, attention, MLP and the next token (the greedy
 argmax, or :func:`zipkv.sampling.sample`) -- on the machinery below: the adapter onto the attention kernels' plan/run
-API over a static page table (:class:`StepAttention`), the shared restore buffer of the restore-before-attention
+API over a static page table (:class:`StepAttention`; on the CPU the torch reference over pages unpacked once and
+kept until they change, :class:`UnpackedPages`), the shared restore buffer of the restore-before-attention
 baselines (:class:`RestoreBuffer`, §II-B), the step's elementwise ops (:class:`StepOps`), its CUDA graph
 (:class:`StepGraph`) and a launched step whose tokens the host has not read yet (:class:`StepInFlight`). Which
 requests run, and when, is the scheduler's (:mod:`zipkv.scheduler`); where their pages are is the memory manager's
@@ -21,8 +22,8 @@ from zipkv.models import cache_keyword
 from zipkv.paged import PagedKVCache, page_kinds_of
 from zipkv.sampling import SAMPLING_ROWS, sample, step_inputs
 
-__all__ = ["StepRunner", "StepAttention", "RestoreBuffer", "StepOps", "StepGraph", "StepInFlight", "RMS_NORMS",
-           "GATED_SILU_MLPS"]
+__all__ = ["StepRunner", "StepAttention", "UnpackedPages", "RestoreBuffer", "StepOps", "StepGraph", "StepInFlight",
+           "RMS_NORMS", "GATED_SILU_MLPS"]
 
 
 class RestoreBuffer:
@@ -112,6 +113,51 @@ class RestoreBuffer:
                     codecs.decode_into(enc, view, validate=False)
 
 
+class UnpackedPages:
+    """The torch reference's pages of every layer, unpacked once and kept until their bytes change: the CPU engine's
+    decode step (``attention="reference"``) without unpacking the whole batch in every layer at every step.
+
+    A page's bytes change in two ways only: the step writes its new token into each request's last page (in place,
+    descriptors unchanged), and the memory rewrites a page's descriptors when it allocates, compresses or moves it
+    (:meth:`zipkv.memory.KVMemory.changed_pages`, which :meth:`StepAttention.plan` reads before every step). So
+    :meth:`new_step` marks those pages stale in every layer, and :meth:`request_kv` unpacks, per layer, only the
+    batch's stale pages (:meth:`zipkv.paged.PagedKVCache.read_pages`, bit-exact) into ``k[layer]``, ``v[layer]`` --
+    bf16 ``[num_pages, kv_heads, 16, head_dim]`` by page id, allocated at the first read (the unpacked size of every
+    page the descriptors can name: about 4/3 of the budget's bytes at most). Not for the restore baselines, whose
+    buffer pages are rewritten before every layer's attention."""
+
+    def __init__(self, caches: list):
+        self.caches = caches
+        self.k = self.v = None
+        self.fresh = [set() for _ in caches]              # per layer: page ids whose unpacked K/V are current
+        self.table = None                                 # the step's page table, host lists
+
+    def new_step(self, changed: list, indptr: list, indices: list, last_page_len: list) -> None:
+        """The page table of the step about to run (host lists) and the pages whose descriptors changed since the
+        last step: those, and each request's last page (where the step writes), are unpacked again."""
+        stale = set(changed).union(indices[e - 1] for e in indptr[1:])
+        for fresh in self.fresh:
+            fresh -= stale
+        self.table = (indptr, indices, last_page_len)
+
+    def request_kv(self, layer: int) -> list:
+        """Layer ``layer``'s K and V per request of the step (:func:`zipkv.kernels.reference.request_kv`: bf16
+        ``[kv_heads, seq_len, head_dim]`` each), after unpacking its stale pages; call it after the step wrote the
+        layer's new tokens."""
+        from zipkv.kernels.reference import request_kv
+        cache, fresh = self.caches[layer], self.fresh[layer]
+        if self.k is None:
+            shape = (len(self.caches), cache.num_pages, cache.kv_heads, fmt.PAGE_TOKENS, cache.head_dim)
+            self.k, self.v = (torch.empty(shape, dtype=torch.bfloat16, device=cache.pool.device) for _ in range(2))
+        indptr, indices, last = self.table
+        stale = sorted(set(indices[: indptr[-1]]) - fresh)
+        if stale:
+            ids = torch.tensor(stale, dtype=torch.int64, device=cache.desc.device)
+            self.k[layer, ids], self.v[layer, ids] = cache.read_pages(ids, validate=False)
+            fresh.update(stale)
+        return request_kv(self.k[layer], self.v[layer], indptr, torch.tensor(indices[: indptr[-1]]), last)
+
+
 class StepAttention:
     """The engine's one adapter onto ``zipkv.kernels``: per-layer caches over the memory's pool, the kernels'
     plan/run split and the pack kernel.
@@ -125,7 +171,9 @@ class StepAttention:
     cache that is never compressed (``static_kinds``) keeps the kernels' single specialised launch. Only the
     Triton kernel's routed launches read the page kinds (:attr:`reads_kinds`): for them the kinds of the pages
     whose descriptors changed are recomputed before each step; the Gluon kernel's mixed launch reads each
-    block's descriptor, and the reference reads nothing of the kind, so for those no step pays for it."""
+    block's descriptor, and the reference reads nothing of the kind, so for those no step pays for it. The reference
+    (``backend="reference"``) keeps the pages it unpacked until they change (:class:`UnpackedPages`), but under a
+    restore baseline, which rewrites its buffer pages every layer."""
 
     def __init__(self, memory: KVMemory, backend: str, q_heads: int, scale: float, static_kinds: bool,
                  restore: RestoreBuffer | None = None, num_splits: int | None = None):
@@ -140,6 +188,7 @@ class StepAttention:
             self.reads_kinds = kernel_for(self.caches[0]) == "triton"
         self.key = self.pages_key = self.plans_key = self.table = self.plans = None
         self.rids = []
+        self.unpacked = UnpackedPages(self.caches) if backend == "reference" and restore is None else None
 
     @staticmethod
     def pack_slots(backend):
@@ -181,6 +230,8 @@ class StepAttention:
         key = tuple(mem.requests[r].serial for r in rids)           # a re-admitted request is new
         lens = [mem.cache_len(r) for r in rids]
         pages_key = tuple((n + fmt.PAGE_TOKENS - 1) // fmt.PAGE_TOKENS for n in lens)
+        if self.unpacked is not None:
+            self.unpacked.new_step(pages, *(x.tolist() for x in mem.page_table(rids, device="cpu")))
         if key == self.key and pages_key == self.pages_key:          # same pages: only last_page_len moves
             last = [n - fmt.PAGE_TOKENS * (p - 1) for n, p in zip(lens, pages_key)]
             copy_to_device(self.table[2], torch.tensor(last, dtype=torch.int32))
@@ -210,6 +261,9 @@ class StepAttention:
         payloads into the shared buffer first, for a restore baseline)."""
         if self.restore is not None:
             self.restore.restore(layer, [r for r in self.rids if r in self.restore.entries])
+        if self.unpacked is not None:
+            from zipkv.kernels.reference import attention_fp32
+            return attention_fp32(q, self.unpacked.request_kv(layer), self.scale).to(q.dtype)
         if self.backend == "reference":
             from zipkv.kernels.reference import decode_attention_reference
             return decode_attention_reference(q, self.caches[layer], *self.table, softmax_scale=self.scale,
