@@ -97,16 +97,48 @@ def run(*, device="cpu", shape=None, requests=12, prompt_lengths=(64, 192), outp
         for r in rates:
             res = runs[variant] if r == rate and variant in runs else one(variant, r)
             curve.append(dict(method=method, rate=r, **res.summary()))
+    from zipkv import format as fmt
+    cfg = model.config
+    page = 2 * cfg.num_key_value_heads * fmt.page_bytes(getattr(cfg, "head_dim", None)
+                                                        or cfg.hidden_size // cfg.num_attention_heads)
     setting = dict(model=shape or "SmolLM2-135M", device=str(device), clock=clock, requests=requests,
                    prompt_lengths=tuple(prompt_lengths), output_lengths=tuple(output_lengths), rate=rate,
                    budget_requests=budget_requests, kv_budget_bytes=budget, pages_per_chunk=pages_per_chunk,
                    reserve_ratio=reserve_ratio, ttft_limit_s=ttft_limit_s, seed=seed,
-                   num_layers=model.config.num_hidden_layers)
+                   num_layers=cfg.num_hidden_layers, chunks=budget // (pages_per_chunk * page))
     ablation = pd.DataFrame(rows)
     for k, v in setting.items():
-        if k not in ablation and not isinstance(v, tuple):
+        if isinstance(v, tuple):
+            ablation[f"{k}_min"], ablation[f"{k}_max"] = v
+        elif k not in ablation:
             ablation[k] = v
     return dict(timeline=runs.get("shared pool"), ablation=ablation, curve=pd.DataFrame(curve), setting=setting)
+
+
+def steps_table(result) -> pd.DataFrame:
+    """A served trace's decode steps (:class:`zipkv.serving.ServeResult`), one row each: ``time`` (s), ``batch``,
+    ``waiting``, ``chunks_free``, ``chunks_held``, ``reassigned`` and ``retracted`` (so far), and the KV bytes in
+    use of each layer ``l`` as ``used_bytes_<l>``."""
+    rows = []
+    for s in result.steps:
+        row = {k: s[k] for k in ("time", "batch", "waiting", "chunks_free", "chunks_held", "reassigned", "retracted")}
+        row.update({f"used_bytes_{l}": b for l, b in enumerate(s["used_bytes"])})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def save(result: dict, results_csv) -> dict:
+    """Write :func:`run`'s tables: the ablation as ``results_csv``, the shared pool's steps beside it
+    (``<stem>_steps.csv``, :func:`steps_table`) and the serving curves where there are any (``<stem>_curve.csv``).
+    Returns ``dict(ablation=..., steps=..., curve=...)``, the tables as written."""
+    from pathlib import Path
+    path = Path(results_csv)
+    tables = dict(ablation=result["ablation"], steps=steps_table(result["timeline"]), curve=result["curve"])
+    tables["ablation"].to_csv(path, index=False)
+    tables["steps"].to_csv(path.with_name(f"{path.stem}_steps.csv"), index=False)
+    if len(tables["curve"]):
+        tables["curve"].to_csv(path.with_name(f"{path.stem}_curve.csv"), index=False)
+    return tables
 
 
 def sustained_rate(curve: pd.DataFrame, method: str, ttft_limit_s: float) -> float:
