@@ -471,3 +471,37 @@ def test_the_resources_text_names_the_specialisation_that_spills():
     text = kernels.resources_text(pd.DataFrame(rows), 64)
     assert "Of the options compiled, the mixed one with 8 pages per tile spills 108 bytes of registers." in text
     assert "they spill" not in text
+
+
+def _few_requests_table():
+    """A made-up few-requests run: FlashInfer TC reads 100 MB per request in 50 µs; ours on the real-KV mix reads 80 MB
+    and is slower at batch 1, faster at batch 4; a Triton row and a paper-grid row that the panel must leave out."""
+    rows = []
+    for ctx in (8192, 32768):
+        for batch, ours_us in ((1, 80.0), (4, 160.0)):
+            fi_us, fi_mb = 50.0 * batch, 100e6 * batch
+            for method, kv, kernel, us, mb in (("flashinfer_tc", "any", None, fi_us, fi_mb),
+                                                ("flashinfer_fp8", "any", None, 0.7 * fi_us, fi_mb / 2),
+                                                ("zipkv_compressed", "measured mix", "gluon", ours_us, 0.8 * fi_mb),
+                                                ("zipkv_compressed", "measured mix", "triton", 999.0, 0.8 * fi_mb),
+                                                ("zipkv_compressed", "all compressible", "gluon", ours_us * 0.9,
+                                                 0.75 * fi_mb)):
+                rows.append(dict(shape="llama3.1-8b", ctx=ctx, batch=batch, kv_data=kv, method=method, kernel=kernel,
+                                 latency_us=us, bytes_read=mb, speedup_vs_flashinfer_tc=fi_us / us))
+    rows.append(dict(shape="llama3.1-8b", ctx=8192, batch=64, kv_data="any", method="flashinfer_tc", kernel=None,
+                     latency_us=500.0, bytes_read=1e9, speedup_vs_flashinfer_tc=1.0))
+    return pd.DataFrame(rows)
+
+
+def test_few_requests_panel_reads_its_own_rows():
+    grid = latency.few_requests(_few_requests_table())
+    assert list(grid.index) == [(8192, 1), (8192, 4), (32768, 1), (32768, 4)]
+    assert list(grid.columns) == ["ZipFusion, real-KV mix", "ZipFusion, all compressible",
+                                  "FlashInfer FP8 (e4m3, lossy)", "bytes bound"]
+    assert grid.loc[(8192, 1), "ZipFusion, real-KV mix"] == pytest.approx(50 / 80)     # the Gluon row, not Triton's
+    assert grid.loc[(32768, 4), "ZipFusion, real-KV mix"] == pytest.approx(200 / 160)
+    assert grid["bytes bound"].tolist() == pytest.approx([1.25] * 4)
+    text = latency.few_requests_text(grid, "NVIDIA H100")
+    assert "0.62–1.25×" in text and "8K tokens × 1" in text and "1.43–1.43×" in text and "Lossless 12-bit against lossy 8-bit" in text
+    fig = latency.few_requests_figure(grid)
+    assert fig.axes[0].get_ylabel() == "speedup over FlashInfer TC (×)"

@@ -15,8 +15,15 @@ from zipkv.models import EMBEDDED_SHAPE, PAPER_MODELS
 from zipkv.study.settings import PAPER_CARD, PROJECT_TARGETS, ZIPFUSION_PAPER
 
 METHOD_LABELS = {"zipkv_compressed": "zipkv (compressed)", "zipkv_uncompressed": "zipkv (uncompressed)",
-                 "flashinfer_tc": "FlashInfer TC", "flashinfer_cuda": "FlashInfer CUDA-core", "sdpa": "torch SDPA"}
+                 "flashinfer_tc": "FlashInfer TC", "flashinfer_cuda": "FlashInfer CUDA-core",
+                 "flashinfer_fp8": "FlashInfer FP8 (e4m3, lossy)", "sdpa": "torch SDPA"}
 SHAPE = "llama3.1-8b"
+FEW_REQUESTS = {("zipkv_compressed", "measured mix"): "ZipFusion, real-KV mix",
+                ("zipkv_compressed", "all compressible"): "ZipFusion, all compressible",
+                ("flashinfer_fp8", "any"): "FlashInfer FP8 (e4m3, lossy)",
+                ("zipkv_uncompressed", "all compressible"): "our kernel, uncompressed",
+                ("flashinfer_cuda", "any"): "FlashInfer CUDA-core", ("sdpa", "any"): "torch SDPA"}
+"""The few-requests panel's methods (method, KV data) and their labels, in the panel's order; ours: the Gluon kernel."""
 
 
 def cpu_check(seed: int = 0) -> pd.DataFrame:
@@ -110,6 +117,85 @@ def verdict(table: pd.DataFrame, card: pd.DataFrame | None = None) -> tuple[str,
                  f"{on_card.min():.3f}–{on_card.max():.3f}×: "
                  f"**{'not reproduced' if on_card.min() < lo / 1.02 else 'reproduced'}** there.")
     return text, "warning" if mix.min() < lo / 1.02 else "tip"
+
+
+def runs(shapes, contexts, batches, few_requests: dict | None = None) -> list[tuple]:
+    """The chapter's benchmark runs ``[(shape, contexts, batches)]``: the paper's grid at each shape, then the
+    few-requests panel's (Llama-3.1-8B shape; ``few_requests``: ``{"contexts": [...], "batches": [...]}``, empty
+    lists or None: no panel)."""
+    out = [(shape, list(contexts), list(batches)) for shape in shapes]
+    if few_requests and few_requests.get("contexts") and few_requests.get("batches"):
+        out.append((SHAPE, list(few_requests["contexts"]), list(few_requests["batches"])))
+    return out
+
+
+def show_few_requests(table: pd.DataFrame | None) -> None:
+    """The few-requests panel's text and figure (:func:`few_requests`), or a line saying that no run has it yet."""
+    grid = few_requests(table) if table is not None and "speedup_vs_flashinfer_tc" in table else None
+    if grid is None or grid.empty:
+        report.markdown("No committed GPU run has timed these points yet.")
+        return
+    report.markdown(few_requests_text(grid, str(table.device.iloc[0])))
+    report.figure(few_requests_figure(grid), "Speedup over FlashInfer's tensor-core decode with few requests and long "
+                  "contexts (Llama-3.1-8B attention shape, median of the timed calls, L2 cleared before each): ours on "
+                  "the real-KV mix and all compressible, FlashInfer's lossy FP8 cache, FlashInfer's CUDA-core path, "
+                  "torch SDPA and our kernel on raw pages; a black tick marks the speedup the real-KV mix's bytes "
+                  "allow at FlashInfer's read rate.", name="fig-latency-few-requests")
+
+
+def few_requests(table: pd.DataFrame, max_batch: int = 16) -> pd.DataFrame:
+    """The few-requests panel (Llama-3.1-8B shape, batch <= ``max_batch``): rows (ctx, batch), one column per method
+    of :data:`FEW_REQUESTS` with its speedup over FlashInfer TC from the same run (> 1: faster), and ``bytes bound``:
+    FlashInfer TC's bytes over ours on the measured mix -- the speedup the bytes allow at FlashInfer's read rate."""
+    t = table[(table["shape"] == SHAPE) & (table.batch <= max_batch)]
+    t = t[~t.method.str.startswith("zipkv") | (t.kernel == "gluon")]
+    t = t.assign(label=[FEW_REQUESTS.get((m, k)) for m, k in zip(t.method, t.kv_data)]).dropna(subset=["label"])
+    grid = t.pivot_table(index=["ctx", "batch"], columns="label", values="speedup_vs_flashinfer_tc")
+    grid = grid[[label for label in FEW_REQUESTS.values() if label in grid.columns]]
+    fi = table[(table["shape"] == SHAPE) & (table.method == "flashinfer_tc")].groupby(["ctx", "batch"]).bytes_read.first()
+    mix = t[t.label == FEW_REQUESTS[("zipkv_compressed", "measured mix")]].groupby(["ctx", "batch"]).bytes_read.first()
+    grid["bytes bound"] = (fi / mix).reindex(grid.index)
+    return grid
+
+
+def few_requests_figure(grid: pd.DataFrame):
+    """Grouped bars of :func:`few_requests`: speedup over FlashInfer TC per context x batch for each method, the
+    bytes bound of ours on the real-KV mix as a tick over its bar, parity as a black line."""
+    import matplotlib.pyplot as plt
+
+    methods = [c for c in grid.columns if c != "bytes bound"]
+    fig, ax = plt.subplots(figsize=(11, 3.8))
+    x = np.arange(len(grid))
+    width = 0.8 / len(methods)
+    for i, column in enumerate(methods):
+        offset = (i - (len(methods) - 1) / 2) * width
+        ax.bar(x + offset, grid[column], width, label=column)
+        if column == FEW_REQUESTS[("zipkv_compressed", "measured mix")]:
+            ax.scatter(x + offset, grid["bytes bound"], marker="_", s=120, color="black", zorder=3,
+                       label="bytes bound, real-KV mix")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(x, [f"{ctx // 1024}K tokens\nbatch {b}" for ctx, b in grid.index])
+    ax.set_ylabel("speedup over FlashInfer TC (×)")
+    ax.set_xlabel("context length × batch (Llama-3.1-8B attention shape)")
+    ax.set_ylim(0, max(1.6, float(grid.max().max()) + 0.3))
+    ax.legend(fontsize=8, loc="upper center", ncol=4)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def few_requests_text(grid: pd.DataFrame, device: str) -> str:
+    """What the few-requests panel shows, from :func:`few_requests` (``device``: the GPU of the run)."""
+    mix = grid[FEW_REQUESTS[("zipkv_compressed", "measured mix")]]
+    fp8 = grid.get(FEW_REQUESTS[("flashinfer_fp8", "any")])
+    worst, best = mix.idxmin(), mix.idxmax()
+    text = (f"With one to {grid.index.get_level_values('batch').max()} requests ({device}), ZipFusion on the real-KV mix "
+            f"runs at **{mix.min():.2f}–{mix.max():.2f}×** FlashInfer TC's speed: slowest at "
+            f"{worst[0] // 1024}K tokens × {worst[1]} ({mix[worst]:.2f}×, its bytes allow {grid['bytes bound'][worst]:.2f}×), "
+            f"fastest at {best[0] // 1024}K × {best[1]}.")
+    if fp8 is not None and fp8.notna().any():
+        text += (f" FlashInfer's FP8 cache, which halves the bytes but rounds every value (its error: chapter \"Lossless "
+                 f"12-bit against lossy 8-bit\"), runs at {fp8.min():.2f}–{fp8.max():.2f}× over the same points.")
+    return text
 
 
 def read_card(folder) -> pd.DataFrame | None:
