@@ -1,0 +1,82 @@
+"""The memory manager chapter's modules on hand-made tables (the serving itself: tests/test_serving.py): the steps
+table, the verdict's branches, the ablation table's units, the findings row, and the table of contents' design page
+left out of the chapters the book's checks open."""
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+
+from zipkv.serving import ServeResult
+from zipkv.study import findings
+from zipkv.study.chapters import memory_manager as chapter
+from zipkv.study.experiments import memory_manager as experiment
+
+matplotlib.use("Agg")
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = list(experiment.VARIANTS)
+
+
+def _ablation(reassigned=3, batches=(4, 5, 5, 4), tokens=(900.0, 1000.0, 1010.0, 950.0)):
+    rows = [dict(variant=v, rate=1000.0, requests=40, duration_s=0.1, output_tokens=1338, tokens_per_s=t,
+                 requests_per_s=400.0, max_batch=b, queue_median_s=0.01, queue_p99_s=0.03, ttft_median_s=0.012,
+                 ttft_p99_s=0.031, tpot_median_s=2e-4, tpot_p99_s=3e-4, retractions=1,
+                 chunks_reassigned=reassigned if v == "shared pool" else 0, model="SmolLM2-135M", device="cpu",
+                 clock="simulated", prompt_lengths_min=64, prompt_lengths_max=192, output_lengths_min=16,
+                 output_lengths_max=48, chunks=240) for v, b, t in zip(VARIANTS, batches, tokens)]
+    return pd.DataFrame(rows)
+
+
+def _result(reassigned_at=(2, 4)):
+    steps = [dict(time=1e-3 * i, batch=1 + i % 3, used_bytes=[1000 * (i + 1), 900 * (i + 1), 1100 * (i + 1)],
+                  chunks_free=max(0, 5 - i), chunks_held=0, reassigned=sum(i >= s for s in reassigned_at),
+                  retracted=int(i >= 3), waiting=max(0, 3 - i)) for i in range(6)]
+    return ServeResult([], [], steps, {}, "simulated")
+
+
+def test_steps_table_has_one_row_per_step_and_a_column_per_layer(tmp_path):
+    t = experiment.steps_table(_result())
+    assert len(t) == 6 and [c for c in t if c.startswith("used_bytes_")] == ["used_bytes_0", "used_bytes_1",
+                                                                               "used_bytes_2"]
+    written = experiment.save(dict(ablation=_ablation(), timeline=_result(), curve=pd.DataFrame()),
+                              tmp_path / "memory_manager.csv")
+    assert (tmp_path / "memory_manager_steps.csv").is_file() and not (tmp_path / "memory_manager_curve.csv").exists()
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "memory_manager_steps.csv"), written["steps"],
+                                  check_dtype=False)
+
+
+def test_verdict_counts_reassignments_and_says_why_when_there_are_none():
+    steps = experiment.steps_table(_result())
+    text, kind = chapter.verdict(_ablation(), pd.DataFrame(), steps)
+    assert kind == "tip" and "**2** chunks" in text and "2 of 6 decode steps" in text and "**5**" in text
+    none = experiment.steps_table(_result(reassigned_at=()))
+    text, kind = chapter.verdict(_ablation(reassigned=0), pd.DataFrame(), none)
+    assert kind == "warning" and "No chunk moved" in text and "ran out" in text
+    f = chapter.reassignment_facts(steps, dict(chunks=240))
+    assert f == dict(reassigned=2, first_ms=2.0, steps_with=2, least_free=0, chunks=240, steps=6)
+    assert abs(chapter.layer_spread(steps) - 200 / 1100) < 1e-12
+
+
+def test_shared_pool_behind_per_layer_pools_is_a_warning():
+    text, kind = chapter.verdict(_ablation(batches=(4, 5, 4, 4)), pd.DataFrame(), experiment.steps_table(_result()))
+    assert kind == "warning"
+
+
+def test_ablation_table_shows_times_in_ms_and_rates_as_they_are():
+    t = chapter.ablation_table(_ablation())
+    assert list(t["output tokens/s"]) == [900.0, 1000.0, 1010.0, 950.0]
+    assert list(t["TTFT median (ms)"]) == [12.0] * 4 and list(t["TPOT p99 (ms)"]) == [0.3] * 4
+    fig = chapter.plot_timeline(experiment.steps_table(_result()), "simulated")
+    assert all(a.get_xlabel() or a.get_ylabel() for a in fig.axes)
+
+
+def test_findings_row_reads_the_committed_table(tmp_path):
+    _ablation().to_csv(tmp_path / "memory_manager.csv", index=False)
+    m = findings._memory_manager(findings.Results(tmp_path))
+    assert m.value is None and m.text.startswith("3 chunks reassigned between layers, 1 retraction(s)")
+    assert "shared pool 5 at 1010 tokens/s" in m.text
+
+
+def test_the_design_page_is_in_the_toc_but_no_results_chapter():
+    docs = findings.chapter_docs(REPO / "_toc.yml")
+    assert docs["memory_manager"] == "book/zipfusion/memory_manager"
+    assert "memory_manager_engines" not in docs and "memory_manager_engines" in (REPO / "_toc.yml").read_text()
