@@ -166,13 +166,13 @@ def test_targets_text_cites_the_context_fit_only_where_one_is_given():
     assert "Fixed and per-token cost" not in latency.targets_text(table, latency.read_ncu(folder))
 
 
-def test_findings_row_reads_the_committed_context_sweep_beside_the_chapters_table(tmp_path):
+def test_findings_row_reads_the_committed_context_sweep_beside_the_appendix_table(tmp_path):
     from zipkv.study import findings
 
     claim = [c for c in findings.CLAIMS if c.ours is findings._per_token_gain]
-    (tmp_path / "zipfusion_attention_latency.csv").write_text("shape\nllama3.1-8b\n")
+    (tmp_path / "zipfusion_kernel_engineering.csv").write_text("shape\nllama3.1-8b\n")
     row = findings.findings(tmp_path, claim).iloc[0]
-    assert row.verdict == "not yet run"                                   # the chapter's table, no sweep beside it
+    assert row.verdict == "not yet run"                                   # the appendix page's table, no sweep beside it
     _context_sweep().to_csv(tmp_path / latency.CONTEXT_SWEEP, index=False)
     row = findings.findings(tmp_path, claim).iloc[0]
     assert row.verdict == findings.BEYOND and row.our_value.startswith("1.333× FlashInfer TC per token (the bytes allow 1.340×)")
