@@ -592,3 +592,21 @@ def test_gluon_kernel_resources_match_the_residency_model():
         assert info["shared_bytes"] == decode_mma.shared_bytes(kind, info["slots"]), info
         bound = decode_mma.MAX_REGISTERS[decode_mma.query_columns(info["q_heads"] // info["kv_heads"])]
         assert info["registers"] <= bound and info["spill_stores"] == 0, info
+
+
+def test_few_requests_cap_the_gluon_split_count():
+    """With fewer (request, KV head) pairs than SMs the Gluon kernel's splits target at most 8 programs per SM
+    (the mixed path's tuned 16 per SM had given 214 splits for one request, 1.3x slower than 64 on the H200);
+    from 132 pairs up (the paper's grid: batch 32 x 8 KV heads and more) the tuned target is unchanged."""
+    from zipkv import paged
+    from zipkv.kernels.decode_attention import FEW_REQUESTS_PROGRAMS_PER_SM, gluon_split_count
+    mixed, compressed = paged.PAGE_KINDS.index("mixed"), paged.PAGE_KINDS.index("compressed")
+
+    def splits(kind, pairs, pages=2048):
+        return gluon_split_count(kind, 128, pairs, pages, "NVIDIA H200", 132, group=4)
+    assert FEW_REQUESTS_PROGRAMS_PER_SM == 8
+    assert splits(mixed, 8) == splits(compressed, 8) == 132          # 1 request x 8 KV heads: 1,056 programs
+    assert splits(mixed, 32) == splits(compressed, 32) == 33         # 4 requests
+    assert splits(mixed, 8, pages=40) == 40                          # never more splits than pages
+    assert splits(mixed, 256) == 6                                    # batch 32: the tuned 16 (13 resident) per SM
+    assert splits(mixed, 256) * 256 > FEW_REQUESTS_PROGRAMS_PER_SM * 132

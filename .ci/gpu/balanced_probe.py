@@ -1,5 +1,8 @@
 """Probe: a deterministic balanced schedule for the Gluon kernel's launch tail (issue 13's all-compressible bar).
 
+A record: it rewrites the fused kernel as it was before the two-level merge (commit 55b3dff and earlier;
+``git show 55b3dff:zipkv/kernels/decode_mma.py``) and refuses today's, whose merge it no longer matches.
+
 The timeline probe shows the static split's tail: at 8192 x 64 the programs' page loops end up to 11 us (H200) after the
 median one. Here, in a copy of :mod:`zipkv.kernels.decode_mma` rewritten at run time, each split keeps the last part of
 its range but hands its first ``K * C`` units out as K fixed chunks of C units, which any program claims from one

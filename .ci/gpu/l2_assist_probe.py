@@ -1,5 +1,8 @@
 """Probe: the first split of a KV head to finish warms L2 for its sibling's last pages (issue 13's all-compressible bar).
 
+A record: it rewrites the fused kernel as it was before the two-level merge (commit 55b3dff and earlier;
+``git show 55b3dff:zipkv/kernels/decode_mma.py``) and refuses today's, whose merge it no longer matches.
+
 The timeline probe shows the static split's tail: at 8192 x 64 the programs' page loops end up to 8.6-11 us (H200) and
 14 us (H100) after the median one, and the balanced schedule (``balanced_probe.py``) lost more to pipeline restarts
 than it won. Here nothing about the schedule changes: in a copy of :mod:`zipkv.kernels.decode_mma` rewritten at run

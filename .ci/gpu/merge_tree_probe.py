@@ -1,5 +1,8 @@
 """A two-level merge of the fused kernel's splits, beside the committed one-level merge (few requests, long contexts).
 
+A record: it rewrites the fused kernel as it was before the two-level merge (commit 55b3dff and earlier;
+``git show 55b3dff:zipkv/kernels/decode_mma.py``) and refuses today's, whose merge it no longer matches.
+
 With one request and 8 KV heads the plan splits each head's pages over ~130 one-warp programs; the last program of a
 (request, KV head) to finish then merges every split's partial output alone, reading ``splits x head_dim x columns``
 fp32 values in one warp after everything else has ended. The copy here groups the splits by ``ceil(sqrt(splits))``:

@@ -1,5 +1,8 @@
 """Probe: the hardware block scheduler as the work queue for the launch's tail (issue 13's all-compressible bar).
 
+A record: it rewrites the fused kernel as it was before the two-level merge (commit 55b3dff and earlier;
+``git show 55b3dff:zipkv/kernels/decode_mma.py``) and refuses today's, whose merge it no longer matches.
+
 The static split's programs end their page loops up to 8.6-11 us (H200) after the median one; the balanced schedule
 (``balanced_probe.py``: programs claiming chunks from an atomic queue once their own part is done) lost more to its
 serial claims and pipeline restarts than it won. Here the claims are the hardware's: in a copy of

@@ -57,9 +57,9 @@ def _smid():
 def _pipelined_kernel('''),
     ("cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr", "cnt_ptr, t_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr"),
     ("    s = gl.program_id(2)\n    p_start", "    s = gl.program_id(2)\n    t0 = _now()\n    p_start"),
-    ("    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD)\n",
+    ("    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD, GS, NG, TOT)\n",
      "    t1 = _now()\n"
-     "    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD)\n"
+     "    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD, GS, NG, TOT)\n"
      "    t2 = _now()\n"
      "    w = t_ptr + ((b * HKV + h) * SPLITS + s) * 4\n"
      "    gl.store(w, t0)\n    gl.store(w + 1, t1)\n    gl.store(w + 2, t2)\n"

@@ -194,6 +194,14 @@ program slots that the Gluon kernel's split count should fill before more splits
 GLUON_EXTRA_SPLITS = 2
 """Split counts past ``ceil(slots / programs)`` that :func:`split_count` weighs for the Gluon kernel when too few
 programs would run."""
+FEW_REQUESTS_PROGRAMS_PER_SM = 8
+"""With fewer (request, KV head) pairs than SMs (few requests), the Gluon kernel's split count targets at most this
+many programs per SM, whatever its specialisation's tuned target: there the split count alone sets the program count,
+and past ~8 one-warp programs per SM more, shorter splits only cost (H200 at 55b3dff, two-level merge, Llama-3.1-8B
+shape, 32768 tokens, measured mix: 1 request at 64 splits, 512 programs, 39.7 us; at 214, the tuned 16 per SM capped
+at the 13 resident, 53.0 us; 4 requests at 32 splits, 1,024 programs, 109.6 us; at 53, 158.1 us; at 64, 138.2 us;
+the all-compressed path at its tuned 8 per SM within 2 % of the best of 16/32/64 splits at both;
+``results/paper/zipfusion_kernel_merge_tree_ab.csv``)."""
 
 
 def split_count(programs: int, slots: int, max_splits: int, *, fill_waves: bool = True,
@@ -245,8 +253,10 @@ def gluon_split_count(kind: int, head_dim: int, programs: int, pages: int, gpu_n
     # No more wanted slots than the SM holds: a wider target only adds splits that start a second wave
     # (H200 at ec5d2c1, measured mix at 8192 x 57, target 16 per SM with 13 resident: 7 splits; the sweep's
     # fastest, 3 splits, is what the capped target gives).
-    return split_count(programs, min(cfg["programs_per_sm"], per_sm) * sms, tiles, fill_waves=False,
-                       resident=per_sm * sms)
+    target = min(cfg["programs_per_sm"], per_sm)
+    if programs < sms:
+        target = min(target, FEW_REQUESTS_PROGRAMS_PER_SM)
+    return split_count(programs, target * sms, tiles, fill_waves=False, resident=per_sm * sms)
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -92,13 +92,21 @@ the measured mix 396.7 us, RAW 488.6 us, FlashInfer TC 495.5 us in the same run;
 The online softmax rescales lazily (:func:`_softmax_step`). Every launch takes every page of its
 requests, the last one too (tokens past ``last_page_len`` are masked), so a batch is one launch
 (:func:`zipkv.kernels.decode_attention.plan`: COMPRESSED or RAW for a uniform cache, MIXED otherwise),
-and it merges its own splits: the last split of each request and KV head to arrive does it
-(:func:`_finish`).
+and it merges its own splits: the last split of each request and KV head to arrive does it, in two levels
+beyond 16 splits (:func:`_finish`, :func:`merge_groups`). With few requests the plan spreads a KV head over ~100-200
+splits, and one warp merging them all, its loads unrolled, after everything else had ended, set the launch's
+length: H200 at 55b3dff, Llama-3.1-8B shape, 32768 tokens x 1 request at the plan's split counts, one level
+against two in the same rounds: all compressed 136.4 -> 40.7 us (132 splits), measured mix 252.6 -> 53.0 (214),
+raw 108.3 -> 44.8 (99), FlashInfer TC 44.8; 131072 x 1: 213.1 -> 109.6, 344.4 -> 162.8, 198.8 -> 135.6 against
+138.2 (``results/paper/zipfusion_kernel_merge_tree_ab.csv``, ``.ci/gpu/merge_tree_probe.py``). At 16 splits or fewer
+the merge is the one level it was, bit for bit.
 
 Gluon has no interpreter (``TRITON_INTERPRET=1``): this kernel runs on CUDA GPUs only; its tests
 run on the GPU, the format and the pack kernel are tested on the CPU.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 from triton.experimental import gluon
@@ -108,7 +116,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from zipkv import paged
 from zipkv.kernels import occupancy, tuning
 
-__all__ = ["launch", "launch_config", "workspace", "MMA_LAUNCH"]
+__all__ = ["launch", "launch_config", "merge_groups", "workspace", "MMA_LAUNCH"]
 
 MMA_LAUNCH = dict(programs_per_sm=6, stages=2, maxnreg=0)
 """Launch options of this kernel (one warp per program): the split-KV target in programs per SM and
@@ -683,52 +691,86 @@ def _prologue(q_ptr, indptr_ptr, b, h, s, HKV: gl.constexpr, G: gl.constexpr, SP
 
 
 @gluon.jit
+def _merge(part_ptr, lse_ptr, out_ptr, rows, rows1, go, do, g1, first, count, TOT: gl.constexpr, N: gl.constexpr,
+           G: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr, TO_OUT: gl.constexpr, slot):
+    """Merge slots ``first .. first + count - 1`` (count <= N) of each query row, weighted by their log2-sum-exp,
+    into ``out`` (bf16, TO_OUT) or into slot ``slot`` (fp32 output and its log2-sum-exp). The loop is unrolled, so
+    that every slot's loads are in flight at once; the slots were written by other programs: read past L1 (.cg)."""
+    m = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
+    for j in gl.static_range(N):
+        m = gl.maximum(m, gl.load(lse_ptr + rows1 * TOT + first + j, mask=(g1 < G) & (j < count),
+                                  other=float("-inf"), cache_modifier=".cg"))
+    top = gl.where(m > float("-inf"), m, 0.0)
+    num = gl.zeros([HD, NQ], gl.float32, layout=MMA)
+    wsum = gl.zeros([NQ], gl.float32, layout=QCOLS)
+    for j in gl.static_range(N):
+        w = gl.exp2(gl.load(lse_ptr + rows1 * TOT + first + j, mask=(g1 < G) & (j < count), other=float("-inf"),
+                            cache_modifier=".cg") - top)
+        o = gl.load(part_ptr + (rows * TOT + first + j) * HD + do, mask=(go < G) & (do >= 0) & (j < count),
+                    other=0.0, cache_modifier=".cg")
+        num += o * w[None, :]
+        wsum += w
+    den = gl.where(wsum > 0, wsum, 1.0)
+    gm = (go < G) & (do >= 0)
+    if TO_OUT:
+        gl.store(out_ptr + rows * HD + do, (num / den[None, :]).to(gl.bfloat16), mask=gm)
+    else:
+        gl.store(part_ptr + (rows * TOT + slot) * HD + do, num / den[None, :], mask=gm)
+        gl.store(lse_ptr + rows1 * TOT + slot, gl.where(wsum > 0, top + gl.log2(den), float("-inf")), mask=g1 < G)
+
+
+@gluon.jit
 def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl.constexpr, G: gl.constexpr,
-            SPLITS: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr):
+            SPLITS: gl.constexpr, NQ: gl.constexpr, HD: gl.constexpr, GS: gl.constexpr, NG: gl.constexpr,
+            TOT: gl.constexpr):
     """Output of a launch without a merge kernel (``acc`` ``[HD, NQ]``: the output of the KV head's query heads,
     transposed): one split writes ``out`` (bf16) directly; with more, each split writes its normalised partial
-    output and log2-sum-exp into its slot (an empty split: l = 0, lse = -inf, o = 0) and counts itself in the
-    (request, kv head)'s arrival counter, and the last to arrive merges the slots into ``out`` and resets the
-    counter to 0. The merge's loops are unrolled, so that every split's loads are in flight at once: as runtime
-    loops each split cost one L2 round trip in series at the end of the launch (H200, 8192 x 64, the two kernels
-    alternating in one run: SmolLM2 shape all compressible 80.9 -> 79.1 us at 5 splits, measured mix 86.0 -> 84.1;
-    Llama-3.1-8B shape, 2 splits, within 0.3 %; ``results/paper/zipfusion_kernel_merge_ab.csv``)."""
+    output and log2-sum-exp into its slot of TOT (an empty split: l = 0, lse = -inf, o = 0) and counts itself in its
+    group's arrival counter (groups of GS consecutive splits, :func:`merge_groups`). The last of a group to arrive
+    merges the group (:func:`_merge`): into ``out`` when there is one group (NG = 1), else into the group's slot
+    ``SPLITS + g``, and then counts the group in the (request, KV head)'s last counter, whose last arrival merges
+    the NG group slots into ``out``. Every counter is reset to 0 by its last arrival.
+
+    Two levels, because with few requests the plan spreads one KV head over ~100 splits and one warp merging them
+    all alone, after everything else has ended, set the launch's tail (few requests, long contexts); the merge
+    order is fixed, so the output is deterministic, and packed == raw bit for bit at the same split count."""
     g1 = gl.arange(0, NQ, layout=QCOLS)
     go = g1[None, :]
     do = gl.arange(0, HD, layout=gl.SliceLayout(1, MMA))[:, None]
     rows = b * (HKV * G) + h * G + go
+    rows1 = b * (HKV * G) + h * G + g1
     gm = (go < G) & (do >= 0)
     den = gl.where(l_i > 0, l_i, 1.0)
     if SPLITS == 1:
         gl.store(out_ptr + rows * HD + do, (acc / den[None, :]).to(gl.bfloat16), mask=gm)
     else:
-        rows1 = b * (HKV * G) + h * G + g1
-        gl.store(part_ptr + (rows * SPLITS + s) * HD + do, acc / den[None, :], mask=gm)
-        gl.store(lse_ptr + rows1 * SPLITS + s, gl.where(l_i > 0, m_i + gl.log2(den), float("-inf")), mask=g1 < G)
+        gl.store(part_ptr + (rows * TOT + s) * HD + do, acc / den[None, :], mask=gm)
+        gl.store(lse_ptr + rows1 * TOT + s, gl.where(l_i > 0, m_i + gl.log2(den), float("-inf")), mask=g1 < G)
         gl.thread_barrier()                    # every lane's stores before the release below
-        arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:
-            gl.store(cnt_ptr + b * HKV + h, 0)
-            m = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
-            for j in gl.static_range(SPLITS):   # unrolled: the loads of all splits in flight together
-                m = gl.maximum(m, gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
-                                          cache_modifier=".cg"))
-            m = gl.where(g1 < G, m, 0.0)       # some split of a real row holds a token: m is finite
-            num = gl.zeros([HD, NQ], gl.float32, layout=MMA)
-            wsum = gl.zeros([NQ], gl.float32, layout=QCOLS)
-            for j in gl.static_range(SPLITS):  # written by other programs: read past L1 (.cg)
-                w = gl.exp2(gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
-                                    cache_modifier=".cg") - m)
-                o = gl.load(part_ptr + (rows * SPLITS + j) * HD + do, mask=gm, other=0.0, cache_modifier=".cg")
-                num += o * w[None, :]
-                wsum += w
-            wsum = gl.where(wsum > 0, wsum, 1.0)
-            gl.store(out_ptr + rows * HD + do, (num / wsum[None, :]).to(gl.bfloat16), mask=gm)
+        g = s // GS
+        size = gl.minimum(GS, SPLITS - g * GS)
+        cnt = cnt_ptr + (b * HKV + h) * (NG + 1)
+        arrived = gl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
+        if arrived == size - 1:
+            gl.store(cnt + g, 0)
+            if NG == 1:
+                _merge(part_ptr, lse_ptr, out_ptr, rows, rows1, go, do, g1, 0, SPLITS, TOT, SPLITS, G, NQ, HD, True,
+                       0)
+            else:
+                _merge(part_ptr, lse_ptr, out_ptr, rows, rows1, go, do, g1, g * GS, size, TOT, GS, G, NQ, HD, False,
+                       SPLITS + g)
+                gl.thread_barrier()
+                done = gl.atomic_add(cnt + NG, 1, sem="acq_rel", scope="gpu")
+                if done == NG - 1:
+                    gl.store(cnt + NG, 0)
+                    _merge(part_ptr, lse_ptr, out_ptr, rows, rows1, go, do, g1, SPLITS, NG, TOT, NG, G, NQ, HD,
+                           True, 0)
 
 
 @gluon.jit
 def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_ptr, part_ptr, lse_ptr, out_ptr,
-                      cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr,
+                      cnt_ptr, qk_scale, HKV: gl.constexpr, G: gl.constexpr, SPLITS: gl.constexpr, GS: gl.constexpr, NG: gl.constexpr,
+                      TOT: gl.constexpr,
                       KIND: gl.constexpr, SLOTS: gl.constexpr, HD: gl.constexpr, NQ: gl.constexpr):
     """Grid (batch, kv_heads, splits), one warp: split s of the request's units before its last (the last
     split also takes the last unit) through the cp.async ring as pages of kind KIND; the splits are merged
@@ -743,17 +785,30 @@ def _pipelined_kernel(q_ptr, pool_ptr, desc_ptr, indptr_ptr, indices_ptr, last_p
     if hi > lo:
         m_i, l_i, acc = _pipelined(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, indices_ptr, p_start, npages, lo,
                                    hi, gl.load(last_ptr + b), h, qk_scale, HKV, KIND, SLOTS, HD, NQ)
-    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD)
+    _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV, G, SPLITS, NQ, HD, GS, NG, TOT)
+
+
+def merge_groups(num_splits: int) -> tuple[int, int]:
+    """(splits per group, groups) of :func:`_finish`'s merge: one group up to 16 splits (one level), else groups of
+    ceil(sqrt(num_splits)) consecutive splits, so that neither level merges more than ~sqrt(num_splits) slots."""
+    if num_splits <= 16:
+        return num_splits, 1
+    size = math.ceil(math.sqrt(num_splits))
+    return size, math.ceil(num_splits / size)
 
 
 def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device, head_dim: int = 128) -> dict:
-    """Buffers of one batch layout: with splits, the split slots (fp32 ``part``, ``lse``) and the zeroed
-    int32 arrival counters of :func:`_finish` (every launch leaves them at 0 again)."""
+    """Buffers of one batch layout: with splits, the slots of :func:`_finish` (fp32 ``part``
+    ``[batch, q_heads, slots, head_dim]``, ``lse`` ``[batch, q_heads, slots]``: one per split, then one per merge
+    group when there are several) and its zeroed int32 arrival counters, groups + 1 per (request, KV head) (every
+    launch leaves them at 0 again)."""
     if num_splits == 1:
         return {}
-    return dict(part=torch.empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32, device=device),
-                lse=torch.empty(batch, q_heads, num_splits, dtype=torch.float32, device=device),
-                counters=torch.zeros(batch * kv_heads, dtype=torch.int32, device=device))
+    _, groups = merge_groups(num_splits)
+    slots = num_splits + (groups if groups > 1 else 0)
+    return dict(part=torch.empty(batch, q_heads, slots, head_dim, dtype=torch.float32, device=device),
+                lse=torch.empty(batch, q_heads, slots, dtype=torch.float32, device=device),
+                counters=torch.zeros(batch * kv_heads * (groups + 1), dtype=torch.int32, device=device))
 
 
 def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, qk_scale: float,
@@ -766,9 +821,10 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
     B, HQ, _ = q.shape
     HKV = cache.kv_heads
     part, lse, counters = (ws.get(name, out) for name in ("part", "lse", "counters"))
+    group_size, groups = merge_groups(num_splits)
     _pipelined_kernel[(B, HKV, num_splits)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, part, lse, out, counters, qk_scale,
-        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, KIND=kind, SLOTS=slots, HD=cache.head_dim,
+        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, GS=group_size, NG=groups, TOT=num_splits + (groups if groups > 1 else 0), KIND=kind, SLOTS=slots, HD=cache.head_dim,
         NQ=query_columns(HQ // HKV), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
