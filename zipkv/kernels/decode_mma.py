@@ -116,7 +116,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from zipkv import paged
 from zipkv.kernels import occupancy, tuning
 
-__all__ = ["launch", "launch_config", "merge_groups", "workspace", "MMA_LAUNCH"]
+__all__ = ["launch", "launch_config", "merge_groups", "merge_constants", "workspace", "MMA_LAUNCH"]
 
 MMA_LAUNCH = dict(programs_per_sm=6, stages=2, maxnreg=0)
 """Launch options of this kernel (one warp per program): the split-KV target in programs per SM and
@@ -725,15 +725,20 @@ def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl
             TOT: gl.constexpr):
     """Output of a launch without a merge kernel (``acc`` ``[HD, NQ]``: the output of the KV head's query heads,
     transposed): one split writes ``out`` (bf16) directly; with more, each split writes its normalised partial
-    output and log2-sum-exp into its slot of TOT (an empty split: l = 0, lse = -inf, o = 0) and counts itself in its
-    group's arrival counter (groups of GS consecutive splits, :func:`merge_groups`). The last of a group to arrive
-    merges the group (:func:`_merge`): into ``out`` when there is one group (NG = 1), else into the group's slot
-    ``SPLITS + g``, and then counts the group in the (request, KV head)'s last counter, whose last arrival merges
-    the NG group slots into ``out``. Every counter is reset to 0 by its last arrival.
-
-    Two levels, because with few requests the plan spreads one KV head over ~100 splits and one warp merging them
-    all alone, after everything else has ended, set the launch's tail (few requests, long contexts); the merge
-    order is fixed, so the output is deterministic, and packed == raw bit for bit at the same split count."""
+    output and log2-sum-exp into its slot of TOT (an empty split: l = 0, lse = -inf, o = 0). Up to 16 splits (one
+    group, NG = 1) each counts itself in the (request, KV head)'s arrival counter and the last to arrive merges every
+    slot into ``out``, its loads unrolled so that all are in flight at once: as runtime loops each split cost one L2
+    round trip in series at the end of the launch (H200, 8192 x 64, SmolLM2 shape all compressible 80.9 -> 79.1 us
+    at 5 splits; ``results/paper/zipfusion_kernel_merge_ab.csv``). With more, the splits form NG groups of GS
+    (:func:`merge_groups`), each with its counter: the last of a group to arrive merges it into the group's slot
+    ``SPLITS + g`` (:func:`_merge`) and counts the group in the pair's last counter, whose last arrival merges the NG
+    group slots into ``out`` -- two short serial merges instead of one of ~100-200 slots (few requests, long
+    contexts). Every counter is reset to 0 by its last arrival; the merge order is fixed, so the output is
+    deterministic, and packed == raw bit for bit at the same split count. The one-level path is its own code, so
+    that the kernels of the paper's grid (a few splits) compile as before (registers: :data:`MAX_REGISTERS`); the
+    two-level path takes up to 168 registers at head_dim 128 (offline, sm_90a, no spills), which holds 12 programs
+    per SM: more than splits past 16 ever launch (only for fewer pairs than SMs, at most 8 programs per SM:
+    :data:`zipkv.kernels.decode_attention.FEW_REQUESTS_PROGRAMS_PER_SM`)."""
     g1 = gl.arange(0, NQ, layout=QCOLS)
     go = g1[None, :]
     do = gl.arange(0, HD, layout=gl.SliceLayout(1, MMA))[:, None]
@@ -747,16 +752,32 @@ def _finish(part_ptr, lse_ptr, out_ptr, cnt_ptr, m_i, l_i, acc, b, h, s, HKV: gl
         gl.store(part_ptr + (rows * TOT + s) * HD + do, acc / den[None, :], mask=gm)
         gl.store(lse_ptr + rows1 * TOT + s, gl.where(l_i > 0, m_i + gl.log2(den), float("-inf")), mask=g1 < G)
         gl.thread_barrier()                    # every lane's stores before the release below
-        g = s // GS
-        size = gl.minimum(GS, SPLITS - g * GS)
-        cnt = cnt_ptr + (b * HKV + h) * (NG + 1)
-        arrived = gl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
-        if arrived == size - 1:
-            gl.store(cnt + g, 0)
-            if NG == 1:
-                _merge(part_ptr, lse_ptr, out_ptr, rows, rows1, go, do, g1, 0, SPLITS, TOT, SPLITS, G, NQ, HD, True,
-                       0)
-            else:
+        if NG == 1:                            # one level: its loads unrolled, all in flight together
+            arrived = gl.atomic_add(cnt_ptr + b * HKV + h, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLITS - 1:
+                gl.store(cnt_ptr + b * HKV + h, 0)
+                m = gl.full([NQ], float("-inf"), gl.float32, layout=QCOLS)
+                for j in gl.static_range(SPLITS):
+                    m = gl.maximum(m, gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
+                                              cache_modifier=".cg"))
+                m = gl.where(g1 < G, m, 0.0)   # some split of a real row holds a token: m is finite
+                num = gl.zeros([HD, NQ], gl.float32, layout=MMA)
+                wsum = gl.zeros([NQ], gl.float32, layout=QCOLS)
+                for j in gl.static_range(SPLITS):  # written by other programs: read past L1 (.cg)
+                    w = gl.exp2(gl.load(lse_ptr + rows1 * SPLITS + j, mask=g1 < G, other=float("-inf"),
+                                        cache_modifier=".cg") - m)
+                    o = gl.load(part_ptr + (rows * SPLITS + j) * HD + do, mask=gm, other=0.0, cache_modifier=".cg")
+                    num += o * w[None, :]
+                    wsum += w
+                wsum = gl.where(wsum > 0, wsum, 1.0)
+                gl.store(out_ptr + rows * HD + do, (num / wsum[None, :]).to(gl.bfloat16), mask=gm)
+        else:
+            g = s // GS
+            size = gl.minimum(GS, SPLITS - g * GS)
+            cnt = cnt_ptr + (b * HKV + h) * (NG + 1)
+            arrived = gl.atomic_add(cnt + g, 1, sem="acq_rel", scope="gpu")
+            if arrived == size - 1:
+                gl.store(cnt + g, 0)
                 _merge(part_ptr, lse_ptr, out_ptr, rows, rows1, go, do, g1, g * GS, size, TOT, GS, G, NQ, HD, False,
                        SPLITS + g)
                 gl.thread_barrier()
@@ -797,18 +818,25 @@ def merge_groups(num_splits: int) -> tuple[int, int]:
     return size, math.ceil(num_splits / size)
 
 
+def merge_constants(num_splits: int) -> dict:
+    """The merge's constexprs of :func:`_pipelined_kernel` for ``num_splits``: GS splits per group, NG groups, TOT slots
+    per query row (the splits', then the groups' where there are several)."""
+    size, groups = merge_groups(num_splits)
+    return dict(GS=size, NG=groups, TOT=num_splits + (groups if groups > 1 else 0))
+
+
 def workspace(batch: int, q_heads: int, kv_heads: int, num_splits: int, device, head_dim: int = 128) -> dict:
     """Buffers of one batch layout: with splits, the slots of :func:`_finish` (fp32 ``part``
     ``[batch, q_heads, slots, head_dim]``, ``lse`` ``[batch, q_heads, slots]``: one per split, then one per merge
-    group when there are several) and its zeroed int32 arrival counters, groups + 1 per (request, KV head) (every
-    launch leaves them at 0 again)."""
+    group when there are several) and its zeroed int32 arrival counters: one per (request, KV head), groups + 1 with
+    several groups (every launch leaves them at 0 again)."""
     if num_splits == 1:
         return {}
-    _, groups = merge_groups(num_splits)
-    slots = num_splits + (groups if groups > 1 else 0)
-    return dict(part=torch.empty(batch, q_heads, slots, head_dim, dtype=torch.float32, device=device),
-                lse=torch.empty(batch, q_heads, slots, dtype=torch.float32, device=device),
-                counters=torch.zeros(batch * kv_heads * (groups + 1), dtype=torch.int32, device=device))
+    merge = merge_constants(num_splits)
+    return dict(part=torch.empty(batch, q_heads, merge["TOT"], head_dim, dtype=torch.float32, device=device),
+                lse=torch.empty(batch, q_heads, merge["TOT"], dtype=torch.float32, device=device),
+                counters=torch.zeros(batch * kv_heads * (merge["NG"] + 1 if merge["NG"] > 1 else 1), dtype=torch.int32,
+                                     device=device))
 
 
 def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, qk_scale: float,
@@ -821,10 +849,9 @@ def launch(q, cache, indptr, indices, last_page_len, launches, num_splits: int, 
     B, HQ, _ = q.shape
     HKV = cache.kv_heads
     part, lse, counters = (ws.get(name, out) for name in ("part", "lse", "counters"))
-    group_size, groups = merge_groups(num_splits)
     _pipelined_kernel[(B, HKV, num_splits)](
         q, cache.pool, cache.desc, indptr, indices, last_page_len, part, lse, out, counters, qk_scale,
-        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, GS=group_size, NG=groups, TOT=num_splits + (groups if groups > 1 else 0), KIND=kind, SLOTS=slots, HD=cache.head_dim,
+        HKV=HKV, G=HQ // HKV, SPLITS=num_splits, **merge_constants(num_splits), KIND=kind, SLOTS=slots, HD=cache.head_dim,
         NQ=query_columns(HQ // HKV), num_warps=1,
         **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

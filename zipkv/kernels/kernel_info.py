@@ -184,7 +184,7 @@ def decode_mma_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: in
     stages = slots or tune["stages"]
     maxnreg = tune["maxnreg"] if maxnreg is None else maxnreg
     cst = dict(HKV=kv_heads, G=q_heads // kv_heads, SPLITS=splits, KIND=paged.PAGE_KINDS.index(path), SLOTS=stages,
-               HD=head_dim, NQ=dm.query_columns(q_heads // kv_heads))
+               HD=head_dim, NQ=dm.query_columns(q_heads // kv_heads), **dm.merge_constants(splits))
     info = compile_info(dm._pipelined_kernel, sig, cst, num_warps=1, num_stages=stages, arch=arch,
                         divisible=tuple(range(9)), keep_asm=keep_asm, **({"maxnreg": maxnreg} if maxnreg else {}))
     info.update(path=path, head_dim=head_dim)
