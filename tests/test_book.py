@@ -446,9 +446,11 @@ def test_a_run_interrupted_mid_notebook_changes_nothing(tmp_path):
     (root / "results" / "quick" / "side.csv").write_text("z\nold\n")
     (root / ".gitignore").write_text("started\n")
     _git_root(root)
+    # Under pytest-xdist the worker ignores SIGINT and a child would inherit that: give the run Python's own Ctrl-C.
     run = subprocess.Popen([sys.executable, "-m", "zipkv.study", "book", "--root", str(root), "--no-html", "--force"],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env={**os.environ, "TMPDIR": str(tmp_path / "scratch")})
+                           env={**os.environ, "TMPDIR": str(tmp_path / "scratch")},
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not (root / "started").exists() and time.time() < deadline and run.poll() is None:
         time.sleep(0.2)

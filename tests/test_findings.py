@@ -407,7 +407,8 @@ def test_the_landing_page_opens_with_five_to_eight_computed_sentences():
     assert {"attention", "throughput", "lossless", "kvsculpt", "beyond"} <= set(sentences.topic)
     nb = nbformat.read(book.REPO_ROOT / "notebooks" / "index.ipynb", as_version=4)
     prose = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
-    _, caption = findings.landing_figure(PAPER_RESULTS)
+    from zipkv.study.chapters import paper_card
+    _, caption = paper_card.landing_figure(PAPER_RESULTS)
     assert _words(text + "\n" + caption + "\n" + prose) <= 400
     assert "computed from the committed results" in text
     head = findings.headline(PAPER_RESULTS).set_index("claim")

@@ -81,13 +81,14 @@ def test_the_optimizer_table_labels_the_oracle_windows_and_averages_the_ratios_o
 
 def test_the_speed_verdict_judges_the_papers_seconds_by_the_reference_solver_as_the_findings_page_does():
     """The paper's 170 s is of a one-problem-at-a-time solver: our reference is what reproduces it or not; the
-    batched solver is ours (beyond the paper), said as such, whatever it takes."""
+    batched solver is ours (beyond the paper), said as such, whatever it takes. Faster than the paper's on another
+    GPU reads "reproduced": "exceeded" is kept for a comparison against the paper's own baseline."""
     from zipkv.study import findings
     from zipkv.study.chapters import speed
 
     row = lambda solver, s: dict(problem_shape="Qwen2.5-1.5B 28×2×128", ctx=2048, ratio=0.3, solver=solver,  # noqa: E731
                                  seconds=s, problems=56, reference_problems=4, speedup=float("nan"))
-    for ref_s, verdict, kind in ((600.0, "not reproduced", "warning"), (100.0, "exceeded", "tip"),
+    for ref_s, verdict, kind in ((600.0, "not reproduced", "warning"), (100.0, "reproduced", "tip"),
                                  (172.0, "reproduced", "tip")):
         timings = pd.DataFrame([row("batched", 6.8), row("reference", ref_s)])
         text, got = speed.speed_verdict(timings, 2048, at_paper_setting=True)

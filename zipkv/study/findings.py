@@ -1413,18 +1413,3 @@ def landing(results_dir: Path, table: pd.DataFrame | None = None) -> tuple[str, 
         "{doc}`findings page </book/findings/findings>`.")))
     frame = pd.DataFrame(sentences, columns=["topic", "sentence"])
     return " ".join(frame.sentence), frame
-
-
-def landing_figure(results_dir: Path):
-    """The H100/H200 speedup figure of the chapter on the paper's card and its caption, or None without both runs."""
-    from zipkv.study.chapters import paper_card
-
-    res = Results(Path(results_dir))
-    if not (res.has(PAPER_CARD) and res.has("zipfusion_attention_latency")):
-        return None
-    fig = paper_card.speedup_figure(res[PAPER_CARD], res["zipfusion_attention_latency"])
-    lo, hi = pv.ZIPFUSION_SPEEDUP_RANGE
-    caption = (f"ZipFusion's decode attention over FlashInfer at each of the paper's points (context × batch, "
-               f"Llama-3.1-8B attention shape), on the H100 and on the H200; filled: the real-KV mix, hollow: every "
-               f"block compressible; green band: the paper's {lo}–{hi}× on an {pv.ZIPFUSION_GPU}.")
-    return fig, caption

@@ -205,3 +205,17 @@ def throughput_table(throughput: pd.DataFrame) -> pd.DataFrame:
     return (t[list(cols)].rename(columns=cols).fillna({"tokens/s of each run": "one run"})
             .style.format({"tokens/s": "{:,.0f}", "step (ms)": "{:.2f}", "attention (ms/step)": "{:.2f}",
                            "SM clock (MHz)": "{:.0f}"}).hide(axis="index"))
+
+
+def landing_figure(results_dir):
+    """The landing page's figure: :func:`speedup_figure` of the H100 run (this chapter's) beside the latency chapter's
+    H200 run, and its caption; None without both runs committed in ``results_dir``."""
+    res = findings.Results(Path(results_dir))
+    if not (res.has(PAPER_CARD) and res.has("zipfusion_attention_latency")):
+        return None
+    fig = speedup_figure(res[PAPER_CARD], res["zipfusion_attention_latency"])
+    lo, hi = pv.ZIPFUSION_SPEEDUP_RANGE
+    caption = (f"ZipFusion's decode attention over FlashInfer at each of the paper's points (context × batch, "
+               f"Llama-3.1-8B attention shape), on the H100 and on the H200; filled: the real-KV mix, hollow: every "
+               f"block compressible; green band: the paper's {lo}–{hi}× on an {pv.ZIPFUSION_GPU}.")
+    return fig, caption
