@@ -50,10 +50,13 @@ def test_round_trips_are_exact_and_pack_leaves_raw_the_blocks_the_survey_counts(
     assert (s["unbounded list (bits/value)"] >= 12).all() and (s["ZipFusion (bits/value)"] <= 16.1).all()
 
 
-def test_the_stored_format_is_one_list_entry_per_block():
+def test_the_stored_format_is_the_list_sized_per_page():
     table = _table()
     stored = chapter._default_area(table)
-    assert set(stored.capacity // (stored.head_dim * 16 // 512)) == {E.PER_BLOCK}
+    assert set(stored.capacity) == {E.PAGE_CAPACITY} and len(stored) == 16
+    free = table[(table.layout == chapter.FORMAT) & (table.anchor == chapter.ANCHOR) & (table.capacity == 0)]
+    # no block of the toy data needs more than 127 escapes: the stored list is the unbounded one
+    assert stored.bits.sum() == free.bits.sum() and stored.raw_blocks.sum() == 0
 
 
 @pytest.mark.parametrize("tail_k, kind", [(0, "tip"), (3.0, "warning")])

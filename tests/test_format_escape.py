@@ -73,6 +73,34 @@ def test_random_pages_every_layout_and_capacity(d):
             assert bool((escapes.to(torch.int32)[..., :] == -1).sum(-1).eq(escapes.shape[-1] - used).all())
 
 
+@pytest.mark.parametrize("filler", FILLERS)
+def test_all_bit_patterns_with_the_list_sized_per_page(filler):
+    """The stored format (capacity=PAGE): every pattern at every position, every layout, bit for bit; no page-head
+    overflows, only blocks with more than 127 escapes stay raw; nbytes counts each page-head's own entries."""
+    d = 64
+    for layout in F.LAYOUTS:
+        pages = F.from_blocks(pattern_blocks(FILLERS[filler]).reshape(-1, 2, 512), layout, d)
+        payload, escapes, meta = round_trip(pages, layout, capacity=E.PAGE)
+        count = E.escape_counts(pages, layout)
+        assert meta.per_page and torch.equal(meta.compressed, count <= E.MAX_BLOCK_ESCAPES)
+        assert escapes.shape[-1] == int(meta.count.sum(-1).max())
+        assert torch.equal(meta.nbytes, meta.page_meta().nbytes + 2 * meta.count.sum(-1, dtype=torch.int64))
+        assert meta[3:5].per_page
+
+
+def test_list_sized_per_page_keeps_every_block_a_fixed_area_drops():
+    d = 128
+    blocks = torch.full((1, 4, 512), 0x3F80, dtype=torch.int32)
+    for j, n in enumerate((127, 128, 3, 3)):
+        blocks[0, j, 512 - n:] = 0x3000
+    pages = F.from_blocks(as_bf16(blocks), "token", d)
+    _, escapes, meta = round_trip(pages, "token", capacity=E.PAGE)
+    assert meta.compressed.tolist() == [[True, False, True, True]] and escapes.shape == (1, 133)
+    assert int(meta.nbytes) == 1024 + 3 * 768 + 2 * 133
+    with pytest.raises(TypeError, match="'page'"):
+        E.pack(pages, "token", capacity="pages")
+
+
 def test_no_escape_page_is_zipfusions_page_byte_for_byte():
     g = torch.Generator().manual_seed(5)
     pages = ((torch.rand(4, 16, 128, generator=g) + 0.01) * 100).to(torch.bfloat16)   # every block fits its window

@@ -38,6 +38,12 @@ block ``j``'s entries are ``[start_j, start_j + count_j)`` with ``start_j = coun
 (``EscapeMeta.count``, one byte per block). Unused entries hold ``-1`` (0xFFFF: ``e >> 1 = 127`` lies above every
 window, so no escape has it).
 
+List sized per page (``capacity=PAGE``): each page-head's list holds exactly its escapes, so no block overflows
+(only a block with more than :data:`MAX_BLOCK_ESCAPES` escapes is stored raw) and a page-head stores ``2 * count``
+list bytes. In a byte pool the list then needs a home of variable size: :mod:`zipkv.memory` puts every page-head's
+list of one page (all KV heads, keys then values) after the page's last page-head, rounded up to the pool's 256-byte
+units; :func:`survey` measures the list at its exact size (``capacity`` -1 in its table).
+
 Overflow rule: when a page-head's escapes exceed ``capacity``, its blocks with the most escapes (ties: the lower
 block index first) are stored raw -- ZipFusion's 1024-byte raw block, flag 0, count 0 -- one at a time until the
 rest fit. A raw block is plain bf16, so nothing is lost. :func:`survey` measures how often it happens.
@@ -86,7 +92,7 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["PER_BLOCK", "MAX_BLOCK_ESCAPES", "meta_check", "check_meta", "UNUSED", "EscapeMeta", "escape_counts",
+__all__ = ["PER_BLOCK", "PAGE", "PAGE_CAPACITY", "MAX_BLOCK_ESCAPES", "meta_check", "check_meta", "UNUSED", "EscapeMeta", "escape_counts",
            "pack", "unpack", "survey", "CANDIDATES",
            "ANCHORS"]
 
@@ -95,6 +101,10 @@ UNUSED = -1
 PER_BLOCK = 1
 """Default escape entries per block of a page-head: ``capacity = PER_BLOCK * n_blocks`` (0.03125 bits per value;
 :func:`survey` measures the overflow it leaves)."""
+PAGE = "page"
+"""``capacity=PAGE``: the list sized per page-head, exactly its escapes (module docstring, "List sized per page")."""
+PAGE_CAPACITY = -1
+""":func:`survey`'s ``capacity`` of the rows with the list sized per page (:data:`PAGE`)."""
 MAX_CAPACITY = 127 * 8
 MAX_BLOCK_ESCAPES = 127
 """Escapes one block may list (7 bits of its second metadata byte); a block with more is stored raw."""
@@ -106,8 +116,8 @@ _TAG = 0x45                           # first byte of every check-byte CRC: this
 
 def _check_capacity(capacity, name="capacity"):
     if isinstance(capacity, bool) or not isinstance(capacity, numbers.Integral):
-        raise TypeError(f"{name} must be an int (escape entries per page-head), got {type(capacity).__name__} "
-                        f"{capacity!r}")
+        raise TypeError(f"{name} must be an int (escape entries per page-head) or {PAGE!r} (the list sized per "
+                        f"page-head), got {type(capacity).__name__} {capacity!r}")
     if not 0 <= capacity <= MAX_CAPACITY:
         raise ValueError(f"{name} must be in 0..{MAX_CAPACITY} (escape entries per page-head), got {capacity}")
     return int(capacity)
@@ -161,6 +171,7 @@ class EscapeMeta:
     count: torch.Tensor
     zero: torch.Tensor
     check: torch.Tensor | None = None
+    per_page: bool = False
 
     @property
     def n_blocks(self) -> int:
@@ -173,7 +184,9 @@ class EscapeMeta:
     @property
     def nbytes(self) -> torch.Tensor:
         """int64 ``[...]``: bytes each page-head stores: its blocks (the used prefix of its slot) and its escape
-        area (``2 * capacity``), metadata excluded."""
+        area (``2 * capacity``; a list sized per page: ``2 *`` its own entries), metadata excluded."""
+        if self.per_page:
+            return self.page_meta().nbytes + 2 * self.count.sum(-1, dtype=torch.int64)
         return self.page_meta().nbytes + 2 * self.capacity
 
     def second_byte(self) -> torch.Tensor:
@@ -189,12 +202,14 @@ class EscapeMeta:
         """This metadata with its check bytes computed from its flags, bases and counts."""
         _check_structure(self)
         return EscapeMeta(self.layout, self.head_dim, self.capacity, self.compressed, self.base, self.count, self.zero,
-                          meta_check(self.page_meta().packed(), self.second_byte(), self.layout, self.head_dim))
+                          meta_check(self.page_meta().packed(), self.second_byte(), self.layout, self.head_dim),
+                          self.per_page)
 
     def __getitem__(self, idx) -> "EscapeMeta":
         """Select page-heads (indexing the leading dims)."""
         return EscapeMeta(self.layout, self.head_dim, self.capacity, self.compressed[idx], self.base[idx],
-                          self.count[idx], self.zero[idx], None if self.check is None else self.check[idx])
+                          self.count[idx], self.zero[idx], None if self.check is None else self.check[idx],
+                          self.per_page)
 
 
 @functools.lru_cache(maxsize=1)
@@ -231,6 +246,8 @@ def _check_structure(meta: EscapeMeta, name: str = "meta") -> None:
         raise TypeError(f"{name} must be an EscapeMeta, got {type(meta).__name__}")
     fmt._check_meta_structure(meta.page_meta(), name)
     _check_capacity(meta.capacity, f"{name}.capacity")
+    if not isinstance(meta.per_page, bool):
+        raise TypeError(f"{name}.per_page must be a bool, got {type(meta.per_page).__name__}")
     if not isinstance(meta.count, torch.Tensor) or meta.count.dtype != torch.uint8 \
             or meta.count.shape != meta.compressed.shape:
         raise TypeError(f"{name}.count must be a uint8 tensor of shape {tuple(meta.compressed.shape)}, got "
@@ -312,17 +329,24 @@ def pack(pages: torch.Tensor, layout: str = "token", *, capacity: int | None = N
     """Compress pages into the escape format (module docstring).
 
     pages: ``[..., 16, head_dim]`` bf16; layout: one of :data:`zipkv.format.LAYOUTS`; capacity: escape entries per
-    page-head (None: ``PER_BLOCK * n_blocks``). Returns ``(payload, escapes, meta)``: payload uint8
+    page-head (None: ``PER_BLOCK * n_blocks``), or :data:`PAGE`: the list sized per page-head (no overflow: only a
+    block with more than :data:`MAX_BLOCK_ESCAPES` escapes is stored raw; the tensor is as wide as the widest
+    page-head's list, ``meta.per_page`` set and ``meta.nbytes`` counting each page-head's own entries). Returns ``(payload, escapes, meta)``: payload uint8
     ``[..., 32 * head_dim]`` (the slot as
     :func:`zipkv.format.pack` lays it out), escapes int16 ``[..., capacity]``, and an :class:`EscapeMeta`.
     """
     d = fmt._check_pages(pages)
     fmt._check_layout_head_dim(fmt._check_layout(layout), d)
     nb = fmt.n_blocks(d)
-    capacity = PER_BLOCK * nb if capacity is None else _check_capacity(capacity)
+    per_page = isinstance(capacity, str) and capacity == PAGE
+    capacity = (PER_BLOCK * nb if capacity is None else nb * MAX_BLOCK_ESCAPES if per_page
+                else _check_capacity(capacity))
     lead = pages.shape[:-2]
     blocks, base, zero, esc, zeros = _block_plan(pages, layout)
     raw = _overflow_raw(esc.sum(-1), capacity)
+    if per_page:                      # the list as long as the page-head needs: the widest page-head's entries
+        kept = (esc.sum(-1) * ~raw).sum(-1)
+        capacity = int(kept.max()) if kept.numel() else 0
     esc, zeros, zero = esc & ~raw[..., None], zeros & ~raw[..., None], zero & ~raw
     # escaped values take the window's bottom pair (code offset 0), a zero-mode block's pair-0 values its pair + 7
     # (code offset 7), sign and low byte kept (0x80FF): ZipFusion's pack then writes exactly these codes
@@ -342,7 +366,8 @@ def pack(pages: torch.Tensor, layout: str = "token", *, capacity: int | None = N
     entries = torch.where(key[..., :width] < (1 << 30), entries, 0xFFFF)
     escapes = torch.full((*lead, capacity), UNUSED, dtype=torch.int16, device=pages.device)
     escapes[..., :width] = _as_int16(entries)
-    meta = EscapeMeta(layout, d, capacity, zmeta.compressed, zmeta.base, count.to(torch.uint8), zero).sealed()
+    meta = EscapeMeta(layout, d, capacity, zmeta.compressed, zmeta.base, count.to(torch.uint8), zero,
+                      per_page=per_page).sealed()
     return payload, escapes, meta
 
 
@@ -531,7 +556,9 @@ def survey(captures, *, k_layout: str = "token", v_layout: str = "token", per_bl
     * each of :data:`CANDIDATES` with each anchor of :data:`ANCHORS`, escape list unbounded (``capacity`` 0 in
       the table: every block compressed, the list as long as it needs);
     * this module's format (``escape+zero``, top anchor) with a fixed escape area of ``k * n_blocks`` entries per
-      page-head for each ``k`` of ``per_block``, under the overflow rule (module docstring).
+      page-head for each ``k`` of ``per_block``, under the overflow rule (module docstring);
+    * the same with the list sized per page (``capacity=PAGE``; :data:`PAGE_CAPACITY`, -1, in the table): each
+      entry 16 bits, a block with more than :data:`MAX_BLOCK_ESCAPES` escapes raw.
 
     Columns: model, window, layer, tensor ("K"/"V"), block_layout, head_dim, layout, anchor, capacity, blocks, pages,
     escapes, escapes_max (per block), blocks_without (blocks with no escape), blocks_1, blocks_2, blocks_3_plus,
@@ -597,5 +624,9 @@ def survey(captures, *, k_layout: str = "token", v_layout: str = "token", per_bl
         for capacity in [k * nb for k in per_block]:
             raw, bits = _fixed_area(top.reshape(-1, nb), capacity)
             add("escape+zero", "top", capacity, top.masked_fill(raw.reshape(-1), 0), raw.reshape(-1), bits)
+        raw = top > MAX_BLOCK_ESCAPES                           # the list sized per page (capacity=PAGE): -1
+        kept = top.masked_fill(raw, 0)
+        add("escape+zero", "top", PAGE_CAPACITY, kept, raw,
+            (8 * (fmt.PACKED_BLOCK_BYTES + 256 * raw.long() + 2 * kept) + META_BITS).reshape(-1, nb).sum(-1))
     order = ["model", "window", "layer", "tensor", "layout", "anchor", "capacity"]
     return pd.DataFrame(rows).sort_values(order, kind="stable", ignore_index=True)

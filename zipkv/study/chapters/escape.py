@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from zipkv.escape import MAX_BLOCK_ESCAPES
 from zipkv.study import report
 from zipkv.study.settings import PROJECT_TARGETS
 
@@ -32,8 +33,8 @@ def model_source(name: str | None) -> str | None:
 
 
 def round_trips(captures) -> pd.DataFrame:
-    """Per window, layer and tensor: each full 16-token page packed by :func:`zipkv.escape.pack` (the default list
-    area) and unpacked, compared bit for bit (``round_trip_exact``), and the blocks the pack stored raw
+    """Per window, layer and tensor: each full 16-token page packed by :func:`zipkv.escape.pack` (the stored format:
+    the list sized per page, ``capacity=PAGE``) and unpacked, compared bit for bit (``round_trip_exact``), and the blocks the pack stored raw
     (``packed_raw_blocks``, the overflow rule's, to set beside the survey's)."""
     import torch
 
@@ -46,7 +47,7 @@ def round_trips(captures) -> pd.DataFrame:
                 h, t, d = x.shape
                 t = t // fmt.PAGE_TOKENS * fmt.PAGE_TOKENS
                 pages = x[:, :t].reshape(h, t // fmt.PAGE_TOKENS, fmt.PAGE_TOKENS, d).contiguous()
-                payload, escapes, meta = escape.pack(pages)
+                payload, escapes, meta = escape.pack(pages, capacity=escape.PAGE)
                 back = escape.unpack(payload, escapes, meta)
                 rows.append(dict(window=w, layer=layer, tensor=tensor,
                                  round_trip_exact=bool(torch.equal(back.view(torch.int16), pages.view(torch.int16))),
@@ -87,16 +88,16 @@ def _bits(g: pd.DataFrame) -> float:
 
 
 def _default_area(t: pd.DataFrame) -> pd.DataFrame:
-    """The rows of the stored format: :data:`zipkv.escape.PER_BLOCK` list entries per block of a page-head."""
-    from zipkv import escape, format as fmt
+    """The rows of the stored format: the list sized per page (:data:`zipkv.escape.PAGE`, the survey's capacity
+    :data:`zipkv.escape.PAGE_CAPACITY`)."""
+    from zipkv import escape
 
-    ours = t[(t.layout == FORMAT) & (t.anchor == ANCHOR)]
-    return ours[ours.capacity == escape.PER_BLOCK * ours.head_dim.map(fmt.n_blocks)]
+    return t[(t.layout == FORMAT) & (t.anchor == ANCHOR) & (t.capacity == escape.PAGE_CAPACITY)]
 
 
 def summary(table: pd.DataFrame) -> pd.DataFrame:
     """Per model and tensor: ZipFusion's format (bits per value, share of blocks left raw); the escape format as
-    stored (one list entry per block of a page-head: bits per value, blocks it leaves raw) and with a list as long as
+    stored (the list sized per page: bits per value, blocks it leaves raw) and with a list as long as
     each page needs; escapes per block (mean, share of blocks with none, one, two, three or more, the most)."""
     rows = []
     for (model, tensor), t in table.groupby(["model", "tensor"], sort=False):
@@ -137,6 +138,8 @@ def layouts(table: pd.DataFrame) -> pd.DataFrame:
     def name(r):
         if r.layout == "zipfusion":
             return "ZipFusion's format"
+        if r.capacity == -1:
+            return f"{r.layout}, {r.anchor} anchor, sized per page"
         if r.capacity:
             return f"{r.layout}, {r.anchor} anchor, {r.capacity // fmt.n_blocks(r.head_dim)} per block"
         return f"{r.layout}, {r.anchor} anchor, unbounded"
@@ -164,8 +167,8 @@ def verdict(table: pd.DataFrame, context: int) -> tuple[str, str]:
         for tensor, r in (("keys", k), ("values", v)):
             if r["escape format (bits/value)"] > bar:
                 missed.append(f"{model}'s {tensor} miss it by {r['escape format (bits/value)'] - bar:.2f} bits: "
-                              f"{100 * r['escape format: blocks raw']:.1f} % of their blocks need more escapes than "
-                              f"their page's list holds and stay raw; a list as long as each page needs would store "
+                              f"{100 * r['escape format: blocks raw']:.1f} % of their blocks need more than "
+                              f"{MAX_BLOCK_ESCAPES} escapes and stay raw; an unbounded list would store "
                               f"{r['unbounded list (bits/value)']:.2f}")
     windows = table.window.nunique()
     exact = bool(table.round_trip_exact.all()) if "round_trip_exact" in table else None
@@ -244,6 +247,6 @@ def layouts_text(table: pd.DataFrame) -> str:
         shares = [f"{100 * r.overflow_pages / r.pages:.1f} %" for r in per.itertuples()]
         parts.append(f"For {c} no fixed area reaches the target of {bar:g}: " + ", ".join(sizes) + " (pages with "
                      "blocks left raw: " + ", ".join(shares) + "), against "
-                     f"{free.loc[f'{stored}, unbounded', c]:.3f} for a list that takes only what each page uses. A "
-                     "larger area rescues some crowded pages, and every page pays for it.")
+                     f"{t.loc[f'{stored}, sized per page', c]:.3f} for the stored list, sized per page (only what "
+                     "each page uses). A larger fixed area rescues some crowded pages, and every page pays for it.")
     return " ".join(parts)
