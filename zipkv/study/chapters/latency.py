@@ -129,18 +129,60 @@ def runs(shapes, contexts, batches, few_requests: dict | None = None) -> list[tu
     return out
 
 
-def show_few_requests(table: pd.DataFrame | None) -> None:
-    """The few-requests panel's text and figure (:func:`few_requests`), or a line saying that no run has it yet."""
+def show_few_requests(table: pd.DataFrame | None, engine: pd.DataFrame | None = None) -> None:
+    """The few-requests panel's text and figure (:func:`few_requests`), or a line saying that no run has it yet; then
+    the same case in the engine (``engine``: :func:`zipkv.study.experiments.throughput.few_requests`'s table)."""
     grid = few_requests(table) if table is not None and "speedup_vs_flashinfer_tc" in table else None
     if grid is None or grid.empty:
         report.markdown("No committed GPU run has timed these points yet.")
+    else:
+        report.markdown(few_requests_text(grid, str(table.device.iloc[0])))
+        report.figure(few_requests_figure(grid), "Speedup over FlashInfer's tensor-core decode with few requests and long "
+                      "contexts (Llama-3.1-8B attention shape, median of the timed calls, L2 cleared before each): ours on "
+                      "the real-KV mix and all compressible, FlashInfer's lossy FP8 cache, FlashInfer's CUDA-core path, "
+                      "torch SDPA and our kernel on raw pages; a black tick marks the speedup the real-KV mix's bytes "
+                      "allow at FlashInfer's read rate.", name="fig-latency-few-requests")
+    tokens = engine_few_requests(engine)
+    if tokens is None:
+        report.markdown("No committed GPU run has decoded these points in the engine yet.")
         return
-    report.markdown(few_requests_text(grid, str(table.device.iloc[0])))
-    report.figure(few_requests_figure(grid), "Speedup over FlashInfer's tensor-core decode with few requests and long "
-                  "contexts (Llama-3.1-8B attention shape, median of the timed calls, L2 cleared before each): ours on "
-                  "the real-KV mix and all compressible, FlashInfer's lossy FP8 cache, FlashInfer's CUDA-core path, "
-                  "torch SDPA and our kernel on raw pages; a black tick marks the speedup the real-KV mix's bytes "
-                  "allow at FlashInfer's read rate.", name="fig-latency-few-requests")
+    from IPython.display import display
+
+    report.markdown(engine_few_requests_text(tokens, str(engine.device.iloc[0])))
+    display(tokens.style.format({"uncompressed": "{:,.0f}", "ZipFusion": "{:,.0f}", "ZipFusion / uncompressed": "{:.2f}×"},
+                                na_rep="–").set_caption("Decode tokens per second of the whole model (every layer, "
+                                                         "the engine's decode step), one and four long requests"))
+
+
+ENGINE_METHODS = {"uncompressed": "uncompressed", "zipfusion": "ZipFusion"}
+
+
+def engine_few_requests(engine: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Tokens/s per (model, context, batch) of the engine's few-requests run, uncompressed and ZipFusion side by side
+    with their ratio (> 1: ZipFusion faster); None without a run. Points that did not fit the GPU are left out."""
+    if engine is None or "tokens_per_s" not in engine:
+        return None
+    t = engine[engine.tokens_per_s.notna() & engine.method.isin(ENGINE_METHODS)]
+    if t.empty:
+        return None
+    grid = t.assign(method=t.method.map(ENGINE_METHODS)).pivot_table(
+        index=["model", "context", "batch"], columns="method", values="tokens_per_s", sort=False)
+    grid = grid[[m for m in ENGINE_METHODS.values() if m in grid]]
+    if "ZipFusion" in grid and "uncompressed" in grid:
+        grid["ZipFusion / uncompressed"] = grid["ZipFusion"] / grid["uncompressed"]
+    return grid
+
+
+def engine_few_requests_text(tokens: pd.DataFrame, device: str) -> str:
+    """What the engine's few-requests table shows (``device``: the run's GPU)."""
+    if "ZipFusion / uncompressed" not in tokens:
+        return f"The engine's run ({device}) has only one of the two methods."
+    ratio = tokens["ZipFusion / uncompressed"]
+    worst, best = ratio.idxmin(), ratio.idxmax()
+    return (f"The whole decode step follows the kernel: in our engine ({device}), one to "
+            f"{tokens.index.get_level_values('batch').max()} long requests decode at "
+            f"**{ratio.min():.2f}–{ratio.max():.2f}×** the uncompressed engine's tokens per second (lowest at "
+            f"{worst[1]:,} tokens × {worst[2]} on {worst[0]}, highest at {best[1]:,} × {best[2]} on {best[0]}).")
 
 
 def few_requests(table: pd.DataFrame, max_batch: int = 16) -> pd.DataFrame:

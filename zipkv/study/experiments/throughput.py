@@ -26,7 +26,7 @@ __all__ = ["LLAMA_8B", "METHODS", "RESTORE", "BASELINE_LAYOUTS", "REPEATED", "en
            "restore_buffer_pages", "random_llama", "real_kv_blocks", "real_prefix", "CAPACITY_LAYOUTS", "packed_capacity",
            "largest_batch_budget",
            "decode_throughput", "step_profile", "token_agreement", "divergence_gap", "figure5", "repeat_largest",
-           "median_run"]
+           "median_run", "few_requests"]
 
 LLAMA_8B = MODEL_SHAPES["llama3.1-8b"][1]
 """Llama-3.1-8B's shape (its config.json, :data:`zipkv.models.MODEL_SHAPES`)."""
@@ -143,7 +143,7 @@ layouts, and keys (then values too) grouped by channel (a block: 16 tokens x 32 
 
 def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192, new_tokens: int = 256,
                     pages_per_chunk: int = 16, seed: int = 0, layouts=CAPACITY_LAYOUTS, max_requests: int | None = None,
-                    progress: bool = True):
+                    progress: bool = True, block_formats=("zipfusion",)):
     """How many of Fig. 5's requests ZipFusion's memory manager admits under ``kv_budget_bytes`` with the prefixes
     packed in each (K, V) block arrangement of ``layouts`` (names of :data:`zipkv.format.LAYOUTS`), and how far the
     next request is from admission: requests of ``context`` real-KV tokens (:func:`real_prefix` of ``blocks`` with
@@ -153,14 +153,26 @@ def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192
     memory runs on PyTorch's meta device (shapes, no bytes): about 0.5 s of host time per request and arrangement, plus
     the blocks' eligibility (minutes for Fig. 5's 58 requests on a CPU; ``progress``: a tqdm bar over the requests).
 
-    Returns a DataFrame, a row per layout pair: ``k_layout, v_layout, frac_compressed_k, frac_compressed_v``,
-    ``bits_per_value`` (stored per value of the admitted prefixes, payloads only), ``max_batch``, ``chunks_short``
+    block_formats: the block formats placed, each with every layout pair: ``"zipfusion"`` (ZipFusion's, §III-B: a
+    block whose exponents do not fit its window stays raw) and ``"escape"`` (:mod:`zipkv.escape`'s: every block
+    compressed but those with more than 127 escapes, each page's escape list -- every page-head of one layer, 2 bytes an
+    entry -- after its last page-head, rounded up to 256-byte units, as :class:`zipkv.memory.KVMemory` with
+    ``block_format="escape"`` places it).
+
+    Returns a DataFrame, a row per block format and layout pair: ``block_format, k_layout, v_layout,
+    frac_compressed_k, frac_compressed_v``,
+    ``bits_per_value`` (stored per value of the admitted prefixes, payloads and escape lists), ``max_batch``, ``chunks_short``
     (:meth:`~zipkv.memory.KVMemory.chunks_short` of the first request refused), ``frac_budget_short`` (those chunks
     over the budget's) and ``kv_budget_bytes``."""
     import pandas as pd
     from tqdm.auto import tqdm
 
+    from zipkv import escape
     from zipkv.memory import KVMemory, Packed
+    from zipkv.memory.placement import UNIT
+    block_formats = tuple(block_formats)
+    if not block_formats or not set(block_formats) <= {"zipfusion", "escape"}:
+        raise ValueError(f"block_formats must name 'zipfusion' and/or 'escape', got {block_formats!r}")
     H = config.num_key_value_heads
     D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     L, P, nb = config.num_hidden_layers, fmt.PAGE_TOKENS, fmt.n_blocks(D)
@@ -172,37 +184,50 @@ def packed_capacity(blocks, config, kv_budget_bytes: int, *, context: int = 8192
     slots = [torch.empty(n, 2, H, fmt.page_bytes(D), dtype=torch.uint8, device=meta)] * L
     flags = [torch.empty(n, 2, H, nb, dtype=torch.uint8, device=meta)] * L
     tail = [(torch.empty(H, context - n * P, D, dtype=torch.bfloat16, device=meta),) * 2] * L
-    mems = {pair: KVMemory(L, H, D, kv_budget_bytes, pages_per_chunk=pages_per_chunk, k_layout=pair[0], v_layout=pair[1],
-                           device=meta) for pair in layouts}
-    state = {pair: dict(max_batch=0, chunks_short=None, comp=torch.zeros(2, dtype=torch.int64)) for pair in layouts}
+    keys = [(f, pair) for f in block_formats for pair in layouts]
+    mems = {key: KVMemory(L, H, D, kv_budget_bytes, pages_per_chunk=pages_per_chunk, k_layout=key[1][0],
+                          v_layout=key[1][1], device=meta) for key in keys}
+    state = {key: dict(max_batch=0, chunks_short=None, comp=torch.zeros(2, dtype=torch.int64), units=0) for key in keys}
     for i in tqdm(range(max_requests), desc="requests placed", disable=not progress):
-        open_pairs = [pair for pair in layouts if state[pair]["chunks_short"] is None]
-        if not open_pairs:
+        open_keys = [key for key in keys if state[key]["chunks_short"] is None]
+        if not open_keys:
             break
         prefix = real_prefix(blocks, config, context, seed + i)
-        comp = {}                                              # (kv, layout) -> compressed blocks [L, n, H] (CPU)
+        comp = {}                          # (format, kv, layout) -> (compressed blocks, escape entries) [L, n, H] (CPU)
         for layer in range(L):
             for x, which in zip(prefix.kv(layer), (0, 1)):
                 pages = x[:, : n * P].reshape(H, n, P, D)
-                for lay in {pair[which] for pair in open_pairs}:
-                    comp.setdefault((which, lay), []).append(fmt.eligible(pages, lay).sum(-1).T.cpu())   # [n, H]
-        for pair in open_pairs:
-            ck, cv = (torch.stack(comp[which, lay]) for which, lay in zip((0, 1), pair))       # [L, n, H]
+                for f, lay in {(f, pair[which]) for f, pair in open_keys}:
+                    if f == "zipfusion":
+                        c, e = fmt.eligible(pages, lay).sum(-1).T.cpu(), torch.zeros(n, H, dtype=torch.int64)
+                    else:
+                        count = escape.escape_counts(pages, lay)                          # [H, n, nb]
+                        kept = count <= escape.MAX_BLOCK_ESCAPES
+                        c, e = kept.sum(-1).T.cpu(), (count * kept).sum(-1).T.cpu()
+                    comp.setdefault((f, which, lay), []).append((c, e))                   # [n, H] each
+        for key in open_keys:
+            f, pair = key
+            (ck, ek), (cv, ev) = ([torch.stack(t) for t in zip(*comp[f, which, lay])] for which, lay in zip((0, 1), pair))
             head_units = torch.cat([4 * nb - ck, 4 * nb - cv], -1)                                # [L, n, 2H]
+            if f == "escape":                          # the page's list after its last page-head, in whole units
+                entries = ek.sum(-1) + ev.sum(-1)                                                 # [L, n]
+                head_units[..., -1] += (2 * entries + UNIT - 1) // UNIT
             packed = Packed(context, n, slots, flags, head_units.tolist(), tail)
-            st, mem = state[pair], mems[pair]
+            st, mem = state[key], mems[key]
             if mem.admit_packed(i, packed, new_tokens) is None:
                 st["chunks_short"] = mem.chunks_short(packed, new_tokens)
             else:
                 st["max_batch"] += 1
                 st["comp"] += torch.stack([ck.sum(), cv.sum()])
+                st["units"] += int(head_units.sum())
     rows = []
-    for (kl, vl), st in state.items():
+    for (f, (kl, vl)), st in state.items():
         blocks_stored = max(1, st["max_batch"]) * L * n * H * nb
         fk, fv = (st["comp"] / blocks_stored).tolist()
-        rows.append(dict(k_layout=kl, v_layout=vl, frac_compressed_k=fk, frac_compressed_v=fv,
-                         bits_per_value=16 - 2 * (fk + fv), max_batch=st["max_batch"], chunks_short=st["chunks_short"],
-                         frac_budget_short=(st["chunks_short"] * mems[kl, vl].chunk_bytes / kv_budget_bytes
+        rows.append(dict(block_format=f, k_layout=kl, v_layout=vl, frac_compressed_k=fk, frac_compressed_v=fv,
+                         bits_per_value=8 * UNIT * st["units"] / (2 * blocks_stored * fmt.BLOCK_VALUES),
+                         max_batch=st["max_batch"], chunks_short=st["chunks_short"],
+                         frac_budget_short=(st["chunks_short"] * mems[f, (kl, vl)].chunk_bytes / kv_budget_bytes
                                             if st["chunks_short"] is not None else float("nan")),
                          kv_budget_bytes=kv_budget_bytes))
     return pd.DataFrame(rows)
@@ -320,6 +345,11 @@ def gpu_run_record() -> dict:
     if torch.cuda.is_available():
         record["gpu_uuid"] = str(torch.cuda.get_device_properties(0).uuid)
     return record
+
+
+RUN_COLUMNS = ("batch", "tokens_per_s", "kv_budget_bytes", "frac_compressed_k", "frac_compressed_v",
+               "stored_bits_per_value", "timed_steps", "step_ms", "overlap", "admitted_raw")
+"""The columns of :func:`_run_columns`."""
 
 
 def _run_columns(st: dict) -> dict:
@@ -533,3 +563,63 @@ def median_run(runs: list[dict]) -> dict:
     run's tokens/s in run order as ``tokens_per_s_runs`` (JSON)."""
     mid = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
     return {**mid, "tokens_per_s_runs": json.dumps([round(r["tokens_per_s"], 1) for r in runs])}
+
+
+def few_requests(*, device="cuda", contexts=(32768, 131072), batches=(1, 4), new_tokens=64, timed_steps=None,
+                 embedded=True, embedded_context=None, kv_windows=2, kv_window_context=2048, pages_per_chunk=16, seed=0,
+                 methods=("uncompressed", "zipfusion"), model_overrides=None, progress=True):
+    """Decode tokens/s of one and a few long requests (the latency chapter's few-requests panel, in the engine;
+    ZipFusion §IV-C's setting at batch 1-4): per (context, batch, method), ``batch`` requests of ``context`` input tokens decoding
+    ``new_tokens`` under a budget that holds exactly them uncompressed, so nothing queues.
+
+    Llama-3.1-8B shape, random weights, real-KV prefixes (:func:`figure5`'s setting, :func:`decode_throughput`),
+    then with ``embedded`` the embedded model end to end at ``embedded_context`` tokens (default its longest: its
+    window minus ``new_tokens``; PG19 prompts, every page compressed as it fills). model_overrides: changes to the
+    Llama shape (tests: a tiny one). A point whose budget does not fit the GPU's free memory is a
+    row with ``skipped`` set. Returns a DataFrame: ``model``, ``context``, ``method``, :func:`_run_columns`'s columns,
+    ``skipped``; with the run's ``device``, ``commit`` and ``date``."""
+    import pandas as pd
+    from tqdm.auto import tqdm
+    from zipkv import data, models
+
+    small, tok = models.load_model(dtype=torch.bfloat16, device=device)
+    books = data.load_books()
+    blocks = real_kv_blocks(small, tok, books, windows=kv_windows, context=kv_window_context, seed=seed)
+    points = [(c, b, m) for c in contexts for b in batches for m in methods]
+    rows = []
+    model = random_llama(device, **(model_overrides or {}))
+    for context, batch, method in tqdm(points, desc="long requests, Llama-3.1-8B shape", disable=not progress):
+        budget = largest_batch_budget(model.config, batch, context + new_tokens - 1, pages_per_chunk=pages_per_chunk)
+        free = torch.cuda.mem_get_info()[0] if torch.device(device).type == "cuda" else math.inf
+        row = dict(model="Llama-3.1-8B shape", context=context, method=method, kv_budget_bytes=budget)
+        if budget * 1.1 > free:           # the pool plus the engine's workspaces
+            rows.append(dict(row, batch=batch, skipped=f"KV budget {budget / 2**30:.1f} GiB > free {free / 2**30:.1f} GiB"))
+            continue
+        r = decode_throughput(model, method, kv_budget_bytes=budget, blocks=blocks, context=context,
+                              new_tokens=new_tokens, batch=batch, timed_steps=timed_steps, seed=seed,
+                              pages_per_chunk=pages_per_chunk)
+        r.pop("stats")
+        rows.append(dict(row, **{k: r[k] for k in RUN_COLUMNS}))
+    del model
+    _free_device()
+    if embedded:
+        context = embedded_context or small.config.max_position_embeddings - new_tokens
+        for batch in batches:
+            prompts = [w.context_ids.tolist() for w in data.windows(tok, books, n=batch, context=context,
+                                                                    continuation=0, seed=seed)]
+            budget = largest_batch_budget(small.config, batch, context + new_tokens - 1, pages_per_chunk=pages_per_chunk)
+            for method in methods:
+                kw = engine_settings(method)
+                if method == "zipfusion":
+                    kw["compress"] = "all"
+                engine = Engine(small, budget, pages_per_chunk=pages_per_chunk, eos_token_id=None, **kw)
+                res = engine.generate(prompts, new_tokens, progress=False)
+                del engine
+                _free_device()
+                rows.append(dict(model=models.EMBEDDED_NAME, context=context, method=method,
+                                 **_run_columns(res.stats)))
+    out = pd.DataFrame(rows)
+    record = gpu_run_record()
+    for k in ("device", "commit", "date", "gpu_uuid"):
+        out[k] = record.get(k)
+    return out
