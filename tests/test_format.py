@@ -319,7 +319,7 @@ def test_unpack_rejects_the_metadata_byte_0xff_on_a_low_block():
     packed[0, 0] = 0xFF
     with pytest.raises(ValueError, match="has base 254, but its codes"):
         F.unpack(payload, F.PageMeta.from_packed(packed, "token", 128))
-    with pytest.raises(TypeError, match="meta.base must be a uint8"):
+    with pytest.raises(TypeError, match="PageMeta.base must be a uint8"):
         F.unpack(payload, F.PageMeta("token", 128, meta.compressed, meta.base.to(torch.int32)))
 
 
@@ -367,11 +367,11 @@ def test_malformed_arguments_are_named_before_they_are_used():
     good = random_pages((3,), 64)
     payload, meta = F.pack(good)
     for validate in (True, False):
-        with pytest.raises(TypeError, match="meta.compressed must be a bool tensor, got <class 'list'>"):
+        with pytest.raises(TypeError, match="PageMeta.compressed must be a bool tensor, got <class 'list'>"):
             F.unpack(payload, F.PageMeta("token", 64, [True, False], meta.base), validate=validate)
-        with pytest.raises(ValueError, match=r"meta.head_dim: head_dim must be one of .* got 48"):
+        with pytest.raises(ValueError, match=r"PageMeta.head_dim: head_dim must be one of .* got 48"):
             F.unpack(payload, F.PageMeta("token", 48, meta.compressed, meta.base), validate=validate)
-        with pytest.raises(ValueError, match="meta.layout must be one of .* got 'row'"):
+        with pytest.raises(ValueError, match="PageMeta.layout must be one of .* got 'row'"):
             F.unpack(payload, F.PageMeta("row", 64, meta.compressed, meta.base), validate=validate)
     sums = F.page_checksum(payload, meta)
     for bad in (payload.tolist(), None):
@@ -381,7 +381,7 @@ def test_malformed_arguments_are_named_before_they_are_used():
         F.page_checksum(torch.tensor(5, dtype=torch.uint8))         # was "must be a uint8 tensor, got torch.uint8"
     with pytest.raises(TypeError, match=r"blocks must be a torch.Tensor \[..., 2, 512\], got list"):
         F.from_blocks([[0.0] * 512] * 2, "token", 64)
-    with pytest.raises(TypeError, match="meta.compressed must be a bool tensor, got torch.float32"):
+    with pytest.raises(TypeError, match="PageMeta.compressed must be a bool tensor, got torch.float32"):
         F.PageMeta("token", 64, meta.compressed.float(), meta.base).sealed()
     with pytest.raises(IndexError, match=r"PageMeta\[10\]: the metadata holds pages \(3,\)"):
         meta[10]

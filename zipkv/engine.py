@@ -61,6 +61,12 @@ run as one kernel each on the GPU (:class:`~zipkv.runner.StepOps`).
 **Restore-before-attention baselines** (``restore=codec``, :class:`~zipkv.runner.RestoreBuffer`): the same loop, with each
 request's prefix pages kept as a :mod:`zipkv.codecs` payload and decoded per layer into one shared restore buffer
 before attention (ZipFusion §II-B's setting), its bytes counted in the same budget.
+
+**What is checked**: bad requests are refused before anything is allocated; the pages themselves are not checked while
+they serve -- the step plans with ``validate=False`` and a request's packed prefix goes from the packer to the pool
+without checksums -- so a bit flipped in the pool (payload or descriptors) is not detected. Pages copied out of the
+engine's memory for offload or transfer carry check bytes and CRC-32s (:meth:`zipkv.memory.KVMemory.export`, verified
+by :meth:`~zipkv.memory.KVMemory.admit_packed`; :mod:`zipkv.memory`'s "Pages that leave the pool").
 """
 from __future__ import annotations
 
@@ -476,9 +482,11 @@ class Engine:
             return False
         if req.staged is None:
             kv, first = self.runner.prefill(req)
-            req.staged = (mem.pack(kv), first)
+            # packed here and placed by this engine, never leaving it: no checksums and no verification (they
+            # are for pages in transit: zipkv.memory's "Pages that leave the pool"), as for the pool's own pages
+            req.staged = (mem.pack(kv, checksum=False), first)
         packed, first = req.staged
-        if mem.admit_packed(req.rid, packed, remaining, reserve_ratio=self.reserve_ratio) is None:
+        if mem.admit_packed(req.rid, packed, remaining, reserve_ratio=self.reserve_ratio, validate=False) is None:
             return False
         req.staged = None
         for l, (k, v) in enumerate(packed.tail):

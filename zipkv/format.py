@@ -113,8 +113,11 @@ bits anywhere in them are caught, more with probability 255/256.
   hold any bits, so a flipped payload bit decodes to another valid value. :func:`page_checksum` (CRC-32 of each
   page's used bytes, ``zlib.crc32``'s, computed in torch on the payload's device) and :func:`verify_checksum`
   find every 1, 2 or 3 flipped bits and every burst of up to 32 (Hamming distance 4 up to 11 KB); use them where
-  pages leave the pool (:meth:`zipkv.paged.PagedKVCache.export_pages` / ``import_pages``). The decode path never
-  computes them.
+  pages leave the pool: :meth:`zipkv.paged.PagedKVCache.export_pages` takes them and ``import_pages`` verifies
+  them; :meth:`zipkv.memory.KVMemory.export` and :meth:`~zipkv.memory.KVMemory.pack` take them and
+  :meth:`~zipkv.memory.KVMemory.admit_packed` verifies them before it allocates. The decode path never computes
+  them: a payload bit flipped inside the pool while pages serve (``plan``/``run``, the engine's steps, whose plans
+  are ``validate=False``) is not detected, in any mode.
 * **Not detected**: with ``validate=False`` nothing is read: ``unpack`` checks types and shapes and that the
   payload covers ``meta.nbytes`` (torch indexing keeps it in bounds), then decodes what the metadata says, right
   or wrong; ``plan(validate=False)`` does not read the page table or the descriptors at all (a bad one is
@@ -354,6 +357,9 @@ class PageMeta:
     base: torch.Tensor
     check: torch.Tensor | None = None
 
+    def __post_init__(self):
+        _check_meta_structure(self, "PageMeta")          # types, shapes, devices: reads no values
+
     @property
     def n_blocks(self) -> int:
         return n_blocks(self.head_dim)
@@ -407,6 +413,13 @@ class PageMeta:
         except IndexError as err:
             raise IndexError(f"PageMeta[{idx!r}]: the metadata holds pages {tuple(self.compressed.shape[:-1])} "
                              f"(and {self.compressed.shape[-1]} blocks each): {err}") from None
+
+
+def _check_flag(x, name: str) -> bool:
+    """``x`` must be a bool (or numpy bool): a string or None is refused, not read as true or false."""
+    if isinstance(x, bool) or type(x).__name__ == "bool_":
+        return bool(x)
+    raise TypeError(f"{name} must be True or False, got {type(x).__name__} {x!r}")
 
 
 # ----------------------------------------------------------------------------- check bytes
@@ -508,6 +521,10 @@ def _check_meta_structure(meta: "PageMeta", name: str = "meta") -> None:
                                    or meta.check.shape != meta.compressed.shape):
         raise ValueError(f"{name}.check must be None or a uint8 tensor of shape {tuple(meta.compressed.shape)}, got "
                          f"{getattr(meta.check, 'dtype', type(meta.check).__name__)} {tuple(getattr(meta.check, 'shape', ()))}")
+    devices = {t.device for t in (meta.compressed, meta.base, meta.check) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"{name}.compressed, .base and .check must share a device, got "
+                         f"{', '.join(sorted(map(str, devices)))}")
 
 
 _UNIT = 256  # blocks are 3 (packed) or 4 (raw) units of 256 bytes
@@ -623,10 +640,13 @@ def unpack(payload: torch.Tensor, meta: PageMeta, *, validate: bool = True) -> t
     not detected). ``validate=False`` checks types and shapes only and decodes what the metadata says."""
     if not isinstance(payload, torch.Tensor) or payload.dtype != torch.uint8:
         raise TypeError(f"payload must be a uint8 tensor, got {getattr(payload, 'dtype', type(payload))}")
+    _check_flag(validate, "validate")
     if validate:
         check_meta(meta)
     else:
         _check_meta_structure(meta)
+    if payload.device != meta.compressed.device:
+        raise ValueError(f"payload is on {payload.device}, meta on {meta.compressed.device}: they must share a device")
     d, nb = meta.head_dim, meta.n_blocks
     pb = nb * RAW_BLOCK_BYTES
     lead = meta.compressed.shape[:-1]

@@ -345,6 +345,7 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral)
                                    or num_splits < 1):
         raise ValueError(f"num_splits must be >= 1, got {num_splits!r}")
+    fmt._check_flag(validate, "validate")
     if validate and B:
         check_values(cache, indptr, indices, last_page_len)
     interp = _interpreting()

@@ -63,6 +63,23 @@ admitted only while every running request's pages *at their uncompressed size*, 
 own pages fit the budget's uncompressed capacity (:attr:`KVMemory.max_request_pages`), as an uncompressed server
 would (ZipFusion's "capacity grows as compression releases memory" turned off). Decode growth is unchanged.
 
+Pages that leave the pool
+-------------------------
+Inside the pool nothing is checked on the decode path: the engine plans with ``validate=False`` and the memory keeps
+no check bytes of its own (its descriptors are written only by this package, from the packer's metadata), so a bit
+flipped in the pool's payload or descriptors while a request runs is not detected -- it decodes to other values, or,
+for a descriptor, is undefined behaviour in the kernels (``zipkv.format``'s "Validation and checksums"). Pages that
+leave the pool carry their own checks: :meth:`KVMemory.pack` (a prefix packed outside the pool) and
+:meth:`KVMemory.export` (a running request's pages copied out) give a :class:`~zipkv.memory.pages.Packed` with each
+block's check byte (:func:`zipkv.format.meta_check`) and, with ``checksum=True`` (the default), each page-head's
+CRC-32 of its used bytes (:func:`zipkv.format.page_checksum`); :meth:`KVMemory.admit_packed` verifies both before it
+takes any chunk or page id (``validate=False`` skips that). Detected there: every change of a metadata byte alone,
+1 to 3 flipped bits of a block's (metadata, check) pair, any page-head's payload with 1 to 3 flipped bits or one burst
+of up to 32 (with checksums). Not detected: payload bits without checksums; a whole metadata row with its check bytes
+and checksum replaced by another self-consistent one (another page's, or a stale copy); ``Packed.tail``, the partial
+last page's plain bf16 tokens; bytes a request holds outside its pages (``hold_chunks``).
+:meth:`zipkv.paged.PagedKVCache.export_pages` / ``import_pages`` are the same checks for one layer's paged cache.
+
 Mapping onto serving engines
 ----------------------------
 * SGLang ``TokenToKVPoolAllocator`` / ``PagedTokenToKVPoolAllocator``: ``alloc(need_size)`` ->
@@ -352,11 +369,22 @@ class KVMemory:
         self.pages.queue_full(ids[: prompt_len // fmt.PAGE_TOKENS])
         return list(ids)
 
-    def pack(self, kv) -> Packed:
+    def pack(self, kv, *, checksum: bool = True) -> Packed:
         """Pack the full pages of a request's KV (per layer ``(k, v)`` bf16 ``[kv_heads, n, head_dim]``, the
         same ``n`` in every layer) with the memory's packer, outside the pool: the input of
-        :meth:`admit_packed`."""
-        return self.pages.pack(kv)
+        :meth:`admit_packed`. With check bytes and, with ``checksum``, each page-head's CRC-32 (:class:`Packed`;
+        "Pages that leave the pool" in this module's docstring)."""
+        return self.pages.pack(kv, checksum=checksum)
+
+    def export(self, rid, *, checksum: bool = True) -> Packed:
+        """Copy running request ``rid``'s cached KV out of the pool (offload, transfer to another memory of the same
+        shape, swap-out before :meth:`free`): a :class:`Packed` of its full pages as each layer stores them, with check
+        bytes and, with ``checksum``, CRC-32s taken now, and the partial last page's tokens as ``tail``. Nothing in
+        the memory changes. :meth:`admit_packed` takes it back (verified there), then the caller writes ``tail``.
+        Chunks the request holds for bytes kept elsewhere (``hold_chunks``) are not part of it."""
+        r = self._request(rid)
+        self.pages.flush_pages()
+        return self.pages.export(r.pages, r.cache_len, checksum=checksum)
 
     def can_admit_packed(self, packed: Packed | int, max_new_tokens: int, *, reserve_ratio: float = 1.0) -> bool:
         """Whether :meth:`admit_packed` would take ``packed`` now. Given only a token count (before packing),
@@ -390,12 +418,18 @@ class KVMemory:
         free, n_free, need = self._after_packed(packed, prompt_pages - packed.n_pages + reserve)
         return cap.chunks_short(free, n_free, need, self.pages_per_chunk)
 
-    def admit_packed(self, rid, packed: Packed, max_new_tokens: int, *, reserve_ratio: float = 1.0):
-        """Admit a request whose full pages are already packed (:meth:`pack`; a pre-compressed prefix, §IV-A):
-        they go straight into compressed chunks of each layer, counted at their packed size, and only the last,
-        partial page is raw. Otherwise as :meth:`admit` (reservation, ``None`` when it does not fit now);
-        the caller writes ``packed.tail`` into the last page (:meth:`write`)."""
-        self.pages.check_packed(packed)
+    def admit_packed(self, rid, packed: Packed, max_new_tokens: int, *, reserve_ratio: float = 1.0,
+                     validate: bool = True):
+        """Admit a request whose full pages are already packed (:meth:`pack`, :meth:`export`; a pre-compressed
+        prefix, §IV-A): they go straight into compressed chunks of each layer, counted at their packed size, and only
+        the last, partial page is raw. Otherwise as :meth:`admit` (reservation, ``None`` when it does not fit now);
+        the caller writes ``packed.tail`` into the last page (:meth:`write`). validate: first verify ``packed``'s
+        check bytes and checksums (:meth:`~zipkv.memory.pages.Pages.verify_packed`: a ``ValueError`` naming the layer,
+        page and block, before anything is taken; one sync per layer); False: shapes and dtypes only."""
+        if fmt._check_flag(validate, "validate"):
+            self.pages.verify_packed(packed)
+        else:
+            self.pages.check_packed(packed)
         prompt_pages, reserve = self._check_new(rid, packed.tokens, max_new_tokens, reserve_ratio)
         max_new_tokens = int(max_new_tokens)
         if not self.can_admit_packed(packed, max_new_tokens, reserve_ratio=reserve_ratio):

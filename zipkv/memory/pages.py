@@ -25,19 +25,27 @@ IN_PLACE = "inplace"
 
 @dataclass
 class Packed:
-    """A request's cached KV with its full pages packed before admission (:meth:`KVMemory.pack`).
+    """A request's cached KV with its full pages packed outside the pool (:meth:`KVMemory.pack`, :meth:`KVMemory.export`).
 
     tokens: cached tokens; n_pages: full pages packed; slots: per layer uint8 ``[n_pages, 2, kv_heads,
     slot_bytes]`` (each page-head packed at the start of its slot); meta: per layer uint8 ``[n_pages, 2,
     kv_heads, n_blocks]``; head_units: per layer and page the sizes of its ``2 * kv_heads`` page-heads (keys, then
     values) in :data:`UNIT` s; tail: per layer ``(k, v)`` bf16 ``[kv_heads, tokens - 16 n_pages, head_dim]`` (the last,
-    partial page, written raw)."""
+    partial page, written raw).
+
+    Self-checking while outside the pool (:mod:`zipkv.memory`'s "Pages that leave the pool"): check: per layer uint8
+    ``[n_pages, 2, kv_heads, n_blocks]``, each metadata byte's check byte (:func:`zipkv.format.meta_check`), or None;
+    checksum: per layer int64 ``[n_pages, 2, kv_heads]``, the CRC-32 of each page-head's used bytes
+    (:func:`zipkv.format.page_checksum`), or None. :meth:`KVMemory.admit_packed` verifies both where present before
+    it takes anything. ``tail`` is not covered: plain bf16 tokens, written raw like any new token."""
     tokens: int
     n_pages: int
     slots: list
     meta: list
     head_units: list
     tail: list
+    check: list | None = None
+    checksum: list | None = None
 
     @functools.cached_property
     def units(self) -> list:
@@ -344,9 +352,11 @@ class Pages:
 
     # ------------------------------------------------------------------ packed requests
 
-    def pack(self, kv) -> Packed:
+    def pack(self, kv, *, checksum: bool = True) -> Packed:
         """Pack the full pages of a request's KV (per layer ``(k, v)`` bf16 ``[kv_heads, n, head_dim]``, the
-        same ``n`` in every layer) with the packer, outside the pool: the input of :meth:`place_packed`."""
+        same ``n`` in every layer) with the packer, outside the pool: the input of :meth:`place_packed`. Check bytes
+        always, and with ``checksum`` each page-head's CRC-32 (:class:`Packed`)."""
+        fmt._check_flag(checksum, "checksum")
         if not isinstance(kv, (list, tuple)) or len(kv) != self.num_layers:
             raise ValueError(f"kv must hold one (k, v) pair per layer ({self.num_layers}), got "
                              f"{len(kv) if isinstance(kv, (list, tuple)) else type(kv).__name__}")
@@ -380,21 +390,101 @@ class Pages:
             slots.append(buf[: n * 2 * H * sb].view(n, 2, H, sb))
             metas.append(meta)
             tails.append((k[:, n * fmt.PAGE_TOKENS:], v[:, n * fmt.PAGE_TOKENS:]))
-        return Packed(n_tok, n, slots, metas, head_units, tails)
+        checks = [self._checks(m) for m in metas]
+        holds_bytes = self.device.type != "meta"                # a memory on the meta device counts sizes only
+        sums = [self._checksums(s, m) for s, m in zip(slots, metas)] if checksum and holds_bytes else None
+        return Packed(n_tok, n, slots, metas, head_units, tails, checks, sums)
+
+    def _checks(self, meta: torch.Tensor) -> torch.Tensor:
+        """Check bytes of metadata bytes uint8 ``[n, 2, kv_heads, n_blocks]`` (keys with the K layout, values with V's)."""
+        return torch.stack([fmt.meta_check(meta[:, i].contiguous(), self.layouts[i], self.head_dim) for i in (0, 1)], 1)
+
+    def _checksums(self, slots: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """CRC-32 of each page-head's used bytes: slots uint8 ``[n, 2, kv_heads, slot_bytes]`` -> int64 ``[n, 2, kv_heads]``."""
+        return torch.stack([fmt.page_checksum(slots[:, i], fmt.PageMeta.from_packed(meta[:, i], self.layouts[i],
+                                                                                    self.head_dim)) for i in (0, 1)], 1)
+
+    def export(self, ids: list[int], tokens: int, *, checksum: bool = True) -> Packed:
+        """Copy a request's cached KV out of the pool (offload, transfer, swap): a :class:`Packed` of its full pages
+        ``ids[: tokens // 16]`` as each layer stores them (compressed or raw blocks; descriptors checked first,
+        :func:`zipkv.paged.check_descriptors`), with check bytes and, with ``checksum``, CRC-32s taken here, and the
+        partial last page's tokens as ``tail``. The pool is not changed; :meth:`place_packed` takes it back."""
+        from zipkv import paged                                     # paged imports format only: no import circle
+
+        fmt._check_flag(checksum, "checksum")
+        n, rest = divmod(tokens, fmt.PAGE_TOKENS)
+        full = torch.tensor(ids[:n], dtype=torch.int64, device=self.device)
+        nb, at = fmt.n_blocks(self.head_dim), torch.arange(self.slot_bytes, device=self.device)
+        slots, metas, head_units, tails = [], [], [], []
+        for l in range(self.num_layers):
+            cache = paged.PagedKVCache(self.pool, self.desc[l], self.head_dim, *self.layouts)
+            paged.check_descriptors(cache, full)                    # addresses inside the pool, back to back, no overlap
+            d = self.desc[l][full]                                  # [n, 2, H, nb]
+            meta = (d & 0xFF).to(torch.uint8)
+            size = torch.where(((d >> 7) & 1).bool(), fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).sum(-1)
+            idx = ((d[..., 0] >> 8)[..., None] + at).clamp(0, self.pool.numel() - 1)
+            slots.append(torch.where(at < size[..., None], self.pool[idx], 0).to(torch.uint8))
+            metas.append(meta)
+            head_units.append((nb * 4 - (meta >> 7).to(torch.int64).sum(-1)).reshape(n, 2 * self.kv_heads).tolist())
+            if rest:
+                k, v = cache.read_pages(torch.tensor(ids[n: n + 1], device=self.device), validate=True)
+                tails.append((k[0, :, :rest].contiguous(), v[0, :, :rest].contiguous()))
+            else:
+                empty = torch.empty(self.kv_heads, 0, self.head_dim, dtype=torch.bfloat16, device=self.device)
+                tails.append((empty, empty.clone()))
+        checks = [self._checks(m) for m in metas]
+        sums = [self._checksums(x, m) for x, m in zip(slots, metas)] if checksum else None
+        return Packed(tokens, n, slots, metas, head_units, tails, checks, sums)
 
     def check_packed(self, packed) -> None:
-        """``packed`` must come from :meth:`pack` of a memory of this one's shape (layers, KV heads, head_dim)."""
+        """``packed`` must come from :meth:`pack` of a memory of this one's shape (layers, KV heads, head_dim): types and
+        shapes only, no values read (:meth:`verify_packed` reads them)."""
         if not isinstance(packed, Packed):
             raise TypeError(f"packed must be a KVMemory.pack result (Packed), got {type(packed).__name__}")
         want = (packed.n_pages, 2, self.kv_heads, fmt.n_blocks(self.head_dim))
-        for name, per_layer in (("meta", packed.meta), ("slots", packed.slots), ("head_units", packed.head_units)):
-            if len(per_layer) != self.num_layers:
-                raise ValueError(f"packed.{name} holds {len(per_layer)} layers; this memory has {self.num_layers}")
+        for name in ("meta", "slots", "head_units", "tail", "check", "checksum"):
+            per_layer = getattr(packed, name)
+            if per_layer is None and name in ("check", "checksum"):
+                continue
+            if not isinstance(per_layer, (list, tuple)) or len(per_layer) != self.num_layers:
+                raise ValueError(f"packed.{name} must hold one entry per layer ({self.num_layers}), got "
+                                 f"{len(per_layer) if isinstance(per_layer, (list, tuple)) else type(per_layer).__name__}")
+        for l in range(self.num_layers):
+            for name, dtype, shape in (("meta", torch.uint8, want), ("check", torch.uint8, want),
+                                       ("checksum", torch.int64, want[:3]),
+                                       ("slots", torch.uint8, (*want[:3], self.slot_bytes))):
+                t = None if getattr(packed, name) is None else getattr(packed, name)[l]
+                if t is None and name in ("check", "checksum"):
+                    continue
+                if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != shape:
+                    raise ValueError(f"packed.{name}[{l}] must be a {dtype} tensor of shape {shape} (kv_heads="
+                                     f"{self.kv_heads}, head_dim={self.head_dim}), got {getattr(t, 'dtype', type(t).__name__)} "
+                                     f"{tuple(getattr(t, 'shape', ()))}: packed by another memory?")
         for l in range(self.num_layers):
             if tuple(packed.meta[l].shape) != want or tuple(packed.slots[l].shape) != (*want[:3], self.slot_bytes):
                 raise ValueError(f"packed, layer {l}: metadata {tuple(packed.meta[l].shape)} and slots "
                                  f"{tuple(packed.slots[l].shape)}, expected {want} and {(*want[:3], self.slot_bytes)} "
                                  f"(kv_heads={self.kv_heads}, head_dim={self.head_dim}): packed by another memory?")
+
+    def verify_packed(self, packed: Packed) -> None:
+        """``ValueError`` naming the layer, page, KV head and block unless every metadata byte of ``packed`` matches its
+        check byte (raw blocks' base bits 0) and, where it has checksums, every page-head's used bytes their CRC-32
+        (one device sync per layer and check). A ``packed`` without check bytes gets the structural checks of the
+        metadata only; on a memory on the meta device (sizes, no bytes) only the shapes are checked."""
+        self.check_packed(packed)
+        if self.device.type == "meta":                          # sizes only: no bytes to verify
+            return
+        for l in range(self.num_layers):
+            for i, part in enumerate(("keys", "values")):
+                name = f"packed, layer {l}, {part}"
+                meta = packed.meta[l][:, i]
+                m = fmt.PageMeta.from_packed(meta, self.layouts[i], self.head_dim,
+                                             None if packed.check is None else packed.check[l][:, i])
+                fmt.check_meta(m, name)
+                if packed.check is not None:
+                    fmt._check_against(m, meta, name)                # raw blocks' base bits too
+                if packed.checksum is not None:
+                    fmt.verify_checksum(packed.slots[l][:, i], packed.checksum[l][:, i], m, f"{name} ([page, kv head])")
 
     def place_packed(self, packed: Packed, outstanding: int) -> list[int]:
         """Take page ids for ``packed``'s full pages and place them in compressed chunks of each layer
