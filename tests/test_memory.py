@@ -38,8 +38,7 @@ class MemoryMachine(RuleBasedStateMachine):
     @initialize(chunks_per_layer=st.integers(1, 6), ppc=st.integers(1, 4), seed=st.integers(0, 2**16))
     def setup(self, chunks_per_layer, ppc, seed):
         page = 2 * self.HEADS * 2 * 16 * self.DIM
-        self.m = KVMemory(L, self.HEADS, self.DIM, L * chunks_per_layer * ppc * page + 100, pages_per_chunk=ppc,
-                          k_layout=self.LAYOUTS[0], v_layout=self.LAYOUTS[1])
+        self.m = self._memory(L * chunks_per_layer * ppc * page + 100, ppc)
         self.gen = torch.Generator().manual_seed(seed)
         self.kv = {}                     # (rid, layer) -> (k, v) written so far
         self.max_new = {}
@@ -48,6 +47,14 @@ class MemoryMachine(RuleBasedStateMachine):
         self.since_reads_done = {}
         self.initial_capacity = self.m.capacity_pages()
         self.refused = []                # (check, space_returns when it failed): the engine's retry rule
+
+    def _memory(self, budget, ppc):
+        return KVMemory(L, self.HEADS, self.DIM, budget, pages_per_chunk=ppc, k_layout=self.LAYOUTS[0],
+                        v_layout=self.LAYOUTS[1])
+
+    def _cache(self, l):
+        """Layer ``l``'s cache as the kernels read it."""
+        return PagedKVCache(self.m.pool[: self.m.total_bytes], self.m.desc[l], self.DIM, *self.LAYOUTS)
 
     def _write(self, rid, start, n):
         for l in range(L):
@@ -262,7 +269,7 @@ class MemoryMachine(RuleBasedStateMachine):
             pages = torch.tensor(self.m.requests[rid].pages)
             n = self.m.requests[rid].cache_len
             for l in range(L):
-                cache = PagedKVCache(self.m.pool[: self.m.total_bytes], self.m.desc[l], self.DIM, *self.LAYOUTS)
+                cache = self._cache(l)
                 k, v = (x.permute(1, 0, 2, 3).reshape(self.HEADS, -1, self.DIM)[:, :n] for x in cache.read_pages(pages))
                 wk, wv = self.kv[rid, l]
                 assert torch.equal(k.view(torch.int16), wk.view(torch.int16)), f"keys of request {rid}, layer {l}"

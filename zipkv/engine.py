@@ -289,6 +289,9 @@ class Engine:
     tokenizer: the model's Hugging Face tokenizer: :meth:`generate` and :meth:`stream` then take strings as prompts
     and give texts, and ``stop`` strings can be used. pool, admission: the memory manager's ablation options
     (:class:`zipkv.memory.KVMemory`: ``pool="per_layer"``, ``admission="uncompressed"``; the defaults are ZipFusion's).
+    block_format: how compressed pages are stored: ``"zipfusion"`` (§III-B: a block whose exponents do not fit its
+    window stays raw) or ``"escape"`` (:mod:`zipkv.escape`: every block compressed, the few values outside the window
+    in a per-page escape list; :mod:`zipkv.memory.escape_pages`), with any ``compress`` mode that compresses.
     :func:`zipkv.serving.serve` serves it a trace of requests arriving over time.
     """
 
@@ -297,7 +300,7 @@ class Engine:
                  reserve_ratio: float = 1.0, max_batch: int | None = None, eos_token_id="model",
                  restore=None, restore_buffer_pages: int | None = None, cuda_graphs: bool = True,
                  num_splits: int | None = None, overlap: bool = True, fused_ops: bool | None = None, tokenizer=None,
-                 pool: str = "shared", admission: str = "compressed"):
+                 pool: str = "shared", admission: str = "compressed", block_format: str = "zipfusion"):
         _check_model(model)
         if tokenizer is not None and not (callable(tokenizer) and hasattr(tokenizer, "decode")):
             raise TypeError(f"tokenizer must be a Hugging Face tokenizer (callable, with decode) or None, "
@@ -322,6 +325,16 @@ class Engine:
             compress = "all" if compress else "none"
         if not isinstance(compress, str) or compress not in ("all", "prompt", "none"):
             raise ValueError(f"compress must be 'all', 'prompt', 'none' or a bool, got {compress!r}")
+        if block_format not in ("zipfusion", "escape"):
+            raise ValueError(f"block_format must be 'zipfusion' or 'escape', got {block_format!r}")
+        if block_format == "escape" and attention == "kernel":
+            from zipkv.kernels import decode_attention
+            if not getattr(decode_attention, "READS_ESCAPES", False):
+                raise NotImplementedError("block_format='escape' with attention='kernel': the fused decode kernels do not "
+                                          "read escape lists yet; use attention='reference'")
+        if block_format == "escape" and restore is not None:
+            raise ValueError("block_format='escape' stores the engine's own pages; a restore baseline (restore=) keeps "
+                             "its prefix as a codec payload instead: leave block_format='zipfusion'")
         if not isinstance(cuda_graphs, bool):
             raise TypeError(f"cuda_graphs must be a bool, got {type(cuda_graphs).__name__}")
         if not isinstance(overlap, bool):
@@ -369,9 +382,9 @@ class Engine:
         self.kv_budget_bytes = kv_budget_bytes
         self.memory = KVMemory(L, self.kv_heads, self.head_dim, budget,
                                pages_per_chunk=pages_per_chunk, k_layout=k_layout, v_layout=v_layout,
-                               device=self.device, pack_slots=StepAttention.pack_slots(attention),
+                               device=self.device, pack_slots=StepAttention.pack_slots(attention, block_format),
                                extra_bytes=buffer_pages * 2 * self.kv_heads * fmt.page_bytes(self.head_dim),
-                               extra_pages=buffer_pages, pool=pool, admission=admission)
+                               extra_pages=buffer_pages, pool=pool, admission=admission, block_format=block_format)
         self.restore = None if restore is None else RestoreBuffer(self.memory, restore, buffer_pages, attention == "reference")
         self.runner = StepRunner(model, self.memory, attention=attention,
                                  static_kinds=compress == "none" or restore is not None, restore=self.restore,

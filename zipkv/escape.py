@@ -92,7 +92,7 @@ import torch
 
 from zipkv import format as fmt
 
-__all__ = ["PER_BLOCK", "PAGE", "PAGE_CAPACITY", "MAX_BLOCK_ESCAPES", "meta_check", "check_meta", "UNUSED", "EscapeMeta", "escape_counts",
+__all__ = ["PER_BLOCK", "PAGE", "PAGE_CAPACITY", "MAX_BLOCK_ESCAPES", "pack_slots", "read_lists", "list_descriptors", "meta_check", "check_meta", "UNUSED", "EscapeMeta", "escape_counts",
            "pack", "unpack", "survey", "CANDIDATES",
            "ANCHORS"]
 
@@ -630,3 +630,67 @@ def survey(captures, *, k_layout: str = "token", v_layout: str = "token", per_bl
             (8 * (fmt.PACKED_BLOCK_BYTES + 256 * raw.long() + 2 * kept) + META_BITS).reshape(-1, nb).sum(-1))
     order = ["model", "window", "layer", "tensor", "layout", "anchor", "capacity"]
     return pd.DataFrame(rows).sort_values(order, kind="stable", ignore_index=True)
+
+
+# ----------------------------------------------------------------------------- pages in a byte pool
+
+def list_descriptors(list_addr: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Escape descriptors int64 ``[..., n_blocks]`` of page-heads whose list (block-major, 2 bytes an entry) begins at
+    byte ``list_addr`` int64 ``[...]`` of a pool, with second bytes ``second`` uint8 ``[..., n_blocks]``
+    (``zero << 7 | count``, :meth:`EscapeMeta.second_byte`): ``entry_address << 8 | second``, ``entry_address`` the byte
+    address of the block's first entry (every block has one, a block without escapes the address where its entries
+    would begin): the descriptor a decode kernel loads beside :mod:`zipkv.paged`'s block descriptor."""
+    count = (second & 0x7F).to(torch.int64)
+    start = torch.cumsum(count, -1) - count
+    return ((list_addr[..., None].to(torch.int64) + 2 * start) << 8) | second.to(torch.int64)
+
+
+def pack_slots(pool: torch.Tensor, offsets: torch.Tensor, head_dim: int, layout: str):
+    """Compress raw page-head slots of a byte pool in place in this format, the list sized per page (:data:`PAGE`):
+    each slot's blocks as :func:`zipkv.format.pack` lays them out, then the page-head's list right after its blocks
+    (block-major, 2 bytes an entry, little-endian; a slot always has room: a compressed block frees 256 bytes and lists
+    at most 127 entries). The reference of the Triton escape pack kernel (:func:`zipkv.kernels.pack_escape.pack_into`).
+
+    pool: uint8 ``[bytes]``; offsets: int64 ``[n]`` byte addresses of raw slots (a whole slot, ``32 * head_dim`` bytes,
+    from each). Returns ``(packed, second)``: uint8 ``[n, n_blocks]`` each, the blocks' metadata byte ``flag << 7 |
+    b >> 1`` and second byte ``zero << 7 | count``; each list begins at ``offset + blocks' bytes``
+    (:func:`list_descriptors`)."""
+    pb = fmt.page_bytes(head_dim)
+    idx = offsets.to(torch.int64)[:, None] + torch.arange(pb, device=pool.device)
+    stored = pool[idx].view(torch.bfloat16).reshape(-1, fmt.n_blocks(head_dim), fmt.BLOCK_VALUES)
+    pages = fmt.from_blocks(fmt.from_raw(stored, layout), layout, head_dim)
+    payload, escapes, meta = pack(pages, layout, capacity=PAGE)
+    used = meta.page_meta().nbytes                                                   # [n] the blocks' bytes
+    entries = escapes.contiguous().view(torch.uint8)                                 # [n, 2 * width]
+    k = torch.arange(entries.shape[-1], device=pool.device)
+    keep = k < 2 * meta.count.sum(-1, dtype=torch.int64)[:, None]
+    rows = torch.arange(payload.shape[0], device=pool.device)[:, None].expand_as(keep)
+    payload[rows[keep], (used[:, None] + k)[keep]] = entries[keep]
+    pool[idx] = payload
+    return meta.page_meta().packed(), meta.second_byte()
+
+
+def read_lists(pool: torch.Tensor, esc: torch.Tensor):
+    """The escape lists that descriptors ``esc`` int64 ``[..., n_blocks]`` (:func:`list_descriptors`) point at in
+    ``pool``: ``(escapes int16 [..., width], count uint8 [..., n_blocks], zero bool [..., n_blocks])``, each
+    page-head's entries in order and -1 past them, ``width`` the most any page-head lists (what :func:`unpack` takes
+    with an :class:`EscapeMeta` of ``capacity=width``, ``per_page=True``)."""
+    second = esc & 0xFF
+    count = (second & 0x7F).to(torch.uint8)
+    c = count.to(torch.int64)
+    total = c.sum(-1)
+    width = int(total.max()) if total.numel() else 0
+    lead = esc.shape[:-1]
+    if width == 0:
+        return torch.full((*lead, 0), UNUSED, dtype=torch.int16, device=esc.device), count, (second >> 7).bool()
+    ends = torch.cumsum(c, -1)
+    k = torch.arange(width, device=esc.device)
+    block = (k[..., None] >= ends[..., None, :]).sum(-1)                          # [..., width]
+    used = k < total[..., None]
+    block = block.clamp(max=esc.shape[-1] - 1)
+    start = (ends - c).gather(-1, block)
+    addr = (esc >> 8).gather(-1, block) + 2 * (k - start)
+    addr = torch.where(used, addr, 0).clamp(0, pool.numel() - 2)
+    lo, hi = pool[addr].to(torch.int32), pool[addr + 1].to(torch.int32)
+    e = torch.where(used, lo | (hi << 8), 0xFFFF)
+    return _as_int16(e), count, (second >> 7).bool()

@@ -21,6 +21,13 @@ Physical storage (:class:`PagedKVCache`)
   addresses, so moving a slot keeps it; whoever changes a block's flag or base writes it
   (:func:`build_paged_cache`, :func:`compress_cache_` and :meth:`PagedKVCache.import_pages` do;
   :meth:`PagedKVCache.seal` after a change by hand). ``None``: descriptors get the structural checks only.
+* ``escapes`` (optional; pages in :mod:`zipkv.escape`'s format, every block compressible): int64 ``[num_pages, 2,
+  kv_heads, n_blocks]``, per block ``entry_address << 8 | zero << 7 | count``
+  (:func:`zipkv.escape.list_descriptors`): the byte address in ``pool`` of the block's first escape entry (2 bytes
+  each, little-endian ``p << 7 | e >> 1``), its zero mode and its escape count. ``desc`` keeps ZipFusion's meaning
+  (address, flag, base), so a page-head without escapes and zero mode reads as ZipFusion's; raw blocks have count 0
+  and no zero mode. ``None``: ZipFusion's format. Where each page's list lives is the writer's choice (its own slot's
+  tail after :func:`build_paged_cache`; after the page's last page-head in :mod:`zipkv.memory`).
 
 Validation (``plan(..., validate=True)``, :func:`check_descriptors`, :meth:`PagedKVCache.read_pages`): see
 ``zipkv.format``'s "Validation and checksums"; pages that leave the pool travel with CRC-32 checksums
@@ -54,7 +61,8 @@ class PagedKVCache:
     """Paged KV cache whose page-heads may be compressed per block (see module docstring).
 
     pool: uint8 ``[pool_bytes]``; desc: int64 ``[num_pages, 2, kv_heads, n_blocks]``; check: uint8
-    ``[num_pages, 2, kv_heads, n_blocks]`` check bytes of the descriptors, or None.
+    ``[num_pages, 2, kv_heads, n_blocks]`` check bytes of the descriptors, or None; escapes: int64 ``[num_pages, 2,
+    kv_heads, n_blocks]`` escape descriptors (the escape format), or None (ZipFusion's).
     """
     pool: torch.Tensor
     desc: torch.Tensor
@@ -62,6 +70,7 @@ class PagedKVCache:
     k_layout: str = "token"
     v_layout: str = "token"
     check: torch.Tensor | None = None
+    escapes: torch.Tensor | None = None
     _kinds: tuple | None = field(default=None, init=False, repr=False, compare=False)
     _version: int = field(default=0, init=False, repr=False, compare=False)
 
@@ -117,7 +126,16 @@ class PagedKVCache:
         for kv, layout in ((0, self.k_layout), (1, self.v_layout)):
             m = fmt.PageMeta.from_packed((d[:, kv] & 0xFF).to(torch.uint8), layout, self.head_dim,
                                          None if self.check is None else self.check[ids, kv])
-            out.append(fmt.unpack(slots[:, kv], m, validate=validate))
+            if self.escapes is None:
+                out.append(fmt.unpack(slots[:, kv], m, validate=validate))
+                continue
+            from zipkv import escape                     # escape imports format only: no import circle
+            if validate:
+                fmt.check_meta(m)
+            lists, count, zero = escape.read_lists(self.pool, self.escapes[ids, kv])
+            em = escape.EscapeMeta(layout, self.head_dim, lists.shape[-1], m.compressed, m.base, count, zero,
+                                   per_page=True)
+            out.append(escape.unpack(slots[:, kv], lists, em, validate=validate))
         return out[0], out[1]
 
     def page_kinds(self) -> torch.Tensor:
@@ -195,6 +213,7 @@ class PagedKVCache:
         each page-head's CRC-32 (:func:`zipkv.format.page_checksum`, on the pool's device). page_ids: 1-D int
         ``[n]`` physical ids. validate: check their descriptors first (:func:`check_descriptors`, one sync)."""
         check_cache(self)
+        _no_escapes(self, "export_pages")
         ids = _page_ids(self, page_ids)
         if validate:
             check_descriptors(self, ids)
@@ -221,6 +240,7 @@ class PagedKVCache:
         ``pages`` (check bytes, and checksums where present: ``ValueError`` naming the page) and the destination
         descriptors (one sync each)."""
         check_cache(self)
+        _no_escapes(self, "import_pages")
         if not isinstance(pages, PageExport):
             raise TypeError(f"pages must be a PageExport (PagedKVCache.export_pages), got {type(pages).__name__}")
         for name, theirs, ours in (("head_dim", pages.head_dim, self.head_dim),
@@ -273,6 +293,8 @@ class PagedKVCache:
         page-heads that hold both compressed and raw blocks (``mixed_k``, ``mixed_v``)."""
         mk, mv = self.meta(0), self.meta(1)
         used = int(mk.nbytes.sum() + mv.nbytes.sum())
+        if self.escapes is not None:                    # the escape lists' bytes
+            used += 2 * int((self.escapes & 0x7F).sum())
         raw = 2 * self.num_pages * self.kv_heads * fmt.page_bytes(self.head_dim)
 
         def mixed(m):
@@ -365,6 +387,12 @@ def descriptor_checks(desc: torch.Tensor, k_layout: str, v_layout: str, head_dim
                         for kv, lay in ((0, k_layout), (1, v_layout))], -3)
 
 
+def _no_escapes(cache, what: str) -> None:
+    if cache.escapes is not None:
+        raise NotImplementedError(f"{what}: pages in the escape format (cache.escapes set) do not travel yet (their "
+                                  "escape lists are not part of a PageExport); read them with read_pages")
+
+
 def _page_ids(cache, page_ids, *, distinct: bool = True, name: str = "page_ids") -> torch.Tensor:
     """``page_ids`` as int64 on the cache's device: 1-D, in ``[0, num_pages)``, distinct where ``distinct`` (syncs)."""
     if not isinstance(page_ids, torch.Tensor) or page_ids.dim() != 1 or page_ids.dtype not in (torch.int32, torch.int64):
@@ -425,6 +453,12 @@ def check_cache(cache, *, kernel_layouts: bool = True):
                          f"{getattr(d, 'dtype', type(d))} {tuple(getattr(d, 'shape', ()))}")
     if d.device != p.device:
         raise ValueError(f"cache.desc is on {d.device}, cache.pool on {p.device}: they must share a device")
+    e = cache.escapes
+    if e is not None and (not isinstance(e, torch.Tensor) or e.dtype != torch.int64 or e.shape != d.shape
+                          or e.device != d.device):
+        raise ValueError(f"cache.escapes must be None or an int64 tensor of desc's shape {tuple(d.shape)} on {d.device} "
+                         f"(the escape format's descriptors), got {getattr(e, 'dtype', type(e).__name__)} "
+                         f"{tuple(getattr(e, 'shape', ()))} on {getattr(e, 'device', None)}")
     c = cache.check
     if c is not None and (not isinstance(c, torch.Tensor) or c.dtype != torch.uint8 or c.shape != d.shape
                           or c.device != d.device):
@@ -532,7 +566,7 @@ def physical_page_ids(num_pages: int, seed: int = 0, shuffle: bool = True) -> to
 def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
                       k_layout: str = "token", v_layout: str = "token",
                       compress="eligible", shuffle: bool = True, compact: bool = False,
-                      seed: int = 0):
+                      seed: int = 0, block_format: str = "zipfusion"):
     """Build a :class:`PagedKVCache` and its CSR page table from contiguous K/V.
 
     k, v: bf16 ``[batch, kv_heads, T, head_dim]``; seq_lens: ``[batch]`` ints in 1..T
@@ -542,7 +576,10 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     (a seeded random fraction ``f`` of the eligible blocks), or a bool tensor
     ``[num_pages, 2, kv_heads, n_blocks]`` in logical page order (forcing the mix).
     shuffle: random physical page ids; compact: slots back to back at their packed size.
-    The cache carries its descriptors' check bytes (``cache.check``).
+    The cache carries its descriptors' check bytes (``cache.check``). block_format: ``"zipfusion"`` (§III-B) or
+    ``"escape"`` (:mod:`zipkv.escape`, the list sized per page: every block of a full page compressed, each
+    page-head's list after its blocks in its slot, ``cache.escapes`` set; compress ``"eligible"`` or ``"none"``,
+    a bool mask: the full page-heads it marks wholly (any block) packed).
     Returns ``(cache, indptr, indices, last_page_len)`` on k's device.
     """
     _check_kv(k, "k")
@@ -593,14 +630,30 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
         enable = (torch.rand(P, 2, H, nb, generator=gen) < compress).to(dev)
     else:
         raise ValueError(f"compress must be 'eligible', 'none', a float in [0, 1] or a bool mask, got {compress!r}")
+    if block_format not in ("zipfusion", "escape"):
+        raise ValueError(f"block_format must be 'zipfusion' or 'escape', got {block_format!r}")
+    if block_format == "escape" and not (isinstance(compress, torch.Tensor) or compress in ("eligible", "none")):
+        raise ValueError(f"block_format='escape' takes compress 'eligible', 'none' or a bool mask, got {compress!r}")
     enable = enable & full[:, None, None, None]
     pb = fmt.page_bytes(D)
     payload = torch.empty(P, 2, H, pb, dtype=torch.uint8, device=dev)
     packed = torch.empty(P, 2, H, nb, dtype=torch.uint8, device=dev)
     check = torch.empty_like(packed)
+    second = torch.zeros_like(packed)                                  # escape format: zero << 7 | count
     for kv, lay in ((0, k_layout), (1, v_layout)):
-        pl, m = fmt.pack(pages[:, kv], lay, enable=enable[:, kv])
-        payload[:, kv], packed[:, kv], check[:, kv] = pl, m.packed(), m.check
+        pl, m = fmt.pack(pages[:, kv], lay, enable=enable[:, kv] if block_format == "zipfusion" else
+                         torch.zeros_like(enable[:, kv]))
+        payload[:, kv], packed[:, kv] = pl, m.packed()
+        if block_format == "escape":
+            from zipkv import escape                  # escape imports format only: no import circle
+            heads = enable[:, kv].any(-1)                                # [P, H] page-heads packed
+            if bool(heads.any()):
+                flat = payload[:, kv][heads]                                # [n, pb] raw slots
+                pool = torch.cat([flat.reshape(-1), flat.new_zeros(pb)])
+                b, sec = escape.pack_slots(pool, torch.arange(flat.shape[0], device=dev) * pb, D, lay)
+                payload[:, kv][heads] = pool[: flat.numel()].reshape(-1, pb)
+                packed[:, kv][heads], second[:, kv][heads] = b, sec
+        check[:, kv] = fmt.meta_check(packed[:, kv].contiguous(), lay, D)
     perm = physical_page_ids(P, seed, shuffle).to(dev)                 # logical page i -> physical id perm[i]
     phys_payload = torch.empty_like(payload)
     phys_payload[perm] = payload
@@ -608,11 +661,14 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     phys_packed[perm] = packed
     phys_check = torch.empty_like(check)
     phys_check[perm] = check
+    phys_second = torch.empty_like(second)
+    phys_second[perm] = second
     comp = (phys_packed >> 7).bool()
     size = torch.where(comp, fmt.PACKED_BLOCK_BYTES, fmt.RAW_BLOCK_BYTES).to(torch.int64)
     blk_off = torch.cumsum(size, -1) - size                            # inside the slot
+    lists = 2 * (phys_second & 0x7F).to(torch.int64).sum(-1)           # [P, 2, H] escape list bytes (0: ZipFusion)
     if compact:
-        used = size.sum(-1).reshape(-1)                                # [P*2*H]
+        used = (size.sum(-1) + (lists + 255) // 256 * 256).reshape(-1)  # [P*2*H], the list in whole 256-byte units
         slot = (torch.cumsum(used, 0) - used).reshape(P, 2, H)
         units = torch.arange(pb // 256, device=dev) < (used // 256)[:, None]
         pool = phys_payload.reshape(-1, pb // 256, 256)[units].reshape(-1)
@@ -622,7 +678,11 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     desc = ((slot[..., None] + blk_off) << 8) | phys_packed.to(torch.int64)
     indptr = torch.tensor([0] + npg, dtype=torch.int64).cumsum(0).to(torch.int32).to(dev)
     last = torch.tensor([x - T16 * (n - 1) for x, n in zip(lens, npg)], dtype=torch.int32, device=dev)
-    cache = PagedKVCache(pool.contiguous(), desc.contiguous(), D, k_layout, v_layout, phys_check)
+    escapes = None
+    if block_format == "escape":
+        from zipkv import escape
+        escapes = escape.list_descriptors(slot + size.sum(-1), phys_second).contiguous()
+    cache = PagedKVCache(pool.contiguous(), desc.contiguous(), D, k_layout, v_layout, phys_check, escapes)
     return cache, indptr, perm.to(torch.int32), last
 
 

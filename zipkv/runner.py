@@ -180,7 +180,8 @@ class StepAttention:
         self.memory, self.backend, self.q_heads, self.scale, self.restore = memory, backend, q_heads, scale, restore
         self.num_splits = num_splits
         pool = memory.pool if restore is not None else memory.pool[: memory.total_bytes]
-        self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts) for d in memory.desc]
+        esc = memory.esc or [None] * len(memory.desc)                # the escape format's descriptors, or none
+        self.caches = [PagedKVCache(pool, d, memory.head_dim, *memory.layouts, escapes=e) for d, e in zip(memory.desc, esc)]
         self.static_kinds = static_kinds
         self.reads_kinds = False
         if backend == "kernel" and not static_kinds:
@@ -191,11 +192,15 @@ class StepAttention:
         self.unpacked = UnpackedPages(self.caches) if backend == "reference" and restore is None else None
 
     @staticmethod
-    def pack_slots(backend):
+    def pack_slots(backend, block_format: str = "zipfusion"):
         """The Triton pack kernel compressing raw slots in place (``backend="kernel"``; on the CPU under
-        ``TRITON_INTERPRET=1``), or None: the memory's torch reference."""
+        ``TRITON_INTERPRET=1``), or None: the memory's torch reference. block_format ``"escape"``: the escape
+        format's pack kernel (:mod:`zipkv.kernels.pack_escape`)."""
         if backend != "kernel":
             return None
+        if block_format == "escape":
+            from zipkv.kernels.pack_escape import pack_slots
+            return pack_slots
         from zipkv.kernels.pack import pack_into
 
         def pack(pool, off, head_dim, layout):

@@ -194,7 +194,9 @@ class KVMemory:
     the caller (the engine's restore buffer, whose pages the kernel reads through the same ``desc``);
     they are not part of ``kv_budget_bytes``. pool: ``"shared"`` (chunks move between layers) or ``"per_layer"``;
     admission: ``"compressed"`` (room compression frees admits requests) or ``"uncompressed"`` (module docstring,
-    "Ablation options").
+    "Ablation options"). block_format: ``"zipfusion"`` (§III-B) or ``"escape"`` (:mod:`zipkv.escape`'s, every block
+    compressible: :mod:`zipkv.memory.escape_pages`; pack_slots then has :func:`zipkv.escape.pack_slots`'s contract,
+    and :attr:`esc` holds the escape descriptors).
 
     Parts: ``chunks`` (:class:`~zipkv.memory.chunks.ChunkPool`), ``placement``
     (:class:`~zipkv.memory.placement.Placement`), ``pages`` (:class:`~zipkv.memory.pages.Pages`).
@@ -203,7 +205,9 @@ class KVMemory:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, kv_budget_bytes: int, *,
                  pages_per_chunk: int = 16, k_layout: str = "token", v_layout: str = "token",
                  device="cpu", pack_slots=None, extra_bytes: int = 0, extra_pages: int = 0,
-                 pool: str = "shared", admission: str = "compressed"):
+                 pool: str = "shared", admission: str = "compressed", block_format: str = "zipfusion"):
+        if block_format not in ("zipfusion", "escape"):
+            raise ValueError(f"block_format must be 'zipfusion' or 'escape', got {block_format!r}")
         if pool not in ("shared", "per_layer"):
             raise ValueError(f"pool must be 'shared' or 'per_layer', got {pool!r}")
         if admission not in ("compressed", "uncompressed"):
@@ -246,8 +250,14 @@ class KVMemory:
         self.pool_kind, self.admission = pool, admission
         self.chunks = ChunkPool(self.num_chunks, num_layers, per_layer=pool == "per_layer")
         self.placement = Placement(self.chunks, self.pages_per_chunk, self.page_bytes, min_page_units)
-        self.pages = Pages(self.placement, kv_heads, head_dim, self.layouts, self.device,
-                           pack_slots or pack_slots_reference, extra_bytes, extra_pages)
+        self.block_format = block_format
+        if block_format == "escape":                 # zipkv.memory.escape_pages: every block compressible
+            from zipkv.memory.escape_pages import EscapePages, pack_slots_reference as escape_reference
+            self.pages = EscapePages(self.placement, kv_heads, head_dim, self.layouts, self.device,
+                                     pack_slots or escape_reference, extra_bytes, extra_pages)
+        else:
+            self.pages = Pages(self.placement, kv_heads, head_dim, self.layouts, self.device,
+                               pack_slots or pack_slots_reference, extra_bytes, extra_pages)
         self.max_pages, self.extra_offset = self.pages.max_pages, self.pages.extra_offset
         self.pool = self.pages.pool
         self._write_index = self.pages.write_index                        # [2, 16, D]
@@ -593,6 +603,12 @@ class KVMemory:
         """Per layer the block descriptors ``int64 [pages, 2, kv_heads, blocks]`` (``zipkv.format``), shared with
         the kernels' caches; pending new pages are written first (:meth:`flush_pages`)."""
         return self.pages.desc
+
+    @property
+    def esc(self) -> list | None:
+        """Per layer the escape descriptors ``int64 [pages, 2, kv_heads, blocks]`` (``block_format="escape"``:
+        :mod:`zipkv.memory.escape_pages`; the kernels' caches' ``escapes``), or None (ZipFusion's format)."""
+        return self.pages.esc if self.block_format == "escape" else None
 
     # ------------------------------------------------------------------ compression
 
