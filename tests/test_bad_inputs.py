@@ -56,3 +56,56 @@ def test_payload_and_metadata_on_different_devices_is_named():
     payload, meta = F.pack(PAGES)
     with pytest.raises(ValueError, match="payload is on meta, meta on cpu: they must share a device"):
         F.unpack(payload.to("meta"), meta)
+
+
+def test_greedy_sampling_with_top_p_or_top_k_is_refused_not_ignored():
+    from zipkv.sampling import SamplingParams
+
+    with pytest.raises(ValueError, match=r"top_p=0.5 with temperature=0.0: greedy decoding .* give a temperature > 0"):
+        SamplingParams(top_p=0.5)
+    with pytest.raises(ValueError, match=r"top_k=5 with temperature=None"):
+        SamplingParams(temperature=None, top_k=5)
+    assert SamplingParams(temperature=0.7, top_p=0.5, top_k=5).top_k == 5
+
+
+def test_a_trace_of_strings_is_refused_and_summarize_names_its_argument():
+    from zipkv.serving import Trace, summarize
+
+    with pytest.raises(TypeError, match=r"Trace.arrivals\[0\] must be a number .* got str '0'"):
+        Trace(("0", "1"), ([1], [2]), (1, 1))
+    with pytest.raises(TypeError, match=r"Trace.prompts\[0\] must be a sequence of int token ids, got str 'abc'"):
+        Trace((0.0, 1.0), ("abc", [2]), (1, 1))
+    with pytest.raises(TypeError, match=r"Trace.prompts\[1\] must be a sequence of int token ids, got list"):
+        Trace((0.0, 1.0), ([1], [2.5]), (1, 1))
+    with pytest.raises(TypeError, match="result must be a zipkv.serving.ServeResult"):
+        summarize({"requests": []})
+
+
+def _cli(*argv):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "zipkv", *argv], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""})
+
+
+@pytest.mark.parametrize("argv, says", [
+    (("bench", "format", "--steps", "3"), "zipkv bench format: --steps applies to bench distill only, not format\n"),
+    (("bench", "pack", "--write"), "zipkv bench pack: --write applies to bench tune only, not pack\n"),
+    (("bench", "attention", "--shape", "bogus"),
+     "zipkv bench attention: --shape bogus: expected one of ['llama3.1-8b', 'smollm2-135m']\n"),
+    (("bench", "attention", "--methods", "fast"), "zipkv bench attention: --methods fast: expected names from"),
+    (("bench", "tune", "--real-kv", "/nonexistent.csv"), "zipkv bench tune: --real-kv /nonexistent.csv: no such file"),
+    (("bench", "distill", "--contexts", "300"), "zipkv bench distill: --contexts 300: too short for the benchmark's budget"),
+    (("book", "--html-only", "--profile", "quick"), "zipkv book: --html-only builds the HTML from book/ as it is and runs "
+                                                    "no notebook: --profile would be ignored"),
+    (("book", "--profile", "", "--no-html"), "zipkv book: unknown profile '': expected one of"),
+])
+def test_options_of_another_command_or_out_of_range_are_one_line_before_any_work(argv, says):
+    """Before: ignored (``bench format --steps 3``, ``bench pack --write``, ``book --html-only --profile quick`` built the
+    HTML), or hidden behind the GPU check / found after loading the model."""
+    done = _cli(*argv)
+    assert done.returncode in (1, 2) and done.stderr.startswith(says) and done.stderr.count("\n") == 1, done.stderr
+    for bad in (("bench", "attention", "--splits", "-1"), ("bench", "attention", "--stages", "0")):
+        done = _cli(*bad)
+        assert done.returncode == 2 and f"argument {bad[2]}: expected an integer" in done.stderr, done.stderr

@@ -37,6 +37,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An argparse type: an int ≥ 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+BENCH_OPTIONS = {
+    "shape": ("attention", "tune"), "contexts": ("attention", "tune", "distill"), "batches": ("attention", "tune"),
+    "real_kv": ("attention", "tune"), "reps": ("attention", "tune"), "steps": ("distill",),
+    "reference_limit": ("distill",), "kernel": ("tune",), "write": ("tune",), "splits": ("attention",),
+    "maxnreg": ("attention",), "stages": ("attention",), "methods": ("attention",), "kernels": ("attention",),
+    "out": ("attention", "pack", "tune", "distill", "ncu", "format"),
+}
+"""The benchmarks each ``bench`` option applies to: an option given to another one is an error, not ignored."""
+BENCH_DEFAULTS = dict(shape="llama3.1-8b", reps=30, steps=100, reference_limit=4, kernel="triton")
+
+
 def installed_extensions() -> list:
     """The modules of the installed ``zipkv.commands`` entry points (none where the package is not installed)."""
     from importlib.metadata import entry_points
@@ -48,27 +70,30 @@ def _add_bench(commands) -> None:
     what = "benchmarks of the kernels, the format and the distiller: print the table, save it with --out"
     bench = commands.add_parser("bench", description=what)
     bench.add_argument("what", choices=["attention", "pack", "tune", "distill", "ncu", "ncu-targets", "format"])
-    bench.add_argument("--shape", default="llama3.1-8b", help="attention shape (see zipkv.bench.ATTENTION_SHAPES)")
+    bench.add_argument("--shape", default=None, help="attention, tune: attention shape (see zipkv.bench.ATTENTION_SHAPES; "
+                                                     "default llama3.1-8b)")
     bench.add_argument("--contexts", type=positive_int, nargs="+", default=None,
                        help="context lengths (attention: 2048 8192; distill: 1024 2048 4096 8192; tune: 8192, the "
                             "first one given)")
     bench.add_argument("--batches", type=positive_int, nargs="+", default=None, help="attention: 32 64 96; tune: 64")
     bench.add_argument("--real-kv", type=Path, default=None,
                        help="first chapter's results CSV: also time the measured mix of compressed blocks")
-    bench.add_argument("--reps", type=positive_int, default=30, help="attention, tune: timed calls per point (median)")
-    bench.add_argument("--steps", type=positive_int, default=100, help="distill: outer L-BFGS steps (paper: 100)")
-    bench.add_argument("--reference-limit", type=positive_int, default=4,
-                       help="distill: problems the reference solver runs per timed context (scaled to the context)")
-    bench.add_argument("--kernel", choices=["triton", "gluon"], default="triton",
-                       help="tune: which decode kernel's launch options (gluon: the mma layouts)")
+    bench.add_argument("--reps", type=positive_int, default=None,
+                       help="attention, tune: timed calls per point (median; default 30)")
+    bench.add_argument("--steps", type=positive_int, default=None, help="distill: outer L-BFGS steps (default and paper: 100)")
+    bench.add_argument("--reference-limit", type=positive_int, default=None,
+                       help="distill: problems the reference solver runs per timed context (scaled to the context; "
+                            "default 4)")
+    bench.add_argument("--kernel", choices=["triton", "gluon"], default=None,
+                       help="tune: which decode kernel's launch options (default triton; gluon: the mma layouts)")
     bench.add_argument("--write", action="store_true",
                        help="tune: store the best launch options in zipkv/kernels/decode_tuning.json")
-    bench.add_argument("--splits", type=int, nargs="+", default=None,
+    bench.add_argument("--splits", type=nonnegative_int, nargs="+", default=None,
                        help="attention: the decode kernels' split-KV factors to run each row with "
                             "(0: the plan's choice, the default)")
-    bench.add_argument("--maxnreg", type=int, nargs="+", default=None,
+    bench.add_argument("--maxnreg", type=nonnegative_int, nargs="+", default=None,
                        help="attention: register caps per thread to run zipkv's kernels with (0: none; default: theirs)")
-    bench.add_argument("--stages", type=int, nargs="+", default=None,
+    bench.add_argument("--stages", type=positive_int, nargs="+", default=None,
                        help="attention: pipeline depths (launch option 'stages') to run zipkv's kernels with "
                             "(default: theirs)")
     bench.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
@@ -112,11 +137,50 @@ def out_problem(out: Path | None) -> str | None:
     return None
 
 
+def bench_problem(args) -> str | None:
+    """Why the ``bench`` options cannot run, found before any work (and before the GPU check): an option that another
+    benchmark takes, an unknown shape or method, a missing ``--real-kv`` file, distill contexts too short for the
+    benchmark's budget; None when they can. Fills the defaults of the options not given."""
+    wrong = [name for name, takes in BENCH_OPTIONS.items()
+             if getattr(args, name) not in (None, False) and args.what not in takes]
+    if wrong:
+        return "; ".join(f"--{n.replace('_', '-')} applies to bench {' / '.join(BENCH_OPTIONS[n])} only, not "
+                         f"{args.what}" for n in wrong)
+    for name, value in BENCH_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.what in ("attention", "tune"):
+        from zipkv.bench.attention import ATTENTION_SHAPES, METHODS
+
+        if args.shape not in ATTENTION_SHAPES:
+            return f"--shape {args.shape}: expected one of {sorted(ATTENTION_SHAPES)}"
+        bad = [m for m in args.methods or () if m not in METHODS]
+        if bad:
+            return f"--methods {' '.join(bad)}: expected names from {list(METHODS)}"
+        if args.real_kv is not None and not args.real_kv.is_file():
+            return f"--real-kv {args.real_kv}: no such file (the first chapter's results CSV)"
+    if args.what == "distill":
+        from zipkv.bench.distill import speed_sweep
+        from zipkv.distill.kvsculpt import budget_for_ratio
+        import inspect
+
+        defaults = inspect.signature(speed_sweep).parameters
+        m, ratios = defaults["m"].default, defaults["ratios"].default
+        for n in args.contexts or ():
+            try:
+                for r in ratios:
+                    budget_for_ratio(r, n, m)
+            except ValueError as err:
+                return f"--contexts {n}: too short for the benchmark's budget (ratio {ratios[0]}, m = {m} verbatim tokens): {err}"
+    return None
+
+
 def _bench(args) -> int:
     """``python -m zipkv bench``: run the benchmark ``args.what``, print its table, save it with ``--out``."""
-    if (problem := out_problem(args.out)) is not None:
-        print(f"zipkv bench {args.what}: {problem}", file=sys.stderr)
-        return 1
+    for problem in (out_problem(args.out), bench_problem(args)):
+        if problem is not None:
+            print(f"zipkv bench {args.what}: {problem}", file=sys.stderr)
+            return 1
     if args.what in GPU_BENCHMARKS:
         import torch
 

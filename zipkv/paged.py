@@ -115,6 +115,7 @@ class PagedKVCache:
     def read_pages(self, page_ids: torch.Tensor | None = None, *, validate: bool = True):
         """Decode pages with ``zipkv.format.unpack`` (``validate`` passed on): ``(k, v)``, each bf16
         ``[len(page_ids), kv_heads, 16, head_dim]`` (all pages by default)."""
+        fmt._check_flag(validate, "validate")
         ids = (torch.arange(self.num_pages, device=self.desc.device) if page_ids is None
                else _page_ids(self, page_ids, distinct=False))
         pb, size = fmt.page_bytes(self.head_dim), self.pool.numel()
@@ -212,6 +213,8 @@ class PagedKVCache:
         descriptor bytes, check bytes (this cache's, or computed now where it has none) and, with ``checksum``,
         each page-head's CRC-32 (:func:`zipkv.format.page_checksum`, on the pool's device). page_ids: 1-D int
         ``[n]`` physical ids. validate: check their descriptors first (:func:`check_descriptors`, one sync)."""
+        fmt._check_flag(checksum, "checksum")
+        fmt._check_flag(validate, "validate")
         check_cache(self)
         _no_escapes(self, "export_pages")
         ids = _page_ids(self, page_ids)
@@ -239,6 +242,7 @@ class PagedKVCache:
         page-head must span at least the bytes it receives (raw pages do: a full slot). validate: first verify
         ``pages`` (check bytes, and checksums where present: ``ValueError`` naming the page) and the destination
         descriptors (one sync each)."""
+        fmt._check_flag(validate, "validate")
         check_cache(self)
         _no_escapes(self, "import_pages")
         if not isinstance(pages, PageExport):
@@ -591,6 +595,8 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
     B, H, T, D = k.shape
     check_layouts(k_layout, v_layout, D)
     dev = k.device
+    fmt._check_flag(shuffle, "shuffle")
+    fmt._check_flag(compact, "compact")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int, got {type(seed).__name__} {seed!r}")
     if not -2 ** 63 <= seed < 2 ** 64 - 1:

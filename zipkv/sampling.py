@@ -68,6 +68,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be an int >= 0 (0: no top-k), got {self.top_k!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        if t == 0 and (p != 1 or self.top_k != 0):
+            given = ", ".join(f"{k}={v!r}" for k, v in (("top_p", p), ("top_k", self.top_k)) if v != (1 if k == "top_p" else 0))
+            raise ValueError(f"{given} with temperature={self.temperature!r}: greedy decoding (temperature 0 or None) takes "
+                             f"the argmax, so top_p and top_k would be ignored; give a temperature > 0 to sample "
+                             f"(e.g. temperature=1.0)")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
         if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop)):
             raise TypeError(f"stop must be a str or a list of str, got {self.stop!r}")

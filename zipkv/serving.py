@@ -74,6 +74,10 @@ class Trace:
         if len(n) != 1:
             raise ValueError(f"Trace: arrivals, prompts and max_new_tokens must have one entry per request, got "
                              f"{len(self.arrivals)}, {len(self.prompts)} and {len(self.max_new_tokens)}")
+        bad = next((i for i, a in enumerate(self.arrivals) if isinstance(a, bool) or not isinstance(a, numbers.Real)), None)
+        if bad is not None:
+            raise TypeError(f"Trace.arrivals[{bad}] must be a number (seconds from the start), got "
+                            f"{type(self.arrivals[bad]).__name__} {self.arrivals[bad]!r}")
         arr = [float(a) for a in self.arrivals]
         if not all(math.isfinite(a) and a >= 0 for a in arr) or any(b < a for a, b in zip(arr, arr[1:])):
             raise ValueError(f"Trace.arrivals must be finite, >= 0 and non-decreasing (seconds from the start), got "
@@ -81,6 +85,11 @@ class Trace:
         bad = next((i for i, m in enumerate(self.max_new_tokens) if not _is_int(m) or m < 1), None)
         if bad is not None:
             raise ValueError(f"Trace.max_new_tokens[{bad}] must be an int >= 1, got {self.max_new_tokens[bad]!r}")
+        bad = next((i for i, p in enumerate(self.prompts) if isinstance(p, (str, bytes)) or not hasattr(p, "__len__")
+                    or not all(_is_int(t) for t in (p.tolist() if hasattr(p, "tolist") else p))), None)
+        if bad is not None:
+            raise TypeError(f"Trace.prompts[{bad}] must be a sequence of int token ids, got "
+                            f"{type(self.prompts[bad]).__name__} {str(self.prompts[bad])[:60]!r}")
         bad = next((i for i, p in enumerate(self.prompts) if not len(p)), None)
         if bad is not None:
             raise ValueError(f"Trace.prompts[{bad}] is empty: a request needs at least one prompt token")
@@ -253,6 +262,8 @@ def summarize(result: ServeResult) -> dict:
     running batch of a decode step); ``queue_median_s``, ``queue_p99_s`` (first admission - arrival); ``ttft_median_s``,
     ``ttft_p99_s``; ``tpot_median_s``, ``tpot_p99_s`` (requests of two tokens or more); ``retractions``;
     ``chunks_reassigned``. Percentiles as ``numpy.percentile`` (linear), as vLLM's benchmark reports them."""
+    if not isinstance(result, ServeResult):
+        raise TypeError(f"result must be a zipkv.serving.ServeResult (what serve returns), got {type(result).__name__}")
     reqs = result.requests
     first_arrival = min(r["arrival"] for r in reqs)
     end = max((r["token_times"][-1] for r in reqs if r["token_times"]), default=first_arrival)
@@ -304,9 +315,10 @@ def serve(engine, trace: Trace, *, clock: str = "simulated", cost: StepCost | No
         try:
             (req,) = engine._validate([list(p)], m, None if prefixes is None else [prefixes[i]])
         except (TypeError, ValueError) as err:
-            raise type(err)(f"trace request {i}: " + str(err).replace("request 'prompts[0]'", f"request {i}")
-                            .replace("prompts[0]", f"request {i}")
-                            .replace("prefixes[0]", f"the prefix of request {i}")) from None
+            msg = (str(err).replace("request 'prompts[0]': ", "\0").replace("prompts[0]", f"trace.prompts[{i}]")
+                   .replace("\0", f"trace.prompts[{i}] with trace.max_new_tokens[{i}]: ")
+                   .replace("prefixes[0]", f"the prefix of request {i}"))
+            raise type(err)(f"trace request {i}: {msg}") from None
         req.rid = i
         requests.append(req)
     rec = Recorder(trace, clock, cost if cost is not None else StepCost.roofline(engine.model))

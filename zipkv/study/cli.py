@@ -18,7 +18,7 @@ def register(commands) -> dict:
     """Add the study's commands to ``commands`` (an argparse subparsers action): ``{name: run(args) -> status}``."""
     what = "execute the notebooks with papermill and build the HTML book"
     book = commands.add_parser("book", description=what)
-    book.add_argument("--profile", default="quick", help="parameter profile: a file params/<profile>.yaml")
+    book.add_argument("--profile", default=None, help="parameter profile: a file params/<profile>.yaml (default quick)")
     book.add_argument("--only", nargs="+", metavar="NAME", help="run only these notebooks (file stems)")
     html = book.add_mutually_exclusive_group()
     html.add_argument("--no-html", action="store_true", help="execute notebooks only; skip jupyter-book")
@@ -52,7 +52,7 @@ def run_book(args) -> int:
 
     if args.html_only:
         runs = [f"--{o.replace('_', '-')}" for o in ("only", "force", "from_results") if getattr(args, o)]
-        runs += ["--profile"] if args.profile != "quick" else []
+        runs += ["--profile"] if args.profile is not None else []
         if runs:
             print(f"zipkv book: --html-only builds the HTML from book/ as it is and runs no notebook: "
                   f"{', '.join(runs)} would be ignored; drop them, or drop --html-only", file=sys.stderr)
@@ -66,7 +66,8 @@ def run_book(args) -> int:
         if args.html_only:
             index = pipeline.build_html(Path(root).resolve())
         else:
-            index = pipeline.build(args.profile, args.only, root, html=not args.no_html, force=args.force,
+            profile = "quick" if args.profile is None else args.profile
+            index = pipeline.build(profile, args.only, root, html=not args.no_html, force=args.force,
                                    from_results=args.from_results)
     except (ValueError, pipeline.NotebookFailed, RuntimeError) as err:
         print(f"zipkv book: {err}", file=sys.stderr)
