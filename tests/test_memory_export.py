@@ -167,3 +167,18 @@ def test_bad_export_and_packed_arguments_are_named():
         m.admit_packed("q", wrong, 8)
     with pytest.raises(ValueError, match=r"packed.meta\[0\] must be .* packed by another memory"):
         KVMemory(L, 1, D, 10 ** 6, pages_per_chunk=2).admit_packed("q", packed, 8)
+
+
+def test_a_packed_whose_counts_or_tail_disagree_is_refused_before_allocation():
+    """Before: ``tokens=3`` with two full pages was admitted (a request of 3 tokens holding 32)."""
+    m, _ = _running()
+    packed = m.export("a")
+    with pytest.raises(ValueError, match=r"packed.tokens and packed.n_pages must be ints with n_pages = tokens // 16 "
+                                         r"\(its full pages\), got tokens=3, n_pages=2"):
+        m.admit_packed("t", dataclasses.replace(packed, tokens=3), 8)
+    with pytest.raises(ValueError, match=r"got tokens='40'"):
+        m.admit_packed("t", dataclasses.replace(packed, tokens="40"), 8)
+    short = [(k[:, :3], v) for k, v in packed.tail]
+    with pytest.raises(ValueError, match=r"packed.tail\[0\] must be \(k, v\), bf16 tensors of shape \(2, 8, 64\)"):
+        m.admit_packed("t", dataclasses.replace(packed, tail=short), 8)
+    assert list(m.requests) == ["a"]

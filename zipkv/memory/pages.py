@@ -441,6 +441,11 @@ class Pages:
         shapes only, no values read (:meth:`verify_packed` reads them)."""
         if not isinstance(packed, Packed):
             raise TypeError(f"packed must be a KVMemory.pack result (Packed), got {type(packed).__name__}")
+        if isinstance(packed.tokens, bool) or not isinstance(packed.tokens, int) or packed.tokens < 1 \
+                or packed.n_pages != packed.tokens // fmt.PAGE_TOKENS:
+            raise ValueError(f"packed.tokens and packed.n_pages must be ints with n_pages = tokens // "
+                             f"{fmt.PAGE_TOKENS} (its full pages), got tokens={packed.tokens!r}, "
+                             f"n_pages={packed.n_pages!r}")
         want = (packed.n_pages, 2, self.kv_heads, fmt.n_blocks(self.head_dim))
         for name in ("meta", "slots", "head_units", "tail", "check", "checksum"):
             per_layer = getattr(packed, name)
@@ -460,6 +465,14 @@ class Pages:
                     raise ValueError(f"packed.{name}[{l}] must be a {dtype} tensor of shape {shape} (kv_heads="
                                      f"{self.kv_heads}, head_dim={self.head_dim}), got {getattr(t, 'dtype', type(t).__name__)} "
                                      f"{tuple(getattr(t, 'shape', ()))}: packed by another memory?")
+            rest = (self.kv_heads, packed.tokens - packed.n_pages * fmt.PAGE_TOKENS, self.head_dim)
+            pair = packed.tail[l]
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(
+                    isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 and tuple(t.shape) == rest for t in pair):
+                got = ([f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}" for t in pair]
+                       if isinstance(pair, (list, tuple)) else type(pair).__name__)
+                raise ValueError(f"packed.tail[{l}] must be (k, v), bf16 tensors of shape {rest} each (the tokens after "
+                                 f"the full pages), got {got}")
         for l in range(self.num_layers):
             if tuple(packed.meta[l].shape) != want or tuple(packed.slots[l].shape) != (*want[:3], self.slot_bytes):
                 raise ValueError(f"packed, layer {l}: metadata {tuple(packed.meta[l].shape)} and slots "
