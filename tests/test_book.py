@@ -204,13 +204,13 @@ def test_from_results_renders_the_gpu_chapters_that_can_on_a_cpu(monkeypatch):
     monkeypatch.setattr(book, "cuda_available", lambda: False)
     jobs = {j.name: j for j in book.plan("paper", from_results=True)}
     assert {"zipfusion_attention_latency", "kvsculpt_optimizer", "kvsculpt_dampening"} <= set(jobs)
-    assert "zipfusion_throughput" not in jobs
+    assert "distilled_prefix" not in jobs
     for job in jobs.values():
         assert job.parameters["from_results"] is True and job.device in (None, "cpu"), job
     assert jobs["model_data_kv_cache"].parameters["context"] == 2048                # the paper profile's setting
     book.preflight(list(jobs.values()), "paper", force=True)                       # no "needs a CUDA GPU"
-    with pytest.raises(ValueError, match=r"--from-results: \['zipfusion_throughput'\] cannot be rendered"):
-        book.plan("paper", ["zipfusion_throughput", "kvsculpt_main"], from_results=True)
+    with pytest.raises(ValueError, match=r"--from-results: \['distilled_prefix'\] cannot be rendered"):
+        book.plan("paper", ["distilled_prefix", "kvsculpt_main"], from_results=True)
 
 
 def test_paper_profile_on_a_cpu_machine_is_one_line_and_leaves_git_clean():
@@ -333,11 +333,114 @@ def _chapters() -> list[str]:
     return list(findings.chapter_docs(REPO / "_toc.yml").values())
 
 
+def _toc_pages() -> tuple[list[str], set[str]]:
+    """Every page of ``_toc.yml`` (the root first, hand-written pages included) and those of its appendix parts."""
+    import yaml
+
+    toc = yaml.safe_load((REPO / "_toc.yml").read_text())
+    pages, appendix = [toc["root"]], set()
+
+    def walk(node, in_appendix):
+        if isinstance(node, dict):
+            in_appendix = in_appendix or "appendix" in str(node.get("caption", "")).lower()
+            if "file" in node:
+                pages.append(node["file"])
+                if in_appendix:
+                    appendix.add(node["file"])
+            for value in node.values():
+                walk(value, in_appendix)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value, in_appendix)
+
+    walk(toc.get("parts", toc.get("chapters", [])), False)
+    return pages, appendix
+
+
+# Reading bars, measured on the built HTML. Prose is what a reader reads as text on the page: the article's
+# rendered text (innerText: what is shown, so folded cells and hidden code are out) without code cells, tables,
+# printed outputs (<pre>), the table of contents a page lists, and the show-code toggles; headings, figure captions,
+# verdict boxes and markdown a cell displays count. A word is a whitespace-separated token with a letter or a digit.
+RESULT_CHAPTER_WORDS = 1500      # every page outside the appendix part, but the landing and findings pages
+LANDING_WORDS = 400
+FINDINGS_HEADLINE_WORDS = 600    # the findings page before its first section (the headline table's words count)
+
+PROSE_JS = r"""
+const article = document.querySelector('article.bd-article') || document.querySelector('main');
+const copy = article.cloneNode(true);
+const drop = '.cell_input, pre, script, style, .headerlink, .toctree-wrapper, .admonition.hide, button';
+copy.querySelectorAll(drop).forEach(e => e.remove());
+const headline = copy.cloneNode(true);                  // the page before its first section
+headline.querySelectorAll('section section').forEach(e => e.remove());
+copy.querySelectorAll('table').forEach(e => e.remove());
+const words = node => {
+    node.style.position = 'absolute'; node.style.left = '-20000px'; node.style.width = '900px';
+    document.body.appendChild(node);
+    const text = node.innerText; node.remove();
+    return text.split(/\s+/).filter(w => /[A-Za-z0-9]/.test(w)).length;
+};
+return {prose: words(copy), headline: words(headline),
+        text: article.innerText,
+        cells: Array.from(article.querySelectorAll('td, th')).map(c => c.innerText.trim())};"""
+
+# What no page may show: notebook and Python debris, pandas' padded floats, and this project's internal names.
+SHOWN_DEBRIS = {
+    "a notebook object's repr": r"<IPython|object at 0x",
+    "a traceback": r"Traceback",
+    "a float padded to six decimals (pandas' default)": r"(?<![\w.])-?\d+\.\d{5}0(?![\d])",
+    "a Python list printed raw": r"\[(?:-?\d+(?:\.\d+)?, ){2,}-?\d+(?:\.\d+)?\]",
+}
+INTERNAL_NAMES = {  # what a reader never needs: the words of this project's tracker, its code and its files
+    "a method id": r"\b(?:select_fit\w*|joint_opt|am_(?:highest|omp|lbfgs)|attention_(?:score|matching)|"
+                   r"zipkv_\w+|probe_signal|kvsculpt_\w+)\b",
+    "a module path": r"\bzipkv\.[a-z_]",
+    "a file path": r"(?:\.ci/|results/|params/)|\b[\w-]+\.(?:csv|json|py|sh|yaml|ipynb)\b",
+    "a code identifier": r"(?<![\w/.])[a-z][a-z0-9]*(?:_[a-z0-9]+)+\b",
+    "a call with keywords": r"\b[A-Za-z_][\w.]*\([a-z_]+=",
+    "a class or constant of the code": r"\b(?:ColdTimer|[A-Z]+_[A-Z_]+)\b",
+    "the tracker's words": r"(?i)\b(?:issues?|bar|device tool)\b",
+}
+NOTATION = {"n_s", "q_c", "head_dim"}  # the papers' symbols for synthetic queries and content queries, the head size
+"""Snake-case words that are the papers' notation (or the head size's common name), not this project's code."""
+
+
+def shown_defects(text: str, cells: list[str]) -> list[str]:
+    """What a page's rendered text shows that it must not: debris, bare NaN cells, internal names."""
+    import re
+
+    found = [f"{what}: {m.group(0)!r}" for what, pattern in SHOWN_DEBRIS.items()
+             for m in re.finditer(pattern, text)]
+    found += [f"a bare {c!r} in a table" for c in cells if c in ("NaN", "nan", "<NA>", "NaT", "None")]
+    for what, pattern in INTERNAL_NAMES.items():
+        found += [f"{what}: {m.group(0)!r} in '…{text[max(0, m.start() - 40):m.end() + 20]}…'"
+                  for m in re.finditer(pattern, text) if m.group(0) not in NOTATION]
+    return list(dict.fromkeys(found))
+
+
+@pytest.mark.parametrize("text, says", [
+    ("<IPython.core.display.Markdown object>", "repr"), ("ratio 0.200000 here", "six decimals"),
+    ("runs [1686.0, 1741.6, 1742.0]", "list"), ("Select+Fit (select_fit_dense)", "method id"),
+    ("see zipkv.engine", "module path"), ("the decode_tuning.json file", "file path"),
+    ("this project's bar", "tracker"), ("as the issue asks", "tracker"), ("the device tool", "tracker"),
+    ("the kv_data column", "code identifier"), ("Engine(overlap=True) runs", "call"),
+])
+def test_shown_defects_are_caught(text, says):
+    assert any(says in d for d in shown_defects(text, [])), shown_defects(text, [])
+
+
+@pytest.mark.parametrize("text", ["KL 0.000123 and 0.0115 at r = 0.3", "Select+Fit, n_s = N", "head_dim 64",
+                                  "error bars from the lowest", "interval [0.003, 0.0055]", "Gemma-3-270M, a Q4_K_M GGUF"])
+def test_shown_defects_spare_prose(text):
+    assert shown_defects(text, []) == []
+
+
 @pytest.mark.slow
 def test_published_book_every_chapter_in_chromium(tmp_path):
     """Build the HTML of the published (committed, executed) book in a copy and open every chapter at
     1280 px: figures loaded, no traceback, warning or error in an output cell, a verdict before the first
-    figure, the findings page linking every chapter; a first-screen screenshot of each into test-artifacts/."""
+    figure, the findings page linking every chapter; a first-screen screenshot of each into test-artifacts/. Every
+    page of the toc: no debris or internal name shown (:func:`shown_defects`), and the reading bars (prose words,
+    :data:`PROSE_JS`; the counts into test-artifacts/book_words.txt)."""
     from selenium.webdriver.support.ui import WebDriverWait
 
     root = tmp_path / "project"
@@ -350,8 +453,23 @@ def test_published_book_every_chapter_in_chromium(tmp_path):
     driver = _chromium(tmp_path)
     ARTIFACTS.mkdir(exist_ok=True)
     problems = []
+    pages, appendix = _toc_pages()
+    chapters = _chapters()
+    words = {}
     try:
-        for doc in _chapters():
+        for doc in pages:                      # every page: what it shows, and its length where a bar holds
+            driver.get((html / f"{doc}.html").as_uri())
+            WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
+            measured = driver.execute_script(PROSE_JS)
+            problems += [f"{Path(doc).name}: {d}" for d in shown_defects(measured["text"], measured["cells"])]
+            words[doc] = measured["headline"] if doc.endswith("findings") else measured["prose"]
+            limit = (LANDING_WORDS if doc == pages[0] else FINDINGS_HEADLINE_WORDS if doc.endswith("findings")
+                     else None if doc in appendix else RESULT_CHAPTER_WORDS)
+            if limit is not None and words[doc] > limit:
+                problems.append(f"{Path(doc).name}: {words[doc]} words of prose, more than {limit}")
+        (ARTIFACTS / "book_words.txt").write_text("".join(f"{n:6d}  {d}{'  (appendix)' if d in appendix else ''}\n"
+                                                          for d, n in words.items()))
+        for doc in chapters:
             name = Path(doc).name
             driver.get((html / f"{doc}.html").as_uri())
             WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")

@@ -884,7 +884,7 @@ def test_throughput_verdict_states_the_step_time_the_tokens_bar_needs():
     assert chapter.bars_need_text(big, 32).startswith(
         "One run per method and batch, no spread.\n\n**What the batch target needs.** ZipFusion stores")
     assert "ran sequentially" in chapter.bars_need_text(big, 32)              # a table from before the column
-    assert "overlapped scheduler (`Engine" in chapter.bars_need_text(big.assign(overlap=True), 32)
+    assert "overlapped scheduler (SGLang's" in chapter.bars_need_text(big.assign(overlap=True), 32)
     assert "3 of 4 rows" in chapter.bars_need_text(big.assign(overlap=[True, True, True, False]), 32)
 
 
@@ -905,7 +905,8 @@ def test_the_batch_paragraph_says_what_the_memory_manager_admits_per_block_arran
                         "date": "2026-12-05"})
     text = chapter.bars_need_text(big, 32, capacity=cap)
     assert "holds 49 requests, and request 50 lacks 115 of the budget's chunks (0.24% of it)" in text
-    assert "keys channel and values v_mma reach 50 requests." in text and "| channel | v_mma | 79.00% |" in text
+    assert "keys channel and values tensor-core (mma) reach 50 requests." in text
+    assert "| channel | tensor-core (mma) | 79.00% |" in text
     short = chapter.bars_need_text(big, 32, capacity=cap.assign(max_batch=[49, 49]))
     assert "No arrangement of the format's blocks in the table below reaches 50: the closest, keys channel" in short
     assert "regrouping the format's blocks closes 112 of the 115 chunks." in short
@@ -979,7 +980,7 @@ def test_the_chapter_table_and_the_end_to_end_speed_read_the_committed_rows():
     compact = chapter.compact_table(table).data.set_index(["model", "method", "batch"])
     largest = lambda m: table[(table.method == m) & (table.batch == table.max_batch)                # noqa: E731
                               & (table.model == throughput.THROUGHPUT_PAPER_MODEL)]
-    z = compact.loc[(throughput.THROUGHPUT_PAPER_MODEL, "zipfusion", int(largest("zipfusion").batch.iloc[0]))]
+    z = compact.loc[(throughput.THROUGHPUT_PAPER_MODEL, "ZipFusion", int(largest("zipfusion").batch.iloc[0]))]
     u = largest("uncompressed")
     assert z["vs uncompressed"] == pytest.approx(z["tokens/s"] / u.tokens_per_s.iloc[0])
     assert z["paper max batch"] == pv.ZIPFUSION_MAX_BATCH["Llama-3.1-8B"]["zipfusion"] and len(compact.columns) <= 12
@@ -1129,8 +1130,8 @@ def test_the_chapter_compares_zipfusion_with_the_engines_own_uncompressed_defaul
     text = chapter.mma_baseline_text(big, mma)
     assert "the median of 3 runs: 2,650, 2,640, 2,660 tokens/s) it takes 17.36 ms per step against 17.70 ms" in text
     assert "**1.226×** its 2,650 (over the token layouts: 1.250×)" in text and text.endswith("missed by 0.024.")
-    assert chapter.mma_baseline_text(big, mma.assign(tokens_per_s=2500.0)).endswith("bar is met.")
-    assert chapter.mma_baseline_text(big, mma.iloc[:0]).endswith("This run did not time the mma-layout engine (`mma_baseline`).")
+    assert chapter.mma_baseline_text(big, mma.assign(tokens_per_s=2500.0)).endswith("target is met.")
+    assert chapter.mma_baseline_text(big, mma.iloc[:0]).endswith("This run did not time the engine in the tensor-core layouts.")
     verdict, _ = chapter.verdict(big, 32, mma_rows=mma)
     assert "(the mma layouts, the Gluon kernel's raw path; batch 46): **1.226×** tokens/s." in verdict
     assert "Gluon" not in chapter.verdict(big, 32)[0]
@@ -1270,7 +1271,7 @@ def test_each_gpu_run_of_the_chapter_joins_its_table_of_runs(tmp_path):
     assert chapter.gpu_runs(tmp_path / "elsewhere.csv", main).equals(runs)      # no table here: the committed one's
     text = chapter.gpu_runs_text(runs)
     assert "2 GPU runs" in text and "1 board identified, 1 run from before the board was recorded" in text
-    assert "between 1.192× and 1.250×" in text and "the tokens/s bar is met in 1 of them" in text
+    assert "between 1.192× and 1.250×" in text and "the tokens/s target is met in 1 of them" in text
     assert chapter.gpu_runs_text(runs.iloc[:1]) == ""
     assert "Over this chapter's 2 GPU runs the tokens/s ratio ranges 1.192–1.250×" in chapter.verdict(big, 32, runs=runs)[0]
     assert "GPU runs" not in chapter.verdict(big, 32, runs=runs.iloc[:1])[0]

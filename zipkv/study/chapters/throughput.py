@@ -124,7 +124,7 @@ def _sequential(u, z, seq) -> str:
     """What the overlapped steps save: the largest-batch rows ``u``, ``z`` beside the same methods' largest-batch rows
     run with ``overlap=False`` (``seq``)."""
     su, sz = step_row(seq, "uncompressed"), step_row(seq, "zipfusion")
-    return (f" Without the overlapped steps (`overlap=False`: the host prepares and launches each step after reading "
+    return (f" Without the overlapped steps (the host prepares and launches each step after reading "
             f"the last one's tokens) the largest-batch step takes {su.step_ms:.1f} ms uncompressed and {sz.step_ms:.1f} ms "
             f"ZipFusion ({sz.batch / su.batch * su.step_ms / sz.step_ms:.3f}× tokens/s), against {u.step_ms:.1f} and "
             f"{z.step_ms:.1f} ms with them ({z.batch / u.batch * u.step_ms / z.step_ms:.3f}×).")
@@ -184,8 +184,20 @@ def step_section(big, profile_csv=None, context: int = 8192) -> list:
     steps, note = step_table(big, profile_csv)
     if steps.empty:
         return [Markdown(note)]
-    return [Markdown(f"**Where a decode step goes.** {step_text(steps, context)} {note}"),
-            steps.style.format(precision=2).hide(axis="index")]
+    return [Markdown(f"**Where a decode step goes.** {step_text(steps, context)} {note}"), readable_steps(steps)]
+
+
+def readable_steps(steps):
+    """:func:`step_table` as a reader reads it (a pandas Styler): methods by name, columns in words, ms and µs."""
+    names = {"method": "method", "batch": "batch", "step_ms": "step (ms)", "step_ms_median": "median step (ms)",
+             "step_ms_max": "slowest step (ms)", "slowest_step": "slowest step (#)", "replay_ms": "graph replay (ms)",
+             **{k: f"{v} (ms)" for k, v in STEP_PARTS.items()}, "gaps_ms": "GPU idle between kernels (ms)",
+             "launch_ms": "launch (ms)", "num_splits": "splits", "stored_bits_per_value": "bits per value",
+             "timed_steps": "timed steps", "overlap": "overlapped",
+             "attention_us_per_request_layer": "attention per request and layer (µs)"}
+    t = steps[[c for c in steps.columns if c in names]].rename(columns=names)
+    t["method"] = t["method"].map(lambda m: METHOD_LABELS.get(m, m))
+    return t.style.format(precision=2, na_rep="–").hide(axis="index")
 
 
 def plot_throughput(df, paper: dict, fixed_batch: int = 32):
@@ -370,6 +382,7 @@ def compact_table(table):
             "frac_compressed_k": "K compressed", "frac_compressed_v": "V compressed", "paper max batch": "paper max batch",
             "paper tokens/s": "paper tokens/s"}
     out = t[[c for c in cols if c in t]].rename(columns=cols).reset_index(drop=True)
+    out["method"] = out["method"].map(lambda m: METHOD_LABELS.get(m, m))
     return out.style.format({"tokens/s": "{:,.0f}", "vs uncompressed": "{:.3f}×", "step (ms)": "{:.2f}",
                              "bits per value": "{:.2f}", "K compressed": "{:.1%}", "V compressed": "{:.1%}",
                              "paper max batch": "{:.0f}", "paper tokens/s": "{:,.0f}"}, na_rep="–").hide(axis="index")
@@ -519,7 +532,7 @@ def verdict(big, fixed_batch: int, context: int = 8192, new_tokens: int = 256, m
     text += (f"*This project's own targets* (not the paper's): largest batch ≥ {BARS['max_batch']}× {mark('max_batch')}, "
              f"tokens/s ≥ {BARS['tokens_per_s']}× {mark('tokens_per_s')}, ≥ {BARS['vs_restore']}× the best restore "
              f"baseline {mark('vs_restore')}. ")
-    return text + "What the two bars would need: below the figure.", ("tip" if ok else "warning")
+    return text + "What the two targets would need: below the figure.", ("tip" if ok else "warning")
 
 
 def vs_mma_baseline(big, mma_rows):
@@ -539,12 +552,12 @@ def mma_baseline_text(big, mma_rows) -> str:
     the chapter's uncompressed baseline (:data:`zipkv.study.experiments.throughput.BASELINE_LAYOUTS`); where ``mma_rows`` is empty,
     that the run did not time it."""
     u, z = (largest_batch_rows(big, m).iloc[0] for m in ("uncompressed", "zipfusion"))
-    text = ("**Against the engine's own uncompressed default.** On a GPU `Engine(compress=\"none\")` stores raw pages in "
-            "the mma layouts, read by the Gluon kernel's all-raw path, which \"Decode attention latency\" times as fast "
-            "as the Triton kernel's or faster; the chapter's uncompressed rows are the token layouts and the Triton kernel "
-            "(`zipkv.study.experiments.throughput.BASELINE_LAYOUTS`), the stand-in for SGLang's FlashInfer decode. ")
+    text = ("**Against the engine's own uncompressed default.** On a GPU the engine without compression stores raw "
+            "pages in the tensor-core (mma) layouts, read by the Gluon kernel's all-raw path, which \"Decode attention "
+            "latency\" times as fast as the Triton kernel's or faster; the chapter's uncompressed rows are the token "
+            "layouts and the Triton kernel, the stand-in for SGLang's FlashInfer decode. ")
     if (vs := vs_mma_baseline(big, mma_rows)) is None:
-        return text + "This run did not time the mma-layout engine (`mma_baseline`)."
+        return text + "This run did not time the engine in the tensor-core layouts."
     ratio, z, m = vs
     runs = json.loads(m.tokens_per_s_runs) if isinstance(m.get("tokens_per_s_runs"), str) else [m.tokens_per_s]
     how = "one run" if len(runs) == 1 else (f"the median of {len(runs)} runs: "
@@ -552,7 +565,7 @@ def mma_baseline_text(big, mma_rows) -> str:
     return text + (f"At its largest batch ({m.batch}; {how}) it takes {m.step_ms:.2f} ms per step against "
                    f"{u.step_ms:.2f} ms in the token layouts (batch {u.batch}), so ZipFusion's {z.tokens_per_s:,.0f} "
                    f"tokens/s at batch {z.batch} are **{ratio:.3f}×** its {m.tokens_per_s:,.0f} (over the token layouts: "
-                   f"{z.tokens_per_s / u.tokens_per_s:.3f}×); against it the {BARS['tokens_per_s']}× tokens/s bar is "
+                   f"{z.tokens_per_s / u.tokens_per_s:.3f}×); against it the {BARS['tokens_per_s']}× tokens/s target is "
                    + ("met." if ratio >= BARS["tokens_per_s"] else f"missed by {BARS['tokens_per_s'] - ratio:.3f}."))
 
 
@@ -589,11 +602,13 @@ def capacity_text(capacity, big) -> str:
     :data:`CAPACITY_SIDE` table) against the batch target over the uncompressed largest
     batch of the Llama-8B-shape rows ``big``: ZipFusion's arrangement, and whether any arrangement reaches the target."""
     needed = math.ceil(BARS["max_batch"] * largest_batch_rows(big, "uncompressed").iloc[0].batch)
-    eng = capacity[(capacity.k_layout == "k_mma") & (capacity.v_layout == "v_mma")].iloc[0]
+    capacity = capacity.assign(k_layout=capacity.k_layout.map(lambda x: LAYOUT_LABELS.get(x, x)),
+                               v_layout=capacity.v_layout.map(lambda x: LAYOUT_LABELS.get(x, x)))
+    eng = capacity[(capacity.k_layout == LAYOUT_LABELS["k_mma"]) & (capacity.v_layout == LAYOUT_LABELS["v_mma"])].iloc[0]
     best = capacity.sort_values(["max_batch", "chunks_short"], ascending=[False, True]).iloc[0]
     reach = capacity[capacity.max_batch >= needed]
     text = (f"**Placed by the memory manager.** Admitted packed, in order, under the same budget "
-            f"(`zipkv.study.experiments.throughput.packed_capacity`: the same real-KV prefixes, only their blocks' sizes placed; run on "
+            f"(the same real-KV prefixes, only their blocks' sizes placed; run on "
             f"{eng.device}, commit {eng.commit}, {eng.date}), ZipFusion's arrangement (keys and values in the mma "
             f"layouts, {eng.bits_per_value:.3f} bits per prefix value) holds {eng.max_batch} requests, and request "
             f"{eng.max_batch + 1} lacks {eng.chunks_short:.0f} of the budget's chunks ({eng.frac_budget_short:.2%} of it). ")
@@ -619,8 +634,14 @@ def capacity_table(capacity, results_csv=None, committed_csv=None):
     return capacity
 
 
+LAYOUT_LABELS = {"k_mma": "tensor-core (mma)", "v_mma": "tensor-core (mma)", "token": "token", "channel": "channel"}
+"""Block arrangements as a reader reads them: the kernel's tensor-core operand order, the token order, per channel."""
+
+
 def capacity_markdown(capacity) -> str:
     """The :data:`CAPACITY_SIDE` table as a Markdown table (a row per block arrangement)."""
+    capacity = capacity.assign(k_layout=capacity.k_layout.map(lambda x: LAYOUT_LABELS.get(x, x)),
+                               v_layout=capacity.v_layout.map(lambda x: LAYOUT_LABELS.get(x, x)))
     head = ("| keys | values | K compressed | V compressed | bits per value | requests | next request lacks (chunks) "
             "| of the budget |\n|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(
@@ -711,7 +732,7 @@ def scheduler_text(big) -> str:
                 "launched each step after reading the tokens of the one before).")
     on = big.overlap.dropna().astype(bool)
     if on.all():
-        return ("Every method ran with the overlapped scheduler (`Engine(overlap=True)`, SGLang's overlap scheduling): "
+        return ("Every method ran with the overlapped scheduler (SGLang's overlap scheduling): "
                 "the host prepares and launches each step while the GPU computes the one before.")
     return f"{int(on.sum())} of {len(on)} rows ran with the overlapped scheduler, the others sequentially."
 
@@ -779,7 +800,7 @@ def gpu_runs_text(runs) -> str:
     return (f"**From run to run.** This chapter's {len(runs)} GPU runs of this setting (table below; {', '.join(which)}), "
             f"{runs.date.min()} to {runs.date.max()}, put ZipFusion/uncompressed tokens/s at the largest batches "
             f"between {r.min():.3f}× and {r.max():.3f}× and ZipFusion's median SM clock between {clock.min():.0f} and "
-            f"{clock.max():.0f} MHz: the tokens/s bar is met in {int((r >= BARS['tokens_per_s']).sum())} of them. The "
+            f"{clock.max():.0f} MHz: the tokens/s target is met in {int((r >= BARS['tokens_per_s']).sum())} of them. The "
             "chapter shows the latest run; each row names the commit that ran.")
 
 
@@ -803,3 +824,159 @@ def gpu_runs_table(runs):
                            "ZipFusion step (ms)": "{:.2f}", "uncompressed step (ms)": "{:.2f}",
                            "ZipFusion SM clock (MHz)": "{:.0f}", "ZipFusion power-capped": "{:.0%}",
                            "uncompressed power-capped": "{:.0%}"}, na_rep="–").hide(axis="index")
+
+
+# ---------------------------------------------------------------- the chapter (the result) and its appendix page
+
+METHOD_LABELS = {"uncompressed": "uncompressed", "zipfusion": "ZipFusion", "splitzip": "SplitZip-style",
+                 "huffman": "Huffman-style"}
+"""What a reader sees for each method of the chapter's table."""
+
+
+def read_rows(committed_csv, from_results: bool = True):
+    """``(table, big, modules_rows, mma_rows, capacity, runs)`` of the chapter's committed GPU run: its table
+    (``committed_csv``; as committed at ``HEAD`` with ``from_results``, else the file as it is -- a copy of the project
+    without git), the Fig. 5 setting's rows, the rows of its two side runs, and its side tables (block arrangements,
+    GPU runs; None and empty where none is committed)."""
+    import pandas as pd
+
+    from zipkv.study import committed
+
+    if from_results:
+        table, capacity = committed.read_committed_csv(committed_csv), capacity_table(None, None, committed_csv)
+    else:
+        table = pd.read_csv(committed_csv)
+        path = committed.side_table(committed_csv, CAPACITY_SIDE)
+        capacity = pd.read_csv(path) if path.is_file() else None
+    big, modules_rows, mma_rows, _ = setting_rows(table, committed_csv)
+    return table, big, modules_rows, mma_rows, capacity, gpu_runs(None, committed_csv)
+
+
+def card_gain(committed_csv) -> float | None:
+    """On the paper's card (the chapter "On the paper's card", its committed Fig. 5 rows beside ``committed_csv``):
+    ZipFusion's tokens/s at its largest batch over the faster of the two uncompressed engines'; None before it ran."""
+    from pathlib import Path
+
+    import pandas as pd
+
+    path = Path(committed_csv).with_name(f"{PAPER_CARD}_throughput.csv")
+    if not path.is_file():
+        return None
+    z, u, m = card_rows(pd.read_csv(path))
+    return z.tokens_per_s / max(u.tokens_per_s, m.tokens_per_s)
+
+
+def chapter_verdict(big, fixed_batch: int, runs=None, card=None):
+    """The chapter's verdict: ``(markdown, kind)``. ZipFusion's largest batch and tokens/s against the paper's, each
+    judged as the findings page judges it (:func:`zipkv.study.findings.verdict_for`), the run-to-run range over
+    ``runs`` and the gain on the paper's card (``card``, :func:`card_gain`)."""
+    from zipkv.study import findings
+    from zipkv.study import paper_values as pv
+
+    c = bar_checks(big, fixed_batch)
+    z, u = c["z"], c["u"]
+    llama = "Llama-3.1-8B"
+    mb = pv.ZIPFUSION_MAX_BATCH[llama]
+    gain = pv.ZIPFUSION_THROUGHPUT_GAIN_AT_MAX_BATCH[llama]
+    judged = {"batch": findings.verdict_for("zipfusion_throughput", "largest supported batch", c["max_batch"]),
+              "gain": findings.verdict_for("zipfusion_throughput", "tokens/s at each method's largest batch over uncompressed (gain)",
+                                           c["tokens_per_s"] - 1),
+              "fixed": findings.verdict_for("zipfusion_throughput", "tokens/s at batch 32 over uncompressed", c["fixed"] - 1),
+              "splitzip": findings.verdict_for("zipfusion_throughput", "tokens/s at batch 32 over SplitZip",
+                                               c["fixed_vs_splitzip"]),
+              "restore": findings.verdict_for("zipfusion_throughput", "tokens/s at the largest batch over the best",
+                                              c["vs_restore"])}
+    text = (f"Under one KV budget that holds {u.batch} uncompressed requests of 8192 + 256 tokens (Llama-3.1-8B shapes, "
+            f"H200), ZipFusion's largest batch is **{z.batch}**, {c['max_batch']:.2f}× (paper {mb['uncompressed']} → "
+            f"{mb['zipfusion']}: **{judged['batch']}**). Its decode tokens/s there is {c['tokens_per_s'] - 1:+.1%} over "
+            f"uncompressed's (paper +{gain:.1%}: **{judged['gain']}**); at batch {fixed_batch}, "
+            f"{c['fixed'] - 1:+.1%} (paper +{pv.ZIPFUSION_GAIN_BATCH32[llama]:.1%}: **{judged['fixed']}**) and "
+            f"{c['fixed_vs_splitzip']:.2f}× SplitZip-style's (paper {pv.ZIPFUSION_VS_SPLITZIP_BATCH32[llama]}×: "
+            f"**{judged['splitzip']}**); over the best restore-before-attention baseline at its largest batch, "
+            f"{c['vs_restore']:.2f}× (paper {pv.ZIPFUSION_VS_BEST_LOSSLESS_BASELINE[llama]}×: **{judged['restore']}**).")
+    if runs is not None and len(runs) > 1:
+        r = runs.tokens_per_s_ratio
+        text += f" Over {len(runs)} GPU runs the gain at the largest batch ranged {r.min() - 1:+.1%} to {r.max() - 1:+.1%}."
+    if card is not None:
+        text += (f" On the paper's card, an H100, it is {card - 1:+.1%} ({{doc}}`On the paper's card "
+                 f"<zipfusion_paper_card>`).")
+    ok = all(v in ("reproduced", "exceeded") for v in judged.values())
+    return text, ("tip" if ok else "warning")
+
+
+FIGURE_CAPTION = ("Decode tokens/s of all running requests over the timed steps after the first token; left at batch "
+                  "{fixed_batch}, right at each method's largest batch under the budget. Ours: H200, Llama-3.1-8B shapes "
+                  "(random weights, real-KV prefixes); hatched: the paper's H100 SGLang numbers where it prints them "
+                  "(uncompressed and SplitZip at batch {fixed_batch} derived from its printed ratios). ")
+"""The chapter's figure caption (:func:`plot_throughput`), before :func:`runs_caption`."""
+
+
+def chapter_table(big, mma_rows=None):
+    """The chapter's one table (a pandas Styler): per method and batch of the Fig. 5 setting (and the uncompressed
+    engine in the tensor-core layout, where it ran), tokens/s, its ratio to uncompressed at the same batch kind, the
+    step, the stored bits and the paper's largest batch and tokens/s where it prints them."""
+    import pandas as pd
+
+    from zipkv.study import paper_values as pv
+
+    t = pd.concat([big, mma_rows]) if mma_rows is not None and len(mma_rows) else big.copy()
+    t = t.assign(kind=["largest" if b == mb else f"fixed" for b, mb in zip(t.batch, t.max_batch)])
+    base = big[big.method == "uncompressed"].assign(
+        kind=lambda d: ["largest" if b == mb else "fixed" for b, mb in zip(d.batch, d.max_batch)]).set_index("kind")
+    paper_tps, paper_mb = paper_bars(), pv.ZIPFUSION_MAX_BATCH["Llama-3.1-8B"]
+    mma = t.model == THROUGHPUT_MMA_BASELINE_MODEL
+    out = pd.DataFrame({
+        "method": [METHOD_LABELS.get(m, m) + (", tensor-core layout" if x else "") for m, x in zip(t.method, mma)],
+        "batch": t.batch.astype(int), "largest batch": t.max_batch.astype(int),
+        "tokens/s": t.tokens_per_s,
+        "vs uncompressed": [tps / base.tokens_per_s[k] for tps, k in zip(t.tokens_per_s, t.kind)],
+        "step (ms)": t.step_ms, "bits per value": t.stored_bits_per_value,
+        "paper largest batch": [paper_mb.get(m) if not x else None for m, x in zip(t.method, mma)],
+        "paper tokens/s": [paper_tps.get((k, m)) if not x else None for m, k, x in zip(t.method, t.kind, mma)]})
+    return out.style.format({"tokens/s": "{:,.0f}", "vs uncompressed": "{:.3f}×", "step (ms)": "{:.2f}",
+                             "bits per value": "{:.2f}", "paper largest batch": "{:.0f}", "paper tokens/s": "{:,.0f}"},
+                            na_rep="–").hide(axis="index")
+
+
+def step_figure(steps):
+    """Where a decode step goes at each method's largest batch (``steps``: :func:`step_table`): ms per step by
+    :data:`STEP_PARTS` and the GPU's idle time inside the graph, stacked, uncompressed beside ZipFusion."""
+    import matplotlib.pyplot as plt
+
+    rows = overlapped_rows(steps)
+    rows = rows[rows.method.isin(["uncompressed", "zipfusion"])]
+    rows = rows.loc[rows.groupby("method").batch.idxmax()]
+    parts = [c for c in STEP_PARTS if c in rows.columns and c != "host_ms"] + ["gaps_ms"]
+    names = {**STEP_PARTS, "gaps_ms": "GPU idle between kernels"}
+    fig, ax = plt.subplots(figsize=(7, 2.6))
+    left = [0.0] * len(rows)
+    labels = [f"{METHOD_LABELS[m]}, batch {b}" for m, b in zip(rows.method, rows.batch)]
+    for part in parts:
+        values = rows[part].fillna(0).clip(lower=0).tolist()
+        ax.barh(labels, values, left=left, label=names[part])
+        left = [a + b for a, b in zip(left, values)]
+    ax.set_xlabel("ms per decode step (profiled replay)")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.tight_layout()
+    return fig
+
+
+def engineering_verdict(big, fixed_batch: int, mma_rows=None, runs=None) -> tuple[str, str]:
+    """The appendix page's verdict: the Fig. 5 run against this project's own targets (:data:`BARS`), not the
+    paper's claims (those are the chapter's verdict)."""
+    c = bar_checks(big, fixed_batch)
+
+    def mark(k):
+        gap = BARS[k] - c[k]
+        return "met" if gap <= 0 else f"**missed by {gap:.3f}**" if gap >= 5e-4 else f"**missed by {gap:.4f}**"
+    text = (f"This project's own targets for the throughput run (not the paper's claims): ZipFusion's largest batch ≥ "
+            f"{BARS['max_batch']}× uncompressed's, {c['max_batch']:.3f}×: {mark('max_batch')}; its tokens/s there ≥ "
+            f"{BARS['tokens_per_s']}×, {c['tokens_per_s']:.3f}×: {mark('tokens_per_s')}; ≥ {BARS['vs_restore']}× the best "
+            f"restore baseline's, {c['vs_restore']:.2f}×: {mark('vs_restore')}.")
+    if (vs := vs_mma_baseline(big, mma_rows)) is not None:
+        text += f" Over the uncompressed engine in the tensor-core layout: {vs[0]:.3f}× tokens/s."
+    if runs is not None and len(runs) > 1:
+        r = runs.tokens_per_s_ratio
+        text += (f" Over {len(runs)} GPU runs the tokens/s ratio ranged {r.min():.3f}–{r.max():.3f}×, the target held "
+                 f"in {int((r >= BARS['tokens_per_s']).sum())}.")
+    return text, ("tip" if all(c[k] >= BARS[k] for k in BARS) else "warning")
