@@ -1,0 +1,225 @@
+"""zipkv among kvpress's presses: the KL table (:func:`zipkv.integrations.kvpress.kl_table`, kvpress's own presses
+beside zipkv's distillers) and the long-context task (:mod:`zipkv.tasks`), run window by window and setting by
+setting, each finished part appended to its CSV so that a long CPU run can stop and resume where it left off.
+
+Runs where kvpress imports (``make venv-kvpress``: kvpress pins ``transformers<5.3``); elsewhere the chapter shows
+the committed tables. As a script::
+
+    .venv-kvpress/bin/python -m zipkv.study.experiments.kvpress_presses kl --model gemma-3-270m --windows 20 \\
+        --context 128 --out results/paper/kvpress_presses.csv
+    .venv-kvpress/bin/python -m zipkv.study.experiments.kvpress_presses task --length 512 --prompts 100 \\
+        --out results/paper/kvpress_presses_task.csv
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Sequence
+
+import pandas as pd
+import torch
+
+KEPT_FRACTIONS = (0.5, 0.3, 0.25, 0.125, 0.0625)
+"""The chapter's kept fractions: 2× to 16× (kvpress's ``compression_ratio`` is 1 − these) and 0.3, the KVSculpt
+chapters' ratio."""
+
+ZIPKV_SIDE = ("zipkv", "zipkv_press", "attention_matching", "kvsculpt", "select_fit", "select_fit_dense")
+"""zipkv's methods in the table (:data:`zipkv.integrations.kvpress.ZIPKV_METHODS`)."""
+
+
+def press_methods() -> list[str]:
+    """kvpress's presses of the KL table: every press of :data:`zipkv.integrations.kvpress.PRESSES`, and AdaKV
+    around each of them that is a scorer press (AdaKV wraps scorers only)."""
+    import kvpress
+
+    from zipkv.integrations import kvpress as integration
+
+    scorers = [n for n, c in integration.PRESSES.items() if issubclass(getattr(kvpress, c), kvpress.ScorerPress)]
+    return [*integration.PRESSES, *(f"adakv_{n}" for n in scorers)]
+
+
+def _append(out: Path | None, rows: pd.DataFrame, kept: list[pd.DataFrame]) -> None:
+    """Stamp ``rows`` with the run's device, date and commit (the committed table's own provenance), keep them and
+    append them to ``out``."""
+    import datetime as dt
+
+    from zipkv.provenance import device_name, git_commit
+
+    rows = rows.assign(device=device_name(), date=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       commit=git_commit())
+    kept.append(rows)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        rows.to_csv(out, mode="a", header=not Path(out).is_file(), index=False)
+
+
+def measure_kl(model, tokenizer, windows: Sequence, kept_fractions: Sequence[float] = KEPT_FRACTIONS,
+               methods: Sequence[str] | None = None, *, slow_windows: int | None = None,
+               slow: Sequence[str] = ("kvsculpt", "zipkv_press"), probe_tokens: int = 64, steps: int = 100,
+               n_synthetic: int = 128, seed: int = 0, out: str | Path | None = None,
+               progress: bool = False) -> pd.DataFrame:
+    """The KL table of ``methods`` (default: :func:`press_methods` and :data:`ZIPKV_SIDE`) on ``windows``.
+
+    Args:
+        slow_windows: run the methods of ``slow`` (KVSculpt: 100 L-BFGS steps) on the first ``slow_windows``
+            windows only (``None``: on all).
+        out: a CSV the rows of each finished window are appended to; windows it already holds (same model) are
+            skipped, so an interrupted run resumes.
+        the rest: :func:`zipkv.integrations.kvpress.kl_table`'s.
+
+    Returns:
+        ``kl_table``'s rows of every window (those read back from ``out`` included).
+    """
+    from zipkv.integrations import kvpress as integration
+    from zipkv.models import model_shape
+
+    methods = list(methods) if methods is not None else [*press_methods(), *ZIPKV_SIDE]
+    name = model_shape(model).name
+    have = pd.read_csv(out) if out is not None and Path(out).is_file() else None
+    done = set() if have is None else set(have.loc[have.model == name, "window"])
+    parts = [] if have is None else [have[have.model == name]]
+    for w, window in enumerate(windows):
+        if w in done:
+            continue
+        chosen = [m for m in methods if slow_windows is None or w < slow_windows or m not in slow]
+        rows = integration.kl_table(model, [window], kept_fractions, chosen, tokenizer=tokenizer,
+                                    probe_tokens=probe_tokens, steps=steps, n_synthetic=n_synthetic, seed=seed + w,
+                                    progress=progress)
+        rows["window"] = w
+        rows["probe_tokens"] = probe_tokens
+        _append(out, rows, parts)
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+def compressor(method: str, kept_fraction: float, tokenizer, *, probe_tokens: int = 64, seed: int = 0):
+    """``compress(model, context_ids) -> cache`` of one method at one kept fraction, for :func:`zipkv.tasks.accuracy`:
+    a kvpress press's cache (kvpress's prefill, its head-wise mask left on the model for the answer), or zipkv's
+    :func:`zipkv.compress`. ``"none"``: ``None`` (the uncompressed model)."""
+    import zipkv
+    from zipkv.integrations import kvpress as integration
+
+    if method == "none":
+        return None
+    if method in ZIPKV_SIDE and method != "zipkv_press":
+        settings = dict(kept_fraction=kept_fraction, seed=seed, method="select_fit" if method.startswith(
+            "select_fit") else method)
+        if method in ("zipkv", "attention_matching"):
+            settings["probe_tokens"] = probe_tokens
+        return lambda model, ids: zipkv.compress(model, ids, **settings)
+
+    def by_press(model, ids):
+        press = (integration.ZipkvPress(1.0 - kept_fraction, probe_tokens=probe_tokens, seed=seed)
+                 if method == "zipkv_press" else integration._press(method, kept_fraction))
+        return integration.press_cache(model, press, ids, tokenizer)[0]
+    return by_press
+
+
+def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], methods: Sequence[str],
+                 kept_fractions: Sequence[float] = (0.25, 0.125), *, prompts: int = 100,
+                 method_prompts: dict | None = None, gate: float = 0.8, max_new_tokens: int = 40,
+                 probe_tokens: int = 64, seed: int = 0, out: str | Path | None = None,
+                 progress: bool = False) -> pd.DataFrame:
+    """Task accuracy: first the uncompressed model on every ``(kind, length)`` setting, then, on the settings it
+    answers at ≥ ``gate``, each method × kept fraction on the same prompts.
+
+    Args:
+        settings: ``(kind, length)`` pairs (:data:`zipkv.tasks.KINDS`, context tokens).
+        methods: kvpress's presses and zipkv's methods (as :func:`compressor` names them).
+        prompts: prompts per setting (seeded; the same for every method).
+        method_prompts: fewer prompts for some methods (e.g. ``{"zipkv": 30}``: the first 30 of the setting's),
+            where their compression costs too long on the machine.
+        out: a CSV every finished (setting, method, fraction) is appended to; those it holds are skipped.
+
+    Returns:
+        One row per (model, kind, length, method, kept fraction): ``prompts``, ``correct``, ``accuracy``,
+        ``seconds`` (mean per prompt, compression and answer), ``gate_passed`` (the uncompressed accuracy's), and the
+        kvpress/transformers versions.
+    """
+    import transformers
+
+    from zipkv import tasks
+    from zipkv.integrations import kvpress as integration
+    from zipkv.models import model_shape
+
+    name = model_shape(model).name
+    have = pd.read_csv(out) if out is not None and Path(out).is_file() else None
+    parts = [] if have is None else [have[have.model == name]]
+    done = set() if have is None else {(r.kind, r.length, r.method, r.kept_fraction)
+                                        for r in have[have.model == name].itertuples()}
+    method_prompts = method_prompts or {}
+
+    def run(kind, length, made, method, fraction):
+        key = (kind, length, method, 1.0 if method == "none" else fraction)
+        if key in done:
+            if method != "none":
+                return None
+            t = pd.concat(parts, ignore_index=True)
+            return float(t[(t.kind == kind) & (t.length == length) & (t.method == "none")].accuracy.iloc[0])
+        n = min(len(made), method_prompts.get(method, len(made)))
+        started = time.perf_counter()
+        scored = tasks.accuracy(model, tokenizer, made[:n], compressor(method, fraction, tokenizer,
+                                probe_tokens=probe_tokens, seed=seed), max_new_tokens=max_new_tokens)
+        integration._clear_masks(model)
+        seconds = (time.perf_counter() - started) / n
+        row = dict(model=name, kind=kind, length=length, method=method, kept_fraction=key[3], prompts=n,
+                   correct=int(scored.correct.sum()), accuracy=float(scored.correct.mean()), seconds=seconds,
+                   kvpress=integration.KVPRESS_VERSION, transformers=transformers.__version__)
+        _append(out, pd.DataFrame([row]), parts)
+        if progress:
+            print(f"{name} {kind} {length} {method} {key[3]:g}: {row['accuracy']:.2f} on {n}, {seconds:.1f} s/prompt",
+                  flush=True)
+        return row["accuracy"]
+
+    for kind, length in settings:
+        made = tasks.make_tasks(tokenizer, books, prompts, length, kind, seed=seed)
+        if run(kind, length, made, "none", 1.0) < gate:
+            continue
+        for fraction in kept_fractions:
+            for method in methods:
+                run(kind, length, made, method, fraction)
+    table = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+    if len(table):
+        base = table[table.method == "none"].set_index(["model", "kind", "length"]).accuracy
+        table["gate_passed"] = [base.get((r.model, r.kind, r.length), math.nan) >= gate for r in table.itertuples()]
+    return table
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("kl", "task"))
+    parser.add_argument("--model", default=None, help="None: the embedded SmolLM2-135M; gemma-3-270m: the second")
+    parser.add_argument("--windows", type=int, default=20)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--continuation", type=int, default=32)
+    parser.add_argument("--fractions", type=float, nargs="+", default=list(KEPT_FRACTIONS))
+    parser.add_argument("--methods", nargs="+", default=None)
+    parser.add_argument("--slow-windows", type=int, default=None)
+    parser.add_argument("--probe-tokens", type=int, default=64)
+    parser.add_argument("--settings", nargs="+", default=["niah_single:512"], help="kind:length")
+    parser.add_argument("--prompts", type=int, default=100)
+    parser.add_argument("--method-prompts", nargs="*", default=[], help="method:n")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    from zipkv import data, models
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    model, tokenizer = models.load_model(args.model, dtype=torch.float32)
+    books = data.load_books()
+    if args.what == "kl":
+        windows = data.windows(tokenizer, books, args.windows, context=args.context,
+                               continuation=args.continuation, seed=0)
+        measure_kl(model, tokenizer, windows, args.fractions, args.methods, slow_windows=args.slow_windows,
+                   probe_tokens=args.probe_tokens, out=args.out, progress=True)
+    else:
+        settings = [(s.split(":")[0], int(s.split(":")[1])) for s in args.settings]
+        measure_task(model, tokenizer, books, settings, args.methods or ["zipkv"], args.fractions,
+                     prompts=args.prompts, method_prompts={m.split(":")[0]: int(m.split(":")[1])
+                                                           for m in args.method_prompts},
+                     probe_tokens=args.probe_tokens, out=args.out, progress=True)
+
+
+if __name__ == "__main__":
+    main()
