@@ -139,27 +139,27 @@ def verdict(stats: pd.DataFrame, table: pd.DataFrame, ratios, *, model: str, n_w
                          f"{won} of {both} windows) and **{am / z:.2f}×** below Attention Matching ({am:.3g})")
         else:
             met &= bool(z <= best)
-            others.append((r, n, z / best, wins(table, r, "zipkv", baselines)))
+            others.append((r, n, best / z, wins(table, r, "zipkv", baselines)))
     if others:
         lines.append(f"at r = {' / '.join(f'{r:g}' for r, *_ in others)} ({' / '.join(str(n) for _, n, *_ in others)} "
-                     f"windows) it is {' / '.join(f'{q:.2g}×' for _, _, q, _ in others)} the best baseline's mean KL, "
-                     f"below every baseline on {' / '.join(f'{w} of {m}' for *_, (w, m) in others)} windows")
+                     f"windows) its mean KL is {' / '.join(f'{q:.3g}×' for _, _, q, _ in others)} below the best "
+                     f"baseline's, below every baseline on {' / '.join(f'{w} of {m}' for *_, (w, m) in others)} windows")
     own = own_rows(table)
     at3 = own[np.isclose(own.ratio, 0.3) & (own.method == "zipkv")].seconds
     timed = bool(device and "H200" in device and len(at3) and not scaled)
     if timed:
         met &= bool(at3.max() <= SECONDS_BAR)
-        lines.append(f"it takes {at3.median():.1f} s per context at r = 0.3 (median; max {at3.max():.1f} s; bar ≤ "
+        lines.append(f"it takes {at3.median():.1f} s per context at r = 0.3 (median; max {at3.max():.1f} s; target ≤ "
                      f"{SECONDS_BAR:g} s on the H200: {'met' if at3.max() <= SECONDS_BAR else '**missed**'})")
     if missing:
         met = False
-        lines.append("not run here (params ratio_windows, time_budget_s; no rows from extra_csv): r = "
+        lines.append("not run here (the run's time budget left them out): r = "
                      + ", ".join(f"{r:g}" for r in missing))
     text = (f"On {model}, {n_windows} window(s): " + "; ".join(lines) + ". "
-            + ("Bars (≥ 2× below the best Select+Fit at r = 0.3, below Attention Matching, never above the best "
+            + ("This project's targets (≥ 2× below the best Select+Fit at r = 0.3, below Attention Matching, never above the best "
                f"baseline elsewhere{f', ≤ {SECONDS_BAR:g} s per context' if timed else ''}): "
                + ("met." if met else "**not all met**.")
-               if not scaled else "**A scaled-down run: the bars apply to the paper profile only.**"))
+               if not scaled else "**A scaled-down run: the targets apply to the paper profile only.**"))
     return text, "tip" if met and not scaled else "warning"
 
 
@@ -258,8 +258,8 @@ def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, conte
     at = at[np.isclose(at.ratio, ratio)]
     z = at[at.method == "zipkv"].seconds
     text = (f"zipkv's distiller took {z.median():.2f} s per {context}-token context at r = {ratio} (median; max "
-            f"{z.max():.2f} s; sampling the {probe_tokens}-token probe included) on {device}; the issue's bar is ≤ 10 s per "
-            "2,048-token context on the H200. ")
+            f"{z.max():.2f} s; sampling the {probe_tokens}-token probe included) on {device}; this project's target is "
+            "≤ 10 s per 2,048-token context on the H200. ")
     am = table[table.method == "attention_matching"]
     if len(am):
         picks = am.choice.value_counts()
@@ -276,7 +276,7 @@ def speed_and_choices(table: pd.DataFrame, device: str, *, n_windows: int, conte
     short += [f"KVSculpt (paper) at r = {r:g} on the first {n}" for (m, r), n in counts.items()
               if m == "kvsculpt" and n < n_windows]
     if short:
-        text += f"Run on fewer than all {n_windows} windows (params: ratio_windows, kvsculpt_windows, time_budget_s): " \
+        text += f"Run on fewer than all {n_windows} windows (the run's time budget): " \
                 + "; ".join(short) + "."
     return text
 
@@ -310,6 +310,38 @@ def second_model_table(rows: pd.DataFrame) -> pd.DataFrame:
                     "seconds per context": part.seconds.mean(), "mean KL / zipkv's": part.kl.mean() / zipkv})
     table = pd.DataFrame(out).sort_values(["ratio", "_order"]).drop(columns="_order")
     return table.set_index(["ratio", "method"])
+
+
+def model_label(rows: pd.DataFrame) -> str:
+    """The second model's name as a reader reads it (``Gemma-3-270M``, not its GGUF's file name)."""
+    from zipkv.study.chapters.escape import LABELS as MODEL_LABELS
+
+    name = _one(rows, "model")
+    return MODEL_LABELS.get(name, name)
+
+
+def short_sources(table: pd.DataFrame, n_windows: int) -> str:
+    """One sentence on where the table's rows come from: this run's, and those of separate runs of the same settings
+    (the other ratios, Table 1's KVSculpt rows), whose seconds are not compared."""
+    separate = table[table.separate.astype(bool)] if "separate" in table else table.iloc[:0]
+    if separate.empty:
+        return f"Every row is this run's, on {n_windows} windows."
+    ratios = ", ".join(f"{r:g}" for r in sorted(separate.ratio.unique()))
+    devices = sorted({"an H200" if "H200" in str(d) else "a CPU" for d in separate.get("device", pd.Series(dtype=str)).dropna()})
+    return (f"Rows at r = {ratios} come in part from separate runs of the same settings"
+            + (f" (on {' and '.join(devices)})" if devices else "") + " and KVSculpt's from Table 1's run on the same "
+            "windows; seconds per context are this run's only.")
+
+
+def second_model_short(rows: pd.DataFrame | None, ratio: float = 0.3) -> str:
+    """The second model's verdict (:func:`second_model_text`'s) and one sentence on its sliding-window layers."""
+    if rows is None or rows.empty:
+        return "No second-model rows are committed yet."
+    _, verdict = second_model_text(rows, ratio)
+    sliding, layers = int(_one(rows, "sliding_layers")), int(_one(rows, "layers"))
+    return (verdict + f" {sliding} of its {layers} layers attend to a sliding window; no method compresses them (each "
+            f"keeps the model's own window), so r counts the global layers. Measured on {_one(rows, 'device')}, "
+            f"{_coverage(rows)}.")
 
 
 def _one(rows: pd.DataFrame, column: str):
@@ -374,10 +406,10 @@ def second_model_text(rows: pd.DataFrame, ratio: float = 0.3) -> tuple[str, str]
     won = int((pivot.zipkv < pivot[best]).sum())
     ranked = mean.sort_values()
     verdict = (
-        f"On {_one(rows, 'model')} at r = {ratio:g} ({len(pivot)} window(s)), zipkv's mean KL is {z:.3g}: "
+        f"On {model_label(rows)} at r = {ratio:g} ({len(pivot)} window(s)), zipkv's mean KL is {z:.3g}: "
         f"{_times(sf, z)} the best Select+Fit ({beyond.LABELS[best]}, {sf:.3g}; lower on {won} of {len(pivot)} "
         f"windows) and {_times(am, z)} Attention Matching ({am:.3g}). "
-        + ("The embedded model's bars (≥ 2× below the best Select+Fit, below Attention Matching) "
+        + ("The embedded model's targets (≥ 2× below the best Select+Fit, below Attention Matching) "
            + ("hold here too." if sf / z >= 2 and z < am else "**do not hold on this model**.")
            + f" Lowest mean KL: {beyond.LABELS[ranked.index[0]]} ({ranked.iloc[0]:.3g}).")
         + (" Few windows: a spread, not a distribution." if len(pivot) < 5 else ""))
@@ -413,7 +445,7 @@ def second_model_headline(rows: pd.DataFrame | None, ratio: float = 0.3) -> str:
     sf = at[[x for x in beyond.SELECT_FIT_VARIANTS if x in at.index]].min()
     z, am = at["zipkv"], at.get("attention_matching", np.nan)
     holds = sf / z >= 2 and z < am
-    return (f" On {_one(rows, 'model')} (section below) the bars " + ("hold too" if holds else "**do not hold**")
+    return (f" On {model_label(rows)} (section below) the targets " + ("hold too" if holds else "**do not hold**")
             + f" ({_times(sf, z)} the best Select+Fit at r = {ratio:g}).")
 
 
@@ -434,5 +466,5 @@ def second_model_section(path: str | Path = SECOND_MODEL_CSV) -> list:
     rows = second_model_rows(path)
     shown = [Markdown(second_model_markdown(rows))]
     if rows is not None and not rows.empty:
-        shown.append(second_model_table(rows).style.format(precision=3))
+        shown.append(second_model_table(rows).style.format(precision=3).format_index("{:g}", level=0))
     return shown
