@@ -94,3 +94,18 @@ def markdown(text: str) -> None:
 def count(n: int, noun: str) -> str:
     """``"1 window"``, ``"3 windows"``: a count and its noun (plural by an s)."""
     return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def in_words(table):
+    """``table`` (a DataFrame) with its column and index names as a reader reads them: a results table's column names
+    (``uniform_kl``, ``vs_uniform``, ``paper per_layer_vs_uniform``) with spaces for underscores and KL capitalised."""
+    import re
+
+    def words(name):
+        if not isinstance(name, str):
+            return name
+        return re.sub(r"\bkl\b", "KL", name.replace("_", " "))
+
+    out = table.rename(columns=words)
+    out.index = out.index.rename([words(n) for n in out.index.names])
+    return out
