@@ -109,3 +109,17 @@ def test_options_of_another_command_or_out_of_range_are_one_line_before_any_work
     for bad in (("bench", "attention", "--splits", "-1"), ("bench", "attention", "--stages", "0")):
         done = _cli(*bad)
         assert done.returncode == 2 and f"argument {bad[2]}: expected an integer" in done.stderr, done.stderr
+
+
+def test_the_distillers_name_a_model_passed_where_a_capture_goes():
+    """Before: ``AttributeError: 'LlamaForCausalLM' object has no attribute 'layers'`` from inside the distiller."""
+    from conftest import tiny_llama
+    from zipkv.distill import attention_matching, generalise, kvsculpt
+
+    model = tiny_llama()
+    for compress in (kvsculpt.compress, generalise.compress, attention_matching.compress):
+        with pytest.raises(TypeError, match=r"capture must be a zipkv.models.Capture, got LlamaForCausalLM: .* "
+                                            r"zipkv.compress\(model, context_ids, ...\) takes the model itself"):
+            compress(model, 0.5, m=4)
+    with pytest.raises(TypeError, match=r"capture must be a zipkv.models.Capture, got list$"):
+        kvsculpt.compress([], 0.5, m=4)

@@ -259,7 +259,9 @@ def compress(capture, ratio: float, *, m: int = 256, config: AttentionMatchingCo
     ``info`` holds ``[L, H]`` ``train`` and ``validation`` objectives; ``method`` is ``"am_" + keys``.
     """
     from .generalise import _assemble, _compressed_inputs, compress_cascade
-    from .kvsculpt import budget_for_ratio
+    from .kvsculpt import budget_for_ratio, check_capture
+
+    check_capture(capture)
 
     cfg = config or AttentionMatchingConfig()
     if cfg.keys not in KEY_METHODS:

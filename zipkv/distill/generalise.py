@@ -557,7 +557,9 @@ def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None 
     from tqdm.auto import tqdm
 
     from .budget import allocate
-    from .kvsculpt import budget_for_ratio
+    from .kvsculpt import budget_for_ratio, check_capture
+
+    check_capture(capture)
 
     cfg = config or ZipkvConfig()
     if budget not in BUDGETS:

@@ -250,6 +250,18 @@ class CompressedCache:
                                ratio=self.ratio, bias=bias)
 
 
+def check_capture(capture, name: str = "capture") -> None:
+    """``TypeError`` unless ``capture`` is a :class:`zipkv.models.Capture` (the distillers' input): a model passed in its
+    place is named, with the call that takes a model."""
+    from zipkv.models import Capture
+
+    if not isinstance(capture, Capture):
+        hint = (": this function takes a capture of the context, zipkv.models.capture(model, context_ids); "
+                "zipkv.compress(model, context_ids, ...) takes the model itself"
+                if hasattr(capture, "config") and hasattr(capture, "forward") else "")
+        raise TypeError(f"{name} must be a zipkv.models.Capture, got {type(capture).__name__}{hint}")
+
+
 def compressed_layers(capture) -> list[int]:
     """The layers of ``capture`` a distiller compresses (:attr:`zipkv.models.Capture.compressed_layers`: every
     layer of a Llama-family model; Gemma 3's global layers, its sliding-window layers kept as the model keeps
@@ -444,6 +456,7 @@ def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n
         compressed (:func:`compressed_layers`: Gemma 3's sliding-window layers) keeps its window
         (:meth:`zipkv.models.Capture.kept_pairs`) with ``k_lh = 0``, its losses and seconds NaN.
     """
+    check_capture(capture)
     if method not in METHODS:
         raise ValueError(f"method={method!r} is not a compression method: expected one of {list(METHODS)}")
     check_settings(m=m, n_synthetic=n_synthetic, strategy=strategy, budget=budget, pilot_steps=pilot_steps,
