@@ -107,5 +107,5 @@ def in_words(table):
         return re.sub(r"\bkl\b", "KL", name.replace("_", " "))
 
     out = table.rename(columns=words)
-    out.index = out.index.rename([words(n) for n in out.index.names])
+    out.index.names = [words(n) for n in out.index.names]
     return out
