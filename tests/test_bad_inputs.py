@@ -123,3 +123,10 @@ def test_the_distillers_name_a_model_passed_where_a_capture_goes():
             compress(model, 0.5, m=4)
     with pytest.raises(TypeError, match=r"capture must be a zipkv.models.Capture, got list$"):
         kvsculpt.compress([], 0.5, m=4)
+    from zipkv.distill import SculptConfig
+    from zipkv.models import capture
+
+    cap = capture(model, torch.arange(40) % 100)
+    with pytest.raises(TypeError, match="config must be a zipkv.distill.attention_matching.AttentionMatchingConfig or "
+                                        "None, got SculptConfig"):      # was AttributeError: ... no attribute 'keys'
+        attention_matching.compress(cap, 0.5, m=4, config=SculptConfig())

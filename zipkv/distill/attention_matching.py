@@ -262,7 +262,9 @@ def compress(capture, ratio: float, *, m: int = 256, config: AttentionMatchingCo
     from .kvsculpt import budget_for_ratio, check_capture
 
     check_capture(capture)
-
+    if config is not None and not isinstance(config, AttentionMatchingConfig):
+        raise TypeError(f"config must be a zipkv.distill.attention_matching.AttentionMatchingConfig or None, got "
+                        f"{type(config).__name__}")
     cfg = config or AttentionMatchingConfig()
     if cfg.keys not in KEY_METHODS:
         raise ValueError(f"keys={cfg.keys!r}: expected one of {list(KEY_METHODS)}")
