@@ -133,8 +133,8 @@ def test_second_model_verdict_says_when_the_bars_do_not_hold():
     assert "0.0 s" not in chapter.second_model_text(rows(0.04))[0] and "69 %" in chapter.second_model_text(rows(0.04))[0]
     assert chapter.second_model_table(rows(0.09)).loc[(0.3, "zipkv"), "mean KL / zipkv's"] == 1.0
     # the chapter's verdict carries the second model's outcome (before: only the section below said it)
-    assert "the bars **do not hold** (1.11× below the best Select+Fit at r = 0.3)" in chapter.second_model_headline(rows(0.09))
-    assert "the bars hold too (2.50× below" in chapter.second_model_headline(rows(0.04))
+    assert "the targets **do not hold** (1.11× below the best Select+Fit at r = 0.3)" in chapter.second_model_headline(rows(0.09))
+    assert "the targets hold too (2.50× below" in chapter.second_model_headline(rows(0.04))
     assert chapter.second_model_headline(None) == ""
 
 

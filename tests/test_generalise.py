@@ -433,17 +433,17 @@ def test_chapter_verdict_names_ratios_a_time_budget_left_out_and_compares_equal_
     stats = chapter.kl_stats(table)
     assert "kvsculpt" not in chapter.comparable(stats, 0.3)  # one window against four: not compared by its mean
     text, kind = chapter.verdict(stats, table, [0.2, 0.3, 0.5], model="m", n_windows=4, scaled=False)
-    assert "not run here (params ratio_windows, time_budget_s; no rows from extra_csv): r = 0.2" in text and "**not all met**" in text and kind == "warning"
+    assert "not run here (the run's time budget left them out): r = 0.2" in text and "**not all met**" in text and kind == "warning"
     assert "**4.00× below the best Select+Fit**" in text and "lower on 4 of 4 windows" in text
-    assert "at r = 0.5 (2 windows) it is 0.5× the best baseline's mean KL, below every baseline on 2 of 2 windows" in text
+    assert "at r = 0.5 (2 windows) its mean KL is 2× below the best baseline's, below every baseline on 2 of 2 windows" in text
     met, _ = chapter.verdict(stats, table, [0.3, 0.5], model="m", n_windows=4, scaled=False)
     assert met.endswith(": met.") and "per context" not in met                # no H200: no speed bar
     fast, kind = chapter.verdict(stats, table, [0.3, 0.5], model="m", n_windows=4, scaled=False, device="NVIDIA H200")
-    assert "1.0 s per context at r = 0.3 (median; max 1.0 s; bar ≤ 10 s on the H200: met)" in fast and kind == "tip"
+    assert "1.0 s per context at r = 0.3 (median; max 1.0 s; target ≤ 10 s on the H200: met)" in fast and kind == "tip"
     slow = table.copy()
     slow.loc[(slow.method == "zipkv") & (slow.ratio == 0.3) & (slow.window == 2), "seconds"] = 10.5
     text, kind = chapter.verdict(stats, slow, [0.3, 0.5], model="m", n_windows=4, scaled=False, device="NVIDIA H200")
-    assert "max 10.5 s; bar ≤ 10 s on the H200: **missed**" in text and "**not all met**" in text and kind == "warning"
+    assert "max 10.5 s; target ≤ 10 s on the H200: **missed**" in text and "**not all met**" in text and kind == "warning"
     worse = table.copy()                     # one window where a baseline beats zipkv at r = 0.5
     worse.loc[(worse.method == "select_fit_dense") & (worse.ratio == 0.5) & (worse.window == 1), "kl"] = 0.001
     text, _ = chapter.verdict(chapter.kl_stats(worse), worse, [0.3, 0.5], model="m", n_windows=4, scaled=False)
