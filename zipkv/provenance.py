@@ -1,5 +1,6 @@
 """Provenance of a run: the device, library versions, git commit and date that a benchmark's table or an executed
-notebook records beside its numbers."""
+notebook records beside its numbers; on a GPU, also the CUDA runtime, the driver, the board's power limit and its
+highest SM clock (from ``nvidia-smi``), so that a timing can be read with the stack and the card that made it."""
 from __future__ import annotations
 
 import datetime as dt
@@ -8,7 +9,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["SOURCE_ROOT", "device_name", "git_commit", "provenance"]
+__all__ = ["SOURCE_ROOT", "device_name", "git_commit", "gpu_details", "package_version", "provenance"]
 
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
 """The folder holding the ``zipkv`` package: the repository in a checkout (its commit is the code that runs)."""
@@ -47,9 +48,47 @@ def device_name() -> str:
     return f"CPU: {cpu}, {os.cpu_count()} cores"
 
 
+def package_version(*names: str) -> str:
+    """The installed version of the first of ``names`` (distribution names) that is installed, without importing it;
+    ``"not installed"`` when none is."""
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+GPU_QUERY = {"driver": "driver_version", "power_limit_w": "power.limit", "sm_clock_max_mhz": "clocks.max.sm"}
+"""What :func:`gpu_details` asks ``nvidia-smi --query-gpu`` for: provenance key -> query field."""
+
+
+def gpu_details() -> dict:
+    """On a CUDA GPU: ``cuda`` (torch's CUDA runtime), and from ``nvidia-smi``, where it answers, the ``driver``, the
+    board's ``power_limit_w`` and its highest SM clock ``sm_clock_max_mhz``; empty without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    out = {"cuda": str(torch.version.cuda)}
+    try:
+        done = subprocess.run(["nvidia-smi", "-i", str(torch.cuda.current_device()),
+                               f"--query-gpu={','.join(GPU_QUERY.values())}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return out
+    values = [v.strip() for v in done.stdout.strip().split(",")] if done.returncode == 0 else []
+    if len(values) == len(GPU_QUERY):
+        out.update({k: v for k, v in zip(GPU_QUERY, values) if v and not v.startswith("[")})  # "[N/A]": unrecorded
+    return out
+
+
 def provenance(profile: str, root: Path = SOURCE_ROOT) -> dict:
-    """The provenance record of a run of ``profile``: device, library versions, git commit (marked when the tree has
-    uncommitted changes outside ``book/``) and date."""
+    """The provenance record of a run of ``profile``: device, library versions (FlashInfer's where it is installed),
+    git commit (marked when the tree has uncommitted changes outside ``book/``) and date, and on a GPU
+    :func:`gpu_details`."""
     import torch
     import transformers
 
@@ -65,7 +104,9 @@ def provenance(profile: str, root: Path = SOURCE_ROOT) -> dict:
         "torch": torch.__version__,
         "triton": triton_version,
         "transformers": transformers.__version__,
+        "flashinfer": package_version("flashinfer-python", "flashinfer"),
         "python": platform.python_version(),
+        **gpu_details(),
         "commit": git_commit(root),
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }

@@ -9,6 +9,8 @@ import pandas as pd
 
 KVSCULPT_MODEL = "Qwen2.5-1.5B-Instruct"
 ZIPFUSION_GPU = "H100"
+KVSCULPT_GPU = "A100"
+"""§7: the card of KVSculpt's timings (its seconds per context)."""
 
 # KVSculpt Table 1 (tab:main): mean KL over 5 PG19 sequences, N = 2048, m = 256.
 KVSCULPT_TABLE1 = {
