@@ -404,13 +404,20 @@ NOTATION = {"n_s", "q_c", "head_dim"}  # the papers' symbols for synthetic queri
 """Snake-case words that are the papers' notation (or the head size's common name), not this project's code."""
 
 
+COMMAND = r"python -m zipkv book[^\t\n]*"
+"""A command the reader types to rerun a page ("Reproduce it"): it names the page's notebook, as the command line wants,
+so its words are no internal names (up to the end of its table cell or line)."""
+
+
 def shown_defects(text: str, cells: list[str]) -> list[str]:
-    """What a page's rendered text shows that it must not: debris, bare NaN cells, internal names."""
+    """What a page's rendered text shows that it must not: debris, bare NaN cells, internal names (outside the
+    commands that rerun a page, :data:`COMMAND`)."""
     import re
 
     found = [f"{what}: {m.group(0)!r}" for what, pattern in SHOWN_DEBRIS.items()
              for m in re.finditer(pattern, text)]
     found += [f"a bare {c!r} in a table" for c in cells if c in ("NaN", "nan", "<NA>", "NaT", "None")]
+    text = re.sub(COMMAND, "", text)
     for what, pattern in INTERNAL_NAMES.items():
         found += [f"{what}: {m.group(0)!r} in '…{text[max(0, m.start() - 40):m.end() + 20]}…'"
                   for m in re.finditer(pattern, text) if m.group(0) not in NOTATION]
@@ -429,6 +436,7 @@ def test_shown_defects_are_caught(text, says):
 
 
 @pytest.mark.parametrize("text", ["KL 0.000123 and 0.0115 at r = 0.3", "Select+Fit, n_s = N", "head_dim 64",
+                                  "rerun\tpython -m zipkv book --profile paper --only kvsculpt_main\tNVIDIA H200",
                                   "error bars from the lowest", "interval [0.003, 0.0055]", "Gemma-3-270M, a Q4_K_M GGUF"])
 def test_shown_defects_spare_prose(text):
     assert shown_defects(text, []) == []
