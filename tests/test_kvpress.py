@@ -99,3 +99,23 @@ def test_bad_settings_are_refused_before_any_work(loaded):
         integration.kl_table(model, [window], [0.5], ["adakv_kvzip"])
     with pytest.raises(ValueError, match="kept_fraction"):
         integration.kl_table(model, [window], [1.5], ["knorm"])
+
+
+def test_on_a_model_with_sliding_layers_a_press_that_drops_pairs_scores_as_its_masked_twin():
+    """Gemma 3 keeps sliding-window layers, which no press shortens; transformers takes the new tokens' cache
+    positions from the first layer, a sliding one. A press that drops pairs from the global layers is therefore padded
+    back to their length, the padding masked: its KL equals AdaKV's around the same scorer, which keeps every pair
+    and masks the dropped ones (one KV head: the same pairs), where the unpadded cache let each continuation token
+    see the next one's key."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny_gemma import tiny_gemma
+
+    model = tiny_gemma(kv_heads=1)
+    ids = torch.randint(97, (16,), generator=torch.Generator().manual_seed(0))
+    window = data.Window(ids, context=12, continuation=4, pg_id=0, title="random", char_offset=0)
+    table = integration.kl_table(model, [window], [0.5], ["knorm", "adakv_knorm"])
+    assert table.kl.notna().all() and table.kl[0] > 1e-4
+    assert table.kl[0] == pytest.approx(table.kl[1], rel=1e-4) and table.kept.tolist() == pytest.approx([0.5, 0.5])

@@ -23,6 +23,8 @@ kvpress"); zipkv's own calls run there too (transformers 5.2 passes a tensor to 
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 import numbers
 from importlib import metadata as _metadata
@@ -170,6 +172,10 @@ def write(cache, distilled, model) -> None:
     # transformers builds one attention mask for all global layers from the first one's length: every layer is
     # padded to the longest (zipkv's budget differs per layer too), the padding masked like a head's
     P = max(distilled.layers[index].cached for index in compressed)
+    # and where the model keeps sliding-window layers (Gemma 3), to their length: transformers takes the new tokens'
+    # cache positions from the first layer, a sliding one, for every layer's causal mask (a shorter global layer would
+    # let each new token see the next one's key)
+    P = max([P] + [cache.layers[index].keys.shape[2] for index, window in enumerate(windows) if window is not None])
     modules = _attention_modules(model)
     for index in compressed:
         layer, target = distilled.layers[index], cache.layers[index]
@@ -213,11 +219,14 @@ def _applied(press, model):
         return
     press.post_init_from_model(model)
     base = model.model.language_model if hasattr(model.model, "language_model") else model.model
+    rope = base.rotary_emb
+    if "layer_type" in inspect.signature(rope.forward).parameters:   # Gemma 3: one RoPE per layer type; the
+        rope = functools.partial(rope, layer_type="full_attention")   # presses' own calls name none
     hooks = []
     try:
         for layer, window in zip(base.layers, windows):
             if window is None:
-                layer.self_attn.rotary_emb = base.rotary_emb
+                layer.self_attn.rotary_emb = rope
                 hooks.append(layer.self_attn.register_forward_hook(press.forward_hook, with_kwargs=True))
         yield
     finally:
@@ -235,7 +244,7 @@ def press_cache(model, press, context_ids: torch.Tensor, tokenizer=None):
     _require()
     _clear_masks(model)
     device = next(model.parameters()).device
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)   # layer types known: the global layers set the full mask (Gemma 3)
     ids = torch.as_tensor(context_ids).reshape(1, -1).to(device)
     if isinstance(press, KVzipPress):
         if tokenizer is None:
@@ -260,7 +269,37 @@ def press_cache(model, press, context_ids: torch.Tensor, tokenizer=None):
         with _applied(press, model):
             started = time.perf_counter()
             model.model(input_ids=ids, past_key_values=cache)
-    return cache, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    if press is not None and not isinstance(press, ZipkvPress):
+        _align(cache, model)
+    return cache, seconds
+
+
+def _align(cache, model) -> None:
+    """Pad a press's shortened global layers to the sliding-window layers' length, the padding masked by kvpress's
+    head-wise mask (merged with the press's own), on a model that has both kinds of layer (Gemma 3): transformers
+    takes the new tokens' cache positions from the first layer, a sliding one, for every layer's causal mask, so a
+    shorter global layer would let each new token see the next one's key. Models without sliding layers: unchanged."""
+    from zipkv.models import sliding_windows
+
+    windows = sliding_windows(model)
+    target = max([cache.layers[i].keys.shape[2] for i, window in enumerate(windows) if window is not None], default=0)
+    for index, (module, window) in enumerate(zip(_attention_modules(model), windows)):
+        layer = cache.layers[index]
+        length = layer.keys.shape[2]
+        if window is not None or length >= target:
+            continue
+        pad = (0, 0, 0, target - length)
+        layer.keys = torch.nn.functional.pad(layer.keys, pad)
+        layer.values = torch.nn.functional.pad(layer.values, pad)
+        batch, heads = layer.keys.shape[:2]
+        seq = torch.arange(length, target, device=layer.keys.device).repeat(batch * heads)
+        head = torch.arange(heads, device=seq.device).repeat_interleave(target - length).repeat(batch)
+        row = torch.arange(batch, device=seq.device).repeat_interleave(heads * (target - length))
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:
+            row, head, seq = (torch.cat([a, b.to(a.device)]) for a, b in zip(masked, (row, head, seq)))
+        module.masked_key_indices = (row, head, seq)
 
 
 @torch.no_grad()
@@ -383,7 +422,7 @@ def kl_table(model, windows: Sequence, kept_fractions: Sequence[float], methods:
                         logits = _continuation_logits(model, cache, N, continuation)
                         _clear_masks(model)
                     kl = float(kl_divergence(reference, logits).mean())
-                except (ValueError, AssertionError, NotImplementedError, RuntimeError) as err:
+                except (ValueError, AssertionError, NotImplementedError, RuntimeError, AttributeError, TypeError) as err:
                     _clear_masks(model)
                     kl, seconds, kept, note = math.nan, math.nan, math.nan, f"{type(err).__name__}: {err}"[:200]
                 rows.append(dict(model=name, window=w, N=N, C=int(continuation.numel()), kept_fraction=fraction,
