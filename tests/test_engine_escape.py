@@ -51,3 +51,6 @@ def test_bad_arguments_are_refused(model):
         Engine(model, 10 * _page_bytes(model), block_format="huffman")
     with pytest.raises(ValueError, match="block_format='escape'"):
         Engine(model, 10 * _page_bytes(model), compress="prompt", block_format="escape", restore=codecs.Huffman())
+    if not torch.cuda.is_available():               # the fused kernel that reads escape lists is the mma layouts' one
+        with pytest.raises(ValueError, match="Gluon"):
+            Engine(model, 10 * _page_bytes(model), block_format="escape", attention="kernel")

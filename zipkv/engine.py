@@ -327,11 +327,6 @@ class Engine:
             raise ValueError(f"compress must be 'all', 'prompt', 'none' or a bool, got {compress!r}")
         if block_format not in ("zipfusion", "escape"):
             raise ValueError(f"block_format must be 'zipfusion' or 'escape', got {block_format!r}")
-        if block_format == "escape" and attention == "kernel":
-            from zipkv.kernels import decode_attention
-            if not getattr(decode_attention, "READS_ESCAPES", False):
-                raise NotImplementedError("block_format='escape' with attention='kernel': the fused decode kernels do not "
-                                          "read escape lists yet; use attention='reference'")
         if block_format == "escape" and restore is not None:
             raise ValueError("block_format='escape' stores the engine's own pages; a restore baseline (restore=) keeps "
                              "its prefix as a codec payload instead: leave block_format='zipfusion'")
@@ -358,6 +353,10 @@ class Engine:
         k_layout, v_layout = (a if lay == "auto" else lay for lay, a in zip((k_layout, v_layout), auto))
         if attention == "kernel":                     # the decode kernels' pairs, before the first step finds out
             check_layouts(k_layout, v_layout, self.head_dim)
+            if block_format == "escape" and (k_layout, v_layout) != fmt.MMA_LAYOUTS:
+                raise ValueError(f"block_format='escape' with attention='kernel': escape pages are read by the Gluon "
+                                 f"kernel of the mma layouts (k_mma/v_mma, a CUDA GPU), got layouts "
+                                 f"{(k_layout, v_layout)}; use attention='reference' on the CPU")
         L = cfg.num_hidden_layers
         buffer_pages, budget = 0, kv_budget_bytes
         if restore is None and restore_buffer_pages is not None:

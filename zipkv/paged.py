@@ -656,7 +656,11 @@ def build_paged_cache(k: torch.Tensor, v: torch.Tensor, seq_lens=None, *,
             if bool(heads.any()):
                 flat = payload[:, kv][heads]                                # [n, pb] raw slots
                 pool = torch.cat([flat.reshape(-1), flat.new_zeros(pb)])
-                b, sec = escape.pack_slots(pool, torch.arange(flat.shape[0], device=dev) * pb, D, lay)
+                if dev.type == "cuda":                 # the Triton escape pack kernel (bit-identical to the reference)
+                    from zipkv.kernels.pack_escape import pack_slots
+                else:
+                    pack_slots = escape.pack_slots
+                b, sec = pack_slots(pool, torch.arange(flat.shape[0], device=dev) * pb, D, lay)
                 payload[:, kv][heads] = pool[: flat.numel()].reshape(-1, pb)
                 packed[:, kv][heads], second[:, kv][heads] = b, sec
         check[:, kv] = fmt.meta_check(packed[:, kv].contiguous(), lay, D)

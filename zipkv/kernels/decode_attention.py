@@ -180,6 +180,11 @@ class DecodePlan:
             return out
         qk_scale = self.softmax_scale * math.log2(math.e)
         if self.kernel == "gluon":
+            if cache.escapes is not None:            # pages in the escape format: the variant that reads the lists
+                from zipkv.kernels import decode_escape
+                return decode_escape.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._launches,
+                                            self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"],
+                                            self.configs[0].get("maxnreg") or 0)
             return decode_mma.launch(q, cache, self.indptr, self.indices, self.last_page_len, self._launches,
                                      self.num_splits, qk_scale, out, self._ws, self.configs[0]["stages"],
                                      self.configs[0].get("maxnreg") or 0)
@@ -352,6 +357,11 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
     gpu = device.type == "cuda" and not interp
     launches = _launches(cache, path, routing)
     kernel = kernel_for(cache)
+    if cache.escapes is not None and kernel != "gluon":
+        raise ValueError(f"cache.escapes is set (pages in the escape format, zipkv.escape): the fused kernel that reads "
+                         f"escape lists is the Gluon kernel of the mma layouts (k_mma/v_mma, a CUDA GPU); this cache "
+                         f"has the layouts {(cache.k_layout, cache.v_layout)} -- use the mma layouts, or "
+                         f"zipkv.kernels.reference.decode_attention_reference")
     gpu_name = torch.cuda.get_device_name(device) if gpu else None
     if kernel == "gluon":
         configs = [{**decode_mma.launch_config(paged.PAGE_KINDS[launches[0][0]], gpu_name, D), **(launch or {})}]
