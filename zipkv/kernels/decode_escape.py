@@ -7,22 +7,27 @@ What the variant adds (``esc_ptr``: :attr:`zipkv.paged.PagedKVCache.escapes`, pe
 
 * **Descriptors in the pipeline.** The escape descriptors of unit i + SLOTS are loaded with its block descriptors
   (the same index math, :func:`~zipkv.kernels.decode_mma._descs`), folded with each block's base into one int64 per
-  key token row and per value block row (``entry_address << 16 | b/2 << 8 | zero << 7 | count``) and wait in a ring
-  of their own beside the per-token scales.
-* **Patching in registers, by the threads that own the elements.** After a key half (``[16 rows, 4 lanes, 16
-  values]``) or a value chunk (``[4 blocks, 8 lanes, 16 values]``) is rebuilt with the fixed base 128, a warp-uniform
-  branch skips units whose blocks list nothing and have no zero mode (most units of real KV). Otherwise every
-  thread reads the unit's entries (the same addresses for all lanes: broadcast loads, 2 bytes each) and marks the
-  element whose block position matches (key element ``(t, q, j)`` of half h: position ``256 h + 64 (t % 4) + 16 q +
-  j`` of its row's block; value element ``(blk, m, r)`` of chunk c: ``128 c + 16 m + r``) with the entry's exponent
-  pair; a zero-mode block's elements that decoded to code offset 7 are marked with pair 0. Then one pass over the
-  tile rewrites each marked element as the kernel's scaled value ``x * 2^(128 - b)`` (:func:`scaled_reference`:
-  exponent ``e + 128 - b``, zeros stay signed zeros), and the per-token power of two ``2^(b - 128)`` undoes the scale
-  exactly as for every other value of the block.
+  key token row and per value block row (``entry_address << 16 | b/2 << 8 | zero << 7 | count``, :func:`_fold`) and
+  wait, with the blocks' addresses, in rings of their own beside the per-token scales.
+* **Patching in registers, by the threads that own the elements.** After a key half is rebuilt with the fixed base
+  128 and laid out as the A operand ``[16 token rows, 64 channels]`` (channel ``c`` of row ``t`` is block position
+  ``256 h + 64 (t % 4) + 16 ((c >> 1) & 3) + 2 (c >> 3) + (c & 1)`` of the row's block), and after a value chunk
+  ``[4 blocks, 8 lanes, 16 values]`` is rebuilt (position ``128 c + 16 m + r``), two warp-uniform branches skip units
+  without zero-mode blocks and units whose blocks list nothing (most units of real KV). Zero mode: every element of
+  a zero-mode block that decoded to code offset 7 (high byte ``64 + 7``) is exponent pair 0, rewritten in place
+  (:func:`_zero_mode`). Escapes: every thread reads the unit's entries (the same addresses for all lanes: broadcast
+  loads of 2 bytes), computes the escaped value -- its low byte and its code's sign read back from the block just
+  copied (L2 hits), exponent ``e + 128 - b`` (:func:`_escaped`) -- and the one thread that holds that position
+  selects it in (:func:`_patch`). The per-token power of two ``2^(b - 128)`` then undoes the scale exactly as for
+  every other value of the block, so the output over escape pages is the output over the same pages raw, bit for
+  bit, at the same split count.
+* Resources (offline, sm_90a, Llama-3.1-8B shape, :func:`compile_info`): 218 registers, no spills, 13.2 KB of shared
+  memory for the all-compressed path (decode_mma's: 128 registers): fewer programs per SM; a register cap
+  (``launch={"maxnreg": n}``) trades them for spills (168: 48 bytes), which ``.ci/gpu/escape_probe.py`` times.
 * Not exact: a listed or zero-mode value that is a bf16 subnormal, or whose scaled exponent would fall below bf16's
   normal range (``e + 128 - b < 1``: a value more than ``2^127`` times smaller than its block's window), becomes a
   signed zero, as ZipFusion's kernel flushes values below ``2^-126`` of a block with base 0 (:func:`scaled_reference`
-  reproduces it; the CPU suite counts such values on the measured real KV).
+  reproduces it; ``tests/test_decode_escape.py`` checks that real-KV-like data has none).
 
 Gluon has no interpreter: the kernel runs on CUDA GPUs only (``tests/test_decode_escape.py``); the CPU suite checks
 :func:`scaled_reference` (the per-element arithmetic) against the format and the attention reference over escape
@@ -317,7 +322,7 @@ def compile_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: int =
 def scaled_reference(bits: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """What the kernel feeds the tensor cores for each value of a compressed block, in torch: bf16 ``x * 2^(128 -
     b)`` for the block base ``b`` (``bits``: the values' bf16 bits int16 ``[..., 512]``, ``b`` ``[...]`` even),
-    computed as the kernel computes it (:func:`_patched`): the exponent shifted by ``128 - b``; zeros stay signed
+    computed as the kernel computes it (:func:`_zero_mode`, :func:`_escaped`): the exponent shifted by ``128 - b``; zeros stay signed
     zeros, and a bf16 subnormal, or a result below bf16's normal range, becomes a signed zero. Where nothing is
     flushed it equals the exact ``x * 2^(128 - b)`` (fp32 arithmetic, then bf16): the CPU suite checks both."""
     v = bits.to(torch.int32) & 0xFFFF
