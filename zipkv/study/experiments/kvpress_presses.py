@@ -29,6 +29,15 @@ ZIPKV_SIDE = ("zipkv", "zipkv_press", "attention_matching", "kvsculpt", "select_
 """zipkv's methods in the table (:data:`zipkv.integrations.kvpress.ZIPKV_METHODS`)."""
 
 
+def load_model(name: str | None = None):
+    """``(model, tokenizer)`` in float32: ``None`` the embedded SmolLM2-135M-Instruct, ``"gemma-3-270m"`` the embedded
+    Gemma-3-270M (its GGUF package), else a Hugging Face path or id."""
+    from zipkv import models
+    from zipkv.study.chapters.escape import model_source
+
+    return models.load_model(model_source(name), dtype=torch.float32)
+
+
 def press_methods() -> list[str]:
     """kvpress's presses of the KL table: every press of :data:`zipkv.integrations.kvpress.PRESSES`, and AdaKV
     around each of them that is a scorer press (AdaKV wraps scorers only)."""
@@ -203,10 +212,10 @@ def main(argv=None) -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
-    from zipkv import data, models
+    from zipkv import data
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model, tokenizer = models.load_model(args.model, dtype=torch.float32)
+    model, tokenizer = load_model(args.model)
     books = data.load_books()
     if args.what == "kl":
         windows = data.windows(tokenizer, books, args.windows, context=args.context,
