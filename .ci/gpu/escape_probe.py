@@ -77,10 +77,18 @@ for n, point in enumerate(args.points):
     measured = {}
 
     def record(method, fn, kv_bytes, **extra):
-        out = fn()
-        rel, mx = error_vs_reference(out, ref)
-        if rel > 2e-2:
-            raise AssertionError(f"{method} at {point} disagrees with fp32 attention: relative RMS error {rel:.3g}")
+        try:
+            out = fn()
+            rel, mx = error_vs_reference(out, ref)
+        except Exception as err:                         # noqa: BLE001  (a failing method must not stop the others)
+            rows.append(dict(ctx=ctx, batch=batch, method=method, failed=f"{type(err).__name__}: {err}"[:300], **extra))
+            print(rows[-1], flush=True)
+            return torch.full_like(q, float("nan"))
+        if not rel <= 2e-2:
+            rows.append(dict(ctx=ctx, batch=batch, method=method, rel_rms_error=rel, max_abs_error=mx,
+                             failed=f"disagrees with fp32 attention: relative RMS error {rel:.3g}", **extra))
+            print(rows[-1], flush=True)
+            return out
         us = timer(fn, reps=args.reps)
         measured[method] = us
         rows.append(dict(ctx=ctx, batch=batch, method=method, latency_us=us, bytes_read=kv_bytes + io,
@@ -92,7 +100,11 @@ for n, point in enumerate(args.points):
     caches = {}
     for name, kw in (("zipkv_raw", dict(compress="none")), ("zipkv_zipfusion", dict(compress="eligible")),
                      ("zipkv_escape", dict(block_format="escape"))):
-        caches[name] = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma", seed=n, **kw)
+        try:
+            caches[name] = build_paged_cache(k, v, k_layout="k_mma", v_layout="v_mma", seed=n, **kw)
+        except Exception as err:                         # noqa: BLE001
+            rows.append(dict(ctx=ctx, batch=batch, method=name, failed=f"build: {type(err).__name__}: {err}"[:300]))
+            print(rows[-1], flush=True)
     outs = {}
     for name, (cache, ip, idx, last) in caches.items():
         st = cache.stats()
@@ -117,6 +129,8 @@ for n, point in enumerate(args.points):
     # bit for bit: escape pages vs the same pages raw, at the escape plan's split count
     cache, ip, idx, last = caches["zipkv_raw"]
     for label, (got, splits) in outs.items():
+        if not torch.isfinite(got.float()).all():
+            continue
         if label.startswith("zipkv_escape") or label == "zipkv_zipfusion":
             want = plan(ip, idx, last, cache, Q_HEADS, num_splits=splits).run(q)
             for r in rows:
@@ -129,14 +143,42 @@ for n, point in enumerate(args.points):
     runner = FlashInferDecode(indptr, indices, lastlen, Q_HEADS, KV_HEADS, D, F.PAGE_TOKENS, True)
     record("flashinfer_tc", lambda: runner(q, kp, vp), 2 * k.numel() * 2 + indices.numel() * 4)
     for r in rows:
-        if r["ctx"] == ctx and r["batch"] == batch:
-            r["speedup_vs_flashinfer_tc"] = measured["flashinfer_tc"] / r["latency_us"]
+        if r["ctx"] == ctx and r["batch"] == batch and "latency_us" in r:
+            if "flashinfer_tc" in measured:
+                r["speedup_vs_flashinfer_tc"] = measured["flashinfer_tc"] / r["latency_us"]
             if "zipkv_zipfusion" in measured:
                 r["speedup_vs_zipfusion"] = measured["zipkv_zipfusion"] / r["latency_us"]
     del fi, kp, vp, runner, k, v, q, ref
     torch.cuda.empty_cache()
     save()
+# the pack kernels (the issue's bar: >= 2 TB/s of input): the real KV of 8192 x 64's keys as raw slots, packed out of
+# place by ZipFusion's pack kernel and the escape one, in the token and k_mma layouts (TB/s of input bytes)
+if time.time() - t_start < args.budget_s + 20:
+    from zipkv.kernels import pack as zpack, pack_escape
+    k, _ = real_kv(64, 8192, seed=0)
+    pages = k.reshape(-1, F.PAGE_TOKENS, D)
+    n, pb = pages.shape[0], F.page_bytes(D)
+    off = torch.arange(n, dtype=torch.int64, device="cuda") * pb
+    dst = torch.empty(n * pb + pb, dtype=torch.uint8, device="cuda")
+    for layout in ("token", "k_mma"):
+        src = (F.to_raw(F.to_blocks(pages, layout), layout).contiguous().view(-1) if layout == "k_mma"
+               else pages.reshape(-1))
+        for name, fn in (("pack_zipfusion", lambda: zpack.pack_into(src, off, dst, off, D, layout, src_packed=True,
+                                                                    validate=False)),
+                         ("pack_escape", lambda: pack_escape.pack_into(src, off, dst, off, D, layout, src_packed=True,
+                                                                       validate=False))):
+            try:
+                us = timer(fn, reps=args.reps)
+            except Exception as err:                     # noqa: BLE001
+                rows.append(dict(ctx=8192, batch=64, method=f"{name}_{layout}", failed=f"{type(err).__name__}: {err}"[:300]))
+                continue
+            rows.append(dict(ctx=8192, batch=64, method=f"{name}_{layout}", latency_us=us, bytes_read=n * pb,
+                             tbps=n * pb / us / 1e6, frac_copy_bw=2 * n * pb / (us * 1e-6) / copy_bw))
+            print(rows[-1], flush=True)
+        del src
+    del k, pages, dst
 save()
-print(pd.DataFrame(rows)[["ctx", "batch", "method", "latency_us", "speedup_vs_flashinfer_tc", "num_splits",
-                          "equal_raw_bits"]].to_string(), flush=True)
+cols = ["ctx", "batch", "method", "latency_us", "tbps", "speedup_vs_flashinfer_tc", "num_splits", "equal_raw_bits",
+        "failed"]
+print(pd.DataFrame(rows).reindex(columns=cols).to_string(), flush=True)
 print(f"done in {time.time() - t_start:.0f} s")
