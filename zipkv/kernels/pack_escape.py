@@ -29,7 +29,12 @@ from zipkv import format as fmt
 from zipkv.kernels import check_launchable
 from zipkv.kernels.pack import _check_int_tensor, _check_pages_per_program, _interpreting, _launch_config
 
-__all__ = ["pack_into", "pack_slots", "pack_pages"]
+__all__ = ["pack_into", "pack_slots", "pack_pages", "NUM_WARPS"]
+
+NUM_WARPS = 8
+"""Warps per program on a GPU (programs of about 4 KB of input, as :mod:`zipkv.kernels.pack`'s): the escape kernel's
+per-value tiles (``[blocks, 512]`` ranks and entries) take 217 registers per thread with 2 warps and 75 with 8
+(offline, sm_90a, head_dim 128, one page per program); untuned on a GPU (``.ci/gpu/escape_probe.py`` times it)."""
 
 
 @triton.jit(do_not_specialize=["n_pages"])
@@ -195,7 +200,8 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor, d
     gpu = dst.device.type == "cuda" and not _interpreting()
     if not gpu and pages_per_program is None:  # the interpreter: few programs, tiles of [BLK, 512] within its limit
         pages_per_program = max(1, 512 // nb)
-    cst, warps = _launch_config(head_dim, pages_per_program, gpu)
+    cst, _ = _launch_config(head_dim, pages_per_program, gpu)
+    warps = NUM_WARPS
     grid = (triton.cdiv(n, cst["PAGES"]),)
     n4 = lambda b: b[: b.numel() // 4 * 4].view(torch.int32)          # noqa: E731
     n2 = lambda b: b[: b.numel() // 2 * 2].view(torch.int16)          # noqa: E731
