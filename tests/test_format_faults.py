@@ -164,9 +164,9 @@ def test_wrong_layout_or_head_dim_is_named():
     with pytest.raises(ValueError, match=r"payload: last dim 2048 is shorter than the \d+ bytes meta describes "
                                          r"\(meta.head_dim=128"):
         F.unpack(payload64, meta)
-    with pytest.raises(ValueError, match=r"meta.compressed/meta.base must have shape \[..., 4\] \(meta.head_dim=128\)"):
+    with pytest.raises(ValueError, match=r"PageMeta.compressed/PageMeta.base must have shape \[..., 4\] \(PageMeta.head_dim=128\)"):
         F.unpack(payload, F.PageMeta("token", 128, meta64.compressed, meta64.base, meta64.check))
-    with pytest.raises(ValueError, match=r"meta.check must be None or a uint8 tensor of shape \(3, 2, 4\)"):
+    with pytest.raises(ValueError, match=r"PageMeta.check must be None or a uint8 tensor of shape \(3, 2, 4\)"):
         F.unpack(payload, F.PageMeta("token", 128, meta.compressed, meta.base, meta64.check))
     # the check byte names the block; the error says what it holds
     base = meta.base.clone()
