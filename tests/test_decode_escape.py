@@ -121,6 +121,7 @@ def test_plan_refuses_escape_pages_the_kernel_cannot_read():
         build_paged_cache(k.cpu(), v.cpu(), block_format="escape", compress=0.5)
 
 
+@pytest.mark.skipif(CUDA, reason="on a GPU the kernel runs: the tests below")
 def test_the_kernel_compiles_offline():
     """The Gluon kernel of escape pages compiles for sm_90a (no GPU needed): its resources, as the GPU run reads."""
     import subprocess
