@@ -74,8 +74,8 @@ def measure_kl(model, tokenizer, windows: Sequence, kept_fractions: Sequence[flo
     Args:
         slow_windows: run the methods of ``slow`` (KVSculpt: 100 L-BFGS steps) on the first ``slow_windows``
             windows only (``None``: on all).
-        out: a CSV the rows of each finished window are appended to; windows it already holds (same model) are
-            skipped, so an interrupted run resumes.
+        out: a CSV the rows of each finished window are appended to; the (window, method, kept fraction) rows it
+            already holds (same model) are not run again, so an interrupted run resumes and a later run adds methods.
         the rest: :func:`zipkv.integrations.kvpress.kl_table`'s.
 
     Returns:
@@ -87,17 +87,19 @@ def measure_kl(model, tokenizer, windows: Sequence, kept_fractions: Sequence[flo
     methods = list(methods) if methods is not None else [*press_methods(), *ZIPKV_SIDE]
     name = model_shape(model).name
     have = pd.read_csv(out) if out is not None and Path(out).is_file() else None
-    done = set() if have is None else set(have.loc[have.model == name, "window"])
     parts = [] if have is None else [have[have.model == name]]
+    done = set() if have is None else {(r.window, r.method, r.kept_fraction) for r in parts[0].itertuples()}
     for w, window in enumerate(windows):
-        if w in done:
-            continue
         chosen = [m for m in methods if slow_windows is None or w < slow_windows or m not in slow]
+        chosen = [m for m in chosen if any((w, m, f) not in done for f in kept_fractions)]
+        if not chosen:
+            continue
         rows = integration.kl_table(model, [window], kept_fractions, chosen, tokenizer=tokenizer,
                                     probe_tokens=probe_tokens, steps=steps, n_synthetic=n_synthetic, seed=seed + w,
                                     progress=progress)
         rows["window"] = w
         rows["probe_tokens"] = probe_tokens
+        rows = rows[[(w, m, f) not in done for m, f in zip(rows.method, rows.kept_fraction)]]
         _append(out, rows, parts)
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 

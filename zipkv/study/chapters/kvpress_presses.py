@@ -1,0 +1,307 @@
+"""Chapter "zipkv among kvpress's presses": what the chapter shows from the KL table
+(:func:`zipkv.study.experiments.kvpress_presses.measure_kl`) and the task table
+(:func:`zipkv.study.experiments.kvpress_presses.measure_task`): the verdict, the headline figure (KL against the kept
+fraction), the per-fraction comparison with the best press, seconds to compress, task accuracy.
+
+Nothing here imports kvpress or torch: the chapter renders its committed tables in any environment.
+"""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from zipkv.study import paper_values as pv
+from zipkv.study import report
+
+PRESS_LABELS = {"kvzip": "KVzip", "expected_attention": "ExpectedAttention", "snapkv": "SnapKV", "tova": "TOVA",
+                "keydiff": "KeyDiff", "compactor": "Compactor", "streaming_llm": "StreamingLLM", "knorm": "Knorm"}
+ZIPKV_LABELS = {"zipkv": "zipkv's distiller", "zipkv_press": "zipkv's distiller without bias (as a kvpress press)",
+                "attention_matching": "Attention Matching", "kvsculpt": "KVSculpt",
+                "select_fit": "Select+Fit (the paper's queries)", "select_fit_dense": "Select+Fit (N queries)",
+                "best_select_fit": "best Select+Fit", "none": "uncompressed"}
+MODEL_LABELS = {"gemma-3-270m-q4_k_m": "Gemma-3-270M", "gemma-3-270m": "Gemma-3-270M"}
+KIND_LABELS = {"niah_single": "one needle", "niah_multikey": "one needle among four keys",
+               "niah_multivalue": "four values of one key", "variable_tracking": "variable tracking"}
+OURS = ("zipkv", "zipkv_press", "attention_matching", "kvsculpt", "select_fit", "select_fit_dense")
+"""The methods written in zipkv (the rest of the table is kvpress's presses)."""
+ATTENTION_MATCHING_MAX_COMPACTION = 50.0
+"""Attention Matching (Zweiger, Fu, Guo & Kim 2026, arXiv 2602.16284), abstract: "achieving up to 50x compaction in
+seconds on some datasets with little quality loss" (cited for context, not re-plotted)."""
+
+
+def label(method: str) -> str:
+    """A method's name for the page (AdaKV around a press: "AdaKV + <press>")."""
+    if method.startswith("adakv_"):
+        return "AdaKV + " + PRESS_LABELS.get(method[6:], method[6:])
+    return PRESS_LABELS.get(method) or ZIPKV_LABELS.get(method, method)
+
+
+def named(table: pd.DataFrame | None) -> pd.DataFrame | None:
+    """``table`` with the page's model names (the embedded Gemma's file name becomes "Gemma-3-270M")."""
+    if table is None or "model" not in table:
+        return table
+    return table.assign(model=table.model.map(lambda m: MODEL_LABELS.get(m, m)))
+
+
+def is_press(method: str) -> bool:
+    return method not in OURS and method not in ("best_select_fit", "none")
+
+
+def stats(table: pd.DataFrame) -> pd.DataFrame:
+    """Per model, kept fraction and method: mean KL (nats per token), windows, mean seconds to compress, the kept
+    fraction measured; a ``best_select_fit`` row per (model, fraction): the Select+Fit variant with the lower mean."""
+    ok = named(table).dropna(subset=["kl"])
+    s = (ok.groupby(["model", "kept_fraction", "method"])
+         .agg(mean_kl=("kl", "mean"), windows=("window", "nunique"), seconds=("seconds", "mean"),
+              kept=("kept", "mean")).reset_index())
+    sf = s[s.method.isin(["select_fit", "select_fit_dense"])]
+    if len(sf):
+        best = sf.loc[sf.groupby(["model", "kept_fraction"]).mean_kl.idxmin()].assign(method="best_select_fit")
+        s = pd.concat([s, best], ignore_index=True)
+    return s
+
+
+def by_fraction(table: pd.DataFrame) -> pd.DataFrame:
+    """Per model and kept fraction: zipkv's mean KL, the best press (lowest mean KL among kvpress's presses, AdaKV
+    included) and its KL, zipkv's ratio to it, the lowest other method, and the windows."""
+    s = stats(table)
+    rows = []
+    for (model, fraction), g in s.groupby(["model", "kept_fraction"]):
+        g = g.set_index("method")
+        presses = g[[is_press(m) for m in g.index]]
+        if "zipkv" not in g.index or presses.empty:
+            continue
+        best = presses.mean_kl.idxmin()
+        others = g.drop(index=["zipkv", "best_select_fit"], errors="ignore")
+        rival = others.mean_kl.idxmin()
+        rows.append(dict(model=model, kept_fraction=fraction, zipkv=g.mean_kl["zipkv"], best_press=best,
+                         best_press_kl=presses.mean_kl[best], ratio=g.mean_kl["zipkv"] / presses.mean_kl[best],
+                         lowest_other=rival, lowest_other_kl=others.mean_kl[rival],
+                         lowest=g.mean_kl["zipkv"] <= others.mean_kl.min(), windows=int(g.windows["zipkv"])))
+    return pd.DataFrame(rows)
+
+
+def compact_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The page's table: per model and kept fraction (compression ×), mean KL of zipkv's distiller, the best press
+    (named), Attention Matching, KVSculpt, the best Select+Fit, and zipkv's KL over the best press's."""
+    s = stats(table).set_index(["model", "kept_fraction", "method"]).mean_kl
+    out = []
+    for r in by_fraction(table).itertuples():
+        get = lambda m: s.get((r.model, r.kept_fraction, m), math.nan)  # noqa: E731
+        out.append({"model": r.model, "kept": f"{r.kept_fraction:g} ({1 / r.kept_fraction:.3g}×)",
+                    "zipkv's distiller": get("zipkv"), "best press": f"{label(r.best_press)} {r.best_press_kl:.3g}",
+                    "Attention Matching": get("attention_matching"), "KVSculpt": get("kvsculpt"),
+                    "best Select+Fit": get("best_select_fit"), "zipkv / best press": r.ratio, "windows": r.windows})
+    return pd.DataFrame(out).set_index(["model", "kept"])
+
+
+def every_method(table: pd.DataFrame) -> pd.DataFrame:
+    """Every method's mean KL per model (rows) and kept fraction (columns), and its ratio to the best press."""
+    s = stats(table)
+    s = s[s.method != "best_select_fit"]
+    best = by_fraction(table).set_index(["model", "kept_fraction"]).best_press_kl
+    s["ratio"] = [r.mean_kl / best.get((r.model, r.kept_fraction), math.nan) for r in s.itertuples()]
+    s["method"] = s.method.map(label)
+    wide = s.pivot_table(index=["model", "method"], columns="kept_fraction", values=["mean_kl", "ratio"])
+    wide.columns = [f"{'KL' if a == 'mean_kl' else 'over best press'} at {b:g}" for a, b in wide.columns]
+    return wide.sort_values(["model", wide.columns[0]])
+
+
+def seconds(table: pd.DataFrame) -> pd.DataFrame:
+    """Mean seconds to compress one context (prefill included for the presses), per method and model."""
+    s = named(table).dropna(subset=["kl"]).groupby(["method", "model"]).seconds.mean().unstack("model")
+    s.index = [label(m) for m in s.index]
+    return s.sort_values(s.columns[0])
+
+
+def task_table(task: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Accuracy per setting (model, task, context tokens) and method × kept fraction, with the prompts each
+    measured; the uncompressed model first."""
+    if task is None or task.empty:
+        return None
+    t = named(task)
+    order = {m: i for i, m in enumerate(["none", "zipkv", *PRESS_LABELS])}
+    t = t.assign(_order=t.method.map(lambda m: order.get(m, len(order)))).sort_values("_order")
+    t["method"] = t.method.map(label)
+    t["kept"] = ["all" if m == "uncompressed" else f"{f:g} ({1 / f:.3g}×)" for m, f in zip(t.method, t.kept_fraction)]
+    t["accuracy"] = [f"{a:.0%} ({c}/{n})" for a, c, n in zip(t.accuracy, t.correct, t.prompts)]
+    t["kind"] = t.kind.map(lambda k: KIND_LABELS.get(k, k))
+    t = t.rename(columns={"kind": "task", "length": "context tokens"})
+    wide = t.pivot_table(index=["model", "task", "context tokens", "method"], columns="kept", values="accuracy",
+                         aggfunc="first", sort=False)
+    columns = sorted(wide.columns, key=lambda c: (c != "all", -float(c.split()[0]) if c != "all" else 0))
+    return wide[columns].fillna("")
+
+
+def task_gaps(task: pd.DataFrame | None) -> pd.DataFrame | None:
+    """Per setting and kept fraction where zipkv was measured: zipkv's accuracy, the best press's (the press
+    answering most), and zipkv's minus the best press's, in points."""
+    if task is None or task.empty:
+        return None
+    rows = []
+    task = named(task)
+    for (model, kind, length, fraction), g in task[task.method != "none"].groupby(["model", "kind", "length",
+                                                                                    "kept_fraction"]):
+        g = g.set_index("method")
+        presses = g[[is_press(m) for m in g.index]]
+        if "zipkv" not in g.index or presses.empty:
+            continue
+        best = presses.accuracy.idxmax()
+        rows.append(dict(model=model, kind=kind, length=length, kept_fraction=fraction,
+                         zipkv=g.accuracy["zipkv"], zipkv_prompts=int(g.prompts["zipkv"]), best_press=best,
+                         best_press_accuracy=presses.accuracy[best], press_prompts=int(presses.prompts[best]),
+                         gap=100 * (g.accuracy["zipkv"] - presses.accuracy[best])))
+    return pd.DataFrame(rows)
+
+
+def setting_line(table: pd.DataFrame) -> str:
+    """Windows × context (+ continuation) per model, and the probe's length."""
+    parts = []
+    for model, g in named(table).groupby("model", sort=False):
+        parts.append(f"{model}: {g.window.nunique()} PG19 windows × {int(g.N.iloc[0])} context tokens "
+                     f"+ {int(g.C.iloc[0])} teacher-forced")
+    probe = f"; zipkv's and Attention Matching's probe samples {int(table.probe_tokens.iloc[0])} tokens" \
+        if "probe_tokens" in table else ""
+    slow = table[table.method == "kvsculpt"]
+    slow_text = (f"; KVSculpt (100 L-BFGS steps) on {slow.window.nunique()} window(s) per model, the rest on all"
+                 if len(slow) and slow.window.nunique() < table.window.nunique() else "")
+    return "; ".join(parts) + probe + slow_text + "."
+
+
+def verdict(table: pd.DataFrame, task: pd.DataFrame | None = None) -> tuple[str, str]:
+    """``(text, admonition kind)``: is zipkv's distiller below the best press at every kept fraction ≤ 0.5 on every
+    model, by how much, and on the task at 4× and 8×."""
+    f = by_fraction(table)
+    f = f[f.kept_fraction <= 0.5]
+    if f.empty:
+        return "No kept fraction of at most one half was measured with both zipkv's distiller and a press.", "warning"
+    models = list(dict.fromkeys(f.model))
+    lowest_all = bool(f.lowest.all())
+    below_press = bool((f.ratio < 1).all())
+    windows = f.windows.min()
+    parts = []
+    for model in models:
+        g = f[f.model == model]
+        low, high = f"{g.ratio.min():.2g}", f"{g.ratio.max():.2g}"
+        parts.append(f"{model} {low}×" if low == high else f"{model} {low}–{high}×")
+    text = (f"On {'both models' if len(models) == 2 else report.count(len(models), 'model')}, zipkv's distiller "
+            + ("has the lowest mean KL of every method at every kept fraction" if lowest_all else
+               "is below the best kvpress press at every kept fraction" if below_press else
+               "is not below the best kvpress press at every kept fraction")
+            + f" from {f.kept_fraction.max():g} to {f.kept_fraction.min():g}"
+            + f": its KL is {', '.join(parts)} the best press's (ratio of means; "
+            + f"{'at least ' if f.windows.nunique() > 1 else ''}{windows} windows per model). ")
+    if not lowest_all:
+        lost = f[~f.lowest]
+        text += ("Lower at " + ", ".join(f"{r.kept_fraction:g} on {r.model}: {label(r.lowest_other)} "
+                                         f"({r.lowest_other_kl:.3g} against {r.zipkv:.3g})"
+                                         for r in lost.itertuples()) + ". ")
+    if windows < 20:
+        text += f"Fewer than the 20 windows aimed at: a CPU run ({windows} per model). "
+    gaps = task_gaps(task)
+    if gaps is not None and len(gaps):
+        text += "On the retrieval task: " + "; ".join(
+            f"{r.model}, {r.length} tokens, kept {r.kept_fraction:g}: zipkv {r.zipkv:.0%} of {r.zipkv_prompts} "
+            f"prompts, best press {label(r.best_press)} {r.best_press_accuracy:.0%} of {r.press_prompts}"
+            for r in gaps.itertuples()) + "."
+    elif task is not None and len(task):
+        text += "On the retrieval task no setting passed the uncompressed model's 80 % gate with zipkv measured."
+    else:
+        text += "The retrieval task has no committed run yet."
+    kind = "tip" if lowest_all and (gaps is None or len(gaps) == 0 or (gaps.gap >= 0).all()) else "warning"
+    return text, kind
+
+
+def figure(table: pd.DataFrame):
+    """Mean KL against the kept fraction, one panel per model, log-log: every kvpress press (grey), the best press
+    per fraction (black), zipkv's distiller, Attention Matching, KVSculpt, the best Select+Fit."""
+    import matplotlib.pyplot as plt
+
+    s = stats(table)
+    models = list(dict.fromkeys(s.model))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 3.8), sharey=True, squeeze=False)
+    styles = {"zipkv": ("C0", "o", 2.5), "attention_matching": ("C1", "s", 1.4), "kvsculpt": ("C2", "^", 1.4),
+              "best_select_fit": ("C4", "v", 1.4)}
+    for ax, model in zip(axes[0], models):
+        g = s[s.model == model]
+        for method, m in g[[is_press(x) for x in g.method]].groupby("method"):
+            ax.plot(m.kept_fraction, m.mean_kl, color="0.8", lw=0.8, zorder=1)
+        best = by_fraction(table)
+        best = best[best.model == model].sort_values("kept_fraction")
+        ax.plot(best.kept_fraction, best.best_press_kl, "k--", marker="x", lw=1.4, label="best kvpress press")
+        for method, (color, marker, lw) in styles.items():
+            m = g[g.method == method].sort_values("kept_fraction")
+            if len(m):
+                ax.plot(m.kept_fraction, m.mean_kl, color=color, marker=marker, lw=lw, ms=5, label=label(method))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted(g.kept_fraction.unique()), [f"{x:g}" for x in sorted(g.kept_fraction.unique())])
+        ax.minorticks_off()
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("fraction of the context's KV pairs kept (log scale)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("KL(full ‖ compressed), nats per token")
+    axes[0][-1].plot([], [], color="0.8", label="each kvpress press")
+    axes[0][-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    return fig
+
+
+def caption(table: pd.DataFrame) -> str:
+    return ("Mean KL of the next-token distributions, full cache against compressed, over the teacher-forced "
+            "continuation, against the fraction of the context's KV pairs kept (both axes log scale; left is more "
+            "compression). Grey: each of kvpress's presses run by kvpress "
+            f"{table.kvpress.dropna().iloc[0] if 'kvpress' in table and table.kvpress.notna().any() else ''}; "
+            "dashed: the best of them at each fraction. " + setting_line(table))
+
+
+def cited() -> str:
+    """The papers' own reported numbers, for context (their models, contexts and metrics differ from ours)."""
+    t1 = pv.KVSCULPT_TABLE1
+    return (f"For context, not comparable point for point: the KVSculpt paper reports, on {pv.KVSCULPT_MODEL} with "
+            f"2,048-token PG19 contexts, a mean KL of {t1['kvsculpt'][0.3]:.3g} for KVSculpt and "
+            f"{t1['select_fit'][0.3]:.3g} for Select+Fit when 30 % of the pairs are kept (its Table 1). Attention "
+            f"Matching's abstract reports up to {ATTENTION_MATCHING_MAX_COMPACTION:g}× compaction in seconds with "
+            "little quality loss on some data sets, measured by downstream accuracy on its own long-context "
+            "benchmarks. kvpress's public leaderboard scores its presses on RULER at 4,096 tokens with 8B models, "
+            "far larger than the two models here.")
+
+
+def task_text(task: pd.DataFrame | None) -> str:
+    """The task section's sentences: the uncompressed model's accuracy per setting against the 80 % gate, then
+    zipkv against the best press where both were measured."""
+    if task is None or task.empty:
+        return "No run of the retrieval task is committed yet."
+    base = named(task)[task.method == "none"]
+    text = "Uncompressed: " + "; ".join(
+        f"{r.model}, {KIND_LABELS.get(r.kind, r.kind)} at {r.length} tokens, {r.accuracy:.0%} of {r.prompts} prompts"
+        + ("" if r.accuracy >= 0.8 else " (below 80 %: left out)") for r in base.itertuples()) + ". "
+    gaps = task_gaps(task)
+    if gaps is not None and len(gaps):
+        text += " ".join(
+            f"Kept {r.kept_fraction:g} ({1 / r.kept_fraction:.3g}×), {r.model}: zipkv's distiller answers "
+            f"{r.zipkv:.0%} of {r.zipkv_prompts} prompts, the best press ({label(r.best_press)}) "
+            f"{r.best_press_accuracy:.0%} of {r.press_prompts}; "
+            + (f"{r.gap:+.0f} points." if r.gap else "the same.") for r in gaps.itertuples())
+        fewer = gaps[gaps.zipkv_prompts < gaps.press_prompts]
+        if len(fewer):
+            text += (" zipkv's distiller answered fewer prompts than the presses: each of its compressions costs "
+                     "tens of seconds on the CPU of this run (the first prompts of the same seeded set).")
+    return text
+
+
+def bias_text(table: pd.DataFrame) -> str:
+    """What dropping the bias costs: zipkv's KL without it over its KL with it, per model, on the windows both ran."""
+    both = named(table).dropna(subset=["kl"]).pivot_table(index=["model", "window", "kept_fraction"], columns="method",
+                                                   values="kl")
+    if not {"zipkv", "zipkv_press"} <= set(both.columns):
+        return "The variant without the bias was not run here."
+    both = both.dropna(subset=["zipkv", "zipkv_press"])
+    parts = []
+    for model, g in both.groupby(level="model", sort=False):
+        ratio = g.groupby(level="kept_fraction").zipkv_press.mean() / g.groupby(level="kept_fraction").zipkv.mean()
+        parts.append(f"{model}: " + ", ".join(f"{ratio[f]:.2f}× at {f:g}" for f in ratio.index)
+                     + f" ({g.index.get_level_values('window').nunique()} window(s))")
+    return ("Without the bias, the distiller's mean KL over its mean KL with it: " + "; ".join(parts) + ". Above 1 "
+            "the bias helps; the press still keeps the distiller's choice of pairs and its refitted values.")
