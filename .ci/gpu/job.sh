@@ -4,9 +4,10 @@
 # pack.sh until JOB-DONE; commit what comes back (book/, results/paper/) and re-render the findings page.
 #  1. the latency chapter (Fig. 4 grid, the few-requests panel with FlashInfer FP8, the engine's long requests; ~8 min);
 #     on another card the same points through `bench attention` into a table of their own (ratios only)
-#  2. the decode kernels' GPU tests (every page kind, >16 splits, CUDA graphs, validate mode; ~5 min)
-#  3. `zipkv.compress` seconds at the three shapes x 2K/8K/32K (the distillation-speed chapter's table; ~4 min)
-#  4. the memory manager's serving curves at Llama-3.1-8B shapes (wall clock; ~5 min)
+#  2. the escape format's kernel (.ci/gpu/escape.sh; carry .gpu/escape_kv into the tree's .gpu/)
+#  3. the decode kernels' GPU tests (every page kind, >16 splits, CUDA graphs, validate mode; ~5 min)
+#  4. `zipkv.compress` seconds at the three shapes x 2K/8K/32K (the distillation-speed chapter's table; ~4 min)
+#  5. the memory manager's serving curves at Llama-3.1-8B shapes (wall clock; ~5 min)
 cd /root/run
 export PYTHONPATH=/tmp/site:$PWD ZIPKV_GGUF=/root/zipkv/SmolLM2-135M-Instruct.Q4_1.gguf ZIPKV_PG19=$PWD/.gpu/pg19
 export ZIPKV_COMMIT=$(cat COMMIT)   # the tree here is no git checkout: the provenance boxes name the commit it is
@@ -20,6 +21,7 @@ else   # the committed chapter is the H200's (its kernels' tuning): here only th
     --out results/paper/zipfusion_few_requests_other_card.csv
   step python3 -c "from zipkv.study.experiments import throughput; throughput.few_requests().to_csv('results/paper/zipfusion_few_requests_engine_other_card.csv', index=False)"
 fi
+OUT=/root/run/results/escape_gpu step bash .ci/gpu/escape.sh   # the escape format's kernel: tests and latency (~4 min)
 step python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py tests/test_decode_attention.py tests/test_format_faults.py
 if h200; then
   step python3 -c "from zipkv.bench.distill import compress_speed; compress_speed(out='results/paper/distill_speed_compress.csv', progress=False)"
