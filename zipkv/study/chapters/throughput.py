@@ -866,11 +866,11 @@ def card_gain(committed_csv) -> float | None:
     return z.tokens_per_s / max(u.tokens_per_s, m.tokens_per_s)
 
 
-def chapter_verdict(big, fixed_batch: int, runs=None, card=None):
+def chapter_verdict(big, fixed_batch: int, runs=None, card=None, *, judge):
     """The chapter's verdict: ``(markdown, kind)``. ZipFusion's largest batch and tokens/s against the paper's, each
-    judged as the findings page judges it (:func:`zipkv.study.findings.verdict_for`), the run-to-run range over
-    ``runs`` and the gain on the paper's card (``card``, :func:`card_gain`)."""
-    from zipkv.study import findings
+    judged by ``judge`` (the findings page's :func:`zipkv.study.findings.verdict_for`, passed in: the findings page
+    reads this module's tables), the run-to-run range over ``runs`` and the gain on the paper's card (``card``,
+    :func:`card_gain`)."""
     from zipkv.study import paper_values as pv
 
     c = bar_checks(big, fixed_batch)
@@ -878,13 +878,13 @@ def chapter_verdict(big, fixed_batch: int, runs=None, card=None):
     llama = "Llama-3.1-8B"
     mb = pv.ZIPFUSION_MAX_BATCH[llama]
     gain = pv.ZIPFUSION_THROUGHPUT_GAIN_AT_MAX_BATCH[llama]
-    judged = {"batch": findings.verdict_for("zipfusion_throughput", "largest supported batch", c["max_batch"]),
-              "gain": findings.verdict_for("zipfusion_throughput", "tokens/s at each method's largest batch over uncompressed (gain)",
+    judged = {"batch": judge("zipfusion_throughput", "largest supported batch", c["max_batch"]),
+              "gain": judge("zipfusion_throughput", "tokens/s at each method's largest batch over uncompressed (gain)",
                                            c["tokens_per_s"] - 1),
-              "fixed": findings.verdict_for("zipfusion_throughput", "tokens/s at batch 32 over uncompressed", c["fixed"] - 1),
-              "splitzip": findings.verdict_for("zipfusion_throughput", "tokens/s at batch 32 over SplitZip",
+              "fixed": judge("zipfusion_throughput", "tokens/s at batch 32 over uncompressed", c["fixed"] - 1),
+              "splitzip": judge("zipfusion_throughput", "tokens/s at batch 32 over SplitZip",
                                                c["fixed_vs_splitzip"]),
-              "restore": findings.verdict_for("zipfusion_throughput", "tokens/s at the largest batch over the best",
+              "restore": judge("zipfusion_throughput", "tokens/s at the largest batch over the best",
                                               c["vs_restore"])}
     text = (f"Under one KV budget that holds {u.batch} uncompressed requests of 8192 + 256 tokens (Llama-3.1-8B shapes, "
             f"H200), ZipFusion's largest batch is **{z.batch}**, {c['max_batch']:.2f}× (paper {mb['uncompressed']} → "
