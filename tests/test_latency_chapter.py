@@ -185,7 +185,7 @@ def test_targets_section_reads_the_report_and_the_fit_committed_in_its_folder():
     folder = REPO_ROOT / "results/paper"
     table = pd.read_csv(folder / "zipfusion_attention_latency.csv")
     section = latency.targets_section(table, folder)
-    assert section.startswith("**This project's bars at the anchor point, met and missed")
+    assert section.startswith("**This project's targets at the anchor point, met and missed")
     assert section.endswith(latency.targets_text(table, latency.read_ncu(folder), latency.read_context_fit(folder),
                                                  latency.read_ceiling(folder), latency.read_timeline(folder)))
     assert "With every descriptor load removed" in section       # the probe's run on the chapter's GPU
@@ -199,7 +199,7 @@ def test_the_fit_sets_the_per_token_bar_against_the_fastest_stream_of_its_sweep(
     268 MB per 60 µs (4.47), the sweep's fastest; a made-up 5 TB/s method turns the clause around."""
     text = latency.context_text(latency.context_fit(_context_sweep()))
     assert ("per token it needs ours to stream at 4.50 TB/s, 101% of the fastest rate any kernel reached in the same "
-            "run, FlashInfer TC's 4.47 TB/s: the bar asks") in text
+            "run, FlashInfer TC's 4.47 TB/s: the target asks") in text
     fast = _context_sweep()
     sdpa = fast[fast.method == "flashinfer_tc"].assign(method="sdpa", latency_us=lambda d: 12 + 53.6 * d.ctx / 1024)
     text = latency.context_text(latency.context_fit(pd.concat([fast, sdpa])))
@@ -216,7 +216,7 @@ def test_targets_text_sets_the_bars_rate_against_the_fastest_kernel_at_the_ancho
     assert f"the fastest rate any kernel reached in the same run, {latency.METHOD_LABELS[top.method]}'s {top.tbps:.2f} TB/s" in text
     fast = table.copy()
     fast.loc[top.name, "tbps"] = 9.0
-    assert "9.00 TB/s" in latency.targets_text(fast) and "the bar asks" not in latency.targets_text(fast).split("\n")[0]
+    assert "9.00 TB/s" in latency.targets_text(fast) and "the target asks" not in latency.targets_text(fast).split("\n")[0]
 
 
 def test_the_verdict_states_the_rule_behind_reproduced_on_real_kv():
@@ -281,7 +281,7 @@ def test_ceiling_text_says_what_the_bar_needs_from_the_fitted_lines():
     assert ideal > 1.35 and f"would be {ideal:.3f}× at 8192 × 64" in text
     assert f"a fixed cost of at most {492 / 1.35 - 44.6 * 8:.1f} µs" in text and "out of reach" not in text
     slow = latency.ceiling_text(_ceiling_probe(bare_us_per_1k=46.0))
-    assert f"would be {492 / (3.5 + 46 * 8):.3f}×" in slow and "the 1.35× bar is out of reach on this card" in slow
+    assert f"would be {492 / (3.5 + 46 * 8):.3f}×" in slow and "the 1.35× target is out of reach on this card" in slow
     raw_rate, bare_rate = 270.5 / 59, 201.34 / 44.6                      # the uncompressed path streams faster
     assert raw_rate > bare_rate
     assert (f"Our uncompressed path streams its pages at {raw_rate:.2f} TB/s, the compressed one at {bare_rate:.2f}"
@@ -360,20 +360,20 @@ def test_the_bar_cites_the_tail_only_where_flashinfer_ran_beside_it(tmp_path):
     first = latency.targets_text(table, timeline=_timeline(tmp_path)).split("\n")[0]
     assert (f"the slowest program ends its page loop 12.0 µs after the median one; with every loop ending at the median, "
             f"the timeline run's launch would be {500 / 364:.3f}× (as it ran, {500 / 376:.3f}×): the static split's "
-            "tail alone keeps the kernel under the bar.") in first
+            "tail alone keeps the kernel under the target.") in first
     assert "Tried against it" not in first
     stamp = dict(device="NVIDIA H100 80GB HBM3", commit="abc1234", date="2026-12-06 09:04 UTC")
     rows = [dict(variant="committed", latency_us=520.0), dict(variant="flashinfer_tc", latency_us=690.0),
             dict(variant="balanced K=2 C=8", latency_us=524.0, chunks=2, chunk_units=8)]
     _write_runs(tmp_path, latency.BALANCED, rows, stamp)
     first = latency.targets_text(table, timeline=latency.read_timeline(tmp_path)).split("\n")[0]
-    assert first.endswith("under the bar. Tried against it, a balanced schedule (H100) gained nothing (same section).")
+    assert first.endswith("under the target. Tried against it, a balanced schedule (H100) gained nothing (same section).")
     rows[2]["latency_us"] = 510.0                                          # faster: not said to have gained nothing
     _write_runs(tmp_path, latency.BALANCED, rows, stamp)
     assert "Tried against it" not in latency.targets_text(table, timeline=latency.read_timeline(tmp_path))
     (tmp_path / latency.BALANCED).unlink()
     slow_fi = latency.targets_text(table, timeline=_timeline(tmp_path, fi_us=480.0)).split("\n")[0]
-    assert f"would be {480 / 364:.3f}× (as it ran, {480 / 376:.3f}×), still under the bar." in slow_fi
+    assert f"would be {480 / 364:.3f}× (as it ran, {480 / 376:.3f}×), still under the target." in slow_fi
     (tmp_path / "zipfusion_kernel_timeline_fits.csv").unlink()
     no_fi = latency.read_timeline(tmp_path)
     assert "launch's tail" not in latency.targets_text(table, timeline=no_fi)

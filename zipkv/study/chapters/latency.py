@@ -364,7 +364,7 @@ def _best(t: pd.DataFrame, kv_data: str):
 
 
 def _bar(ratio: float, bar: float) -> str:
-    return f"**{ratio:.3f}×** (bar ≥ {bar:.2f}×: " + ("met)" if ratio >= bar else f"missed by {bar - ratio:.3f}×)")
+    return f"**{ratio:.3f}×** (target ≥ {bar:.2f}×: " + ("met)" if ratio >= bar else f"missed by {bar - ratio:.3f}×)")
 
 
 def read_ncu(folder):
@@ -437,7 +437,7 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None, ceiling=None, timeline
     lines = [f"- **Llama-3.1-8B shape, all blocks compressible** ({comp.kernel} kernel): {_bar(r_comp, goal.speedup_vs_flashinfer_tc)}. "
              f"It reads {comp.bytes_read / 1e9:.3f} GB at {comp.tbps:.2f} TB/s ({comp.frac_copy_bw:.0%} of the copy bandwidth "
              f"measured in the run, {copy:.2f} TB/s), FlashInfer TC {fi.bytes_read / 1e9:.3f} GB at {fi.tbps:.2f} TB/s: at "
-             f"equal bandwidth the bytes allow {fi.bytes_read / comp.bytes_read:.3f}×, and the bar would need "
+             f"equal bandwidth the bytes allow {fi.bytes_read / comp.bytes_read:.3f}×, and the target would need "
              f"{need:.2f} TB/s ({need / copy:.0%} of the copy bandwidth; {_fastest_clause(t, 'tbps', need)})."
              + _per_token_clause(fit) + _ceiling_clause(ceiling, fi.device) + _tail_clause(timeline, fi.device)]
     others = speedups(table).filter(like="measured mix").max(axis=1).drop(
@@ -448,10 +448,10 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None, ceiling=None, timeline
         f"{mix.frac_mixed_pages_v:.0%} of value page-heads hold both compressed and raw blocks): "
         f"{_bar(r_mix, goal.mix_speedup_vs_flashinfer_tc)}; the bytes allow {fi.bytes_read / mix.bytes_read:.3f}× at equal "
         f"bandwidth. It reads {mix.bytes_read / 1e9:.3f} GB at {mix.tbps:.2f} TB/s, {mix.tbps / comp.tbps:.0%} of the "
-        f"all-compressible kernel's {comp.tbps:.2f} TB/s (the bar needs {mix_bw:.2f} TB/s)"
+        f"all-compressible kernel's {comp.tbps:.2f} TB/s (the target needs {mix_bw:.2f} TB/s)"
         + (": the per-page work of pages holding both kinds, not their bytes, sets its time. " if mix.tbps < 0.97 * comp.tbps
            else ". ") + "At the other points: "
-        + (f"{others.min():.2f}–{others.max():.2f}× (bar ≥ {goal.mix_speedup_other_points:.2f}×: "
+        + (f"{others.min():.2f}–{others.max():.2f}× (target ≥ {goal.mix_speedup_other_points:.2f}×: "
            + ("met)." if others.min() >= goal.mix_speedup_other_points else
               f"missed at {(others < goal.mix_speedup_other_points).sum()} of {len(others)}: "
               + ", ".join(f"{c} × {b}" for c, b in others[others < goal.mix_speedup_other_points].index) + ").")
@@ -480,7 +480,7 @@ def targets_text(table: pd.DataFrame, ncu=None, fit=None, ceiling=None, timeline
 def targets_section(table: pd.DataFrame, folder) -> str:
     """:func:`targets_text` under its heading, with the Nsight report and the context sweep's fit committed in
     ``folder`` (``results/paper``; each left out where absent)."""
-    return ("**This project's bars at the anchor point, met and missed (why, from measurements):**\n\n"
+    return ("**This project's targets at the anchor point, met and missed (why, from measurements):**\n\n"
             + targets_text(table, read_ncu(folder), read_context_fit(folder), read_ceiling(folder),
                            read_timeline(folder)))
 
@@ -491,19 +491,19 @@ def _fastest_clause(rows: pd.DataFrame, rate: str, need_tbps: float) -> str:
     top = rows.loc[rows[rate].idxmax()]
     text = (f"{need_tbps / top[rate]:.0%} of the fastest rate any kernel reached in the same run, "
             f"{METHOD_LABELS[top.method]}'s {top[rate]:.2f} TB/s" + (" on a contiguous cache" if top.method == "sdpa" else ""))
-    return text + (": the bar asks the compressed pages to be read faster than anything else reads its bytes"
+    return text + (": the target asks the compressed pages to be read faster than anything else reads its bytes"
                    if need_tbps > top[rate] else "")
 
 
 def _ceiling_clause(ceiling, device: str) -> str:
-    """The ceiling probe's run on ``device`` (the latest; section "The all-compressible bar's ceiling") at the anchor
+    """The ceiling probe's run on ``device`` (the latest; section "The all-compressible target's ceiling") at the anchor
     point as a sentence: the kernel with no descriptor loads against FlashInfer TC, and what the fitted lines give it
     at an empty launch's fixed cost ("" without such a run)."""
     runs = None if ceiling is None else ceiling[ceiling.device.str.startswith(device.split(" (")[0])]
     if runs is None or not len(runs):
         return ""
     at, _, ideal = ceiling_run(runs[runs.date == runs.date.max()])
-    return (f" With every descriptor load removed (a probe, section \"The all-compressible bar's ceiling\") the kernel "
+    return (f" With every descriptor load removed (a probe, section \"The all-compressible target's ceiling\") the kernel "
             f"gives {at['zipkv_compressed_no_descriptors']:.3f}× ({at['zipkv_compressed']:.3f}× as committed, same run); "
             f"with no descriptor bytes and an empty launch's fixed cost the fitted lines give {ideal:.3f}×.")
 
@@ -520,8 +520,8 @@ def _tail_clause(timeline, device: str) -> str:
     return (f" The launch's tail (section \"Where the launch's time goes\"): the slowest program ends its page loop "
             f"{comp.loop_end_max_us - comp.loop_end_p50_us:.1f} µs after the median one; with every loop ending at the "
             f"median, the timeline run's launch would be {fi / balanced:.3f}× (as it ran, {fi / comp.committed_us:.3f}×)"
-            + (": the static split's tail alone keeps the kernel under the bar." if fi / balanced >= bar else
-               ", still under the bar.") + _tail_attempts(timeline))
+            + (": the static split's tail alone keeps the kernel under the target." if fi / balanced >= bar else
+               ", still under the target.") + _tail_attempts(timeline))
 
 
 def _tail_attempts(timeline: dict) -> str:
@@ -826,7 +826,7 @@ def context_text(fit: pd.DataFrame, anchor_ctx: int = ZIPFUSION_PAPER.anchor_con
         if shape == SHAPE:
             bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
             need = o.mb_per_1k / (b.us_per_1k / bar)
-            text += (f" The all-compressible bar ({bar:.2f}×) is {'below' if per_token >= bar else 'above'} the gain "
+            text += (f" The all-compressible target ({bar:.2f}×) is {'below' if per_token >= bar else 'above'} the gain "
                      "per token" + (f", which long contexts approach: per token it needs ours to stream at {need:.2f} TB/s, "
                                     f"{_fastest_clause(fit[fit['shape'] == shape], 'stream_tbps', need)}."
                                     if per_token < bar else "."))
@@ -894,17 +894,17 @@ def ceiling_text(table: pd.DataFrame | None, ctx: int = ZIPFUSION_PAPER.anchor_c
         allowed = line_at(fi, ctx) / bar - bare.us_per_1k * ctx / 1024          # fixed cost left to the bare kernel
         text += (f" On the fitted lines, a kernel with no descriptor bytes and an empty launch's fixed cost would be "
                  f"{ideal:.3f}× at {ctx} × {batch}: ")
-        text += (f"the {bar:.2f}× bar is out of reach on this card at the rate its pages stream, whatever the metadata "
+        text += (f"the {bar:.2f}× target is out of reach on this card at the rate its pages stream, whatever the metadata "
                  "layout and the fixed cost."
                  if ideal < bar else
-                 f"the {bar:.2f}× bar needs both, no descriptor bytes and a fixed cost of at most {allowed:.1f} µs "
+                 f"the {bar:.2f}× target needs both, no descriptor bytes and a fixed cost of at most {allowed:.1f} µs "
                  f"({allowed - empty:.1f} µs above an empty launch; ours {ours.fixed_us:.1f} µs).")
         raw = fit.loc["zipkv_uncompressed"]
         if raw.stream_tbps > bare.stream_tbps:
             fast = line_at(fi, ctx) / bar - bare.mb_per_1k / raw.stream_tbps * ctx / 1024
             text += (f" Our uncompressed path streams its pages at {raw.stream_tbps:.2f} TB/s, the compressed one at "
                      f"{bare.stream_tbps:.2f} without descriptor loads: at the uncompressed rate, a kernel with no "
-                     f"descriptor bytes would meet the bar with a fixed cost of up to {fast:.1f} µs (ours "
+                     f"descriptor bytes would meet the target with a fixed cost of up to {fast:.1f} µs (ours "
                      f"{ours.fixed_us:.1f} µs).")
         items.append(text)
     return "\n".join(f"- {t}" for t in items)
