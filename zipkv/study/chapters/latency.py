@@ -622,13 +622,15 @@ def mix_figure(sweep: pd.DataFrame):
     ax.scatter([fi.bytes_read / 1e6], [fi.latency_us], color="black", marker="s", label="FlashInfer TC (raw cache)")
     for routing, style, label in (("auto", dict(color="tab:blue"), "the plan's routing"),
                                   ("device", dict(facecolors="none", edgecolors="tab:red"),
-                                   "every page through the mixed path (routing='device')")):
+                                   "every page through the mixed path")):
         rows = z[z.routing == routing]
         ax.scatter(rows.bytes_read / 1e6, rows.latency_us, label=f"zipkv Gluon, {label}", **style)
     auto = z[z.routing == "auto"].sort_values("bytes_read")
-    for i, r in enumerate(auto.itertuples()):      # staggered: shares with nearly equal bytes sit close together
-        ax.annotate(r.kv_data.replace(" (measured mix)", "\n(measured)"), (r.bytes_read / 1e6, r.latency_us),
-                    fontsize=7, xytext=(4, -10 - 9 * (i % 3)), textcoords="offset points")
+    for i, r in enumerate(auto.itertuples()):      # numbered, the key in a box: shares with equal bytes sit together
+        ax.annotate(str(i + 1), (r.bytes_read / 1e6, r.latency_us), fontsize=7, textcoords="offset points",
+                    xytext=((5, 3), (5, -10), (-12, 3), (-12, -10))[i % 4])
+    ax.text(0.98, 0.03, "\n".join(f"{i + 1}: {kv}" for i, kv in enumerate(auto.kv_data)), transform=ax.transAxes,
+            ha="right", va="bottom", fontsize=7, bbox=dict(facecolor="white", edgecolor="lightgray"))
     ax.set_xlim(0.6 * z.bytes_read.min() / 1e6, 1.08 * fi.bytes_read / 1e6)
     ax.set_ylim(0.6 * z.latency_us.min(), 1.15 * max(z.latency_us.max(), fi.latency_us))
     ax.set_xlabel("bytes read per call (MB)")
