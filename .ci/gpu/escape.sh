@@ -17,9 +17,9 @@ export ZIPKV_COMMIT=${ZIPKV_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader | tee "$OUT/escape_device.txt"
 step() { echo "=== $(date -u +%H:%M:%S) $*"; "$@"; echo "=== rc=$? $(date -u +%H:%M:%S)"; }
 # 1. the GPU tests: the kernel (bit for bit vs raw pages, reference, CUDA graph, engine) and the pack kernel on the device
-step timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_escape.py tests/test_pack_escape_kernel.py \
+step timeout 110 python3 -m pytest -q -x -p no:cacheprovider tests/test_decode_escape.py tests/test_pack_escape_kernel.py \
   2>&1 | tail -40 | tee "$OUT/escape_tests.log"
 # 2. the latency probe: writes its CSV after every point; stops starting points after --budget-s
-step timeout 200 python3 .ci/gpu/escape_probe.py "$OUT/escape_latency.csv" --budget-s 150 2>&1 \
+step timeout 125 python3 .ci/gpu/escape_probe.py "$OUT/escape_latency.csv" --budget-s 85 2>&1 \
   | grep -v Warning | tee "$OUT/escape_probe.log" | tail -30
 ls -la "$OUT"
