@@ -87,6 +87,55 @@ def test_real_kv_like_values_flush_nothing():
     assert torch.equal(DE.operands_reference(payload, escapes, meta), exact_scaled(orig, meta.base))
 
 
+def _page_codes(D, page=0):
+    """bf16 page [16, D] whose value at (token t, channel c) is the bit pattern ``4096 page + 128 t + c``."""
+    return (torch.arange(16)[:, None] * 128 + torch.arange(D)[None, :] + 4096 * page).to(torch.int16).view(torch.bfloat16)
+
+
+def _blocks(page, layout):
+    return F.to_blocks(page[None], layout)[0].contiguous().view(torch.int16).long()
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_the_kernels_element_positions_are_the_formats(D):
+    """Where the kernel looks for a listed escape: the key A operand's (row t, column c) of half h is block position
+    ``256 h + 64 (t % 4) + 16 ((c >> 1) & 3) + 2 (c >> 3) + (c & 1)`` of the row's block, a value chunk C's element
+    (blk, m, r) position ``128 C + 16 m + r`` of block row blk -- through the same reshapes and permutes as the Gluon
+    code (decode_mma._key_operand, _value_operands), against zipkv.format's k_mma / v_mma layouts; head_dim 64 a page
+    pair per unit."""
+    pages = [_page_codes(D, 0), _page_codes(D, 1)]
+    kb = [_blocks(p, "k_mma") for p in pages]
+    vb = [_blocks(p, "v_mma") for p in pages]
+
+    def row_token(t, h):                       # (page, token) of half h of unit row t
+        if D == 128:
+            return 0, t
+        return (t >> 2) & 1, 2 * (t % 4 + 4 * (t >> 3)) + h
+
+    def key_block(t):                          # (page, block) of unit row t's key block (decode_mma._kdesc)
+        return (0, t // 4) if D == 128 else ((t // 4) % 2, (t // 4) // 2)
+
+    for h in (0, 1):
+        for t in range(16):
+            pg, j = key_block(t)
+            page, tok = row_token(t, h)
+            for c in range(64):
+                p = 256 * h + 64 * (t % 4) + 16 * ((c >> 1) & 3) + 2 * (c >> 3) + (c & 1)
+                ch = 64 * h + c if D == 128 else c
+                assert int(kb[pg][j, p]) == 4096 * page + 128 * tok + ch
+    vblock = (lambda blk: (0, blk)) if D == 128 else (lambda blk: (0 if blk < 2 else 1, blk % 2))   # _vdesc
+    tiles = [torch.stack([torch.stack([vb[vblock(blk)[0]][vblock(blk)[1], 128 * C + 16 * m + torch.arange(16)]
+                                       for m in range(8)]) for blk in range(4)]) for C in range(4)]
+    v = torch.stack([torch.stack([tiles[0], tiles[1]], -1), torch.stack([tiles[2], tiles[3]], -1)], -1)
+    v = v.reshape(2, 2, 8, 2, 2, 2, 2, 2, 2).permute(5, 0, 1, 6, 8, 7, 3, 4, 2).reshape(16, 128)
+    halves = [v.permute(1, 0)] if D == 128 else list(v.reshape(16, 2, 64).permute(2, 0, 1).unbind(-1))
+    for h, vt in enumerate(halves):            # V^T [channels, 16 token rows]
+        for t in range(16):
+            page, tok = row_token(t, h)
+            want = 4096 * page + 128 * tok + torch.arange(vt.shape[0])
+            assert torch.equal(vt[:, t], want), (h, t)
+
+
 def _inputs(B, HKV, G, T, D, seed=0):
     """q, k, v (bf16): a bulk of magnitudes 2^-6 .. 2^2, one value in 200 about 2^-14 times as large (escapes), and
     whole zero channels in the keys (zero mode), as real KV holds them."""
