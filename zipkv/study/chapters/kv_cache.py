@@ -15,12 +15,13 @@ def shapes_table(shape) -> pd.DataFrame:
     table["group size"] = table.q_heads // table.kv_heads
     table["KV bytes / token (BF16)"] = [s.kv_bytes_per_token for s in shapes]
     table["used in"] = ["this study"] + ["KVSculpt", "ZipFusion", "ZipFusion"]
-    return table
+    return table.rename(columns={"name": "model", "q_heads": "query heads", "kv_heads": "KV heads",
+                                 "rope_theta": "RoPE base"})
 
 
 def windows_table(windows) -> pd.DataFrame:
     """One row per PG19 window: its book, title, character offset, tokens and distinct tokens."""
-    return pd.DataFrame([{"pg_id": w.pg_id, "title": w.title[:48], "char offset": w.char_offset,
+    return pd.DataFrame([{"PG19 book": w.pg_id, "title": w.title[:48], "char offset": w.char_offset,
                           "tokens": len(w.input_ids), "distinct tokens": len(set(w.input_ids.tolist()))} for w in windows])
 
 

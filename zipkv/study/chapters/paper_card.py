@@ -109,7 +109,8 @@ def speedup_points(latency: pd.DataFrame) -> pd.DataFrame:
     per kind of KV data (Llama-3.1-8B shape)."""
     t = latency[(latency["shape"] == "llama3.1-8b") & (latency.method == "zipkv_compressed")
                 & latency.ctx.isin(ZIPFUSION_PAPER.contexts) & latency.batch.isin(ZIPFUSION_PAPER.batches)]
-    return t.groupby(["ctx", "batch", "kv_data"]).speedup_vs_flashinfer_tc.max().unstack("kv_data")
+    return (t.groupby(["ctx", "batch", "kv_data"]).speedup_vs_flashinfer_tc.max().unstack("kv_data")
+            .rename_axis(index=["context", "batch"], columns="KV data"))
 
 
 def speedup_figure(card: pd.DataFrame, h200: pd.DataFrame):
@@ -189,8 +190,8 @@ def tuning_text(folder) -> str:
              + (f", {int(r.pages_per_tile)} pages per tile" if r.kernel == "triton" else "")
              for r in best.itertuples()]
     return (f"Both kernels' launch options were tuned on this card before the run (`python -m zipkv bench tune "
-            f"[--kernel gluon] --write`, 8192 × 64, {t.device.iloc[0]}, commit {t.commit.iloc[0]}; "
-            f"`results/paper/{TUNING_SIDE}.csv`), as the H200's were: " + "; ".join(parts) + ".")
+            f"[--kernel gluon] --write`, 8192 × 64, {t.device.iloc[0]}, commit {t.commit.iloc[0]}), as the H200's "
+            "were: " + "; ".join(parts) + ".")
 
 
 def throughput_table(throughput: pd.DataFrame) -> pd.DataFrame:
@@ -202,9 +203,18 @@ def throughput_table(throughput: pd.DataFrame) -> pd.DataFrame:
     cols = {"engine": "engine", "batch": "batch", "max_batch": "largest batch", "tokens_per_s": "tokens/s",
             "tokens_per_s_runs": "tokens/s of each run", "step_ms": "step (ms)", "attention_ms": "attention (ms/step)",
             "sm_clock_mhz": "SM clock (MHz)"}
+    t["tokens_per_s_runs"] = t.tokens_per_s_runs.map(_runs)
     return (t[list(cols)].rename(columns=cols).fillna({"tokens/s of each run": "one run"})
             .style.format({"tokens/s": "{:,.0f}", "step (ms)": "{:.2f}", "attention (ms/step)": "{:.2f}",
                            "SM clock (MHz)": "{:.0f}"}).hide(axis="index"))
+
+
+def _runs(value):
+    """A run list as the CSV holds it (``"[1686.0, 1741.6, 1742.0]"``) in words: ``"1,686 · 1,742 · 1,742"``."""
+    if not isinstance(value, str):
+        return value
+    numbers = [float(v) for v in value.strip("[]").split(",") if v.strip()]
+    return " · ".join(f"{v:,.0f}" for v in numbers)
 
 
 def landing_figure(results_dir):

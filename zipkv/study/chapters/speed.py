@@ -77,8 +77,11 @@ def speed_table(timings: pd.DataFrame):
     table = timings[["problem_shape", "ctx", "ratio", "solver", "seconds", "speedup", "problems", "reference_problems"]]
     paper = table.problem_shape.str.startswith("Qwen") & (table.ctx == 2048) & (table.ratio == 0.3)
     table = table.assign(paper_seconds=[pv.KVSCULPT_SECONDS_PER_CONTEXT if p else None for p in paper])
-    return table.style.format({"seconds": "{:.2f}", "speedup": "{:.1f}×", "ratio": "{:.1f}", "paper_seconds": "{:.0f}"},
-                              na_rep="–").hide(axis="index")
+    names = {"problem_shape": "problems of", "ctx": "context", "ratio": "r", "reference_problems": "problems timed (reference)",
+             "paper_seconds": "paper: seconds"}
+    return (table.rename(columns=names).style
+            .format({"seconds": "{:.2f}", "speedup": "{:.1f}×", "r": "{:.1f}", "paper: seconds": "{:.0f}"}, na_rep="–")
+            .hide(axis="index"))
 
 
 def quality_summary(losses: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -205,10 +208,10 @@ def show_quality(losses) -> None:
     from IPython.display import display
 
     if losses is None:
-        report.markdown("The per-problem losses are not part of the committed table: run the chapter (no "
-                        "`from_results`) for this section; the chapter \"Do the two solvers agree?\" compares the "
-                        "solvers on every problem of a window.")
+        report.markdown("The per-problem losses are not part of the committed table, so this rendering does not "
+                        "show them; the chapter \"Do the two solvers agree?\" compares the solvers on every problem "
+                        "of a window.")
         return
     summary, sentence = quality_summary(losses)
     report.markdown(sentence)
-    display(summary)
+    display(summary.rename_axis(index=["problems of", "context", "r"]))
