@@ -22,6 +22,15 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def summary_table(table: pd.DataFrame):
+    """:func:`summary` as the page shows it: KL and errors to three significant digits, agreement in %, no padded
+    floats."""
+    return (summary(table).style
+            .format({"mean KL (nats/token)": "{:.3g}", "median KL": "{:.3g}", "largest KL": "{:.3g}",
+                     "top-1 agreement": "{:.1%}", "key error (rel. L2)": "{:.3g}", "value error (rel. L2)": "{:.3g}",
+                     "windows": "{:d}"}))
+
+
 def verdict(table: pd.DataFrame) -> tuple[str, str]:
     """``(text, admonition kind)``: the formats' KL side by side, computed from ``table``."""
     s = summary(table)

@@ -147,6 +147,17 @@ def per_window(main: pd.DataFrame, ratio: float) -> pd.DataFrame:
     return table
 
 
+PER_WINDOW_COLUMNS = {"select_fit": "Select+Fit KL", "kvsculpt": "KVSculpt KL",
+                      "improvement": "gain (Select+Fit KL / KVSculpt KL)", "label": "label"}
+
+
+def per_window_shown(table: pd.DataFrame):
+    """Table 2 as the page shows it: ours (:func:`per_window`) beside the paper's per sequence, columns in words."""
+    paper = pv.KVSCULPT_TABLE2.set_index("window").rename(columns=PER_WINDOW_COLUMNS)
+    out = table.rename(columns=PER_WINDOW_COLUMNS).join(paper.add_suffix(" (paper)"), how="outer")
+    return out.style.format(precision=3, na_rep="–")
+
+
 def per_window_verdict(table: pd.DataFrame) -> str:
     """Table 2's verdict from the per-window ``table``: easy windows, KVSculpt's factor over Select+Fit and where it
     is worse, beside the paper's."""
