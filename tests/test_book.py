@@ -204,13 +204,13 @@ def test_from_results_renders_the_gpu_chapters_that_can_on_a_cpu(monkeypatch):
     monkeypatch.setattr(book, "cuda_available", lambda: False)
     jobs = {j.name: j for j in book.plan("paper", from_results=True)}
     assert {"zipfusion_attention_latency", "kvsculpt_optimizer", "kvsculpt_dampening"} <= set(jobs)
-    assert "distilled_prefix" not in jobs
+    assert "zipfusion_lossless_format" not in jobs
     for job in jobs.values():
         assert job.parameters["from_results"] is True and job.device in (None, "cpu"), job
     assert jobs["model_data_kv_cache"].parameters["context"] == 2048                # the paper profile's setting
     book.preflight(list(jobs.values()), "paper", force=True)                       # no "needs a CUDA GPU"
-    with pytest.raises(ValueError, match=r"--from-results: \['distilled_prefix'\] cannot be rendered"):
-        book.plan("paper", ["distilled_prefix", "kvsculpt_main"], from_results=True)
+    with pytest.raises(ValueError, match=r"--from-results: \['zipfusion_lossless_format'\] cannot be rendered"):
+        book.plan("paper", ["zipfusion_lossless_format", "kvsculpt_main"], from_results=True)
 
 
 def test_paper_profile_on_a_cpu_machine_is_one_line_and_leaves_git_clean():

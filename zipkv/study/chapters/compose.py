@@ -21,6 +21,37 @@ def summary(table: pd.DataFrame) -> pd.DataFrame:
         windows=g.size(), first_difference=g.first_difference.mean(), new_tokens=g.new_tokens.first()))
 
 
+SHOWN_COLUMNS = {"method": "cache", "ratio": "r", "pg_id": "PG19 book", "n_context": "context tokens",
+                 "pairs": "pairs per KV head", "frac_compressed_k": "compressible K blocks",
+                 "frac_compressed_v": "compressible V blocks", "bits_per_value": "bits per value",
+                 "memory_vs_raw_context": "bytes / raw context", "lossless_windows": "windows: packed = raw tokens",
+                 "lossless": "packed = raw tokens", "first_difference": "first differing token",
+                 "new_tokens": "tokens generated"}
+"""The table's columns as a reader reads them."""
+_FORMATS = {"r": "{:g}", "pairs per KV head": "{:.0f}", "compressible K blocks": "{:.1%}",
+            "compressible V blocks": "{:.1%}", "bits per value": "{:.2f}", "bytes / raw context": "{:.1%}",
+            "first differing token": "{:.1f}"}
+
+
+def _cache_label(method: str) -> str:
+    """``"kvsculpt r=0.3"`` as ``"KVSculpt, r = 0.3"``; other caches as they are named."""
+    return f"KVSculpt, r = {method.split('=')[1]}" if method.startswith("kvsculpt r=") else method
+
+
+def summary_shown(table: pd.DataFrame):
+    """:func:`summary` as the page shows it: caches and columns in words, shares in %."""
+    s = summary(table)
+    s.index = [_cache_label(m) for m in s.index]
+    s = s.rename_axis("cache").rename(columns=SHOWN_COLUMNS)
+    return s.style.format({c: f for c, f in _FORMATS.items() if c in s})
+
+
+def windows_shown(table: pd.DataFrame):
+    """The per-window table as the page shows it."""
+    t = table.assign(method=table.method.map(_cache_label)).rename(columns=SHOWN_COLUMNS)
+    return t.style.format({c: f for c, f in _FORMATS.items() if c in t and c != "first differing token"}).hide(axis="index")
+
+
 def verdict(table: pd.DataFrame) -> tuple[str, str]:
     """``(markdown, kind)``: do the two papers compose on this table's windows?"""
     s = summary(table)

@@ -48,6 +48,26 @@ def tuning_summary(sweep: pd.DataFrame) -> pd.DataFrame:
     return summary.style.format("{:.1f}", subset=[c for c in summary if c.endswith("µs")])
 
 
+def tuning_options(tuning: dict) -> pd.DataFrame:
+    """The stored launch options (the kernels' tuning file, ``{gpu: {path: options, "gluon": {head_dim: {path:
+    options}}}}``) as a table: one row per GPU, kernel and path, the options in words (a Styler)."""
+    names = {"pages_per_tile": "pages per tile", "num_warps": "warps", "stages": "pipeline stages",
+             "programs_per_sm": "programs per SM", "maxnreg": "register cap"}
+    rows = []
+    for gpu, options in tuning.items():
+        for path, o in options.items():
+            if path == "gluon":
+                rows += [{"GPU": gpu, "kernel": f"Gluon, head_dim {d}", "path": p, **q}
+                         for d, paths in o.items() for p, q in paths.items()]
+            else:
+                rows.append({"GPU": gpu, "kernel": "Triton", "path": path, **o})
+    table = pd.DataFrame(rows).rename(columns=names).sort_values(["GPU", "kernel", "path"], kind="stable")
+    if "register cap" in table:
+        table["register cap"] = table["register cap"].map(lambda r: "none" if r == 0 else f"{r:.0f}")
+    counts = [c for c in names.values() if c in table and c != "register cap"]
+    return table.style.format("{:.0f}", subset=counts, na_rep="–").hide(axis="index")
+
+
 def verdict(report: NsightReport) -> str:
     """The kernel-resources chapter's verdict from the Nsight Compute ``report``: DRAM use, time and instructions of the
     all-compressed Gluon kernel against the uncompressed one, its two commonest stall reasons, and the SmolLM2 shape's."""
@@ -82,7 +102,7 @@ def _small_shape(report: NsightReport) -> str:
             f"programs fill {v('Achieved Occupancy', comp):.0f} % of the warp slots where "
             f"{v('Theoretical Occupancy', comp):.0f} % would fit (the Llama-shape kernel {v('Achieved Occupancy', COMPRESSED):.0f} "
             f"%, with DRAM {v('DRAM Throughput', COMPRESSED):.0f} % busy: not the occupancy, the shape sets the rate; the "
-            "latency chapter's SmolLM2 bar says more); its warps wait most often on "
+            "latency chapter's SmolLM2 point says more); its warps wait most often on "
             + ", ".join(f"{r} ({s:.0f} %)" for r, s in report.stalls[comp].sort_values(ascending=False).head(2).items())
             + ". ")
 

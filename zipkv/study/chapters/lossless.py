@@ -25,7 +25,7 @@ def block_bits(keys: torch.Tensor, layout: str, positions: int = 4) -> tuple[pd.
     for p in range(positions):
         v = int(bits[p])
         code = ((v >> 15) << 3) | (((v >> 8) & 0x7F) - base // 2)  # sign, then the exponent's upper 7 bits minus b/2
-        rows.append({"position": p, "value": float(block[p]), "bits": f"{v:016b}", "exponent": int(exponent[p]),
+        rows.append({"position": p, "value": repr(float(block[p])),  # exact: a BF16 value, no padding "bits": f"{v:016b}", "exponent": int(exponent[p]),
                      "low byte": f"{v & 0xFF:08b}", "4-bit code": f"{code:04b}" if compressed else "raw"})
     return pd.DataFrame(rows), (f"Layer 0, KV head 0, page 0, block 0 of the keys ({layout}-major): exponents "
                                 f"{int(exponent.min())}…{int(exponent.max())}, base b = {base}, compressed: {compressed}; "
