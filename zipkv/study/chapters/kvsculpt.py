@@ -237,6 +237,12 @@ def heldout_figure(sources: pd.DataFrame, heldout: pd.DataFrame):
     return fig, held
 
 
+ERROR_COLUMNS = {"growth_first_to_last": "MSE growth, first to last layer (×)", "top5_kl_share": "KL share of the top 5 tokens",
+                 "max_over_mean_kl": "largest / mean token KL", "layer_mse_kl_correlation": "rank correlation, layer MSE vs KL",
+                 "kl": "KL"}
+"""§6's per-window table's columns as a reader reads them."""
+
+
 def error_table_beside_paper(table: pd.DataFrame) -> pd.DataFrame:
     """§6's per-window table (:func:`zipkv.study.experiments.analysis.error_table`) with the paper's numbers as two more rows:
     its easy sequences' growth, and its hard sequences' largest growth with the hardest one's KL concentration."""
