@@ -693,6 +693,30 @@ def _kl_readings(res: Results):
                           "between the paper's baselines and ours")
 
 
+def _kvpress(res: Results):
+    """The kvpress chapter: zipkv's distiller over the best kvpress press per model and kept fraction ≤ 0.5, and the
+    task accuracy at 4× and 8× where it ran (:mod:`zipkv.study.chapters.kvpress_presses`)."""
+    from zipkv.study.chapters.kvpress_presses import by_fraction, label as press_label, task_gaps
+
+    f = by_fraction(res["kvpress_presses"])
+    f = f[f.kept_fraction <= 0.5]
+    parts = []
+    for model, g in f.groupby("model", sort=False):
+        low, high = f"{g.ratio.min():.2f}", f"{g.ratio.max():.2f}"
+        parts.append(f"{model} {low if low == high else low + '–' + high}× the best press's KL at kept "
+                     f"{g.kept_fraction.max():g}–{g.kept_fraction.min():g} ({g.windows.min()} windows"
+                     + ("" if g.lowest.all() else f"; not the lowest of all methods at {int((~g.lowest).sum())} "
+                        "fraction(s)") + ")")
+    text = "; ".join(parts)
+    side = res.directory / "kvpress_presses_task.csv"
+    gaps = task_gaps(pd.read_csv(side)) if side.is_file() else None
+    if gaps is not None and len(gaps):
+        text += "; task: " + ", ".join(f"{r.model} kept {r.kept_fraction:g}: zipkv {r.zipkv:.0%} ({r.zipkv_prompts} "
+                                       f"prompts) vs {press_label(r.best_press)} {r.best_press_accuracy:.0%}"
+                                       for r in gaps.itertuples())
+    return Measured(None, text)
+
+
 def _solver_agreement(res: Results):
     t = res["solver_agreement"]
     median = float((t.batched / t.reference).median())
@@ -992,6 +1016,8 @@ CLAIMS: list[Claim] = [
           f"{pv.KVSCULPT_SECONDS_PER_CONTEXT:g} s)", "distill_speed", None, _distill_seconds("batched"), fmt="{:.1f} s"),
     Claim(K, "beyond", "why KVSculpt does not reproduce here: the paper's KL metric under each reading",
           "kvsculpt_why", None, _kl_readings),
+    Claim(K, "beyond", "zipkv's distiller among the presses users already pick: kvpress's own presses on the same KL "
+          "protocol (2× to 16×) and a retrieval task after the compressed context", "kvpress_presses", None, _kvpress),
     Claim(K, "beyond", "batched solver against the one-at-a-time reference", "solver_agreement", None,
           _solver_agreement),
     Claim(K, "beyond", "this project's own method and Attention Matching against KVSculpt", "kvsculpt_beyond", None,

@@ -15,11 +15,14 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Sequence
 
 import pandas as pd
 import torch
+
+warnings.filterwarnings("ignore", message="IProgress not found")   # tqdm's notebook bar without ipywidgets
 
 KEPT_FRACTIONS = (0.5, 0.3, 0.25, 0.125, 0.0625)
 """The chapter's kept fractions: 2× to 16× (kvpress's ``compression_ratio`` is 1 − these) and 0.3, the KVSculpt
@@ -197,9 +200,42 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
     return table
 
 
+def replies(model, tokenizer, books, methods: Sequence[str], kept_fraction: float, *, kind: str = "niah_single",
+            length: int = 256, prompts: int = 8, max_new_tokens: int = 40, probe_tokens: int = 64,
+            seed: int = 0) -> pd.DataFrame:
+    """Each method's greedy reply to the first ``prompts`` prompts of a setting (the task run's seeded prompts), beside
+    the expected number and how many of its leading digits the reply's first number gets right: where a wrong
+    answer goes wrong.
+
+    Returns:
+        ``model, kind, length, method, kept_fraction, prompt, expected, reply, number, leading_digits`` per prompt.
+    """
+    import re
+
+    from zipkv import tasks
+    from zipkv.integrations import kvpress as integration
+    from zipkv.models import model_shape
+
+    made = tasks.make_tasks(tokenizer, books, prompts, length, kind, seed=seed)
+    rows = []
+    for method in methods:
+        scored = tasks.accuracy(model, tokenizer, made, compressor(method, kept_fraction, tokenizer,
+                                probe_tokens=probe_tokens, seed=seed), max_new_tokens=max_new_tokens)
+        integration._clear_masks(model)
+        for i, (task, reply) in enumerate(zip(made, scored.reply)):
+            expected = task.answers[0]
+            found = re.search(r"\d+", reply)
+            number = found.group(0) if found else ""
+            lead = next((j for j, (a, b) in enumerate(zip(number, expected)) if a != b), min(len(number), len(expected)))
+            rows.append(dict(model=model_shape(model).name, kind=kind, length=length, method=method,
+                             kept_fraction=kept_fraction, prompt=i, expected=expected, reply=reply.strip(),
+                             number=number, leading_digits=lead))
+    return pd.DataFrame(rows)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("kl", "task"))
+    parser.add_argument("what", choices=("kl", "task", "replies"))
     parser.add_argument("--model", default=None, help="None: the embedded SmolLM2-135M; gemma-3-270m: the second")
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--context", type=int, default=128)
@@ -224,6 +260,11 @@ def main(argv=None) -> None:
                                continuation=args.continuation, seed=0)
         measure_kl(model, tokenizer, windows, args.fractions, args.methods, slow_windows=args.slow_windows,
                    probe_tokens=args.probe_tokens, out=args.out, progress=True)
+    elif args.what == "replies":
+        kind, length = args.settings[0].split(":")
+        table = replies(model, tokenizer, books, args.methods or ["zipkv"], args.fractions[0], kind=kind,
+                        length=int(length), prompts=args.prompts, probe_tokens=args.probe_tokens)
+        _append(args.out, table, [])
     else:
         settings = [(s.split(":")[0], int(s.split(":")[1])) for s in args.settings]
         measure_task(model, tokenizer, books, settings, args.methods or ["zipkv"], args.fractions,
