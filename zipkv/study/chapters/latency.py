@@ -179,10 +179,30 @@ def engine_few_requests_text(tokens: pd.DataFrame, device: str) -> str:
         return f"The engine's run ({device}) has only one of the two methods."
     ratio = tokens["ZipFusion / uncompressed"]
     worst, best = ratio.idxmin(), ratio.idxmax()
-    return (f"The whole decode step follows the kernel: in our engine ({device}), one to "
+    return (f"In our engine ({device}: every layer, the whole decode step), one to "
             f"{tokens.index.get_level_values('batch').max()} long requests decode at "
             f"**{ratio.min():.2f}–{ratio.max():.2f}×** the uncompressed engine's tokens per second (lowest at "
             f"{worst[1]:,} tokens × {worst[2]} on {worst[0]}, highest at {best[1]:,} × {best[2]} on {best[0]}).")
+
+
+FEW_REQUESTS_CARD = ("zipfusion_few_requests_h100.csv", "zipfusion_few_requests_engine_h100.csv")
+"""The few-requests points' committed run on the paper's card (an H100; kernel timings, then the engine's), shown where
+the chapter's own run has none of them."""
+
+
+def few_requests_source(table: pd.DataFrame | None, engine: pd.DataFrame | None, folder):
+    """``(table, engine)`` for the few-requests panel: the chapter's run where it has the points, else the committed
+    run on the paper's card (:data:`FEW_REQUESTS_CARD` in ``folder``, None where that is missing too)."""
+    from pathlib import Path
+
+    def read(name):
+        path = Path(folder) / name
+        return pd.read_csv(path) if path.is_file() else None
+    if table is None or "speedup_vs_flashinfer_tc" not in table or few_requests(table).empty:
+        table = read(FEW_REQUESTS_CARD[0])
+    if engine is None:
+        engine = read(FEW_REQUESTS_CARD[1])
+    return table, engine
 
 
 def few_requests(table: pd.DataFrame, max_batch: int = 16) -> pd.DataFrame:
