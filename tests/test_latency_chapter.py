@@ -505,3 +505,20 @@ def test_few_requests_panel_reads_its_own_rows():
     assert "0.62–1.25×" in text and "8K tokens × 1" in text and "1.43–1.43×" in text and "Lossless 12-bit against lossy 8-bit" in text
     fig = latency.few_requests_figure(grid)
     assert fig.axes[0].get_ylabel() == "speedup over FlashInfer TC (×)"
+
+
+def test_few_requests_panel_falls_back_to_the_committed_card_run_only_where_the_chapter_has_no_points(tmp_path):
+    """The panel shows the chapter's own run when it has the few-requests points, else the H100 run's tables."""
+    import pandas as pd
+    grid_only = pd.DataFrame(dict(shape=["llama3.1-8b"] * 2, ctx=[8192] * 2, batch=[64] * 2, kv_data=["any", "measured mix"],
+                                  method=["flashinfer_tc", "zipkv_compressed"], kernel=[None, "gluon"],
+                                  speedup_vs_flashinfer_tc=[1.0, 1.25], bytes_read=[4.0, 3.0], device="H200"))
+    few = grid_only.assign(batch=1, device="H100")
+    few.to_csv(tmp_path / latency.FEW_REQUESTS_CARD[0], index=False)
+    engine = pd.DataFrame(dict(model=["m"], context=[32768], batch=[1], method=["zipfusion"], tokens_per_s=[1.0], device="H100"))
+    engine.to_csv(tmp_path / latency.FEW_REQUESTS_CARD[1], index=False)
+    table, eng = latency.few_requests_source(grid_only, None, tmp_path)
+    assert table.device.iloc[0] == "H100" and eng.device.iloc[0] == "H100"
+    own = pd.concat([grid_only, few.assign(device="H200")])
+    table, eng = latency.few_requests_source(own, engine.assign(device="H200"), tmp_path)
+    assert set(table.device) == {"H200"} and eng.device.iloc[0] == "H200"
