@@ -130,3 +130,15 @@ def test_the_distillers_name_a_model_passed_where_a_capture_goes():
     with pytest.raises(TypeError, match="config must be a zipkv.distill.attention_matching.AttentionMatchingConfig or "
                                         "None, got SculptConfig"):      # was AttributeError: ... no attribute 'keys'
         attention_matching.compress(cap, 0.5, m=4, config=SculptConfig())
+
+
+def test_plan_refuses_a_split_count_far_past_the_page_count():
+    """A million splits reserved a million partial results (about 2 GB) for a few pages; now a clear error."""
+    import pytest
+    import torch
+    from zipkv.kernels import decode_attention as da
+    k = torch.randn(1, 1, 32, 64).to(torch.bfloat16)
+    cache, indptr, indices, last = da.build_paged_cache(k, k.clone())
+    da.plan(indptr, indices, last, cache, 1, num_splits=2)
+    with pytest.raises(ValueError, match="num_splits must be at most"):
+        da.plan(indptr, indices, last, cache, 1, num_splits=10**6)

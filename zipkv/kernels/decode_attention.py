@@ -299,6 +299,10 @@ def _check_watched(watched, indptr, indices, cache) -> tuple:
     return watched
 
 
+MAX_EMPTY_SPLITS = 64
+"""The largest ``num_splits`` :func:`plan` takes beyond the page table's page count (splits past it are empty)."""
+
+
 def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor, cache: PagedKVCache,
          q_heads: int, *, softmax_scale: float | None = None, num_splits: int | None = None,
          pages_per_tile: int | None = None, validate: bool = True, path: str = "auto",
@@ -399,6 +403,10 @@ def plan(indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tenso
                                          max(1, indices.numel() // B // ppt))
         else:
             num_splits = 1
+    elif num_splits > max(MAX_EMPTY_SPLITS, indices.numel()):
+        # a split past the page count reads nothing but still takes a partial result in the workspace
+        raise ValueError(f"num_splits must be at most max({MAX_EMPTY_SPLITS}, the page table's {indices.numel()} pages), "
+                         f"got {num_splits}")
     kinds = cache.page_kinds()
     fp32 = not gpu
     if kernel == "gluon":
