@@ -142,3 +142,15 @@ def test_plan_refuses_a_split_count_far_past_the_page_count():
     da.plan(indptr, indices, last, cache, 1, num_splits=2)
     with pytest.raises(ValueError, match="num_splits must be at most"):
         da.plan(indptr, indices, last, cache, 1, num_splits=10**6)
+
+
+def test_the_distillers_name_the_nearest_keyword_before_any_work():
+    """Python gave a bare TypeError for a misspelt keyword; every distiller entry point now suggests the nearest."""
+    import pytest
+    from zipkv.distill import attention_matching, generalise, kvsculpt
+    with pytest.raises(TypeError, match=r"did you mean n_synthetic=\?"):
+        kvsculpt.compress(object(), 0.3, n_synthetics=2)
+    with pytest.raises(TypeError, match=r"did you mean m=\?|did you mean config="):
+        generalise.compress(object(), 0.3, mm=2)
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        attention_matching.compress(object(), 0.3, confg=None)

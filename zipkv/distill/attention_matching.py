@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .keywords import suggest_keywords
 from .bias import BiasedCache
 from .generalise import HeadTargets, _spd_solve, check_config, layer_targets, objective
 
@@ -244,6 +245,7 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, train: torch.Tensor,
                 validation=sum(objective(v, keys_c, values_c, bias_c, v_ret)))
 
 
+@suggest_keywords
 def compress(capture, ratio: float, *, m: int = 256, config: AttentionMatchingConfig | None = None, model=None,
              probe=None) -> BiasedCache:
     """Compact a captured context's old zone at ``r = (k + m)/N`` with Attention Matching (module docstring).

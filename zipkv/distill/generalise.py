@@ -43,6 +43,7 @@ import torch
 
 from zipkv.models import cache_keyword, model_shape, rope_of
 
+from .keywords import suggest_keywords
 from .bias import BiasedCache
 from .problem import check_solver_device
 
@@ -529,6 +530,7 @@ def _assemble(capture, inputs, solved, ks, m, ratio, seconds) -> BiasedCache:
                        budget=ks.clone(), seconds=seconds, info=info)
 
 
+@suggest_keywords
 def compress(capture, ratio: float, *, m: int = 256, config: ZipkvConfig | None = None, budget: str = "uniform",
              alpha: float = PROBE_ALPHA, model=None, probe: Probe | None = None, cascade: bool = False,
              progress: bool = False) -> BiasedCache:
@@ -681,6 +683,7 @@ def per_head_fit(config: ZipkvConfig):
 
 
 @torch.no_grad()
+@suggest_keywords
 def compress_cascade(model, capture, ratio: float, probe: Probe, *, m: int = 256, config: ZipkvConfig | None = None,
                      budget: torch.Tensor | None = None, fit=None, method: str = "zipkv_cascade") -> BiasedCache:
     """Cascade-aware (on-policy) zipkv: layer ``ℓ`` is distilled with, besides its future queries, the probe

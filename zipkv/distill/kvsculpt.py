@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from zipkv.models import rope_of
 
+from .keywords import suggest_keywords
 from . import baselines, batched, budget as budget_mod
 from .baselines import JointConfig
 from .problem import Prepared, Problem, SculptConfig, Solution, Solver
@@ -422,6 +423,7 @@ def check_settings(*, m: int = 256, n_synthetic: int = 128, strategy: str = "uni
                 raise ValueError(f"alpha={alpha!r}: expected a finite exponent ≥ 0 (the pilot allocation's dampening)")
 
 
+@suggest_keywords
 def compress(capture, ratio: float, method: str = "kvsculpt", *, m: int = 256, n_synthetic: int = 128,
              strategy: str = "uniform", budget="uniform", config: SculptConfig | None = None,
              joint_config: JointConfig | None = None, pilot_steps: int = 30, alpha: float = 0.5,
