@@ -389,7 +389,7 @@ def test_the_timeline_text_sets_a_balanced_schedules_cost_per_chunk_against_the_
             dict(variant="balanced K=8 C=2", latency_us=548.0, chunks=8, chunk_units=2)]
     _write_runs(tmp_path, latency.BALANCED, rows, stamp)
     text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
-    assert text.startswith("- **A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`)")
+    assert text.startswith("- **A balanced schedule, tried** (a GPU probe)")
     assert ("On the NVIDIA H100 80GB HBM3 (commit abc1234, 2026-12-06 09:04 UTC) the static split took 520.0 µs, the "
             "balanced copies 524.0 µs (K = 2, C = 8) to 548.0 µs (K = 8, C = 2)") in text
     assert "FlashInfer TC 690.0 µs: every copy slower, by 2.0–3.5 µs per chunk a program runs" in text
@@ -412,7 +412,7 @@ def test_the_timeline_text_reports_l2_prefetches_for_the_later_split_against_the
             dict(kv_data="any", variant="flashinfer_tc", latency_us=716.0)]
     _write_runs(tmp_path, latency.L2_ASSIST, rows, stamp)
     text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
-    assert text.startswith("- **Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`)")
+    assert text.startswith("- **Warming L2 for the later sibling, tried** (a GPU probe)")
     assert ("On the NVIDIA H100 80GB HBM3 (commit abc1234, 2026-12-06 10:42 UTC; FlashInfer TC 716.0 µs), all "
             "compressed pages: the committed kernel 544.0 µs, N = 2: 545.0, 8: 546.0 µs; raw pages: the committed "
             "kernel 718.0 µs, N = 2: 719.0, 8: 723.0 µs: no N is faster, and the larger N the slower. The later "
@@ -442,7 +442,7 @@ def test_the_timeline_text_reports_short_programs_left_to_the_block_scheduler(tm
             dict(variant="flashinfer_tc", latency_us=715.0)]
     _write_runs(tmp_path, latency.SHORT_PROGRAMS, rows, stamp)
     text = latency.timeline_text(latency.read_timeline(tmp_path)).split("\n")[-1]
-    assert text.startswith("- **Short programs left to the block scheduler, tried** (`.ci/gpu/tail_blocks_probe.py`)")
+    assert text.startswith("- **Short programs left to the block scheduler, tried** (a GPU probe)")
     # per short program, against the control: (548.5 - 544.5) / 1 = 4.0, (558.5 - 544.5) / 4 = 3.5
     assert ("(commit abc1234, 2026-12-06 12:21 UTC; FlashInfer TC 715.0 µs) the committed kernel took 544.0 µs, the "
             "rewritten copy without short programs at 8 programs per SM (the control) 544.5 µs; with N short programs "

@@ -612,13 +612,34 @@ def ours_pct(row, reference) -> str:
     return f"{row.latency_us:.1f} µs ({100 * (row.latency_us / reference.latency_us - 1):+.1f} % against FlashInfer TC)"
 
 
+COLUMN_WORDS = {"ctx": "context (tokens)", "kv_data": "KV data", "latency_us": "latency (µs)", "bytes_read": "bytes read",
+                "tbps": "TB/s", "frac_copy_bw": "of copy bandwidth", "speedup_vs_flashinfer_tc": "speedup over FlashInfer TC",
+                "plan_vs_fastest": "plan's split count over the fastest", "num_splits": "splits", "stages": "ring depth",
+                "frac_compressed_k": "key blocks compressed", "frac_compressed_v": "value blocks compressed",
+                "fixed_us": "fixed cost (µs)", "us_per_1k": "µs per 1K tokens", "mb_per_1k": "MB per 1K tokens",
+                "stream_tbps": "streams at (TB/s)", "bytes_bound_us": "bytes bound (µs)", "max_resid_us": "largest residual (µs)",
+                "n_contexts": "contexts fitted", "cost_per_byte": "time per byte over FlashInfer TC's",
+                "three_vs_two_slots": "three ring slots over two"}
+"""Column names of the appendix's tables as a reader reads them (others: underscores as spaces)."""
+
+
+def _in_words(name):
+    return COLUMN_WORDS.get(name, name.replace("_", " ")) if isinstance(name, str) else name
+
+
+def readable(styler):
+    """A table's Styler with its column headers and index names in words (:data:`COLUMN_WORDS`)."""
+    styler.data.index.names = [_in_words(n) for n in styler.data.index.names]
+    return styler.format_index(_in_words, axis=1)
+
+
 def full_table(table: pd.DataFrame):
     """Every timing with its bytes and bandwidth, formatted (a Styler)."""
     view = table.assign(method=table.method.map(METHOD_LABELS), kernel=table.kernel.fillna("–"))
     view = view[["shape", "ctx", "batch", "kv_data", "method", "kernel", "latency_us", "bytes_read", "tbps",
                  "frac_copy_bw", "speedup_vs_flashinfer_tc"]]
     return view.style.format({"latency_us": "{:.1f}", "bytes_read": "{:.3e}", "tbps": "{:.2f}", "frac_copy_bw": "{:.0%}",
-                              "speedup_vs_flashinfer_tc": "{:.2f}×"}, na_rep="–").hide(axis="index")
+                              "speedup_vs_flashinfer_tc": "{:.2f}×"}, na_rep="–").hide(axis="index").pipe(readable)
 
 
 def _sweep_rows(sweep: pd.DataFrame) -> pd.DataFrame:
@@ -665,7 +686,7 @@ def mix_text(sweep: pd.DataFrame | None) -> str:
     and date it ran at (a sweep is committed on its own and may predate the chapter's main table); without a
     sweep (None), that one needs a GPU."""
     if sweep is None:
-        return "The compressed-share sweep (`zipkv.bench.mix_sweep`) needs a GPU and none is committed yet."
+        return "The compressed-share sweep needs a GPU and none is committed yet."
     z = _sweep_rows(sweep)
     auto, dev = z[z.routing == "auto"].set_index("kv_data"), z[z.routing == "device"].set_index("kv_data")
     fi = sweep[sweep.method == "flashinfer_tc"].iloc[0]
@@ -691,7 +712,7 @@ def mix_table(sweep: pd.DataFrame):
                             "bytes_read", "tbps", "bytes_bound_us", "cost_per_byte", "speedup_vs_flashinfer_tc"]]
     return z.style.format({"frac_compressed_k": "{:.1%}", "frac_compressed_v": "{:.1%}", "latency_us": "{:.1f}",
                            "bytes_read": "{:.3e}", "tbps": "{:.2f}", "bytes_bound_us": "{:.1f}",
-                           "cost_per_byte": "{:.2f}×", "speedup_vs_flashinfer_tc": "{:.2f}×"}).hide(axis="index")
+                           "cost_per_byte": "{:.2f}×", "speedup_vs_flashinfer_tc": "{:.2f}×"}).hide(axis="index").pipe(readable)
 
 
 SWEEPS = ("zipfusion_split_sweep.csv",)
@@ -777,7 +798,7 @@ def split_table(table: pd.DataFrame):
     splits = [c for c in table.columns if c.endswith(" splits")]
     view = table.assign(method=table.method.map(METHOD_LABELS))
     return view.style.format({**{c: "{:.1f}" for c in splits}, "plan_vs_fastest": "{:.3f}×",
-                              "three_vs_two_slots": "{:.3f}×"}, na_rep="–").hide(axis="index")
+                              "three_vs_two_slots": "{:.3f}×"}, na_rep="–").hide(axis="index").pipe(readable)
 
 
 def read_context_fit(folder):
@@ -895,7 +916,7 @@ def ceiling_text(table: pd.DataFrame | None, ctx: int = ZIPFUSION_PAPER.anchor_c
     metadata layout and launch could give), against the bar; and where the uncompressed path streams faster than the
     compressed one, the fixed cost the bar would leave at that rate. Without a probe run (None), that one needs a GPU."""
     if table is None:
-        return "The ceiling probe (`.ci/gpu/descriptor_ceiling.py`) needs a GPU and no run of it is committed yet."
+        return "The ceiling probe needs a GPU and no run of it is committed yet."
     bar = PROJECT_TARGETS.speedup_vs_flashinfer_tc
     items = []
     for (device, commit, date), run in table.groupby(["device", "commit", "date"], sort=False):
@@ -940,14 +961,14 @@ def ceiling_table(table: pd.DataFrame | None):
     view = table.assign(method=table.method.map(labels)).pivot_table(
         index=["device", "method"], columns="ctx", values="latency_us", sort=False)
     view.columns = [f"{c} tokens (µs)" for c in view.columns]
-    return view.style.format("{:.1f}")
+    return view.style.format("{:.1f}").pipe(readable)
 
 
 def context_table(fit: pd.DataFrame):
     """:func:`context_fit`'s table, formatted (a Styler)."""
     view = fit.assign(method=fit.method.map(METHOD_LABELS))
     return view.style.format({"fixed_us": "{:.1f}", "us_per_1k": "{:.2f}", "mb_per_1k": "{:.1f}",
-                              "stream_tbps": "{:.2f}", "max_resid_us": "{:.1f}"}).hide(axis="index")
+                              "stream_tbps": "{:.2f}", "max_resid_us": "{:.1f}"}).hide(axis="index").pipe(readable)
 
 
 TIMELINE = "zipfusion_kernel_timeline.csv"
@@ -1016,7 +1037,7 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
     differ (the share of bandwidth each SM gets). Then the balanced schedule's runs (:data:`BALANCED`), the L2
     assist's (:data:`L2_ASSIST`) and the short programs' (:data:`SHORT_PROGRAMS`), if any."""
     if timeline is None:
-        return "The timeline probe (`.ci/gpu/timeline_probe.py`) needs a GPU and no run of it is committed yet."
+        return "The timeline probe needs a GPU and no run of it is committed yet."
     items = []
     for (device, date), _ in timeline["launches"].groupby(["device", "date"], sort=False):
         at = tail_at(timeline, device, ctx, date)
@@ -1048,17 +1069,17 @@ def timeline_text(timeline: dict | None, ctx: int = ZIPFUSION_PAPER.anchor_conte
                                                      "splits cannot end together." if unequal else "."))
         items.append(text)
     tried = (("balanced", _balanced_run, lambda runs: "",
-              "**A balanced schedule, tried** (`.ci/gpu/balanced_probe.py`): each split hands the first K × C units of its "
+              "**A balanced schedule, tried** (a GPU probe): each split hands the first K × C units of its "
               "range out as K fixed chunks of C units, which any program claims from one queue once its own part is "
               "done; each chunk is merged as its own partial, so the output stays the same from run to run and bit for "
               "bit the same over packed and raw pages. "),
              ("assist", _assist_run, _assist_closing,
-              "**Warming L2 for the later sibling, tried** (`.ci/gpu/l2_assist_probe.py`): a program whose page loop "
+              "**Warming L2 for the later sibling, tried** (a GPU probe): a program whose page loop "
               "has ended before its sibling split's prefetches the sibling's last N units into L2 "
               "(`cp.async.bulk.prefetch.L2`, one per block) and computes nothing differently: its output is the "
               "committed kernel's bit for bit. "),
              ("short", _short_run, _short_closing,
-              "**Short programs left to the block scheduler, tried** (`.ci/gpu/tail_blocks_probe.py`): each split keeps "
+              "**Short programs left to the block scheduler, tried** (a GPU probe): each split keeps "
               "all but its last N × T units in one long program, and its last units become N short programs of T units "
               "each, launched after every long one; with the SM's residency held to 8 programs (shared memory padded), "
               "every long program starts at once and an SM whose long programs end early takes the short ones that are "
