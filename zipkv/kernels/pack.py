@@ -153,6 +153,20 @@ def _check_int_tensor(x, name, dtype, n):
         raise ValueError(f"{name} must be contiguous")
 
 
+def _check_page_slots(src8, src_offsets, dst, dst_offsets, page_bytes: int, validate: bool) -> None:
+    """Both buffers 16-byte aligned; with ``validate`` every offset a multiple of 256 with a whole page inside its buffer
+    (one device sync)."""
+    checked = (("src_offsets", src_offsets, src8), ("dst_offsets", dst_offsets, dst)) if validate else ()
+    for name, off, buf in checked:
+        lo, hi = int(off.min()), int(off.max())
+        if lo < 0 or hi + page_bytes > buf.numel() or bool((off % 256 != 0).any()):
+            raise ValueError(f"{name} must be multiples of 256 in [0, {buf.numel() - page_bytes}] "
+                             f"(buffer of {buf.numel()} bytes), got range [{lo}, {hi}]")
+    for name, buf in (("src", src8), ("dst", dst)):
+        if buf.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address, got {buf.data_ptr():#x}")
+
+
 def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
               dst_offsets: torch.Tensor, head_dim: int, layout: str = "token", *,
               src_packed: bool = False, meta_out: torch.Tensor | None = None,
@@ -203,16 +217,7 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor,
     if n == 0:
         return meta_out
     src8 = src.view(torch.uint8)
-    pb = fmt.page_bytes(head_dim)
-    checked = (("src_offsets", src_offsets, src8), ("dst_offsets", dst_offsets, dst)) if validate else ()
-    for name, off, buf in checked:
-        lo, hi = int(off.min()), int(off.max())
-        if lo < 0 or hi + pb > buf.numel() or bool((off % 256 != 0).any()):
-            raise ValueError(f"{name} must be multiples of 256 in [0, {buf.numel() - pb}] "
-                             f"(buffer of {buf.numel()} bytes), got range [{lo}, {hi}]")
-    for name, buf in (("src", src8), ("dst", dst)):
-        if buf.data_ptr() % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address, got {buf.data_ptr():#x}")
+    _check_page_slots(src8, src_offsets, dst, dst_offsets, fmt.page_bytes(head_dim), validate)
     check_launchable(_pack_kernel, dst.device, "dst")
     gpu = dst.device.type == "cuda" and not _interpreting()
     cst, warps = _launch_config(head_dim, pages_per_program, gpu)

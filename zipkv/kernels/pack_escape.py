@@ -27,7 +27,7 @@ import triton.language as tl
 
 from zipkv import format as fmt
 from zipkv.kernels import check_launchable
-from zipkv.kernels.pack import _check_int_tensor, _check_pages_per_program, _interpreting, _launch_config
+from zipkv.kernels.pack import _check_int_tensor, _check_page_slots, _check_pages_per_program, _interpreting, _launch_config
 
 __all__ = ["pack_into", "pack_slots", "pack_pages", "NUM_WARPS"]
 
@@ -186,16 +186,7 @@ def pack_into(src: torch.Tensor, src_offsets: torch.Tensor, dst: torch.Tensor, d
     if n == 0:
         return packed, second
     src8 = src.view(torch.uint8)
-    pb = fmt.page_bytes(head_dim)
-    checked = (("src_offsets", src_offsets, src8), ("dst_offsets", dst_offsets, dst)) if validate else ()
-    for name, off, buf in checked:
-        lo, hi = int(off.min()), int(off.max())
-        if lo < 0 or hi + pb > buf.numel() or bool((off % 256 != 0).any()):
-            raise ValueError(f"{name} must be multiples of 256 in [0, {buf.numel() - pb}] "
-                             f"(buffer of {buf.numel()} bytes), got range [{lo}, {hi}]")
-    for name, buf in (("src", src8), ("dst", dst)):
-        if buf.data_ptr() % 16:
-            raise ValueError(f"{name} must start at a 16-byte aligned address, got {buf.data_ptr():#x}")
+    _check_page_slots(src8, src_offsets, dst, dst_offsets, fmt.page_bytes(head_dim), validate)
     check_launchable(_pack_escape_kernel, dst.device, "dst")
     gpu = dst.device.type == "cuda" and not _interpreting()
     if not gpu and pages_per_program is None:  # the interpreter: few programs, tiles of [BLK, 512] within its limit
