@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 
 from zipkv import escape, format as fmt
-from zipkv.memory.chunks import COMP
 from zipkv.memory.pages import Packed, Pages, to_device
 from zipkv.memory.placement import UNIT
 
@@ -232,17 +231,11 @@ class EscapePages(Pages):
     def place_packed(self, packed: EscapePacked, outstanding: int) -> list[int]:
         """Place ``packed``'s full pages in compressed chunks of each layer (:meth:`Pages.place_packed`), each page's
         page-head lists gathered into one list after its last page-head; block and escape descriptors written."""
-        n, H, nb = packed.n_pages, self.kv_heads, fmt.n_blocks(self.head_dim)
+        n, H = packed.n_pages, self.kv_heads
         ids = [self._free_ids.pop() for _ in range(n)]
         slot_units = self.slot_bytes // UNIT
         for l in range(self.num_layers):
-            pieces = []
-            for p, hu in zip(ids, packed.head_units[l]):
-                where = self.placement.comp_alloc(l, hu, outstanding)
-                if where is None:
-                    raise RuntimeError("KVMemory: no room for a packed page although the check passed (internal error)")
-                self._loc[l][p] = (COMP, tuple(where))
-                pieces.append(where)
+            pieces = self._alloc_packed(l, ids, packed.head_units[l], outstanding)
             if not n:
                 continue
             meta, second = packed.meta[l], packed.second[l]

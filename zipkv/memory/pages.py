@@ -499,6 +499,18 @@ class Pages:
                 if packed.checksum is not None:
                     fmt.verify_checksum(packed.slots[l][:, i], packed.checksum[l][:, i], m, f"{name} ([page, kv head])")
 
+    def _alloc_packed(self, layer: int, ids, head_units, outstanding: int) -> list:
+        """Compressed-chunk room in ``layer`` for pages ``ids`` of ``head_units`` units each, recorded as their
+        locations; the pieces, in order. The caller checked they fit."""
+        pieces = []
+        for p, hu in zip(ids, head_units):
+            where = self.placement.comp_alloc(layer, hu, outstanding)
+            if where is None:
+                raise RuntimeError("KVMemory: no room for a packed page although the check passed (internal error)")
+            self._loc[layer][p] = (COMP, tuple(where))
+            pieces.append(where)
+        return pieces
+
     def place_packed(self, packed: Packed, outstanding: int) -> list[int]:
         """Take page ids for ``packed``'s full pages and place them in compressed chunks of each layer
         (:meth:`Placement.comp_alloc`, keeping room for the ``outstanding`` reserved pages), their bytes copied in and
@@ -507,13 +519,7 @@ class Pages:
         ids = [self._free_ids.pop() for _ in range(n)]
         slot_units = self.slot_bytes // UNIT
         for l in range(self.num_layers):
-            pieces = []
-            for p, hu in zip(ids, packed.head_units[l]):
-                where = self.placement.comp_alloc(l, hu, outstanding)
-                if where is None:
-                    raise RuntimeError("KVMemory: no room for a packed page although the check passed (internal error)")
-                self._loc[l][p] = (COMP, tuple(where))
-                pieces.append(where)
+            pieces = self._alloc_packed(l, ids, packed.head_units[l], outstanding)
             if not n:
                 continue
             meta = packed.meta[l]
