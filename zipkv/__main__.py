@@ -26,26 +26,24 @@ EXTENSIONS = "zipkv.commands"
 (``commands``: the parser's subparsers; ``run(args) -> exit status``)."""
 
 
-def positive_int(text: str) -> int:
-    """An argparse type: an int ≥ 1 (a bad one is argparse's one-line usage error, before any work)."""
+def _int_at_least(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an int ≥ 1 (a bad one is argparse's one-line usage error, before any work)."""
+    return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
     """An argparse type: an int ≥ 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return _int_at_least(text, 0)
 
 
 BENCH_OPTIONS = {
