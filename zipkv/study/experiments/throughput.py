@@ -347,11 +347,6 @@ def gpu_run_record() -> dict:
     return record
 
 
-RUN_COLUMNS = ("batch", "tokens_per_s", "kv_budget_bytes", "frac_compressed_k", "frac_compressed_v",
-               "stored_bits_per_value", "timed_steps", "step_ms", "overlap", "admitted_raw")
-"""The columns of :func:`_run_columns`."""
-
-
 def _run_columns(st: dict) -> dict:
     """The table's columns every run has, from :meth:`zipkv.engine.Engine.generate`'s ``stats``."""
     return dict(batch=st["max_batch"], tokens_per_s=st["decode_tokens_per_s"], kv_budget_bytes=st["kv_budget_bytes"],
@@ -382,6 +377,21 @@ def _free_device() -> None:
         torch.cuda.empty_cache()
 
 
+def _end_to_end(model, method: str, prompts, new_tokens: int, budget: int, pages_per_chunk: int, codec=None):
+    """One engine run of ``method`` over ``prompts`` under ``budget``, a real model end to end (ZipFusion compresses
+    every page it fills, not only the prompt's; a restore baseline keeps the prompt as ``codec``'s payload)."""
+    kw = engine_settings(method)
+    if codec is not None:
+        kw["restore"] = codec
+    if method == "zipfusion":
+        kw["compress"] = "all"
+    engine = Engine(model, budget, pages_per_chunk=pages_per_chunk, eos_token_id=None, **kw)
+    res = engine.generate(prompts, new_tokens, progress=False)
+    del engine
+    _free_device()
+    return res
+
+
 def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk, seed, calibration_blocks=None):
     """The embedded model end to end on PG19 windows under the budget that holds ``budget_requests``
     requests uncompressed: uncompressed, ZipFusion (every full page compressed after the step that filled
@@ -397,16 +407,8 @@ def _e2e(device, requests, context, new_tokens, budget_requests, pages_per_chunk
         calibration_blocks = real_kv_blocks(model, tok, data.load_books(), windows=1, context=context, seed=seed + 1)
     rows, runs = [], {}
     for method in METHODS:
-        kw = engine_settings(method)
-        if method in RESTORE:
-            kw["restore"] = make_codec(method, calibration_blocks)
-        if method == "zipfusion":
-            kw["compress"] = "all"           # end to end: every page it fills, not only the prompt's
-        engine = Engine(model, budget, pages_per_chunk=pages_per_chunk, eos_token_id=None, **kw)
-        res = engine.generate(prompts, new_tokens, progress=False)
-        del engine
-        _free_device()
-        runs[method] = res
+        codec = make_codec(method, calibration_blocks) if method in RESTORE else None
+        runs[method] = res = _end_to_end(model, method, prompts, new_tokens, budget, pages_per_chunk, codec)
         st = res.stats
         rows.append(dict(model=models.EMBEDDED_NAME, method=method, **_run_columns(st), max_batch=st["max_batch"],
                          mean_batch=sum(x["batch"] for x in st["steps"]) / max(1, len(st["steps"])),
@@ -599,7 +601,7 @@ def few_requests(*, device="cuda", contexts=(32768, 131072), batches=(1, 4), new
                               new_tokens=new_tokens, batch=batch, timed_steps=timed_steps, seed=seed,
                               pages_per_chunk=pages_per_chunk)
         r.pop("stats")
-        rows.append(dict(row, **{k: r[k] for k in RUN_COLUMNS}))
+        rows.append(dict(row, **r))
     del model
     _free_device()
     if embedded:
@@ -609,13 +611,7 @@ def few_requests(*, device="cuda", contexts=(32768, 131072), batches=(1, 4), new
                                                                     continuation=0, seed=seed)]
             budget = largest_batch_budget(small.config, batch, context + new_tokens - 1, pages_per_chunk=pages_per_chunk)
             for method in methods:
-                kw = engine_settings(method)
-                if method == "zipfusion":
-                    kw["compress"] = "all"
-                engine = Engine(small, budget, pages_per_chunk=pages_per_chunk, eos_token_id=None, **kw)
-                res = engine.generate(prompts, new_tokens, progress=False)
-                del engine
-                _free_device()
+                res = _end_to_end(small, method, prompts, new_tokens, budget, pages_per_chunk)
                 rows.append(dict(model=models.EMBEDDED_NAME, context=context, method=method,
                                  **_run_columns(res.stats)))
     out = pd.DataFrame(rows)
