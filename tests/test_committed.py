@@ -28,6 +28,17 @@ def test_uncommitted_table_is_a_clear_error(tmp_path):
         committed.read_committed_csv(stray)
 
 
+def test_side_table_of_a_copy_outside_git_is_read_from_the_working_copy(tmp_path):
+    main = tmp_path / "results" / "paper" / "chapter.csv"   # a copy of the project with no .git above it
+    main.parent.mkdir(parents=True)
+    pd.DataFrame({"a": [1]}).to_csv(main, index=False)
+    pd.DataFrame({"b": [2.5]}).to_csv(committed.side_table(main, "task"), index=False)
+    assert committed.read_committed_side(main, "task", at_head=False).b.tolist() == [2.5]
+    assert committed.read_committed_side(main, "replies", at_head=False) is None
+    with pytest.raises(ValueError, match="rev-parse"):   # as git holds it: there is no git here
+        committed.read_committed_csv(main)
+
+
 def test_table1_kvsculpt_joins_only_the_same_windows_under_the_same_evaluation():
     beyond = pd.DataFrame({"model": ["m"] * 4, "window": [0, 0, 1, 1], "ratio": [0.3] * 4,
                            "method": ["select_fit", "zipkv"] * 2, "kl": [0.05, 0.01, 0.04, 0.02],

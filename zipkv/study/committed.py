@@ -53,9 +53,13 @@ def side_table(main_csv: str | Path, name: str) -> Path:
     return main_csv.with_name(f"{main_csv.stem}_{name}.csv")
 
 
-def read_committed_side(main_csv: str | Path, name: str) -> pd.DataFrame | None:
-    """The side table ``name`` of the committed table ``main_csv`` as committed at ``HEAD``, or ``None`` where no run
-    has committed one (the chapter then says that part needs a run)."""
+def read_committed_side(main_csv: str | Path, name: str, at_head: bool = True) -> pd.DataFrame | None:
+    """The side table ``name`` of the committed table ``main_csv`` as committed at ``HEAD`` (``at_head=False``: as the
+    working copy holds it, for a copy of the project outside git), or ``None`` where no run has committed one (the
+    chapter then says that part needs a run)."""
+    if not at_head:
+        path = side_table(main_csv, name)
+        return pd.read_csv(path) if path.is_file() else None
     try:
         return read_committed_csv(side_table(main_csv, name))
     except ValueError:
