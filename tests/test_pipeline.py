@@ -162,3 +162,50 @@ def test_the_pipeline_refuses_bad_input_before_any_work(embedded, plain_tokenize
     bare = transformers.pipeline(P.TASK, model=model, tokenizer=plain_tokenizer, chat_template=True)
     with pytest.raises(ValueError, match="chat_template=True, but the tokenizer"):
         bare(context, question="Who?")
+
+
+@pytest.mark.slow
+def test_a_probe_given_as_ids_is_the_sampled_probe_when_the_ids_are_the_same(embedded, context):
+    """``probe=`` ids teacher-forced after the context take the sampled continuation's place: given the very ids the
+    default samples, the cache is the default's, pair for pair (so the forced path feeds them where sampling would)."""
+    from zipkv import models
+    from zipkv.distill import generalise
+
+    model, tokenizer = embedded
+    ids = torch.tensor(tokenizer(context)["input_ids"][:96])
+    sampled = generalise.sample_probe(model, models.capture(model, ids), ids, tokens=8, seed=3).ids
+    default = compression.compress(model, ids, 0.5, probe_tokens=8, seed=3)
+    given = compression.compress(model, ids, 0.5, probe=sampled, seed=3)
+    other = compression.compress(model, ids, 0.5, probe=sampled.flip(0), seed=3)
+    for a, b in zip(default.layers, given.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) and torch.equal(a.bias, b.bias)
+    assert any(not torch.equal(a.values, b.values) for a, b in zip(default.layers, other.layers)), "can fail"
+
+
+def test_the_reconstruction_probe_is_the_repeat_prompt_then_the_context(tokenizer):
+    ids = torch.arange(100, 140)
+    probe = P.reconstruction_probe(tokenizer, ids[None])
+    repeat = tokenizer(P.REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+    assert probe.tolist() == repeat + ids.tolist() and probe.dtype == torch.long
+
+
+def test_bad_probes_are_refused_before_the_capture(embedded, context, monkeypatch):
+    from zipkv import models
+
+    model, tokenizer = embedded
+    ids = torch.tensor(tokenizer(context)["input_ids"][:64])
+    monkeypatch.setattr(models, "capture", lambda *args, **kwargs: pytest.fail("the capture ran before the checks"))
+    vocab = model.config.vocab_size
+    for probe, error, match in (("reconstruction", TypeError, r"probe='reconstruction': expected token ids; .*"
+                                                              r"reconstruction_probe\(tokenizer, context_ids\)"),
+                                (torch.ones(4), ValueError, r"probe has shape \(4,\) and dtype torch.float32"),
+                                (torch.ones(2, 3, dtype=torch.long), ValueError, r"probe has shape \(2, 3\)"),
+                                (torch.tensor([], dtype=torch.long), ValueError, r"probe has shape \(0,\)"),
+                                (torch.tensor([5, vocab]), ValueError, f"probe holds ids from 5 to {vocab}: .* 0 … "
+                                                                       f"{vocab - 1}"),
+                                (torch.tensor([-1, 2]), ValueError, "probe holds ids from -1 to 2"),
+                                (object(), TypeError, "probe: expected token ids .* got object")):
+        with pytest.raises(error, match=match):
+            compression.compress(model, ids, 0.5, probe=probe)
+    with pytest.raises(ValueError, match=r"probe='recon': expected 'reconstruction'"):
+        P.answer(model, tokenizer, context, "Who?", probe="recon")

@@ -30,8 +30,8 @@ MIN_CONTEXT = 16
 _KVSCULPT_SETTINGS = ("n_synthetic", "strategy", "budget", "config", "joint_config", "pilot_steps", "alpha", "scale",
                       "solver", "problems")
 _SETTINGS = {
-    "zipkv": ("probe_tokens", "budget", "alpha", "cascade", "config"),
-    "attention_matching": ("probe_tokens", "config"),
+    "zipkv": ("probe_tokens", "probe", "budget", "alpha", "cascade", "config"),
+    "attention_matching": ("probe_tokens", "probe", "config"),
     **{name: _KVSCULPT_SETTINGS for name in ("kvsculpt", "select_fit", "attention_score", "joint_opt", "random")},
 }
 """Each method's settings beyond ``kept_fraction``/``kept_tokens``, ``m`` and ``seed``."""
@@ -118,9 +118,13 @@ def compress(model, input_ids: torch.Tensor, kept_fraction: float | None = None,
         seed: the probe's sampling seed (zipkv, Attention Matching) or KVSculpt's synthetic queries'.
         progress: a progress bar over the layers (zipkv's uniform fit).
         settings: the method's own (a ``TypeError`` names any other before any work):
-            zipkv -- ``probe_tokens`` (64), ``budget`` (``"probe"``, or ``"uniform"``/``"pilot"``), ``alpha``,
-            ``cascade`` (True), ``config`` (:class:`~zipkv.distill.generalise.ZipkvConfig`);
-            attention_matching -- ``probe_tokens``, ``config`` (an
+            zipkv -- ``probe_tokens`` (64), ``probe`` (None: the sampled continuation; else token ids ``[P]``
+            teacher-forced after the context instead, e.g. :func:`zipkv.pipeline.reconstruction_probe`'s
+            repeat-the-context prompt, KVzip's queries, for questions about the context: P forward tokens per head
+            variant, so it costs about P/64 times the default's head-sensitivity phase), ``budget``
+            (``"probe"``, or ``"uniform"``/``"pilot"``), ``alpha``, ``cascade`` (True), ``config``
+            (:class:`~zipkv.distill.generalise.ZipkvConfig`);
+            attention_matching -- ``probe_tokens``, ``probe``, ``config`` (an
             :class:`~zipkv.distill.attention_matching.AttentionMatchingConfig`: that construction alone);
             KVSculpt and its baselines -- :func:`zipkv.distill.kvsculpt.compress`'s (``n_synthetic``, ``budget``,
             ``config``, …) or :class:`~zipkv.distill.SculptConfig`'s fields (``steps=20``, ``device=…``).
@@ -186,12 +190,38 @@ def compress(model, input_ids: torch.Tensor, kept_fraction: float | None = None,
     return DistilledCache.from_compressed(compressed, model, context_ids=ids)
 
 
+def _probe_ids(model, probe) -> torch.Tensor | None:
+    """``probe`` checked: None, or integer token ids ``[P]`` (or ``[1, P]``) of the model's vocabulary."""
+    if probe is None:
+        return None
+    if isinstance(probe, str):
+        raise TypeError(f"probe={probe!r}: expected token ids; zipkv.pipeline.reconstruction_probe(tokenizer, "
+                        "context_ids) gives the repeat-the-context probe's (zipkv.answer takes probe='reconstruction')")
+    try:
+        ids = torch.as_tensor(probe)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"probe: expected token ids (a tensor, list or array of ints), got {type(probe).__name__}"
+                        ) from None
+    ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
+    vocab = getattr(model.config, "vocab_size", None)
+    if ids.ndim != 1 or ids.numel() < 1 or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise ValueError(f"probe has shape {tuple(ids.shape)} and dtype {ids.dtype}: expected integer token ids [P], "
+                         "P ≥ 1")
+    if int(ids.min()) < 0 or (isinstance(vocab, int) and int(ids.max()) >= vocab):
+        raise ValueError(f"probe holds ids from {int(ids.min())} to {int(ids.max())}: expected ids of the model's "
+                         f"vocabulary, 0 … {vocab - 1 if isinstance(vocab, int) else 'vocab_size − 1'}")
+    return ids.long()
+
+
 def _distil_with_probe(model, ids, ratio: float, method: str, m: int, seed: int, progress: bool, *,
-                       probe_tokens: int = 64, budget: str = "probe", alpha: float | None = None, cascade: bool = True,
-                       config=None):
-    """zipkv's distiller or Attention Matching on the context ``ids``: capture, the model's sampled probe, the fit."""
+                       probe_tokens: int = 64, probe=None, budget: str = "probe", alpha: float | None = None,
+                       cascade: bool = True, config=None):
+    """zipkv's distiller or Attention Matching on the context ``ids``: capture, the probe (the model's sampled
+    continuation, or the given ``probe`` ids teacher-forced), the fit."""
     from .distill import attention_matching, generalise
     from .models import capture
+
+    probe_ids = _probe_ids(model, probe)
 
     if isinstance(probe_tokens, bool) or not isinstance(probe_tokens, numbers.Integral) or probe_tokens < 1:
         raise ValueError(f"probe_tokens={probe_tokens!r}: expected an int ≥ 1 (the model's sampled continuation)")
@@ -217,7 +247,8 @@ def _distil_with_probe(model, ids, ratio: float, method: str, m: int, seed: int,
 
     cap = capture(model, ids)
     seconds = dict(capture=lap())
-    probe = generalise.sample_probe(model, cap, ids, tokens=int(probe_tokens), seed=seed)
+    probe = (generalise.sample_probe(model, cap, ids, tokens=int(probe_tokens), seed=seed) if probe_ids is None
+             else generalise.forced_probe(model, cap, probe_ids))
     seconds["probe"] = lap()
     if method == "zipkv":
         cache = generalise.compress(cap, ratio, m=m, config=config, budget=budget, model=model, probe=probe,

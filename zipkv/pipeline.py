@@ -28,7 +28,7 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from .compression import compress
 
-__all__ = ["TASK", "ZipkvTextGenerationPipeline", "answer", "prompt_ids"]
+__all__ = ["TASK", "ZipkvTextGenerationPipeline", "answer", "prompt_ids", "reconstruction_probe"]
 
 TASK = "zipkv-text-generation"
 """The task name of :class:`ZipkvTextGenerationPipeline` for ``transformers.pipeline``."""
@@ -164,6 +164,21 @@ def prompt_ids(tokenizer, context: str, questions: Sequence[str], *, chat_templa
             [torch.tensor(ids[shared:], dtype=torch.long) for ids in prompt_lists])
 
 
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly.\n"
+"""The instruction before the context's own tokens in :func:`reconstruction_probe` (KVzip's, Kim et al. 2025, as
+kvpress's ``KVzipPress`` words it)."""
+
+
+def reconstruction_probe(tokenizer, context_ids) -> torch.Tensor:
+    """Token ids ``[P]`` for :func:`zipkv.compress`'s ``probe``: :data:`REPEAT_PROMPT`, then the context ``[N]`` again,
+    teacher-forced after it (P = N + the prompt's tokens). The distiller then fits and budgets on queries that re-read
+    every part of the context, as KVzip scores pairs, instead of on the model's sampled continuation: for questions
+    about the context asked after it (retrieval), not for continuing it. Its head-sensitivity phase runs P tokens
+    instead of 64, so compression costs about N/64 times that phase's default."""
+    repeat = tokenizer(REPEAT_PROMPT, add_special_tokens=False)["input_ids"]
+    return torch.cat([torch.tensor(repeat, dtype=torch.long), torch.as_tensor(context_ids).flatten().long()])
+
+
 def _special_ids(model, tokenizer) -> tuple[list[int], int]:
     """The model's end-of-sequence ids (its generation config's, else the tokenizer's) and the id that pads."""
     eos = model.generation_config.eos_token_id
@@ -180,6 +195,11 @@ def _generate_answers(model, tokenizer, context_ids: torch.Tensor, question_ids:
     """Compress ``context_ids`` ``[N]`` once and answer every ``question_ids[q]`` ``[T_q]`` after it in one
     left-padded ``generate``."""
     _check_generate_kwargs(model, generate_kwargs)
+    if isinstance(settings.get("probe"), str):
+        if settings["probe"] != "reconstruction":
+            raise ValueError(f"probe={settings['probe']!r}: expected 'reconstruction' (the context re-read after "
+                             "a repeat instruction), token ids, or None (the sampled continuation)")
+        settings = {**settings, "probe": reconstruction_probe(tokenizer, context_ids)}
     cache = compress(model, context_ids, kept_fraction, method=method, **settings)
     eos, pad = _special_ids(model, tokenizer)
     device = next(model.parameters()).device
@@ -216,7 +236,9 @@ def answer(model, tokenizer, context: str, questions: str | Sequence[str], *, ke
         chat_template: apply the tokenizer's chat template (None: where it has one), :func:`prompt_ids`.
         separator: the text between the context and each question.
         generate_kwargs: more keyword arguments of ``model.generate`` (sampling: ``dict(do_sample=True, …)``).
-        settings: :func:`zipkv.compress`'s (``kept_tokens``, ``m``, ``seed``, the method's own).
+        settings: :func:`zipkv.compress`'s (``kept_tokens``, ``m``, ``seed``, the method's own); zipkv's and
+            Attention Matching's ``probe`` also takes ``"reconstruction"`` (:func:`reconstruction_probe` of the
+            templated context: for retrieval questions, at a higher compression cost).
 
     Every argument is checked before the model runs (:func:`zipkv.compress` checks its own).
 

@@ -370,6 +370,16 @@ def sample_probe(model, capture, context_ids: torch.Tensor, tokens: int = 64, *,
     return Probe(ids=ids, reference=teacher_force(model, full, ids))
 
 
+@torch.no_grad()
+def forced_probe(model, capture, ids: torch.Tensor) -> Probe:
+    """A probe of given token ids ``[P]`` teacher-forced after the captured context at positions N … N+P−1 (e.g. a
+    repeat-the-context prompt and the context, KVzip's reconstruction queries): the full cache's logits on them."""
+    from .bias import BiasedCache, teacher_force
+
+    ids = torch.as_tensor(ids).flatten().long()
+    return Probe(ids=ids, reference=teacher_force(model, BiasedCache.from_capture(capture), ids))
+
+
 SENSITIVITY_MEMORY = {"cuda": 8 * 2**30, "cpu": 2**30}
 """Bytes, by device type, that :func:`head_sensitivity`'s default ``batch`` lets one forward's variants hold."""
 

@@ -30,6 +30,8 @@ chapters' ratio."""
 
 ZIPKV_SIDE = ("zipkv", "zipkv_press", "attention_matching", "kvsculpt", "select_fit", "select_fit_dense")
 """zipkv's methods in the table (:data:`zipkv.integrations.kvpress.ZIPKV_METHODS`)."""
+RECONSTRUCTION = "zipkv_reconstruction"
+"""zipkv's distiller with the repeat-the-context probe (:func:`zipkv.pipeline.reconstruction_probe`), a task method."""
 
 
 def load_model(name: str | None = None):
@@ -116,6 +118,11 @@ def compressor(method: str, kept_fraction: float, tokenizer, *, probe_tokens: in
 
     if method == "none":
         return None
+    if method == RECONSTRUCTION:
+        from zipkv.pipeline import reconstruction_probe
+
+        return lambda model, ids: zipkv.compress(model, ids, kept_fraction, seed=seed,
+                                                 probe=reconstruction_probe(tokenizer, ids))
     if method in ZIPKV_SIDE and method != "zipkv_press":
         settings = dict(kept_fraction=kept_fraction, seed=seed, method="select_fit" if method.startswith(
             "select_fit") else method)
@@ -233,9 +240,81 @@ def replies(model, tokenizer, books, methods: Sequence[str], kept_fraction: floa
     return pd.DataFrame(rows)
 
 
+def _kept_positions(cache, capture, positions: Sequence[int], model) -> torch.Tensor:
+    """``[L, H, len(positions)]`` 1.0 where head ``(l, h)`` of ``cache`` still holds the context's own key at that
+    position (a kvpress cache, its head-wise mask applied, or a :class:`zipkv.cache.DistilledCache`; zipkv keeps the
+    keys it selects as they are). Keys are matched to the captured ones to 1e-3 of their largest entry: a press's
+    prefill and the capture compute them in separate passes."""
+    from zipkv.cache import DistilledCache
+    from zipkv.integrations import kvpress as integration
+
+    L, (H, _, _) = len(capture.layers), capture.layers[0].keys.shape
+    kept = torch.zeros(L, H, len(positions))
+    modules = None if isinstance(cache, DistilledCache) else integration._attention_modules(model)
+    for layer in range(L):
+        if isinstance(cache, DistilledCache):
+            held = cache.layers[layer]
+            heads = [held.keys[0, h][held.valid[0, h]] for h in range(H)]
+        else:
+            keys = cache.layers[layer].keys[0]
+            masked = getattr(modules[layer], "masked_key_indices", None)
+            heads = []
+            for h in range(H):
+                ok = torch.ones(keys.shape[1], dtype=torch.bool, device=keys.device)
+                if masked is not None:
+                    ok[masked[2][masked[1] == h]] = False
+                heads.append(keys[h][ok])
+        for h, held_keys in enumerate(heads):
+            for j, p in enumerate(positions):
+                ref = capture.layers[layer].keys[h, p].float()
+                gap = (held_keys.float().to(ref.device) - ref).abs().amax(dim=-1)
+                kept[layer, h, j] = float(bool((gap <= 1e-3 * ref.abs().max()).any()))
+    return kept
+
+
+def needle_retention(model, tokenizer, books, methods: Sequence[str], kept_fraction: float, *,
+                     kind: str = "niah_single", length: int = 256, prompts: int = 8, probe_tokens: int = 64,
+                     seed: int = 0) -> pd.DataFrame:
+    """Which KV heads still hold the needle's number after each method's compression, on the first ``prompts`` prompts
+    of a task setting (the task run's seeded prompts): why a method answers or not, measured in the cache itself.
+
+    Returns:
+        per (method, prompt): ``digits`` (the number's tokens), ``heads`` (layers × KV heads), ``digit_kept`` (mean
+        share of heads holding each of the number's tokens), ``first_digit_kept``, ``heads_with_every_digit``,
+        ``context_kept`` (the share of every context pair kept, for scale), ``model, kind, length, kept_fraction``.
+    """
+    from zipkv import models, tasks
+    from zipkv.cache import DistilledCache
+    from zipkv.integrations import kvpress as integration
+
+    made = tasks.make_tasks(tokenizer, books, prompts, length, kind, seed=seed)
+    rows = []
+    for i, task in enumerate(made):
+        context, _ = tasks.prompt_ids(tokenizer, task)
+        value = task.answers[0]
+        digits = tokenizer.encode(" is: " + value, add_special_tokens=False)[-len(value):]
+        ids = context.tolist()
+        start = next((p for p in range(len(ids)) if ids[p:p + len(digits)] == digits), None)
+        if start is None:
+            raise ValueError(f"prompt {i}: the number {value} is not one token a digit in the context")
+        positions = list(range(start, start + len(digits)))
+        capture = models.capture(model, context)
+        for method in methods:
+            cache = compressor(method, kept_fraction, tokenizer, probe_tokens=probe_tokens, seed=seed)(model, context)
+            kept = _kept_positions(cache, capture, positions, model)
+            share = (integration._kept_distilled(cache, model, len(ids)) if isinstance(cache, DistilledCache)
+                     else integration._kept(cache, model, len(ids)))
+            integration._clear_masks(model)
+            rows.append(dict(model=models.model_shape(model).name, kind=kind, length=length, method=method,
+                             kept_fraction=kept_fraction, prompt=i, digits=len(positions), heads=kept[..., 0].numel(),
+                             digit_kept=float(kept.mean()), first_digit_kept=float(kept[..., 0].mean()),
+                             heads_with_every_digit=int((kept.min(dim=-1).values > 0).sum()), context_kept=share))
+    return pd.DataFrame(rows)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("kl", "task", "replies"))
+    parser.add_argument("what", choices=("kl", "task", "replies", "retention"))
     parser.add_argument("--model", default=None, help="None: the embedded SmolLM2-135M; gemma-3-270m: the second")
     parser.add_argument("--windows", type=int, default=20)
     parser.add_argument("--context", type=int, default=128)
@@ -260,6 +339,12 @@ def main(argv=None) -> None:
                                continuation=args.continuation, seed=0)
         measure_kl(model, tokenizer, windows, args.fractions, args.methods, slow_windows=args.slow_windows,
                    probe_tokens=args.probe_tokens, out=args.out, progress=True)
+    elif args.what == "retention":
+        kind, length = args.settings[0].split(":")
+        for fraction in args.fractions:
+            table = needle_retention(model, tokenizer, books, args.methods or ["zipkv"], fraction, kind=kind,
+                                     length=int(length), prompts=args.prompts, probe_tokens=args.probe_tokens)
+            _append(args.out, table, [])
     elif args.what == "replies":
         kind, length = args.settings[0].split(":")
         table = replies(model, tokenizer, books, args.methods or ["zipkv"], args.fractions[0], kind=kind,
