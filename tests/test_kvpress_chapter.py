@@ -135,7 +135,7 @@ def test_press_labels_cover_kvpress_presses_of_the_integration():
     from zipkv.integrations import kvpress as integration
 
     assert set(integration.PRESSES) == set(page.PRESS_LABELS)
-    assert set(integration.ZIPKV_METHODS) == set(page.OURS) == set(exp.ZIPKV_SIDE)
+    assert set(integration.ZIPKV_METHODS) == set(page.OURS) - {exp.RECONSTRUCTION} == set(exp.ZIPKV_SIDE)
     with pytest.raises(KeyError):
         page.PRESS_LABELS["adakv_tova"]
 
@@ -181,3 +181,37 @@ def test_replies_count_the_leading_digits_right(monkeypatch):
     assert "zipkv's distiller 1.5 of 7 digits right on average, 0 of 2 numbers whole" in text
     assert "KVzip 7.0 of 7 digits right on average, 2 of 2 numbers whole" in text and "973 for 9736685" in text
     assert not SNAKE.search(text)
+
+
+def test_retention_text_says_per_method_how_many_heads_hold_the_number():
+    rows = []
+    for prompt in range(2):
+        for method, digit, every in (("kvzip", 0.24, 14), ("zipkv", 0.05, 0), ("zipkv_reconstruction", 0.12, 4)):
+            rows.append(dict(model="SmolLM2-135M-Instruct", kind="niah_single", length=256, method=method,
+                             kept_fraction=0.25, prompt=prompt, digits=7, heads=90, digit_kept=digit,
+                             first_digit_kept=digit, heads_with_every_digit=every + prompt, context_kept=0.25))
+    text = page.retention_text(pd.DataFrame(rows))
+    assert "2 prompts, SmolLM2-135M-Instruct, 90 KV heads, a 7-digit number" in text
+    assert "KVzip 24% (14.5 heads with every digit)" in text and "zipkv's distiller 5% (0.5 heads" in text
+    assert "zipkv's distiller, re-reading probe 12% (4.5 heads" in text
+    assert not SNAKE.search(text) and page.retention_text(None) == ""
+
+
+def test_kept_positions_finds_the_keys_a_distilled_cache_still_holds():
+    """zipkv keeps the keys it selects as they are: a position counts as kept in a head exactly where its key is
+    among that head's valid cached keys."""
+    import torch
+
+    from zipkv.cache import DistilledCache, DistilledLayer
+
+    torch.manual_seed(0)
+    keys = torch.randn(2, 6, 4)                                   # [H, N, d] captured
+    capture = types.SimpleNamespace(layers=[types.SimpleNamespace(keys=keys)])
+    held = torch.zeros(1, 2, 3, 4)
+    held[0, 0] = keys[0, [0, 2, 5]]
+    held[0, 1, :2] = keys[1, [2, 3]]
+    held[0, 1, 2] = keys[1, 4] + 0.5                              # a fitted key, not the original
+    valid = torch.tensor([[[True, True, True], [True, True, True]]])
+    cache = DistilledCache([DistilledLayer(held, held.clone(), valid)], n_context=6)
+    kept = exp._kept_positions(cache, capture, [2, 4, 5], model=None)
+    assert kept[0].tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
