@@ -190,10 +190,12 @@ def test_retention_text_says_per_method_how_many_heads_hold_the_number():
             rows.append(dict(model="SmolLM2-135M-Instruct", kind="niah_single", length=256, method=method,
                              kept_fraction=0.25, prompt=prompt, digits=7, heads=90, digit_kept=digit,
                              first_digit_kept=digit, heads_with_every_digit=every + prompt, context_kept=0.25))
+    rows.append({**rows[1], "prompt": 2, "digit_kept": 1.0, "heads_with_every_digit": 90})   # in the verbatim tail
     text = page.retention_text(pd.DataFrame(rows))
-    assert "2 prompts, SmolLM2-135M-Instruct, 90 KV heads, a 7-digit number" in text
-    assert "KVzip 24% (14.5 heads with every digit)" in text and "zipkv's distiller 5% (0.5 heads" in text
-    assert "zipkv's distiller, re-reading probe 12% (4.5 heads" in text
+    assert "3 prompts, SmolLM2-135M-Instruct, 90 KV heads, a 7-digit number" in text
+    assert "KVzip 24% (14.5 with every digit)" in text and "zipkv's distiller 5% (1 with every digit)" in text
+    assert "zipkv's distiller, re-reading probe 12% (4.5 with every digit)" in text
+    assert "In 1 of the prompts the number lay in the context's last tokens" in text
     assert not SNAKE.search(text) and page.retention_text(None) == ""
 
 

@@ -322,24 +322,28 @@ def task_text(task: pd.DataFrame | None) -> str:
 
 
 def retention_text(retention: pd.DataFrame | None) -> str:
-    """Why the answers differ, measured in the caches: per method and kept fraction, the mean share of the model's KV
-    heads that still hold each of the needle's digits, and in how many heads all of them survive."""
+    """Why the answers differ, measured in the caches: per method and kept fraction, the median share of the model's
+    KV heads that still hold each of the needle's digits and the median number of heads holding all of them (medians:
+    a needle in the context's last tokens, which zipkv's distiller keeps verbatim, is held by every head)."""
     if retention is None or retention.empty:
         return ""
     r = named(retention)
     parts = []
     for fraction, g in r.groupby("kept_fraction", sort=False):
-        per = g.groupby("method", sort=False).agg(digit=("digit_kept", "mean"), every=("heads_with_every_digit", "mean"),
-                                                  context=("context_kept", "mean"))
+        per = g.groupby("method", sort=False).agg(digit=("digit_kept", "median"),
+                                                  every=("heads_with_every_digit", "median"))
         parts.append(f"at kept {fraction:g}, " + ", ".join(
-            f"{label(m)} {x.digit:.0%} ({x.every:.1f} heads with every digit)" for m, x in per.iterrows()))
+            f"{label(m)} {x.digit:.0%} ({x.every:g} with every digit)" for m, x in per.iterrows()))
     x = r.iloc[0]
+    verbatim = r[(r.method == "zipkv") & (r.digit_kept >= 1)].prompt.nunique()
     return (f"Why, measured in the caches themselves ({r.prompt.nunique()} prompts, {x.model}, {int(x.heads)} KV "
-            f"heads, a {int(x.digits)}-digit number one token a digit): the share of heads that still hold each digit "
-            "of the number after compression, " + "; ".join(parts) + ". The model copies the number digit by digit, "
-            "so a head answers only while it holds the whole number: zipkv's distiller picks the pairs its training "
-            "queries attend to, and neither the context's own queries nor its sampled continuation look at a number "
-            "nobody has asked about, while KVzip's re-reading queries look at every token once.")
+            f"heads, a {int(x.digits)}-digit number one token a digit): the median share of heads that still hold "
+            "each digit after compression, and of heads holding all of them, " + "; ".join(parts) + "."
+            + (f" In {verbatim} of the prompts the number lay in the context's last tokens, which zipkv's distiller "
+               "keeps verbatim in every head." if verbatim else "")
+            + " zipkv's distiller keeps the pairs its training queries attend to, and neither the context's own "
+            "queries nor the model's sampled continuation look at a number nobody has asked about; KVzip's "
+            "re-reading queries look at every token once.")
 
 
 def bias_text(table: pd.DataFrame) -> str:
