@@ -24,7 +24,8 @@ ZIPKV_LABELS = {"zipkv": "zipkv's distiller", "zipkv_reconstruction": "zipkv's d
 MODEL_LABELS = {"gemma-3-270m-q4_k_m": "Gemma-3-270M", "gemma-3-270m": "Gemma-3-270M"}
 KIND_LABELS = {"niah_single": "one needle", "niah_multikey": "one needle among four keys",
                "niah_multivalue": "four values of one key", "variable_tracking": "variable tracking"}
-OURS = ("zipkv", "zipkv_reconstruction", "zipkv_press", "attention_matching", "kvsculpt", "select_fit", "select_fit_dense")
+OURS = ("zipkv", "zipkv_reconstruction", "zipkv_press", "attention_matching", "kvsculpt", "select_fit",
+        "select_fit_dense")
 """The methods written in zipkv (the rest of the table is kvpress's presses)."""
 ATTENTION_MATCHING_MAX_COMPACTION = 50.0
 """Attention Matching (Zweiger, Fu, Guo & Kim 2026, arXiv 2602.16284), abstract: "achieving up to 50x compaction in

@@ -9,6 +9,9 @@ the committed tables. As a script::
         --context 128 --out results/paper/kvpress_presses.csv
     .venv-kvpress/bin/python -m zipkv.study.experiments.kvpress_presses task --length 512 --prompts 100 \\
         --out results/paper/kvpress_presses_task.csv
+    .venv-kvpress/bin/python -m zipkv.study.experiments.kvpress_presses retention --settings niah_single:256 \
+        --methods kvzip tova zipkv zipkv_reconstruction --fractions 0.25 --prompts 8 \
+        --out results/paper/kvpress_presses_retention.csv
 """
 from __future__ import annotations
 
