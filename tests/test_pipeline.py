@@ -204,7 +204,8 @@ def test_bad_probes_are_refused_before_the_capture(embedded, context, monkeypatc
                                 (torch.tensor([5, vocab]), ValueError, f"probe holds ids from 5 to {vocab}: .* 0 … "
                                                                        f"{vocab - 1}"),
                                 (torch.tensor([-1, 2]), ValueError, "probe holds ids from -1 to 2"),
-                                (object(), TypeError, "probe: expected token ids .* got object")):
+                                (object(), TypeError, r"probe must be token ids \(a tensor, list or array of "
+                                                      r"ints\), got object")):
         with pytest.raises(error, match=match):
             compression.compress(model, ids, 0.5, probe=probe)
     with pytest.raises(ValueError, match=r"probe='recon': expected 'reconstruction'"):

@@ -140,12 +140,7 @@ def compress(model, input_ids: torch.Tensor, kept_fraction: float | None = None,
     from .models import capture, check_rope_model
 
     check_rope_model(model)
-    try:
-        ids = torch.as_tensor(input_ids)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"input_ids must be token ids (a tensor, list or array of ints), got {type(input_ids).__name__}"
-                        ) from None
-    ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
+    ids = _token_tensor(input_ids, "input_ids")
     if ids.ndim != 1 or ids.numel() < MIN_CONTEXT or ids.is_floating_point():
         raise ValueError(f"input_ids has shape {tuple(torch.as_tensor(input_ids).shape)} and dtype {ids.dtype}: "
                          f"expected integer token ids [N] or [1, N], N ≥ {MIN_CONTEXT}")
@@ -190,6 +185,17 @@ def compress(model, input_ids: torch.Tensor, kept_fraction: float | None = None,
     return DistilledCache.from_compressed(compressed, model, context_ids=ids)
 
 
+def _token_tensor(value, name: str) -> torch.Tensor:
+    """``value`` as a tensor, a leading batch of one dropped (``[1, N]`` → ``[N]``); a ``TypeError`` naming ``name``
+    where it is no array of numbers."""
+    try:
+        ids = torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{name} must be token ids (a tensor, list or array of ints), got {type(value).__name__}"
+                        ) from None
+    return ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
+
+
 def _probe_ids(model, probe) -> torch.Tensor | None:
     """``probe`` checked: None, or integer token ids ``[P]`` (or ``[1, P]``) of the model's vocabulary."""
     if probe is None:
@@ -197,12 +203,7 @@ def _probe_ids(model, probe) -> torch.Tensor | None:
     if isinstance(probe, str):
         raise TypeError(f"probe={probe!r}: expected token ids; zipkv.pipeline.reconstruction_probe(tokenizer, "
                         "context_ids) gives the repeat-the-context probe's (zipkv.answer takes probe='reconstruction')")
-    try:
-        ids = torch.as_tensor(probe)
-    except (TypeError, ValueError, RuntimeError):
-        raise TypeError(f"probe: expected token ids (a tensor, list or array of ints), got {type(probe).__name__}"
-                        ) from None
-    ids = ids[0] if ids.ndim == 2 and ids.shape[0] == 1 else ids
+    ids = _token_tensor(probe, "probe")
     vocab = getattr(model.config, "vocab_size", None)
     if ids.ndim != 1 or ids.numel() < 1 or ids.is_floating_point() or ids.dtype == torch.bool:
         raise ValueError(f"probe has shape {tuple(ids.shape)} and dtype {ids.dtype}: expected integer token ids [P], "
