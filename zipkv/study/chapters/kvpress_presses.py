@@ -318,7 +318,8 @@ def task_text(task: pd.DataFrame | None) -> str:
                      f"{r.correct} of {r.prompts} at kept {r.kept_fraction:g} ({r.model})"
                      for r in rereading.sort_values("kept_fraction", ascending=False).itertuples())
                  + ", at about " + f"{rereading.seconds.mean():.0f}" + " s a prompt on this CPU (the probe is the "
-                 "whole context long).")
+                 "whole context long). This setting was first tried on some of these same prompts: not a held-out "
+                 "measurement.")
     return text
 
 
