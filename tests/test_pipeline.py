@@ -189,6 +189,30 @@ def test_the_reconstruction_probe_is_the_repeat_prompt_then_the_context(tokenize
     assert probe.tolist() == repeat + ids.tolist() and probe.dtype == torch.long
 
 
+def test_the_reconstruction_settings_select_keys_by_their_largest_attention(tokenizer, monkeypatch):
+    from zipkv.distill.generalise import ZipkvConfig
+
+    ids = torch.arange(100, 140)
+    chosen = P.reconstruction_settings(tokenizer, ids)
+    assert torch.equal(chosen["probe"], P.reconstruction_probe(tokenizer, ids))
+    assert chosen["config"] == ZipkvConfig(selection="max")
+    assert set(P.reconstruction_settings(tokenizer, ids, "attention_matching")) == {"probe"}
+    seen = {}
+
+    def fake_compress(model, context_ids, kept_fraction, *, method, **settings):
+        seen.update(settings)
+        raise RuntimeError("stop")
+    monkeypatch.setattr(P, "compress", fake_compress)
+    monkeypatch.setattr(P, "_check_generate_kwargs", lambda *args: None)
+    mine = ZipkvConfig(horizon=64)
+    for given, config in (({}, ZipkvConfig(selection="max")), ({"config": mine}, mine)):
+        seen.clear()
+        with pytest.raises(RuntimeError, match="stop"):
+            P._generate_answers(None, tokenizer, ids, [ids[:2]], kept_fraction=0.5, method="zipkv", max_new_tokens=4,
+                                generate_kwargs={}, settings={"probe": "reconstruction", **given})
+        assert seen["config"] == config and torch.equal(seen["probe"], chosen["probe"])
+
+
 def test_bad_probes_are_refused_before_the_capture(embedded, context, monkeypatch):
     from zipkv import models
 

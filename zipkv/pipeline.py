@@ -28,7 +28,8 @@ from transformers.pipelines import PIPELINE_REGISTRY
 
 from .compression import compress
 
-__all__ = ["TASK", "ZipkvTextGenerationPipeline", "answer", "prompt_ids", "reconstruction_probe"]
+__all__ = ["TASK", "ZipkvTextGenerationPipeline", "answer", "prompt_ids", "reconstruction_probe",
+           "reconstruction_settings"]
 
 TASK = "zipkv-text-generation"
 """The task name of :class:`ZipkvTextGenerationPipeline` for ``transformers.pipeline``."""
@@ -179,6 +180,19 @@ def reconstruction_probe(tokenizer, context_ids) -> torch.Tensor:
     return torch.cat([torch.tensor(repeat, dtype=torch.long), torch.as_tensor(context_ids).flatten().long()])
 
 
+def reconstruction_settings(tokenizer, context_ids, method: str = "zipkv") -> dict:
+    """:func:`zipkv.compress`'s settings for retrieval questions about ``context_ids`` ``[N]``: the re-reading probe
+    (:func:`reconstruction_probe`) and, for zipkv's distiller, old keys selected by their largest attention over the
+    probe's queries (``ZipkvConfig(selection="max")``) rather than their mean: a fact is read by few of the
+    re-reading queries, and the mean over all of them drowns it (the book's kvpress chapter measures both)."""
+    settings = {"probe": reconstruction_probe(tokenizer, context_ids)}
+    if method == "zipkv":
+        from .distill.generalise import ZipkvConfig
+
+        settings["config"] = ZipkvConfig(selection="max")
+    return settings
+
+
 def _special_ids(model, tokenizer) -> tuple[list[int], int]:
     """The model's end-of-sequence ids (its generation config's, else the tokenizer's) and the id that pads."""
     eos = model.generation_config.eos_token_id
@@ -199,7 +213,8 @@ def _generate_answers(model, tokenizer, context_ids: torch.Tensor, question_ids:
         if settings["probe"] != "reconstruction":
             raise ValueError(f"probe={settings['probe']!r}: expected 'reconstruction' (the context re-read after "
                              "a repeat instruction), token ids, or None (the sampled continuation)")
-        settings = {**settings, "probe": reconstruction_probe(tokenizer, context_ids)}
+        chosen = reconstruction_settings(tokenizer, context_ids, method)
+        settings = {**chosen, **{k: v for k, v in settings.items() if k != "probe"}}     # a given config wins
     cache = compress(model, context_ids, kept_fraction, method=method, **settings)
     eos, pad = _special_ids(model, tokenizer)
     device = next(model.parameters()).device
@@ -237,7 +252,7 @@ def answer(model, tokenizer, context: str, questions: str | Sequence[str], *, ke
         separator: the text between the context and each question.
         generate_kwargs: more keyword arguments of ``model.generate`` (sampling: ``dict(do_sample=True, …)``).
         settings: :func:`zipkv.compress`'s (``kept_tokens``, ``m``, ``seed``, the method's own); zipkv's and
-            Attention Matching's ``probe`` also takes ``"reconstruction"`` (:func:`reconstruction_probe` of the
+            Attention Matching's ``probe`` also takes ``"reconstruction"`` (:func:`reconstruction_settings` of the
             templated context: for retrieval questions, at a higher compression cost).
 
     Every argument is checked before the model runs (:func:`zipkv.compress` checks its own).

@@ -34,7 +34,8 @@ chapters' ratio."""
 ZIPKV_SIDE = ("zipkv", "zipkv_press", "attention_matching", "kvsculpt", "select_fit", "select_fit_dense")
 """zipkv's methods in the table (:data:`zipkv.integrations.kvpress.ZIPKV_METHODS`)."""
 RECONSTRUCTION = "zipkv_reconstruction"
-"""zipkv's distiller with the repeat-the-context probe (:func:`zipkv.pipeline.reconstruction_probe`), a task method."""
+"""zipkv's distiller with the re-reading probe and max-attention key selection
+(:func:`zipkv.pipeline.reconstruction_settings`), a task method."""
 
 
 def load_model(name: str | None = None):
@@ -122,10 +123,10 @@ def compressor(method: str, kept_fraction: float, tokenizer, *, probe_tokens: in
     if method == "none":
         return None
     if method == RECONSTRUCTION:
-        from zipkv.pipeline import reconstruction_probe
+        from zipkv.pipeline import reconstruction_settings
 
         return lambda model, ids: zipkv.compress(model, ids, kept_fraction, seed=seed,
-                                                 probe=reconstruction_probe(tokenizer, ids))
+                                                 **reconstruction_settings(tokenizer, ids))
     if method in ZIPKV_SIDE and method != "zipkv_press":
         settings = dict(kept_fraction=kept_fraction, seed=seed, method="select_fit" if method.startswith(
             "select_fit") else method)
@@ -142,7 +143,7 @@ def compressor(method: str, kept_fraction: float, tokenizer, *, probe_tokens: in
 
 def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], methods: Sequence[str],
                  kept_fractions: Sequence[float] = (0.25, 0.125), *, prompts: int = 100,
-                 method_prompts: dict | None = None, gate: float = 0.8, max_new_tokens: int = 40,
+                 method_prompts: dict | None = None, first_prompt: dict | None = None, gate: float = 0.8, max_new_tokens: int = 40,
                  probe_tokens: int = 64, seed: int = 0, out: str | Path | None = None,
                  progress: bool = False) -> pd.DataFrame:
     """Task accuracy: first the uncompressed model on every ``(kind, length)`` setting, then, on the settings it
@@ -154,6 +155,8 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
         prompts: prompts per setting (seeded; the same for every method).
         method_prompts: fewer prompts for some methods (e.g. ``{"zipkv": 30}``: the first 30 of the setting's),
             where their compression costs too long on the machine.
+        first_prompt: for some methods, the setting's prompt they start at (e.g. ``{"zipkv_reconstruction": 20}``:
+            prompts 20, 21, …), to measure a setting on prompts it was not chosen on.
         out: a CSV every finished (setting, method, fraction) is appended to; those it holds are skipped.
 
     Returns:
@@ -173,6 +176,7 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
     done = set() if have is None else {(r.kind, r.length, r.method, r.kept_fraction)
                                         for r in have[have.model == name].itertuples()}
     method_prompts = method_prompts or {}
+    first_prompt = first_prompt or {}
 
     def run(kind, length, made, method, fraction):
         key = (kind, length, method, 1.0 if method == "none" else fraction)
@@ -181,13 +185,14 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
                 return None
             t = pd.concat(parts, ignore_index=True)
             return float(t[(t.kind == kind) & (t.length == length) & (t.method == "none")].accuracy.iloc[0])
-        n = min(len(made), method_prompts.get(method, len(made)))
+        first = first_prompt.get(method, 0)
+        n = min(len(made) - first, method_prompts.get(method, len(made)))
         started = time.perf_counter()
-        scored = tasks.accuracy(model, tokenizer, made[:n], compressor(method, fraction, tokenizer,
+        scored = tasks.accuracy(model, tokenizer, made[first:first + n], compressor(method, fraction, tokenizer,
                                 probe_tokens=probe_tokens, seed=seed), max_new_tokens=max_new_tokens)
         integration._clear_masks(model)
         seconds = (time.perf_counter() - started) / n
-        row = dict(model=name, kind=kind, length=length, method=method, kept_fraction=key[3], prompts=n,
+        row = dict(model=name, kind=kind, length=length, method=method, kept_fraction=key[3], first_prompt=first, prompts=n,
                    correct=int(scored.correct.sum()), accuracy=float(scored.correct.mean()), seconds=seconds,
                    kvpress=integration.KVPRESS_VERSION, transformers=transformers.__version__)
         _append(out, pd.DataFrame([row]), parts)
@@ -329,6 +334,7 @@ def main(argv=None) -> None:
     parser.add_argument("--settings", nargs="+", default=["niah_single:512"], help="kind:length")
     parser.add_argument("--prompts", type=int, default=100)
     parser.add_argument("--method-prompts", nargs="*", default=[], help="method:n")
+    parser.add_argument("--method-first", nargs="*", default=[], help="method:i (the prompt it starts at)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -358,6 +364,7 @@ def main(argv=None) -> None:
         measure_task(model, tokenizer, books, settings, args.methods or ["zipkv"], args.fractions,
                      prompts=args.prompts, method_prompts={m.split(":")[0]: int(m.split(":")[1])
                                                            for m in args.method_prompts},
+                     first_prompt={m.split(":")[0]: int(m.split(":")[1]) for m in args.method_first},
                      probe_tokens=args.probe_tokens, out=args.out, progress=True)
 
 
