@@ -13,9 +13,10 @@ adds, in registers on the two bf16 halves of each word (int32, integer ops only:
   the top; 7 pairs at the top plus pair 0, *zero mode*): a few reductions over the block's 512 values;
 * the escaped values' pairs become the window's bottom pair and a zero-mode block's pair-0 values its pair + 7 (sign,
   exponent bit 0 and fraction kept), then ZipFusion's SWAR code path packs the substituted words with base ``b``;
-* the list: an escape's rank in its block (a prefix count over the block's 512 positions) plus the escapes of the
-  page-head's blocks before it (a prefix count over the page's blocks) gives its entry's place after the page's
-  blocks; one masked 2-byte store per escape.
+* the list: an escape's rank in its block (a prefix count over the block's 64 rows of 8 values, then within its
+  row, in the registers the values were loaded to) plus the escapes of the page-head's blocks before it (a prefix
+  count over the page's blocks) gives its entry's place after the page's blocks; one masked 2-byte store per escape,
+  skipped by programs whose blocks list nothing (most, on real KV).
 
 A block with more than 127 escapes stays raw (count 0), as in the reference.
 """
@@ -130,11 +131,16 @@ def _pack_escape_kernel(src_ptr, src_off_ptr, dst_ptr, dst16_ptr, dst_off_ptr, m
     start = (tl.cumsum(cnt, axis=1) - cnt).reshape([BLK])                         # entries of the blocks before
     ncomp = tl.sum(f, axis=1)                                                      # [PAGES]
     blocks_bytes = tl.broadcast_to((1024 * NB - 256 * ncomp)[:, None], [PAGES, NB]).reshape([BLK])
-    EF = tl.join(E0, E1).reshape([BLK, 512])                                       # position order 8m + 2w + h
-    PF = tl.join(P0, P1).reshape([BLK, 512])
-    rank = tl.cumsum(EF.to(tl.int32), axis=1) - EF.to(tl.int32)
-    pos = tl.arange(0, 512)[None, :]
-    entry = (pos << 7) | PF
+    # an escape's rank in its block, in the load's own [BLK, 64, 4] layout (position 8m + 2w + h): the escapes of the
+    # rows before (a scan over 64 rows) plus those of the words before in its row, plus h = 0's where h = 1
+    e0 = E0.to(tl.int32)
+    e1 = E1.to(tl.int32)
+    ew = e0 + e1
+    in_row = tl.cumsum(ew, axis=2) - ew
+    per_row = tl.sum(ew, axis=2)
+    rank0 = (tl.cumsum(per_row, axis=1) - per_row)[:, :, None] + in_row
+    rank1 = rank0 + e0
+    pos0 = 8 * m + 2 * w
     slot16 = (dst_off + blocks_bytes) // 2 + start                                 # int16 index of block's first
     boff = tl.multiple_of(dst_w + j * 256 - 64 * before, 64)
     tl.debug_barrier()                         # in place: all loads before any store
@@ -146,7 +152,11 @@ def _pack_escape_kernel(src_ptr, src_off_ptr, dst_ptr, dst16_ptr, dst_off_ptr, m
              tl.join(L0, L1), mask=cm[:, None, None])
     tl.store(dst + 128 + m2, codes, mask=cm[:, None])
     tl.store(dst[:, :, None] + 4 * piece + w, X, mask=rm[:, None, None])
-    tl.store(dst16_ptr + slot16[:, None] + rank, entry.to(tl.int16), mask=EF & ok[:, None])
+    if tl.sum(count, axis=0) > 0:             # most programs of real KV list nothing
+        at = slot16[:, None, None]
+        okl = ok[:, None, None]
+        tl.store(dst16_ptr + at + rank0, ((pos0 << 7) | P0).to(tl.int16), mask=E0 & okl)
+        tl.store(dst16_ptr + at + rank1, (((pos0 + 1) << 7) | P1).to(tl.int16), mask=E1 & okl)
     tl.store(meta_ptr + page * NB + j, tl.where(comp, 128 + b2, 0).to(tl.uint8), mask=ok)
     tl.store(second_ptr + page * NB + j, (zero.to(tl.int32) * 128 + count).to(tl.uint8), mask=ok)
 
