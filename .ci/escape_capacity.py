@@ -3,7 +3,7 @@
 the budget of 46 uncompressed requests of 8192 + 256 tokens, real-KV prefixes from the embedded model (two PG19
 windows of 2048 tokens), the mma layouts. About 37 minutes on 2 cores (both formats).
 
-    flock /tmp/zipkv-heavy.lock python .ci/escape_capacity.py results/paper/escape_capacity.csv
+    flock /tmp/zipkv-heavy.lock python .ci/escape_capacity.py results/paper/escape_format_capacity.csv
 """
 import sys, time
 import torch

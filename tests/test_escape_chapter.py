@@ -95,3 +95,38 @@ def test_model_names_are_checked_and_passed_on():
     assert chapter.model_source(None) is None and chapter.model_source("some/model") == "some/model"
     with pytest.raises(TypeError, match="model_names must be a non-empty list"):
         chapter.run("gemma-3-270m", n_windows=1, context=16)
+
+
+def _latency(esc_speedup, exact="True", commit="new"):
+    """A latency side table of two runs: an older one, then the one the chapter shows (``commit``)."""
+    rows = []
+    for run, speed in (("old", 0.2), (commit, esc_speedup)):
+        for method, us, by in (("flashinfer_tc", 700.0, 2.15e9), ("zipkv_zipfusion", 550.0, 1.70e9),
+                               ("zipkv_escape", 700.0 / speed, 1.64e9), ("pack_escape_token", 600.0, 1.07e9),
+                               ("pack_zipfusion_token", 600.0, 1.07e9)):
+            rows.append(dict(ctx=8192, batch=64, method=method, latency_us=us, bytes_read=by, commit=run,
+                             speedup_vs_flashinfer_tc=700.0 / us, tbps=2.5 if "escape" in method else 1.7,
+                             equal_raw_bits=exact if method == "zipkv_escape" else None, device="GPU X"))
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("speed,met", [(1.35, True), (0.24, False)])
+def test_the_kernel_section_shows_the_latest_run_against_its_targets(speed, met):
+    lat = _latency(speed)
+    text = chapter.kernel_text(lat)
+    assert f"**{speed:.2f}× FlashInfer's tensor-core decode**" in text and "GPU X" in text
+    kernel = text.split("Packing")[0]
+    assert ("(met)." in kernel) == met and ("short)." in kernel) == (not met)
+    assert "bit for bit" in text and "2.50 TB/s in the escape format" in text
+    table = chapter.kernel_table(lat)
+    assert list(table.index) == ["8,192 × 64"] and table.iloc[0]["escape format vs FlashInfer"] == f"{speed:.2f}×"
+    assert "differs" in chapter.kernel_text(_latency(speed, exact="False"))
+    assert "no run is committed" in chapter.kernel_text(None)
+
+
+def test_the_capacity_sentence_reads_the_side_table():
+    cap = pd.DataFrame([dict(block_format="zipfusion", max_batch=57, bits_per_value=12.6),
+                        dict(block_format="escape", max_batch=PROJECT_TARGETS.escape_max_batch - 1, bits_per_value=12.06)])
+    text = chapter.capacity_text(cap)
+    assert f"**{PROJECT_TARGETS.escape_max_batch - 1} requests**" in text and "missed by 1" in text
+    assert "none is committed" in chapter.capacity_text(None)

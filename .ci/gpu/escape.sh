@@ -6,7 +6,7 @@
 #                                                          or .ci/gpu/prepare.sh for .gpu/whl)
 #   Device call: carry [".gpu/whl", ".gpu/escape_kv"], command   ZIPKV_COMMIT=<git rev-parse --short HEAD> bash .ci/gpu/escape.sh
 # Writes to $OUT: escape_tests.log (pytest), escape_latency.csv (one row per point and method), escape_probe.log.
-# Commit escape_latency.csv as results/paper/escape_latency.csv (the chapter "Beyond the format" reads it).
+# Append escape_latency.csv's rows to results/paper/escape_format_latency.csv (the chapter "Beyond the format" shows the latest run).
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-/tmp/escape_out}; mkdir -p "$OUT"
 if [ ! -d /tmp/site/flashinfer ]; then

@@ -90,6 +90,12 @@ class ProjectTargets:
     escape_bits_per_value: float = 12.1
     """Every block compressible (issue 66): real KV stored at this many bits per value or fewer, keys and values
     each, metadata and escape list included (ZipFusion's format: 12.8 on the embedded model's keys)."""
+    escape_speedup_vs_flashinfer_tc: float = 1.30
+    """The fused kernel on escape-format pages of real KV over FlashInfer's tensor-core decode at the anchor, 8192 x 64
+    (issue 66; ZipFusion's format on the same mix: 1.256x on the H200)."""
+    escape_max_batch: int = 60
+    """Largest batch under Fig. 5's budget with escape-format pages (issue 66; ZipFusion's format: 57, uncompressed
+    46)."""
     pack_input_tbps: float = 2.0
     """Pack kernel: terabytes per second of BF16 input."""
     distill_seconds_per_context: float = 8.5

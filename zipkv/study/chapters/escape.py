@@ -250,3 +250,99 @@ def layouts_text(table: pd.DataFrame) -> str:
                      f"{t.loc[f'{stored}, sized per page', c]:.3f} for the stored list, sized per page (only what "
                      "each page uses). A larger fixed area rescues some crowded pages, and every page pays for it.")
     return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------- read by the fused kernel (a GPU run)
+
+LATENCY_SIDE, CAPACITY_SIDE = "latency", "capacity"
+"""The side tables beside the chapter's main one: the fused kernel's GPU runs on escape pages (``.ci/gpu/escape.sh``,
+every run appended) and the largest batch under Fig. 5's budget (``.ci/escape_capacity.py``)."""
+KERNEL_LABELS = {"flashinfer_tc": "FlashInfer, tensor cores", "zipkv_zipfusion": "zipkv, ZipFusion's format",
+                 "zipkv_escape": "zipkv, escape format"}
+PACK_LABELS = {"pack_zipfusion_token": "ZipFusion's format, token layout",
+               "pack_zipfusion_k_mma": "ZipFusion's format, key mma layout",
+               "pack_escape_token": "escape format, token layout", "pack_escape_k_mma": "escape format, key mma layout"}
+ANCHOR_POINT = (8192, 64)
+
+
+def latest_run(latency: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the last run appended to the latency side table (its last commit)."""
+    return latency[latency["commit"].astype(str) == str(latency["commit"].iloc[-1])]
+
+
+def kernel_table(latency: pd.DataFrame) -> pd.DataFrame:
+    """Per point of the latest run (context x batch): µs of each decode method and its speed over FlashInfer's
+    tensor-core decode, the escape pages' stored bits per value and whether their output equals the raw pages' bit
+    for bit."""
+    run = latest_run(latency)
+    run = run[run.method.isin(KERNEL_LABELS)]
+    rows = []
+    for (ctx, batch), g in run.groupby(["ctx", "batch"], sort=False):
+        by = g.set_index("method")
+        row = {"context × batch": f"{ctx:,} × {batch}"}
+        for method, label in KERNEL_LABELS.items():
+            if method in by.index:
+                row[f"{label} (µs)"] = round(float(by.loc[method, "latency_us"]), 1)
+        for method in ("zipkv_zipfusion", "zipkv_escape"):
+            if method in by.index:
+                row[f"{KERNEL_LABELS[method].split(', ')[1]} vs FlashInfer"] = \
+                    f"{float(by.loc[method, 'speedup_vs_flashinfer_tc']):.2f}×"
+        if "zipkv_escape" in by.index:
+            row["escape pages = raw pages, bit for bit"] = "yes" if str(by.loc["zipkv_escape", "equal_raw_bits"]) \
+                == "True" else "no"
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("context × batch")
+
+
+def kernel_text(latency: pd.DataFrame | None) -> str:
+    """The fused kernel on escape pages at the anchor against FlashInfer and ZipFusion's format, and the pack
+    kernels' input rate, from the latest run; a sentence saying a GPU run is needed where none is committed."""
+    if latency is None or not len(latency):
+        return ("The fused kernel's reading of escape pages is timed on a GPU; no run is committed yet.")
+    run = latest_run(latency)
+    device = str(run["device"].iloc[0])
+    at = run[(run.ctx == ANCHOR_POINT[0]) & (run.batch == ANCHOR_POINT[1])].set_index("method")
+    target = PROJECT_TARGETS.escape_speedup_vs_flashinfer_tc
+    parts = []
+    if {"zipkv_escape", "zipkv_zipfusion", "flashinfer_tc"} <= set(at.index):
+        esc, zf = float(at.loc["zipkv_escape", "speedup_vs_flashinfer_tc"]), \
+            float(at.loc["zipkv_zipfusion", "speedup_vs_flashinfer_tc"])
+        fi = float(at.loc["flashinfer_tc", "latency_us"])
+        bytes_ratio = float(at.loc["flashinfer_tc", "bytes_read"]) / float(at.loc["zipkv_escape", "bytes_read"])
+        parts.append(
+            f"On the {device}, at {ANCHOR_POINT[0]:,} tokens × {ANCHOR_POINT[1]} requests of real KV, the fused kernel "
+            f"decodes escape pages in {float(at.loc['zipkv_escape', 'latency_us']):.0f} µs: **{esc:.2f}× FlashInfer's "
+            f"tensor-core decode** ({fi:.0f} µs), against {zf:.2f}× for the same KV in ZipFusion's format. The bytes "
+            f"allow {bytes_ratio:.2f}× at FlashInfer's bandwidth; this project's target is {target:.2f}× "
+            + ("(met)." if esc >= target else f"(missed: {target - esc:.2f} short)."))
+    exact = run[run.method == "zipkv_escape"]["equal_raw_bits"].astype(str)
+    if len(exact):
+        parts.append("At every point timed the output over escape pages equals the output over the same pages raw, "
+                     "bit for bit." if (exact == "True").all() else
+                     f"**At {int((exact != 'True').sum())} point(s) the output over escape pages differs from the raw "
+                     "pages' output.**")
+    pack = run[run.method.isin(PACK_LABELS)].set_index("method")
+    if {"pack_escape_token", "pack_zipfusion_token"} <= set(pack.index):
+        rate, zf_rate = float(pack.loc["pack_escape_token", "tbps"]), float(pack.loc["pack_zipfusion_token", "tbps"])
+        goal = PROJECT_TARGETS.pack_input_tbps
+        parts.append(f"Packing takes BF16 input at {rate:.2f} TB/s in the escape format and {zf_rate:.2f} TB/s in "
+                     f"ZipFusion's (token layout, same run); the target is {goal:g} TB/s"
+                     + (" (met)." if rate >= goal else f", missed by {goal - rate:.2f} TB/s."))
+    return " ".join(parts)
+
+
+def capacity_text(capacity: pd.DataFrame | None) -> str:
+    """Fig. 5's largest batch under one budget for ZipFusion's format and the escape format (side table), against
+    the uncompressed engine's and this project's target."""
+    if capacity is None or not len(capacity):
+        return "The largest batch under Fig. 5's budget needs a run of its own; none is committed yet."
+    by = capacity.set_index("block_format")
+    target = PROJECT_TARGETS.escape_max_batch
+    esc, zf = int(by.loc["escape", "max_batch"]), int(by.loc["zipfusion", "max_batch"])
+    return (f"Under Fig. 5's budget (room for 46 uncompressed requests of 8,192 + 256 tokens at Llama-3.1-8B's shape, "
+            f"real-KV prefixes of the embedded model), the escape format fits **{esc} requests** at "
+            f"{float(by.loc['escape', 'bits_per_value']):.2f} bits per value, ZipFusion's format {zf} at "
+            f"{float(by.loc['zipfusion', 'bits_per_value']):.2f}; this project's target is {target} "
+            + ("(met)." if esc >= target else f"(missed by {target - esc}).")
+            + " The count places each block's stored size in the memory manager's pool on the host; decode tokens/s "
+            "at that batch needs the engine on a GPU and is not measured yet.")
