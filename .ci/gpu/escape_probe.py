@@ -53,6 +53,7 @@ def save():
     t["device"] = torch.cuda.get_device_name()
     t["commit"] = commit
     t["copy_bw_tbps"] = copy_bw / 1e12
+    t["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(t_start))
     t.to_csv(args.out, index=False)
 
 
