@@ -4,11 +4,12 @@
 # pack.sh until JOB-DONE; commit what comes back (book/, results/paper/) and re-render the findings page.
 #  1. the escape format's kernel (.ci/gpu/escape.sh: its GPU tests, then latency on real KV; carry .gpu/escape_kv)
 #  2. the paper's grid: on the H200 the latency chapter (Fig. 4 grid, the few-requests panel, the engine's long
-#     requests; ~8 min), on an H100 the chapter "On the paper's card" (~4 min): each point against its committed latency
+#     requests; ~8 min), on an H100 the grid's points (~2 min) to set beside the committed H100 chapter's
 #  3. `zipkv.compress` seconds (the distillation-speed chapter's table; ~4 min on the H200; elsewhere Llama-3.1-8B's
 #     shape at 32K tokens only, into a table of that card's)
 #  4. the decode kernels' GPU tests (every page kind, >16 splits, CUDA graphs, validate mode; ~5 min)
-#  5. the memory manager's serving curves at Llama-3.1-8B shapes (wall clock; at most 7 min)
+#  5. the memory manager's serving curves at Llama-3.1-8B shapes (wall clock; at most 7 min; needs the model)
+# Without calls a and b (no model) steps 1-4 run; carry [".gpu/whl", ".gpu/escape_kv"] (+ ".gpu/pg19" with the model).
 cd /root/run
 export PYTHONPATH=/tmp/site:$PWD ZIPKV_GGUF=/root/zipkv/SmolLM2-135M-Instruct.Q4_1.gguf ZIPKV_PG19=$PWD/.gpu/pg19
 export ZIPKV_COMMIT=$(cat COMMIT)   # the tree here is no git checkout: the provenance boxes name the commit it is
@@ -18,13 +19,14 @@ OUT=/root/run/results/escape_gpu step bash .ci/gpu/escape.sh
 if h200; then
   step python3 -m zipkv.study book --profile paper --force --no-html --only zipfusion_attention_latency
   step python3 -c "from zipkv.bench.distill import compress_speed; compress_speed(out='results/paper/distill_speed_compress.csv', progress=False)"
-else   # the latency chapter is the H200's (its kernels' tuning); the H100 has the paper's card chapter
-  cp results/paper/zipfusion_paper_card.csv /tmp/paper_card_before.csv
-  step python3 -m zipkv.study book --profile paper --force --no-html --only zipfusion_paper_card
+else   # the latency chapter is the H200's (its kernels' tuning); on an H100 the paper's grid against the committed
+       # H100 chapter "On the paper's card" (results/paper/zipfusion_paper_card.csv), ratios from the same run
+  step python3 -m zipkv bench attention --contexts 2048 8192 --batches 32 64 96 --real-kv results/paper/model_data_kv_cache.csv \
+    --kernels gluon --methods flashinfer_tc zipkv_compressed --out results/paper/zipfusion_paper_grid_check.csv
   step python3 -c "from zipkv.bench.distill import compress_speed; compress_speed(('llama3.1-8b',), (32768,), out='results/paper/distill_speed_compress_other_card.csv', progress=False)"
 fi
 step timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py tests/test_decode_attention.py tests/test_format_faults.py
-step timeout 420 python3 -c "
+[ -f "$ZIPKV_GGUF" ] && step timeout 420 python3 -c "
 from zipkv.study.experiments import memory_manager as e
 r = e.run(device='cuda', shape='llama3.1-8b', requests=80, prompt_lengths=(2048, 16384), output_lengths=(64, 256),
           rate=32.0, rates=(6, 8, 10, 12, 14, 16, 20, 32), budget_requests=16, pages_per_chunk=16, reserve_ratio=0.5,
