@@ -217,3 +217,15 @@ def test_kept_positions_finds_the_keys_a_distilled_cache_still_holds():
     cache = DistilledCache([DistilledLayer(held, held.clone(), valid)], n_context=6)
     kept = exp._kept_positions(cache, capture, [2, 4, 5], model=None)
     assert kept[0].tolist() == [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("first,held_out", [(None, False), (page.REREADING_CHOSEN_ON - 5, False),
+                                            (page.REREADING_CHOSEN_ON, True)])
+def test_the_rereading_rows_say_whether_they_are_held_out(first, held_out):
+    row = dict(model="SmolLM2-135M-Instruct", kind="niah_single", length=256, method="zipkv_reconstruction",
+               kept_fraction=0.25, prompts=30, correct=27, accuracy=0.9, seconds=160.0)
+    if first is not None:
+        row["first_prompt"] = first
+    text = page.task_text(pd.concat([_task(), pd.DataFrame([row])], ignore_index=True))
+    assert "27 of 30 at kept 0.25 (SmolLM2-135M-Instruct; the best press 60%)" in text
+    assert ("a held-out measurement" in text) == held_out and ("not a held-out" in text) == (not held_out)
