@@ -228,4 +228,4 @@ def test_the_rereading_rows_say_whether_they_are_held_out(first, held_out):
         row["first_prompt"] = first
     text = page.task_text(pd.concat([_task(), pd.DataFrame([row])], ignore_index=True))
     assert "27 of 30 at kept 0.25 (SmolLM2-135M-Instruct; the best press 60%)" in text
-    assert ("a held-out measurement" in text) == held_out and ("not a held-out" in text) == (not held_out)
+    assert ("was chosen: a held-out measurement" in text) == held_out and ("not a held-out" in text) == (not held_out)
