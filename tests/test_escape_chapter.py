@@ -130,3 +130,14 @@ def test_the_capacity_sentence_reads_the_side_table():
     text = chapter.capacity_text(cap)
     assert f"**{PROJECT_TARGETS.escape_max_batch - 1} requests**" in text and "missed by 1" in text
     assert "none is committed" in chapter.capacity_text(None)
+
+
+def test_the_capacity_sentence_gives_the_engines_tokens_per_second_where_a_gpu_run_is_committed():
+    cap = pd.DataFrame([dict(block_format="zipfusion", max_batch=57, bits_per_value=12.6),
+                        dict(block_format="escape", max_batch=60, bits_per_value=12.06)])
+    tp = pd.DataFrame([dict(block_format=f, batch=b, tokens_per_s=s, device="GPU X", timed_steps=24)
+                       for f, b, s in (("raw", 46, 1000.0), ("zipfusion", 57, 1200.0), ("escape", 60, 1300.0))])
+    text = chapter.capacity_text(cap, tp)
+    assert "**1.30× uncompressed**" in text and "(ZipFusion's format 1.20×" in text and ", met)." in text
+    assert "60 requests at 1,300 tokens/s" in text and "not measured yet" not in text
+    assert "not measured yet" in chapter.capacity_text(cap)

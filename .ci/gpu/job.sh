@@ -7,7 +7,8 @@
 #     requests; ~8 min), on an H100 the grid's points (~2 min) to set beside the committed H100 chapter's
 #  3. `zipkv.compress` seconds (the distillation-speed chapter's table; ~4 min on the H200; elsewhere Llama-3.1-8B's
 #     shape at 32K tokens only, into a table of that card's)
-#  4. the decode kernels' GPU tests (every page kind, >16 splits, CUDA graphs, validate mode; ~5 min)
+#  4. tokens/s under Fig. 5's budget with escape pages beside ZipFusion's format and uncompressed (~4 min)
+#  4b. the decode kernels' GPU tests (every page kind, >16 splits, CUDA graphs, validate mode; ~5 min)
 #  5. the memory manager's serving curves at Llama-3.1-8B shapes (wall clock; at most 7 min; needs the model)
 # Without calls a and b (no model) steps 1-4 run; carry [".gpu/whl", ".gpu/escape_kv"] (+ ".gpu/pg19" with the model).
 cd /root/run
@@ -25,6 +26,7 @@ else   # the latency chapter is the H200's (its kernels' tuning); on an H100 the
     --kernels gluon --methods flashinfer_tc zipkv_compressed --out results/paper/zipfusion_paper_grid_check.csv
   step python3 -c "from zipkv.bench.distill import compress_speed; compress_speed(('llama3.1-8b',), (32768,), out='results/paper/distill_speed_compress_other_card.csv', progress=False)"
 fi
+step timeout 300 python3 .ci/gpu/escape_throughput.py results/paper/escape_format_throughput.csv
 step timeout 330 python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py tests/test_decode_attention.py tests/test_format_faults.py
 [ -f "$ZIPKV_GGUF" ] && step timeout 420 python3 -c "
 from zipkv.study.experiments import memory_manager as e

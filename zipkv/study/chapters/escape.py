@@ -254,9 +254,10 @@ def layouts_text(table: pd.DataFrame) -> str:
 
 # ----------------------------------------------------------------------------- read by the fused kernel (a GPU run)
 
-LATENCY_SIDE, CAPACITY_SIDE = "latency", "capacity"
+LATENCY_SIDE, CAPACITY_SIDE, THROUGHPUT_SIDE = "latency", "capacity", "throughput"
 """The side tables beside the chapter's main one: the fused kernel's GPU runs on escape pages (``.ci/gpu/escape.sh``,
-every run appended) and the largest batch under Fig. 5's budget (``.ci/escape_capacity.py``)."""
+every run appended), the largest batch under Fig. 5's budget (``.ci/escape_capacity.py``, host work) and the engine's
+tokens/s there (``.ci/gpu/escape_throughput.py``)."""
 KERNEL_LABELS = {"flashinfer_tc": "FlashInfer, tensor cores", "zipkv_zipfusion": "zipkv, ZipFusion's format",
                  "zipkv_escape": "zipkv, escape format"}
 PACK_LABELS = {"pack_zipfusion_token": "ZipFusion's format, token layout",
@@ -331,18 +332,32 @@ def kernel_text(latency: pd.DataFrame | None) -> str:
     return " ".join(parts)
 
 
-def capacity_text(capacity: pd.DataFrame | None) -> str:
+def capacity_text(capacity: pd.DataFrame | None, throughput: pd.DataFrame | None = None) -> str:
     """Fig. 5's largest batch under one budget for ZipFusion's format and the escape format (side table), against
-    the uncompressed engine's and this project's target."""
+    the uncompressed engine's and this project's target; with ``throughput`` (the engine's GPU run), each format's
+    largest batch and decode tokens/s there against the uncompressed engine's."""
     if capacity is None or not len(capacity):
         return "The largest batch under Fig. 5's budget needs a run of its own; none is committed yet."
     by = capacity.set_index("block_format")
     target = PROJECT_TARGETS.escape_max_batch
     esc, zf = int(by.loc["escape", "max_batch"]), int(by.loc["zipfusion", "max_batch"])
-    return (f"Under Fig. 5's budget (room for 46 uncompressed requests of 8,192 + 256 tokens at Llama-3.1-8B's shape, "
+    text = (f"Under Fig. 5's budget (room for 46 uncompressed requests of 8,192 + 256 tokens at Llama-3.1-8B's shape, "
             f"real-KV prefixes of the embedded model), the escape format fits **{esc} requests** at "
             f"{float(by.loc['escape', 'bits_per_value']):.2f} bits per value, ZipFusion's format {zf} at "
             f"{float(by.loc['zipfusion', 'bits_per_value']):.2f}; this project's target is {target} "
             + ("(met)." if esc >= target else f"(missed by {target - esc}).")
-            + " The count places each block's stored size in the memory manager's pool on the host; decode tokens/s "
-            "at that batch needs the engine on a GPU and is not measured yet.")
+            + " The count places each block's stored size in the memory manager's pool on the host.")
+    if throughput is None or not len(throughput):
+        return text + " Decode tokens/s at that batch needs the engine on a GPU and is not measured yet."
+    t = throughput.set_index("block_format")
+    raw = float(t.loc["raw", "tokens_per_s"])
+    goal = PROJECT_TARGETS.tokens_per_s_vs_uncompressed
+    gain = float(t.loc["escape", "tokens_per_s"]) / raw
+    return text + (
+        f" The engine on the {t['device'].iloc[0]} ({int(t['timed_steps'].iloc[0])} decode steps timed, random "
+        f"weights): escape pages run {int(t.loc['escape', 'batch'])} requests at "
+        f"{float(t.loc['escape', 'tokens_per_s']):,.0f} tokens/s, ZipFusion's format {int(t.loc['zipfusion', 'batch'])} "
+        f"at {float(t.loc['zipfusion', 'tokens_per_s']):,.0f}, uncompressed {int(t.loc['raw', 'batch'])} at {raw:,.0f}: "
+        f"**{gain:.2f}× uncompressed** (ZipFusion's format "
+        f"{float(t.loc['zipfusion', 'tokens_per_s']) / raw:.2f}×; target {goal:.2f}×"
+        + (", met)." if gain >= goal else f", missed by {goal - gain:.2f}×)."))
