@@ -228,6 +228,13 @@ def verdict(table: pd.DataFrame, task: pd.DataFrame | None = None) -> tuple[str,
             low, high = f"{-gaps.gap.max():.0f}", f"{-gaps.gap.min():.0f}"
             text += (f" It misses the best press by {low if low == high else low + '–' + high} points; the section "
                      "on answers below shows where its answers go wrong.")
+        rereading = task[task.method == "zipkv_reconstruction"].sort_values("kept_fraction", ascending=False)
+        if len(rereading):
+            held = "first_prompt" in rereading and bool((rereading.first_prompt.fillna(0) >= REREADING_CHOSEN_ON).all())
+            text += (" Fitted instead on queries that re-read the context, the setting meant for questions about it, "
+                     "it answers " + " and ".join(f"{r.accuracy:.0%} at kept {r.kept_fraction:g}"
+                                                 for r in rereading.itertuples())
+                     + f" ({rereading.prompts.min()} prompts{', held out' if held else ''}).")
     elif task is not None and len(task):
         text += "On the retrieval task no setting passed the uncompressed model's 80 % gate with zipkv measured."
     else:
