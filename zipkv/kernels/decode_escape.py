@@ -12,18 +12,17 @@ What the variant adds (``esc_ptr``: :attr:`zipkv.paged.PagedKVCache.escapes`, pe
 * **Patching in registers, by the threads that own the elements.** After a key half is rebuilt with the fixed base
   128 and laid out as the A operand ``[16 token rows, 64 channels]`` (channel ``c`` of row ``t`` is block position
   ``256 h + 64 (t % 4) + 16 ((c >> 1) & 3) + 2 (c >> 3) + (c & 1)`` of the row's block), and after a value chunk
-  ``[4 blocks, 8 lanes, 16 values]`` is rebuilt (position ``128 c + 16 m + r``), warp-uniform branches skip units
+  ``[4 blocks, 8 lanes, 16 values]`` is rebuilt (position ``128 c + 16 m + r``), two warp-uniform branches skip units
   without zero-mode blocks and units whose blocks list nothing (most units of real KV). Zero mode: every element of
   a zero-mode block that decoded to code offset 7 (high byte ``64 + 7``) is exponent pair 0, rewritten in place
-  (:func:`_zero_mode`). Escapes: the first :data:`ENTRIES` entries of each of a unit's blocks are loaded while the
-  unit before it is computed (:func:`_listed`), so no load waits inside the compute; each entry is then picked by one
-  reduction and written in by the one thread that holds its position, from the sign and low byte that element already
-  holds and the entry's exponent pair, ``e + 128 - b`` (:func:`_rewrite`). A block that lists more entries has the
-  rest loaded where it is patched (rare: real KV lists 0.08 per block). The per-token power of two ``2^(b - 128)``
-  then undoes the scale exactly as for every other value of the block, so the output over escape pages is the output
-  over the same pages raw, bit for bit, at the same split count.
-* Resources (offline, sm_90a, Llama-3.1-8B shape, :func:`compile_info`): 234 registers, no spills for the
-  all-compressed path (decode_mma's: 128 registers): fewer programs per SM; a register cap
+  (:func:`_zero_mode`). Escapes: every thread reads the unit's entries (the same addresses for all lanes: broadcast
+  loads of 2 bytes), computes the escaped value -- its low byte and its code's sign read back from the block just
+  copied (L2 hits), exponent ``e + 128 - b`` (:func:`_escaped`) -- and the one thread that holds that position
+  selects it in (:func:`_patch`). The per-token power of two ``2^(b - 128)`` then undoes the scale exactly as for
+  every other value of the block, so the output over escape pages is the output over the same pages raw, bit for
+  bit, at the same split count.
+* Resources (offline, sm_90a, Llama-3.1-8B shape, :func:`compile_info`): 218 registers, no spills, 13.2 KB of shared
+  memory for the all-compressed path (decode_mma's: 128 registers): fewer programs per SM; a register cap
   (``launch={"maxnreg": n}``) trades them for spills (168: 48 bytes), which ``.ci/gpu/escape_probe.py`` times.
 * Not exact: a listed or zero-mode value that is a bf16 subnormal, or whose scaled exponent would fall below bf16's
   normal range (``e + 128 - b < 1``: a value more than ``2^127`` times smaller than its block's window), becomes a
@@ -76,138 +75,79 @@ def _entry(pool_ptr, addr, i):
 
 
 @gluon.jit
-def _rewrite(x, hit, pair, b2):
-    """Tile ``x`` (bf16, rebuilt with base 128) with the elements where ``hit`` rewritten as escapes of exponent pair
-    ``pair`` in a block of base ``2 * b2``: the kernel's scaled value, exponent ``e + 128 - b`` with the sign and the
-    low byte (its lowest exponent bit included) the element already holds -- a signed zero for a zero, a bf16
-    subnormal or a result below the normal range (:func:`scaled_reference`). Escaped values sit below their block's
-    window (``pair < b2``), so the new exponent pair ``pair + 64 - b2`` fits its 7 bits."""
-    v = x.to(gl.int16, bitcast=True).to(gl.int32)
+def _escaped(pool_ptr, block, p, pair, b2):
+    """The kernel's scaled value (bf16, a scalar) of the escape at position ``p`` of the compressed block at byte
+    ``block`` whose exponent pair is ``pair`` (block base ``2 * b2``): its low byte and its code's sign read back
+    (two broadcast byte loads, L2 hits: the block was just copied), exponent ``e + 128 - b``; a signed zero for a
+    zero, a bf16 subnormal or a result below the normal range (:func:`scaled_reference`)."""
+    low = gl.load(pool_ptr + block + p).to(gl.int32)
+    code = gl.load(pool_ptr + block + 512 + (p & 255)).to(gl.int32)
+    sign = gl.where(p >= 256, code >> 7, (code >> 3) & 1) << 15
     hp = pair + 64 - b2
-    e1 = (v >> 7) & 1
+    e1 = low >> 7
     ok = (2 * hp + e1 >= 1) & ((pair > 0) | (e1 == 1))
-    bits = gl.where(ok, (v & -32513) | (hp << 8), v & -32768)          # -32513: 0x...80FF, sign and low byte kept
-    return gl.where(hit, bits, v).to(gl.int16).to(gl.bfloat16, bitcast=True)
+    bits = gl.where(ok, sign | (hp << 8) | low, sign)
+    return bits.to(gl.int16).to(gl.bfloat16, bitcast=True)
 
 
 @gluon.jit
-def _key_hit(p, r, HALF: gl.constexpr):
-    """Where block position ``p`` of the unit's key block ``r`` sits in key half HALF's A operand ``[16, 64]``
-    (row ``t = 4 r + p' >> 6``, column ``c = 8 (j >> 1) + 2 q + (j & 1)`` with ``p' = p & 255``, ``q = p' >> 4 & 3``,
-    ``j = p' & 15``: the inverse of :func:`_patch_keys`'s position map); all False where ``p`` is in the other half."""
-    t = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))[:, None]
-    c = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))[None, :]
-    pp = p & 255
-    j = pp & 15
-    col = 8 * (j >> 1) + 2 * ((pp >> 4) & 3) + (j & 1)
-    return (t == 4 * r + (pp >> 6)) & (c == col) & ((p >> 8) == HALF)
-
-
-@gluon.jit
-def _value_hit(p, r, C: gl.constexpr):
-    """Where block position ``p`` of the unit's value block ``r`` sits in value chunk C ``[4, 8, 16]`` (position
-    ``128 C + 16 m + i`` of block row ``blk``); all False outside the chunk."""
-    blk = gl.arange(0, 4, layout=V_ROWS)[:, None, None]
-    m = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_REGS)))[None, :, None]
-    i = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))[None, None, :]
-    return (blk == r) & (m == ((p >> 4) & 7)) & (i == (p & 15)) & ((p >> 7) == C)
-
-
-# ----------------------------------------------------------------------------- the unit's lists, one unit ahead
-
-ENTRIES = gl.constexpr(4)
-"""Entries per block read one unit ahead (the K_ROWS tensor's row ``t`` holds entry ``t % 4`` of block ``t // 4``); a
-block that lists more has the rest read where it is patched (the overflow path: real KV lists 0.08 per block)."""
-
-
-@gluon.jit
-def _listed(pool_ptr, info):
-    """Issue the loads of the first :data:`ENTRIES` entries of each of a unit's 4 blocks (``info`` ``[16]`` K_ROWS,
-    row ``t`` the folded descriptor of block ``t // 4``, :func:`_fold`). Returns ``(meta, lo, hi, flags)``: ``meta``
-    the entry's known part ``1 << 30 | (t // 4) << 24 | b2 << 16`` (0 where the block lists fewer), the entry's two
-    bytes as loaded (consumed a unit later, so the loads' latency hides behind a unit's compute: :func:`_entries`),
-    and per block (row ``t % 4 == 0``) ``zero | (count > ENTRIES) << 3``."""
-    t = gl.arange(0, 16, layout=K_ROWS)
-    i = t % ENTRIES
-    cnt = (info & 0x7F).to(gl.int32)
-    have = i < cnt
-    addr = (info >> 16) + 2 * i
-    lo = gl.load(pool_ptr + addr, mask=have, other=0)
-    hi = gl.load(pool_ptr + addr + 1, mask=have, other=0)
-    meta = gl.where(have, (1 << 30) | ((t // ENTRIES) << 24) | (((info >> 8) & 0x7F).to(gl.int32) << 16), 0)
-    flags = gl.where(i == 0, ((info >> 7) & 1).to(gl.int32) | ((cnt > ENTRIES).to(gl.int32) << 3), 0)
-    return meta, lo, hi, flags
-
-
-@gluon.jit
-def _summary(mk, mv, fk, fv):
-    """One reduction per unit: ``nk | nv << 6 | zk << 12 | ok << 15 | zv << 18 | ov << 21`` -- entries read ahead
-    (keys, values), zero-mode blocks, blocks listing more than :data:`ENTRIES` (each a count, 0 to 16 or 4)."""
-    rows = (mk != 0).to(gl.int32) + ((mv != 0).to(gl.int32) << 6) + ((fk & 7) << 12) + ((fk >> 3) << 15) \
-        + ((fv & 7) << 18) + ((fv >> 3) << 21)
-    return gl.sum(rows, axis=0)
-
-
-@gluon.jit
-def _entries(meta, lo, hi):
-    """The unit's entries read ahead (:func:`_listed`), packed ``1 << 30 | r << 24 | b2 << 16 | p << 7 | pair``; 0
-    where none. Each is unique (block row and position), so the largest picks one at a time."""
-    return gl.where(meta != 0, meta | lo.to(gl.int32) | (hi.to(gl.int32) << 8), 0)
-
-
-# ----------------------------------------------------------------------------- the patch, per unit
-
-@gluon.jit
-def _patch_keys(ka, pool_ptr, kinfo, ek, summary, HALF: gl.constexpr):
-    """The A operand ``[16 token rows, 64 channels]`` of key half HALF (rebuilt with base 128,
-    :func:`zipkv.kernels.decode_mma._key_operand`) with its unit's zero-mode values and escapes written in by the
-    threads that hold them. Channel ``c`` of row ``t`` is block position ``256 HALF + 64 (t % 4) + 16 ((c >> 1) & 3)
-    + 2 (c >> 3) + (c & 1)`` of the row's block. ``kinfo`` ``[16]`` per token row (K_ROWS, :func:`_fold`); ``ek``
-    the unit's entries read ahead (:func:`_entries`); ``summary`` :func:`_summary`'s. Each step behind a
-    warp-uniform branch: most units of real KV skip all three."""
-    if ((summary >> 12) & 7) != 0:
-        info = gl.convert_layout(kinfo, gl.SliceLayout(1, A_OP))[:, None]
-        ka = _zero_mode(ka, ((info >> 7) & 1).to(gl.int32), ((info >> 8) & 0x7F).to(gl.int32))
-    n = summary & 63
-    for _ in range(n):
-        e = gl.max(ek, axis=0)
-        ek = gl.where(ek == e, 0, ek)
-        p = (e >> 7) & 0x1FF
-        ka = _rewrite(ka, _key_hit(p, (e >> 24) & 3, HALF), e & 0x7F, (e >> 16) & 0x7F)
-    if ((summary >> 15) & 7) != 0:                                       # blocks listing more than ENTRIES
-        rows = gl.arange(0, 16, layout=K_ROWS) // 4
-        for r in gl.static_range(4):
-            inf = gl.max(gl.where(rows == r, kinfo, 0), axis=0)
-            for i in range(ENTRIES, (inf & 0x7F).to(gl.int32)):
-                ent = _entry(pool_ptr, inf >> 16, i)
-                ka = _rewrite(ka, _key_hit(ent >> 7, r, HALF), ent & 0x7F, ((inf >> 8) & 0x7F).to(gl.int32))
-    return ka
-
-
-@gluon.jit
-def _patch_chunk(x, pool_ptr, vinfo, ev, summary, C: gl.constexpr):
-    """Value chunk C ``[4, 8, 16]`` (V_REGS) patched as :func:`_patch_keys`; ``vinfo`` ``[4]`` per block row
-    (V_ROWS), ``ev`` the unit's value entries read ahead."""
-    if ((summary >> 18) & 7) != 0:
-        x = _zero_mode(x, ((vinfo >> 7) & 1).to(gl.int32)[:, None, None], ((vinfo >> 8) & 0x7F).to(gl.int32)[:, None, None])
-    n = (summary >> 6) & 63
-    for _ in range(n):
-        e = gl.max(ev, axis=0)
-        ev = gl.where(ev == e, 0, ev)
-        x = _rewrite(x, _value_hit((e >> 7) & 0x1FF, (e >> 24) & 3, C), e & 0x7F, (e >> 16) & 0x7F)
-    if ((summary >> 21) & 7) != 0:
-        rows = gl.arange(0, 4, layout=V_ROWS)
-        for r in gl.static_range(4):
-            inf = gl.max(gl.where(rows == r, vinfo, 0), axis=0)
-            for i in range(ENTRIES, (inf & 0x7F).to(gl.int32)):
-                ent = _entry(pool_ptr, inf >> 16, i)
-                x = _rewrite(x, _value_hit(ent >> 7, r, C), ent & 0x7F, ((inf >> 8) & 0x7F).to(gl.int32))
+def _patch(x, pool_ptr, info, addr, rows, rowblk, base, j):
+    """Tile ``x`` with its unit's listed escapes written in: for each of the unit's 4 blocks (``rows``: the block row
+    of each entry of ``info`` / ``addr``, the folded descriptors and block addresses; ``rowblk``: each element's), each
+    entry's element -- block position ``base + j`` (``base`` per thread, ``j`` per register) -- gets
+    :func:`_escaped`, selected by the thread that holds it."""
+    for r in gl.static_range(4):
+        sel = rows == r
+        inf = gl.max(gl.where(sel, info, 0), axis=0)
+        block = gl.max(gl.where(sel, addr, 0), axis=0)
+        cnt = (inf & 0x7F).to(gl.int32)
+        lst = inf >> 16
+        b2 = ((inf >> 8) & 0x7F).to(gl.int32)
+        for i in range(cnt):
+            ent = _entry(pool_ptr, lst, i)
+            p = ent >> 7
+            val = _escaped(pool_ptr, block, p, ent & 0x7F, b2)
+            x = gl.where((rowblk == r) & (j == p - base), val, x)
     return x
 
 
 @gluon.jit
-def _key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, ek, summary, KIND: gl.constexpr, HALF: gl.constexpr):
-    """:func:`zipkv.kernels.decode_mma._key_half` with the unit's escapes patched in the operand layout."""
+def _patch_keys(ka, pool_ptr, kinfo, kaddr, HALF: gl.constexpr):
+    """The A operand ``[16 token rows, 64 channels]`` of key half HALF (rebuilt with base 128,
+    :func:`zipkv.kernels.decode_mma._key_operand`) with its unit's zero-mode values and escapes written in
+    (:func:`_zero_mode`, :func:`_patch`); ``kinfo``, ``kaddr`` ``[16]`` per token row (K_ROWS). Channel ``c`` of
+    row ``t`` is the key tile's element ``(t, q, j)`` with ``q = (c >> 1) & 3``, ``j = 2 (c >> 3) + (c & 1)``: block
+    position ``256 HALF + 64 (t % 4) + 16 q + j`` of the row's block. Each step behind a warp-uniform branch: most
+    units of real KV skip both."""
+    t = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))[:, None]
+    c = gl.arange(0, 64, layout=gl.SliceLayout(0, A_OP))[None, :]
+    if gl.sum(((kinfo >> 7) & 1).to(gl.int32), axis=0) != 0:
+        info = gl.convert_layout(kinfo, gl.SliceLayout(1, A_OP))[:, None]
+        ka = _zero_mode(ka, ((info >> 7) & 1).to(gl.int32), ((info >> 8) & 0x7F).to(gl.int32))
+    if gl.sum((kinfo & 0x7F).to(gl.int32), axis=0) != 0:
+        kt = gl.arange(0, 16, layout=K_ROWS)
+        pos = 256 * HALF + 64 * (t % 4) + 16 * ((c >> 1) & 3) + 2 * (c >> 3) + (c & 1)
+        ka = _patch(ka, pool_ptr, kinfo, kaddr, kt // 4, t // 4, pos, 0)
+    return ka
+
+
+@gluon.jit
+def _patch_chunk(x, pool_ptr, vinfo, vaddr, C: gl.constexpr):
+    """Value chunk C ``[4, 8, 16]`` (V_REGS) patched as :func:`_patch_keys`; ``vinfo``, ``vaddr`` ``[4]`` per block
+    row (V_ROWS)."""
+    if gl.sum(((vinfo >> 7) & 1).to(gl.int32), axis=0) != 0:
+        x = _zero_mode(x, ((vinfo >> 7) & 1).to(gl.int32)[:, None, None], ((vinfo >> 8) & 0x7F).to(gl.int32)[:, None, None])
+    if gl.sum((vinfo & 0x7F).to(gl.int32), axis=0) != 0:
+        vb = gl.arange(0, 4, layout=V_ROWS)
+        m = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, V_REGS)))[None, :, None]
+        r = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_REGS)))[None, None, :]
+        x = _patch(x, pool_ptr, vinfo, vaddr, vb, vb[:, None, None], 128 * C + 16 * m + 0 * vb[:, None, None], r)
+    return x
+
+
+@gluon.jit
+def _key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, kaddr, KIND: gl.constexpr, HALF: gl.constexpr):
+    """:func:`zipkv.kernels.decode_mma._key_half` with the unit's escapes patched before the operand layout."""
     if KIND == COMPRESSED:
         k = _rebuild128(kbuf[HALF].index(slot).load(K_REGS), kbuf[2].index(slot).load(K_REGS), HALF == 1)
     elif KIND == RAW:
@@ -217,24 +157,23 @@ def _key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, ek, summary, KIND: gl.con
         k = _mixed_key_half(kbuf, kflags, slot, HALF)
     ka = _key_operand(k)
     if KIND != RAW:
-        ka = _patch_keys(ka, pool_ptr, kinfo, ek, summary, HALF)
+        ka = _patch_keys(ka, pool_ptr, kinfo, kaddr, HALF)
     return ka
 
 
 @gluon.jit
 def _compute_esc(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_scale, v_scale, valid_a, valid_b,
-                 pool_ptr, kinfo, vinfo, ek, ev, summary, KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr,
+                 pool_ptr, kinfo, vinfo, kaddr, vaddr, KIND: gl.constexpr, LAST: gl.constexpr, HD: gl.constexpr,
                  NQ: gl.constexpr):
     """:func:`zipkv.kernels.decode_mma._compute` over escape pages (``kinfo`` ``[16]``, ``vinfo`` ``[4]``: the unit's
-    folded escape descriptors; ``ek``, ``ev``, ``summary``: its entries read ahead, :func:`_entries`,
-    :func:`_summary`)."""
+    folded escape descriptors)."""
     z = gl.zeros([16, NQ], gl.float32, layout=MMA)
-    s0 = mma_v2(_key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, ek, summary, KIND, 0), qk0, z)
+    s0 = mma_v2(_key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, kaddr, KIND, 0), qk0, z)
     if HD == 128:
-        s0 = mma_v2(_key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, ek, summary, KIND, 1), qk1, s0)
+        s0 = mma_v2(_key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, kaddr, KIND, 1), qk1, s0)
         s1 = s0
     else:
-        s1 = mma_v2(_key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, ek, summary, KIND, 1), qk0, z)
+        s1 = mma_v2(_key_half_esc(kbuf, kflags, slot, pool_ptr, kinfo, kaddr, KIND, 1), qk0, z)
     if KIND == COMPRESSED:
         v0, v1, v2, v3 = _rebuilt_values(vbuf, slot)
     elif KIND == RAW:
@@ -242,11 +181,10 @@ def _compute_esc(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, k_sc
     else:
         v0, v1, v2, v3 = _mixed_values(vbuf, vflags, slot)
     if KIND != RAW:
-        if (summary >> 6) != 0:                       # anything listed, zero mode or overflowing in the values
-            v0 = _patch_chunk(v0, pool_ptr, vinfo, ev, summary, 0)
-            v1 = _patch_chunk(v1, pool_ptr, vinfo, ev, summary, 1)
-            v2 = _patch_chunk(v2, pool_ptr, vinfo, ev, summary, 2)
-            v3 = _patch_chunk(v3, pool_ptr, vinfo, ev, summary, 3)
+        v0 = _patch_chunk(v0, pool_ptr, vinfo, vaddr, 0)
+        v1 = _patch_chunk(v1, pool_ptr, vinfo, vaddr, 1)
+        v2 = _patch_chunk(v2, pool_ptr, vinfo, vaddr, 2)
+        v3 = _patch_chunk(v3, pool_ptr, vinfo, vaddr, 3)
     va0, va1 = dm._value_operands(v0, v1, v2, v3, HD)
     if KIND != COMPRESSED and LAST:
         if valid_a + valid_b < 32:
@@ -264,25 +202,18 @@ def _fold(ed, d):
 
 
 @gluon.jit
-def _value_rows(ptr, pa, pb, h, HKV: gl.constexpr, HD: gl.constexpr):
-    """A unit's value-block descriptors per K_ROWS row ``t`` (block ``t // 4``), the layout :func:`_listed` reads."""
-    return dm._vdesc(ptr, pa, pb, h, gl.arange(0, 16, layout=K_ROWS) // 4, HKV, HD)
-
-
-@gluon.jit
 def _pipelined_esc(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, esc_ptr, indices_ptr, p_start, npages, lo, hi,
                    last_len, h, qk_scale, HKV: gl.constexpr, KIND: gl.constexpr, SLOTS: gl.constexpr,
                    HD: gl.constexpr, NQ: gl.constexpr):
     """:func:`zipkv.kernels.decode_mma._pipelined` with the units' escape descriptors in the pipeline (loaded with
-    the block descriptors, waiting in rings of their own), each unit's first list entries loaded one unit before it
-    is computed (:func:`_listed`; no load waits inside the compute but the rare overflow's) and
-    :func:`_compute_esc`."""
+    the block descriptors, waiting in their own ring) and :func:`_compute_esc`."""
     kbuf, vbuf = _rings(KIND, SLOTS)
     ksbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
     vsbuf = gl.allocate_shared_memory(gl.float32, [SLOTS, 16], SCALES)
     kibuf = gl.allocate_shared_memory(gl.int64, [SLOTS, 16], SCALES)
     vibuf = gl.allocate_shared_memory(gl.int64, [SLOTS, 4], SCALES)
-    vrbuf = gl.allocate_shared_memory(gl.int64, [SLOTS, 16], SCALES)
+    kabuf = gl.allocate_shared_memory(gl.int64, [SLOTS, 16], SCALES)
+    vabuf = gl.allocate_shared_memory(gl.int64, [SLOTS, 4], SCALES)
     kflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 16], SCALES)
     vflags = gl.allocate_shared_memory(gl.int32, [SLOTS if KIND == MIXED else 1, 4], SCALES)
     last = hi - 1
@@ -297,15 +228,12 @@ def _pipelined_esc(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, esc_ptr, indices
         vsbuf.index(j).store(vs)
         kibuf.index(j).store(_fold(ke, kd))
         vibuf.index(j).store(_fold(ve, vd))
-        vrbuf.index(j).store(_fold(_value_rows(esc_ptr, pa, pb, h, HKV, HD), _value_rows(desc_ptr, pa, pb, h, HKV, HD)))
+        kabuf.index(j).store(kd >> 8)
+        vabuf.index(j).store(vd >> 8)
     paa, pba = _unit_pages(indices_ptr, p_start, lo + SLOTS - 1, last, npages, HD)
     kdn, vdn = _descs(desc_ptr, paa, pba, h, HKV, HD)
     ken, ven = _descs(esc_ptr, paa, pba, h, HKV, HD)
-    vrn = _value_rows(esc_ptr, paa, pba, h, HKV, HD)
-    vdrn = _value_rows(desc_ptr, paa, pba, h, HKV, HD)
     pan, pbn = _unit_pages(indices_ptr, p_start, lo + SLOTS, last, npages, HD)
-    mk, lok, hik, fk = _listed(pool_ptr, kibuf.index(0).load(K_ROWS))
-    mv, lov, hiv, fv = _listed(pool_ptr, vrbuf.index(0).load(K_ROWS))
     for i in range(lo, hi - 1):
         ahead = (i - lo + SLOTS - 1) % SLOTS
         _issue(pool_ptr, kbuf, vbuf, kflags, vflags, ahead, kdn, vdn, KIND)
@@ -315,33 +243,27 @@ def _pipelined_esc(qk0, qk1, m_i, l_i, acc, pool_ptr, desc_ptr, esc_ptr, indices
         vsbuf.index(ahead).store(vs)
         kibuf.index(ahead).store(_fold(ken, kdn))
         vibuf.index(ahead).store(_fold(ven, vdn))
-        vrbuf.index(ahead).store(_fold(vrn, vdrn))
+        kabuf.index(ahead).store(kdn >> 8)
+        vabuf.index(ahead).store(vdn >> 8)
         kdn, vdn = _descs(desc_ptr, pan, pbn, h, HKV, HD)
         ken, ven = _descs(esc_ptr, pan, pbn, h, HKV, HD)
-        vrn = _value_rows(esc_ptr, pan, pbn, h, HKV, HD)
-        vdrn = _value_rows(desc_ptr, pan, pbn, h, HKV, HD)
         paa = pan
         pba = pbn
         pan, pbn = _unit_pages(indices_ptr, p_start, i + SLOTS + 1, last, npages, HD)
-        nxt = (i + 1 - lo) % SLOTS                              # unit i + 1's lists, loaded during unit i
-        mk1, lok1, hik1, fk1 = _listed(pool_ptr, kibuf.index(nxt).load(K_ROWS))
-        mv1, lov1, hiv1, fv1 = _listed(pool_ptr, vrbuf.index(nxt).load(K_ROWS))
         async_copy.wait_group(SLOTS - 1)
         slot = (i - lo) % SLOTS
         m_i, l_i, acc = _compute_esc(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot,
                                      ksbuf.index(slot).load(TOKS), vsbuf.index(slot).load(TOKS), 16, 16, pool_ptr,
                                      kibuf.index(slot).load(K_ROWS), vibuf.index(slot).load(V_ROWS),
-                                     _entries(mk, lok, hik), _entries(mv, lov, hiv), _summary(mk, mv, fk, fv),
+                                     kabuf.index(slot).load(K_ROWS), vabuf.index(slot).load(V_ROWS),
                                      KIND, False, HD, NQ)
-        mk, lok, hik, fk = mk1, lok1, hik1, fk1
-        mv, lov, hiv, fv = mv1, lov1, hiv1, fv1
     async_copy.wait_group(0)
     slot = (hi - 1 - lo) % SLOTS
     valid_a, valid_b = _unit_valid(hi - 1, npages, last_len, HD)
     return _compute_esc(qk0, qk1, m_i, l_i, acc, kbuf, vbuf, kflags, vflags, slot, ksbuf.index(slot).load(TOKS),
                         vsbuf.index(slot).load(TOKS), valid_a, valid_b, pool_ptr, kibuf.index(slot).load(K_ROWS),
-                        vibuf.index(slot).load(V_ROWS), _entries(mk, lok, hik), _entries(mv, lov, hiv),
-                        _summary(mk, mv, fk, fv), KIND, True, HD, NQ)
+                        vibuf.index(slot).load(V_ROWS), kabuf.index(slot).load(K_ROWS),
+                        vabuf.index(slot).load(V_ROWS), KIND, True, HD, NQ)
 
 
 @gluon.jit
@@ -400,7 +322,7 @@ def compile_info(path: str = "compressed", *, q_heads: int = 32, kv_heads: int =
 def scaled_reference(bits: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """What the kernel feeds the tensor cores for each value of a compressed block, in torch: bf16 ``x * 2^(128 -
     b)`` for the block base ``b`` (``bits``: the values' bf16 bits int16 ``[..., 512]``, ``b`` ``[...]`` even),
-    computed as the kernel computes it (:func:`_zero_mode`, :func:`_rewrite`): the exponent shifted by ``128 - b``; zeros stay signed
+    computed as the kernel computes it (:func:`_zero_mode`, :func:`_escaped`): the exponent shifted by ``128 - b``; zeros stay signed
     zeros, and a bf16 subnormal, or a result below bf16's normal range, becomes a signed zero. Where nothing is
     flushed it equals the exact ``x * 2^(128 - b)`` (fp32 arithmetic, then bf16): the CPU suite checks both."""
     v = bits.to(torch.int32) & 0xFFFF
@@ -414,7 +336,7 @@ def operands_reference(payload: torch.Tensor, escapes: torch.Tensor, meta) -> to
     """The kernel's operand values of compressed blocks, rebuilt as the kernel rebuilds them, in torch: each block's
     codes with the fixed base 128 (high byte ``sign << 7 | 64 + offset``, ZipFusion's rebuild), a zero-mode block's
     code offset 7 rewritten (:func:`_zero_mode`), each listed value rewritten from its low byte, its code's sign and
-    its entry's pair (:func:`_rewrite`). ``(payload, escapes, meta)`` as :func:`zipkv.escape.pack` returns them (any
+    its entry's pair (:func:`_escaped`). ``(payload, escapes, meta)`` as :func:`zipkv.escape.pack` returns them (any
     capacity); returns int16 bits ``[..., n_blocks, 512]`` in block order (raw blocks: their raw values). Equal to
     :func:`scaled_reference` of the original values for every compressed block: what the CPU suite checks, on every
     bf16 pattern at every position."""

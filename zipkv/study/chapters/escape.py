@@ -302,6 +302,8 @@ def kernel_text(latency: pd.DataFrame | None) -> str:
         return ("The fused kernel's reading of escape pages is timed on a GPU; no run is committed yet.")
     run = latest_run(latency)
     device = str(run["device"].iloc[0])
+    when = f"the run of commit {run['commit'].iloc[0]}" + (f", {run['date'].iloc[0]}" if "date" in run and
+                                                              run["date"].notna().any() else "")
     at = run[(run.ctx == ANCHOR_POINT[0]) & (run.batch == ANCHOR_POINT[1])].set_index("method")
     target = PROJECT_TARGETS.escape_speedup_vs_flashinfer_tc
     parts = []
@@ -311,7 +313,7 @@ def kernel_text(latency: pd.DataFrame | None) -> str:
         fi = float(at.loc["flashinfer_tc", "latency_us"])
         bytes_ratio = float(at.loc["flashinfer_tc", "bytes_read"]) / float(at.loc["zipkv_escape", "bytes_read"])
         parts.append(
-            f"On the {device}, at {ANCHOR_POINT[0]:,} tokens × {ANCHOR_POINT[1]} requests of real KV, the fused kernel "
+            f"On the {device} ({when}), at {ANCHOR_POINT[0]:,} tokens × {ANCHOR_POINT[1]} requests of real KV, the fused kernel "
             f"decodes escape pages in {float(at.loc['zipkv_escape', 'latency_us']):.0f} µs: **{esc:.2f}× FlashInfer's "
             f"tensor-core decode** ({fi:.0f} µs), against {zf:.2f}× for the same KV in ZipFusion's format. The bytes "
             f"allow {bytes_ratio:.2f}× at FlashInfer's bandwidth; this project's target is {target:.2f}× "
