@@ -229,3 +229,13 @@ def test_the_rereading_rows_say_whether_they_are_held_out(first, held_out):
     text = page.task_text(pd.concat([_task(), pd.DataFrame([row])], ignore_index=True))
     assert "27 of 30 at kept 0.25 (SmolLM2-135M-Instruct; the best press 60%)" in text
     assert ("was chosen: a held-out measurement" in text) == held_out and ("not a held-out" in text) == (not held_out)
+
+
+def test_rows_with_a_new_column_are_appended_without_misaligning_the_csv(tmp_path):
+    out = tmp_path / "t.csv"
+    exp._append(out, pd.DataFrame([dict(method="a", prompts=3)]), [])
+    exp._append(out, pd.DataFrame([dict(method="b", first_prompt=20, prompts=30)]), [])
+    exp._append(out, pd.DataFrame([dict(method="c", first_prompt=0, prompts=5)]), [])
+    t = pd.read_csv(out)
+    assert t.method.tolist() == ["a", "b", "c"] and t.prompts.tolist() == [3, 30, 5]
+    assert t.first_prompt.isna().tolist() == [True, False, False] and t.first_prompt.iloc[1] == 20

@@ -70,7 +70,11 @@ def _append(out: Path | None, rows: pd.DataFrame, kept: list[pd.DataFrame]) -> N
     kept.append(rows)
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        rows.to_csv(out, mode="a", header=not Path(out).is_file(), index=False)
+        have = pd.read_csv(out, nrows=0).columns.tolist() if Path(out).is_file() else None
+        if have is None or have == list(rows.columns):
+            rows.to_csv(out, mode="a", header=have is None, index=False)
+        else:                        # other columns than the file's: rewrite it with both (an append would misalign)
+            pd.concat([pd.read_csv(out), rows], ignore_index=True).to_csv(out, index=False)
 
 
 def measure_kl(model, tokenizer, windows: Sequence, kept_fractions: Sequence[float] = KEPT_FRACTIONS,
