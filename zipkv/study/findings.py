@@ -711,11 +711,16 @@ def _kvpress(res: Results):
                         "fraction(s)") + ")")
     text = "; ".join(parts)
     side = res.directory / "kvpress_presses_task.csv"
-    gaps = task_gaps(pd.read_csv(side)) if side.is_file() else None
+    task = pd.read_csv(side) if side.is_file() else None
+    gaps = task_gaps(task) if task is not None else None
     if gaps is not None and len(gaps):
         text += "; task: " + ", ".join(f"{r.model} kept {r.kept_fraction:g}: zipkv {r.zipkv:.0%} ({r.zipkv_prompts} "
                                        f"prompts) vs {press_label(r.best_press)} {r.best_press_accuracy:.0%}"
                                        for r in gaps.itertuples())
+        rereading = task[task.method == "zipkv_reconstruction"].sort_values("kept_fraction", ascending=False)
+        if len(rereading):
+            text += "; with the re-reading probe for questions about the context: " + ", ".join(
+                f"kept {r.kept_fraction:g}: {r.accuracy:.0%} ({r.prompts} prompts)" for r in rereading.itertuples())
     return Measured(None, text)
 
 
