@@ -230,7 +230,7 @@ def verdict(table: pd.DataFrame, task: pd.DataFrame | None = None) -> tuple[str,
                      "on answers below shows where its answers go wrong.")
         rereading = task[task.method == "zipkv_reconstruction"].sort_values("kept_fraction", ascending=False)
         if len(rereading):
-            held = "first_prompt" in rereading and bool((rereading.first_prompt.fillna(0) >= REREADING_CHOSEN_ON).all())
+            held = held_out(rereading)
             text += (" Fitted instead on queries that re-read the context, the setting meant for questions about it, "
                      "it answers " + " and ".join(f"{r.accuracy:.0%} at kept {r.kept_fraction:g}"
                                                  for r in rereading.itertuples())
@@ -303,6 +303,11 @@ REREADING_CHOSEN_ON = 20
 was chosen on the task's first 20 seeded prompts; rows that start later (``first_prompt``) are held out."""
 
 
+def held_out(rows: pd.DataFrame) -> bool:
+    """Whether every one of the re-reading task ``rows`` starts after the prompts its setting was chosen on."""
+    return "first_prompt" in rows and bool((rows.first_prompt.fillna(0) >= REREADING_CHOSEN_ON).all())
+
+
 def task_text(task: pd.DataFrame | None) -> str:
     """The task section's sentences: the uncompressed model's accuracy per setting against the 80 % gate, then
     zipkv against the best press where both were measured."""
@@ -325,10 +330,7 @@ def task_text(task: pd.DataFrame | None) -> str:
                      "tens of seconds on the CPU of this run (the first prompts of the same seeded set).")
     rereading = named(task)[task.method == "zipkv_reconstruction"]
     if len(rereading):
-        first = rereading["first_prompt"].fillna(0).astype(int) if "first_prompt" in rereading else \
-            pd.Series(0, index=rereading.index)
-        held_out = bool((first >= REREADING_CHOSEN_ON).all())
-        best = task[(task.method.isin(PRESS_LABELS)) & (task.method != "none")]
+        best = task[task.method.isin(PRESS_LABELS)]
         text += (" Fitted and budgeted instead on queries that re-read the context after a repeat instruction "
                  "(KVzip's probe, not the model's sampled continuation), keeping the old keys that some of those "
                  "queries attend most, the distiller answers " + "; ".join(
@@ -339,7 +341,7 @@ def task_text(task: pd.DataFrame | None) -> str:
                  + ", at about " + f"{rereading.seconds.mean():.0f}" + " s a prompt on this CPU (the probe is the "
                  "whole context long). "
                  + (f"These prompts come after the first {REREADING_CHOSEN_ON} of the same seeded set, on which the "
-                    "setting was chosen: a held-out measurement." if held_out else
+                    "setting was chosen: a held-out measurement." if held_out(rereading) else
                     "This setting was first tried on some of these same prompts: not a held-out measurement."))
     return text
 
