@@ -102,7 +102,8 @@ def compile_info(fn, signature: dict, constexprs: dict, *, num_warps: int = 4, n
                 ld_global=len(re.findall(r"ld\.global", ptx)),
                 st_global=len(re.findall(r"st\.global", ptx)),
                 mma=ptx.count("mma.sync"), wgmma=ptx.count("wgmma.mma_async"),
-                barriers=ptx.count("bar.sync"))
+                barriers=ptx.count("bar.sync"), shuffles=ptx.count("shfl.sync"),
+                ptx_instructions=len(re.findall(r"^\s+[a-z@][^\n]*;\s*$", ptx, re.M)))
     if keep_asm:
         info.update(ttgir=ttgir, ptx=ptx)
     return info
