@@ -141,3 +141,11 @@ def test_the_capacity_sentence_gives_the_engines_tokens_per_second_where_a_gpu_r
     assert "**1.30× uncompressed**" in text and "(ZipFusion's format 1.20×" in text and ", met)." in text
     assert "60 requests at 1,300 tokens/s" in text and "not measured yet" not in text
     assert "not measured yet" in chapter.capacity_text(cap)
+
+
+def test_the_kernel_section_says_where_the_time_goes_from_the_compiled_resources():
+    res = pd.DataFrame([dict(kernel="zipfusion", ptx_instructions=1500, registers=128),
+                        dict(kernel="escape", ptx_instructions=13500, registers=218)])
+    text = chapter.kernel_text(_latency(0.2), res)
+    assert "13,500 instructions and 218 registers per thread against 1,500 and 128" in text and "(9.0× the code)" in text
+    assert "Where the time goes" not in chapter.kernel_text(_latency(0.2))
