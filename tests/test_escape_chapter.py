@@ -148,4 +148,5 @@ def test_the_kernel_section_says_where_the_time_goes_from_the_compiled_resources
                         dict(kernel="escape", ptx_instructions=13500, registers=218)])
     text = chapter.kernel_text(_latency(0.2), res)
     assert "13,500 instructions and 218 registers per thread against 1,500 and 128" in text and "(9.0× the code)" in text
+    assert "it reads at 2.50 TB/s at the point above, ZipFusion's format at 1.70)." in text
     assert "Where the time goes" not in chapter.kernel_text(_latency(0.2))

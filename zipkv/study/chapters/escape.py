@@ -323,8 +323,11 @@ def kernel_text(latency: pd.DataFrame | None, resources: pd.DataFrame | None = N
             f"registers per thread against {int(r.loc['zipfusion', 'ptx_instructions']):,} and "
             f"{int(r.loc['zipfusion', 'registers'])} for ZipFusion's format "
             f"({r.loc['escape', 'ptx_instructions'] / r.loc['zipfusion', 'ptx_instructions']:.1f}× the code): the "
-            "escapes and zero-mode values are written into whole register tiles, and a kernel that already runs "
-            "close to the instruction rate at its occupancy cannot absorb that; the bytes are not what limits it.")
+            "escapes and zero-mode values are written into whole register tiles, so the kernel is bound by its "
+            "instructions, not by the bytes it reads"
+            + (f" (it reads at {float(at.loc['zipkv_escape', 'tbps']):.2f} TB/s at the point above, ZipFusion's "
+               f"format at {float(at.loc['zipkv_zipfusion', 'tbps']):.2f})."
+               if {"zipkv_escape", "zipkv_zipfusion"} <= set(at.index) and "tbps" in at else "."))
     exact = run[run.method == "zipkv_escape"]["equal_raw_bits"].astype(str)
     if len(exact):
         parts.append("At every point timed the output over escape pages equals the output over the same pages raw, "
