@@ -239,3 +239,8 @@ def test_rows_with_a_new_column_are_appended_without_misaligning_the_csv(tmp_pat
     t = pd.read_csv(out)
     assert t.method.tolist() == ["a", "b", "c"] and t.prompts.tolist() == [3, 30, 5]
     assert t.first_prompt.isna().tolist() == [True, False, False] and t.first_prompt.iloc[1] == 20
+
+
+def test_a_first_prompt_past_the_prompts_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match=r"first_prompt=\{'zipkv': 6\}: expected prompt indices in \[0, 6\)"):
+        exp.measure_task(None, None, [], [("niah_single", 64)], ["zipkv"], prompts=6, first_prompt={"zipkv": 6})

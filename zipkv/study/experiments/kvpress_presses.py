@@ -174,6 +174,9 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
     from zipkv.integrations import kvpress as integration
     from zipkv.models import model_shape
 
+    late = {m: i for m, i in (first_prompt or {}).items() if not 0 <= i < prompts}
+    if late:
+        raise ValueError(f"first_prompt={late}: expected prompt indices in [0, {prompts}) (prompts={prompts})")
     name = model_shape(model).name
     have = pd.read_csv(out) if out is not None and Path(out).is_file() else None
     parts = [] if have is None else [have[have.model == name]]
