@@ -80,3 +80,17 @@ def test_the_design_page_is_in_the_toc_but_no_results_chapter():
     docs = findings.chapter_docs(REPO / "_toc.yml")
     assert docs["memory_manager"] == "book/zipfusion/memory_manager"
     assert "memory_manager_engines" not in docs and "memory_manager_engines" in (REPO / "_toc.yml").read_text()
+
+
+def test_a_run_appends_each_row_as_it_is_measured(tmp_path):
+    """progress_csv holds every ablation and curve row of the run, in the order measured, tagged by table: a GPU run
+    cut short keeps what it had measured."""
+    progress = tmp_path / "progress.csv"
+    r = experiment.run(requests=2, prompt_lengths=(8, 16), output_lengths=(2, 3), rate=1000.0, rates=(1000.0, 500.0),
+                       budget_requests=3, variants=["uncompressed", "shared pool"], progress_csv=progress)
+    kept = pd.read_csv(progress)
+    assert kept.table.tolist() == ["ablation"] * 2 + ["curve"] * 4
+    for table, frame, key in (("ablation", r["ablation"], "variant"), ("curve", r["curve"], "method")):
+        got = kept[kept.table == table].reset_index(drop=True)
+        assert got[key].tolist() == frame[key].tolist()
+        assert got.tokens_per_s.tolist() == frame.tokens_per_s.tolist() and got.rate.tolist() == frame.rate.tolist()

@@ -426,17 +426,20 @@ def test_a_request_that_can_never_fit_is_an_error_before_anything_is_allocated(t
 # --------------------------------------------------------------------------- the embedded model
 
 @pytest.mark.slow
-def test_embedded_model_served_with_arrivals_compression_and_retraction_gives_generate_s_tokens():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the engine's fused kernel against generate's attention on a GPU"))])
+def test_embedded_model_served_with_arrivals_compression_and_retraction_gives_generate_s_tokens(device):
     """SmolLM2-135M on PG19 prompts arriving over time under a budget of 6 pages per layer, chunks of 2 pages,
     reservations of 30 %, every full page compressed after the step that filled it: requests wait and are admitted as
-    room appears -- and every request's greedy tokens are model.generate's (CPU reference attention on both sides;
-    ties as in test_engine). Retraction is exercised on the tiny model above: at this size on the CPU no setting
-    tried (budgets of 4-6 pages, chunks of 1-2 pages, reservations down to 1 %) retracted or moved a chunk between
-    layers."""
+    room appears -- and every request's greedy tokens are model.generate's (ties as in test_engine). On the CPU the
+    reference attention on both sides; on a GPU the engine's fused kernel over packed pages against generate's own
+    attention. Retraction is exercised on the tiny model above: at this size on the CPU no setting tried (budgets of
+    4-6 pages, chunks of 1-2 pages, reservations down to 1 %) retracted or moved a chunk between layers."""
     from test_engine import _assert_tokens_of_generate, _generate
     from zipkv import data, models
-    model, tok = models.load_model(dtype=torch.bfloat16)
-    model.config._attn_implementation = "zipkv_reference"
+    model, tok = models.load_model(dtype=torch.bfloat16, device=device)
+    if device == "cpu":
+        model.config._attn_implementation = "zipkv_reference"
     trace = poisson_trace(200.0, 5, (5, 40), (10, 24), 1, tokenizer=tok, books=data.load_books(limit=5))
     eng = Engine(model, 6 * _page(model), compress="all", pages_per_chunk=2, reserve_ratio=0.3, eos_token_id=None)
     res = serve(eng, trace)

@@ -13,6 +13,7 @@ plus one token, as the throughput chapter builds them; the wall clock by default
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -60,13 +61,15 @@ def _prefixed(trace, model, blocks, seed):
 
 def run(*, device="cpu", shape=None, requests=12, prompt_lengths=(64, 192), output_lengths=(16, 48), rate=None,
         rates=(), budget_requests=3, pages_per_chunk=4, reserve_ratio=0.5, clock=None, ttft_limit_s=None, seed=0,
-        kv_windows=2, variants=None) -> dict:
+        kv_windows=2, variants=None, progress_csv=None) -> dict:
     """The chapter's runs. requests, prompt_lengths, output_lengths, seed: the trace (:func:`zipkv.serving.poisson_trace`);
     rate: its requests per second for the timeline and the ablation; rates: the serving curves' (empty: none).
     budget_requests: the KV budget holds that many requests of the mean prompt + output length uncompressed
     (:func:`zipkv.engine.kv_budget_for`). pages_per_chunk, reserve_ratio: the memory manager's
     (:class:`zipkv.memory.KVMemory`). clock: ``"simulated"`` or ``"wall"`` (default: simulated on the CPU, wall on a
-    GPU). ttft_limit_s: the p99 TTFT under which a rate counts as sustained.
+    GPU). ttft_limit_s: the p99 TTFT under which a rate counts as sustained. progress_csv: each ablation and curve
+    row is written there as soon as it is measured (a GPU run cut short keeps what it measured), with a ``table``
+    column (``ablation`` or ``curve``).
 
     Returns ``dict(timeline=ServeResult, ablation=DataFrame, curve=DataFrame, setting=dict)``: one ablation row per
     variant (:data:`VARIANTS`, :func:`zipkv.serving.summarize`'s columns), one curve row per method and rate."""
@@ -88,15 +91,23 @@ def run(*, device="cpu", shape=None, requests=12, prompt_lengths=(64, 192), outp
         del eng
         return res
 
+    measured = []
+
+    def keep(table, row):
+        measured.append(dict(table=table, **row))
+        if progress_csv is not None:       # rewritten whole: ablation and curve rows have different columns
+            pd.DataFrame(measured).to_csv(progress_csv, index=False)
+        return row
+
     runs, rows = {}, []
     for variant in variants or VARIANTS:
         runs[variant] = one(variant, rate)
-        rows.append(dict(variant=variant, rate=rate, **runs[variant].summary()))
+        rows.append(keep("ablation", dict(variant=variant, rate=rate, **runs[variant].summary())))
     curve = []
     for method, variant in CURVE_METHODS.items():
         for r in rates:
             res = runs[variant] if r == rate and variant in runs else one(variant, r)
-            curve.append(dict(method=method, rate=r, **res.summary()))
+            curve.append(keep("curve", dict(method=method, rate=r, **res.summary())))
     from zipkv import format as fmt
     cfg = model.config
     page = 2 * cfg.num_key_value_heads * fmt.page_bytes(getattr(cfg, "head_dim", None)
@@ -131,7 +142,6 @@ def save(result: dict, results_csv) -> dict:
     """Write :func:`run`'s tables: the ablation as ``results_csv``, the shared pool's steps beside it
     (``<stem>_steps.csv``, :func:`steps_table`) and the serving curves where there are any (``<stem>_curve.csv``).
     Returns ``dict(ablation=..., steps=..., curve=...)``, the tables as written."""
-    from pathlib import Path
     path = Path(results_csv)
     tables = dict(ablation=result["ablation"], steps=steps_table(result["timeline"]), curve=result["curve"])
     tables["ablation"].to_csv(path, index=False)
