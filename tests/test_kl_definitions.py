@@ -134,3 +134,21 @@ def test_committed_rows_join_only_on_the_same_windows():
     assert not ((added.method == "select_fit") & (added.queries == "paper") & (added.ratio == 0.3)).any()
     other = run.assign(kl=run.kl * 1.01)
     assert len(page.with_committed(other, results)) == len(other)
+
+
+def test_kvsculpt_with_n_s_n_at_fewer_ratios_is_said_at_its_own_ratios():
+    """KVSculpt with n_s = N run at r = 0.3 only, beside committed rows at 0.3/0.5/0.7: its gain, its ratio to
+    Select+Fit and its wins are stated at r = 0.3 and counted over the runs that have both."""
+    from zipkv.study.chapters import kvsculpt_why as page
+
+    rows = []
+    for w in range(2):
+        for r in (0.3, 0.5, 0.7):
+            rows += [dict(window=w, ratio=r, method="select_fit", queries="paper", kl=0.04),
+                     dict(window=w, ratio=r, method="kvsculpt", queries="paper", kl=0.05),
+                     dict(window=w, ratio=r, method="select_fit", queries="dense", kl=0.01)]
+        rows.append(dict(window=w, ratio=0.3, method="kvsculpt", queries="dense", kl=0.008 if w == 0 else 0.02))
+    table = pd.DataFrame(rows).assign(train=float("nan"), heldout=float("nan"))
+    text = page.dense_text(table)
+    assert "KVSculpt trained on them gains 2.86× at r ∈ {0.3}" in text, text
+    assert "lower KL on 1 of 2 (window, ratio) runs" in text, text

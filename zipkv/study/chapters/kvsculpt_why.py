@@ -87,9 +87,10 @@ def _reference_ratio(definitions: pd.DataFrame) -> float:
 def _dense_sentence(g: pd.DataFrame) -> str:
     """What n_s = N does, from the gains table: KVSculpt's gain with n_s = N when the run has it."""
     text = f"Select+Fit trained on n_s = N synthetic queries gains {_span(g[SF_DENSE])}"
-    if KV_DENSE in g:
-        return (text + f"; KVSculpt trained on them gains {_span(g[KV_DENSE])}, which is "
-                f"{_span(g[KV_DENSE] / g[SF_DENSE])} over Select+Fit on the same queries.")
+    if KV_DENSE in g and g[KV_DENSE].notna().any():
+        kv = g[KV_DENSE].dropna()
+        return (text + f"; KVSculpt trained on them gains {_span(kv)} at r ∈ {_ratios(kv.index)}, which is "
+                f"{_span(kv / g[SF_DENSE][kv.index])} over Select+Fit on the same queries.")
     return text + "; KVSculpt with n_s = N is not in this run (the paper profile runs it on a GPU)."
 
 
@@ -296,10 +297,12 @@ def dense_text(table: pd.DataFrame) -> str:
     fit's held-out over training objective (means over windows and ratios)."""
     g = gains(table)
     text = f"Over {_windows(table)} at r ∈ {_ratios(g.index)}: " + _dense_sentence(g)
-    if KV_DENSE in g and KV in g:
+    if KV_DENSE in g and KV in g and g[KV_DENSE].notna().any():
         per = table.pivot_table(index=["window", "ratio"], columns=["method", "queries"], values="kl")
+        per = per.dropna(subset=[("kvsculpt", "dense"), ("select_fit", "dense")])
         wins = int((per["kvsculpt", "dense"] < per["select_fit", "dense"]).sum())
-        text += (f" n_s = N gains KVSculpt {_span(g[KV_DENSE] / g[KV])} over KVSculpt with the paper's queries; with "
+        kv = g[KV_DENSE].dropna()
+        text += (f" n_s = N gains KVSculpt {_span(kv / g[KV][kv.index])} over KVSculpt with the paper's queries; with "
                  f"both on n_s = N, KVSculpt has the lower KL on {wins} of {len(per)} (window, ratio) runs.")
     obj = table.dropna(subset=["train"]).groupby(["method", "queries"])[["train", "heldout"]].mean()
     gap = obj.heldout / obj.train
@@ -318,7 +321,9 @@ def quote(table: pd.DataFrame, definitions: pd.DataFrame, e: dict, model: str) -
     gm = e["gemma"]
     ours = (f"KVSculpt gains {_span(g[KV].dropna())} at r ∈ {_ratios(g[KV].dropna().index)} with the paper's settings"
             if KV in g else "KVSculpt was not run here")
-    dense = (f", {_span(g[KV_DENSE])} with n_s = N synthetic queries" if KV_DENSE in g else "")
+    kv_dense = g[KV_DENSE].dropna() if KV_DENSE in g else pd.Series(dtype=float)
+    dense = (f", {_span(kv_dense)} with n_s = N synthetic queries at r ∈ {_ratios(kv_dense.index)}"
+             if len(kv_dense) else "")
     return (f"**KVSculpt's main claim (Table 1: {_paper_span()} lower KL than "
             f"Select+Fit) is {'reproduced' if reproduced else 'not reproduced'} on {model}:** {ours}{dense}, while "
             f"Select+Fit alone gains {_span(g[SF_DENSE])} from n_s = N ({_windows(table)}). The "
