@@ -54,6 +54,11 @@ def _ratios(index) -> str:
     return "{" + ", ".join(f"{r:g}" for r in index) + "}"
 
 
+def _at(index) -> str:
+    """"at r = 0.3" for one ratio, "at r ∈ {0.3, 0.5}" for several."""
+    return f"at r = {index[0]:g}" if len(index) == 1 else f"at r ∈ {_ratios(index)}"
+
+
 def gains(table: pd.DataFrame) -> pd.DataFrame:
     """Per ratio (rows) and method (columns, :data:`LABELS`' names): Select+Fit's (paper's queries) mean KL over the
     method's mean KL, means over windows (the paper's statistic)."""
@@ -89,7 +94,7 @@ def _dense_sentence(g: pd.DataFrame) -> str:
     text = f"Select+Fit trained on n_s = N synthetic queries gains {_span(g[SF_DENSE])}"
     if KV_DENSE in g and g[KV_DENSE].notna().any():
         kv = g[KV_DENSE].dropna()
-        return (text + f"; KVSculpt trained on them gains {_span(kv)} at r ∈ {_ratios(kv.index)}, which is "
+        return (text + f"; KVSculpt trained on them gains {_span(kv)} {_at(kv.index)}, which is "
                 f"{_span(kv / g[SF_DENSE][kv.index])} over Select+Fit on the same queries.")
     return text + "; KVSculpt with n_s = N is not in this run (the paper profile runs it on a GPU)."
 
@@ -322,7 +327,7 @@ def quote(table: pd.DataFrame, definitions: pd.DataFrame, e: dict, model: str) -
     ours = (f"KVSculpt gains {_span(g[KV].dropna())} at r ∈ {_ratios(g[KV].dropna().index)} with the paper's settings"
             if KV in g else "KVSculpt was not run here")
     kv_dense = g[KV_DENSE].dropna() if KV_DENSE in g else pd.Series(dtype=float)
-    dense = (f", {_span(kv_dense)} with n_s = N synthetic queries at r ∈ {_ratios(kv_dense.index)}"
+    dense = (f", {_span(kv_dense)} with n_s = N synthetic queries {_at(kv_dense.index)}"
              if len(kv_dense) else "")
     return (f"**KVSculpt's main claim (Table 1: {_paper_span()} lower KL than "
             f"Select+Fit) is {'reproduced' if reproduced else 'not reproduced'} on {model}:** {ours}{dense}, while "
