@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -384,14 +385,16 @@ SENSITIVITY_MEMORY = {"cuda": 8 * 2**30, "cpu": 2**30}
 """Bytes, by device type, that :func:`head_sensitivity`'s default ``batch`` lets one forward's variants hold."""
 
 
-def _variant_bytes(model, n_pairs: int, tokens: int) -> int:
-    """Memory one variant of :func:`head_sensitivity` holds in its forward: its cache of every layer after the
-    probe tokens are appended, ``2·L·H·(P + T)·d``, its logits ``T·vocab``, one layer's keys and values repeated
-    over the query heads for SDPA (``repeat_kv``: with a mask there is no GQA kernel), ``2·Hq·(P + T)·d`` (the
-    model's dtype), and one layer's float32 mask with two temporaries, ``3·Hq·T·(P + T)``."""
+def _variant_bytes(model, n_pairs: int, tokens: int, layers: int | None = None) -> int:
+    """Memory one variant of :func:`head_sensitivity` holds in its forward: its cache of the ``layers`` layers it
+    computes (default all) after the probe tokens are appended, ``2·layers·H·(P + T)·d``, its logits ``T·vocab``,
+    one layer's keys and values repeated over the query heads for SDPA (``repeat_kv``: with a mask there is no GQA
+    kernel), ``2·Hq·(P + T)·d`` (the model's dtype), and one layer's float32 mask with two temporaries,
+    ``3·Hq·T·(P + T)``."""
     shape = model_shape(model)
     item = next(model.parameters()).element_size()
-    cache = 2 * shape.layers * shape.kv_heads * (n_pairs + tokens) * shape.head_dim * item
+    layers = shape.layers if layers is None else layers
+    cache = 2 * layers * shape.kv_heads * (n_pairs + tokens) * shape.head_dim * item
     repeated = 2 * shape.q_heads * (n_pairs + tokens) * shape.head_dim * item
     return cache + repeated + tokens * model.config.vocab_size * item + 3 * shape.q_heads * tokens * (n_pairs + tokens) * 4
 
@@ -435,14 +438,18 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
     :class:`zipkv.cache.DistilledCache` with per-sequence pairs on the layers the chunk edits (the others share the
     full cache's tensors): the model's own attention with zipkv's mask, so row ``b``'s KL is
     :func:`zipkv.distill.bias.evaluate`'s for that variant alone (a test checks it against one forward per head).
-    On a GPU one forward per head is launch-bound; a batched forward costs about one of them.
+    On a GPU one forward per head is launch-bound; a batched forward costs about one of them. A forward holds the
+    heads of one layer ``l`` only, and computes layers ``l`` … ``L−1`` alone: below ``l`` every variant's cache is
+    the full one, so those layers replay the outputs of one forward of the probe over the full cache
+    (:func:`_replayed_layers`), which halves the layers computed on average.
 
     Memory: one variant holds its own cache of every layer with the ``T`` probe tokens appended,
     ``2·L·H·(N + T)·d`` values, its logits ``T·vocab`` and one layer's attention temporaries
     (:func:`_variant_bytes`): ~134 MB for SmolLM2-135M in float32 at N = 2048, T = 64, 4.3 GB for Llama-3.1-8B's
-    shape in bf16 at N = 32,768. ``batch=None`` takes as many as fit in :data:`SENSITIVITY_MEMORY` (1 GiB on the
-    CPU: 7 per forward; on CUDA 8 GiB or half the free memory, whichever is more), spread evenly over the forwards
-    needed.
+    shape in bf16 at N = 32,768 (for a head of layer ``l``, the layers from ``l`` on). ``batch=None`` takes as many
+    of a layer's heads as fit in :data:`SENSITIVITY_MEMORY` (1 GiB on the CPU; on CUDA 8 GiB or half the free
+    memory, whichever is more), spread evenly over the forwards that layer needs; an int ``batch`` caps every
+    forward at that many.
     """
     from .evaluate import kl_divergence, teacher_force_batch
 
@@ -463,19 +470,64 @@ def head_sensitivity(model, full: BiasedCache, compressed: BiasedCache, probe: P
     param = next(model.parameters())
     base = [full.padded(layer, dtype=param.dtype, device=param.device) + (full.padded_bias(layer, device=param.device),)
             for layer in range(L)]
-    if batch is None:
-        memory = SENSITIVITY_MEMORY.get(param.device.type, SENSITIVITY_MEMORY["cpu"])
-        if param.device.type == "cuda":  # a larger GPU's free memory takes more variants per forward
-            memory = max(memory, torch.cuda.mem_get_info(param.device)[0] // 2)
-        batch = max(1, memory // _variant_bytes(model, max(k.shape[1] for k, *_ in base), probe.ids.shape[0]))
-    forwards = -(-len(variants) // batch)
-    size = -(-len(variants) // forwards)
-    for start in range(0, len(variants), size):
-        chunk = variants[start:start + size]
-        logits = teacher_force_batch(model, _head_variants(base, compressed, chunk, full.n_context), probe.ids)
-        for row, (layer, h) in enumerate(chunk):
-            kl[layer, h] = float(kl_divergence(probe.reference.logits, logits[row].float()).mean())
+    memory = SENSITIVITY_MEMORY.get(param.device.type, SENSITIVITY_MEMORY["cpu"])
+    if batch is None and param.device.type == "cuda":  # a larger GPU's free memory takes more variants per forward
+        memory = max(memory, torch.cuda.mem_get_info(param.device)[0] // 2)
+    outputs = _layer_outputs(model, full, probe.ids)
+    P = max(k.shape[1] for k, *_ in base)
+    for layer in sorted({layer for layer, _ in variants}):
+        heads = [v for v in variants if v[0] == layer]
+        size = batch or max(1, memory // _variant_bytes(model, P, probe.ids.shape[0], layers=L - layer))
+        size = -(-len(heads) // -(-len(heads) // size))  # the layer's heads spread evenly over its forwards
+        for start in range(0, len(heads), size):
+            chunk = heads[start:start + size]
+            with _replayed_layers(model, outputs, layer, len(chunk)):
+                logits = teacher_force_batch(model, _head_variants(base, compressed, chunk, full.n_context), probe.ids)
+            for row, (_, h) in enumerate(chunk):
+                kl[layer, h] = float(kl_divergence(probe.reference.logits, logits[row].float()).mean())
     return kl
+
+
+@torch.no_grad()
+def _layer_outputs(model, full: BiasedCache, ids: torch.Tensor) -> list:
+    """What each decoder layer returns in one teacher-forced forward of ``ids`` over the ``full`` cache (batch 1)."""
+    from .bias import teacher_force
+    from .evaluate import _decoder_layers
+
+    outputs = []
+    hooks = [layer.register_forward_hook(lambda module, args, out: outputs.append(out))
+             for layer in _decoder_layers(model)]
+    try:
+        teacher_force(model, full, ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return outputs
+
+
+@contextmanager
+def _replayed_layers(model, outputs: list, upto: int, rows: int):
+    """Inside the block, decoder layers ``0 … upto−1`` do not compute: each returns its entry of ``outputs``
+    (:func:`_layer_outputs`) with the batch dimension repeated to ``rows`` sequences. Only layer ``upto − 1``'s
+    hidden states reach the computed layers; the replayed layers append nothing to the cache, which nothing reads
+    again."""
+    from .evaluate import _decoder_layers
+
+    def repeated(out):
+        if isinstance(out, torch.Tensor):
+            return out.repeat(rows, *([1] * (out.ndim - 1)))
+        return type(out)(repeated(x) if isinstance(x, torch.Tensor) else x for x in out)
+
+    layers = _decoder_layers(model)
+    replaced = []
+    try:
+        for j in range(upto):
+            layers[j].forward = (lambda out: lambda *args, **kwargs: out)(repeated(outputs[j]))
+            replaced.append(layers[j])
+        yield
+    finally:
+        for layer in replaced:
+            del layer.forward
 
 
 PROBE_ALPHA = 0.25
