@@ -94,3 +94,35 @@ def test_a_run_appends_each_row_as_it_is_measured(tmp_path):
         got = kept[kept.table == table].reset_index(drop=True)
         assert got[key].tolist() == frame[key].tolist()
         assert got.tokens_per_s.tolist() == frame.tokens_per_s.tolist() and got.rate.tolist() == frame.rate.tolist()
+
+
+def _gpu_table(zipfusion_p99=(4.4, 12.2, 6.9)):
+    base = dict(requests=24, duration_s=20.0, output_tokens=3369, requests_per_s=1.0, queue_median_s=0.01,
+                queue_p99_s=0.1, ttft_median_s=0.1, tpot_p99_s=0.02, retractions=0, chunks_reassigned=0,
+                model="llama3.1-8b", device="NVIDIA H100 80GB HBM3 (CUDA 13.0)", clock="wall", commit="abc1234",
+                prompt_lengths_min=2048, prompt_lengths_max=16384, output_lengths_min=64, output_lengths_max=256,
+                budget_requests=16, pages_per_chunk=16, reserve_ratio=0.5, ttft_limit_s=2.0, seed=0)
+    rows = [dict(base, table="curve", run="curve", method="uncompressed", rate=r, ttft_p99_s=0.4, tpot_median_s=0.010,
+                 tokens_per_s=100 * r, max_batch=3) for r in (1.0, 1.5, 2.5)]
+    rows += [dict(base, table="curve", run="curve", method="zipfusion", rate=r, ttft_p99_s=p, tpot_median_s=0.025,
+                  tokens_per_s=80 * r, max_batch=10) for r, p in zip((1.0, 1.5, 2.5), zipfusion_p99)]
+    rows += [dict(base, table="ablation", run="saturated", variant=v, rate=32.0, requests=80, ttft_p99_s=40.0,
+                  tpot_median_s=0.05, tokens_per_s=t, max_batch=b) for v, b, t in zip(VARIANTS, (19, 22, 22, 20),
+                                                                                     (227, 154, 213, 229))]
+    return pd.DataFrame(rows)
+
+
+def test_gpu_section_gives_each_method_s_sustained_rate_and_the_step_time_behind_it(tmp_path):
+    gpu = _gpu_table()
+    g = chapter.gpu_sustained(gpu)
+    assert g["ratio"] == 0.0 and g["tpot_ratio"] == 2.5 and g["zipfusion"] == "none of the rates tried"
+    assert g["uncompressed"] == "every rate tried (up to 2.5 requests/s)"
+    text = chapter.gpu_text(gpu)
+    assert "**25.0 ms** against uncompressed's **10.0 ms** (2.5×)" in text and "shared pool **22**" in text
+    later = chapter.gpu_sustained(_gpu_table(zipfusion_p99=(0.5, 1.9, 6.9)))
+    assert later["zipfusion"] == "rates up to 1.5 requests/s" and later["ratio"] == 0.6
+    text, kind = chapter.verdict(_ablation(), pd.DataFrame(), experiment.steps_table(_result()), None, gpu)
+    assert kind == "warning" and "ZipFusion none of the rates tried" in text
+    gpu.to_csv(tmp_path / "gpu.csv", index=False)
+    assert chapter.read_gpu(tmp_path / "gpu.csv").equals(pd.read_csv(tmp_path / "gpu.csv"))
+    assert chapter.read_gpu(tmp_path / "absent.csv") is None

@@ -128,9 +128,11 @@ def reassignment_facts(steps: pd.DataFrame, setting: dict) -> dict:
                 chunks=int(setting["chunks"]), steps=len(r))
 
 
-def verdict(ablation: pd.DataFrame, curve: pd.DataFrame, steps: pd.DataFrame, ttft_limit_s=None) -> tuple[str, str]:
+def verdict(ablation: pd.DataFrame, curve: pd.DataFrame, steps: pd.DataFrame, ttft_limit_s=None,
+            gpu: pd.DataFrame | None = None) -> tuple[str, str]:
     """``(text, kind)``: chunks reassigned in the shared pool's run, the shared pool against per-layer pools and
-    against admission at raw size, and (with curves) the sustained rates against :data:`RATE_BAR`."""
+    against admission at raw size, and (with curves) the sustained rates against :data:`RATE_BAR`; with ``gpu``
+    (:func:`read_gpu`) and no curves of its own, the GPU run's sustained rates (:func:`gpu_sustained`)."""
     sh, pl, raw, un = (_row(ablation, v) for v in ("shared pool", "per-layer pools", "shared pool, admission at raw size",
                                                    "uncompressed"))
     f = reassignment_facts(steps, dict(chunks=sh.chunks))
@@ -164,7 +166,36 @@ def verdict(ablation: pd.DataFrame, curve: pd.DataFrame, steps: pd.DataFrame, tt
                      f"**{ratio:.2f}x** against this project's target of {RATE_BAR}x.")
         if not ratio >= RATE_BAR:
             kind = "warning"
+    elif gpu is not None:
+        g = gpu_sustained(gpu)
+        parts.append(f"**Serving on a GPU** (Llama-3.1-8B's shapes): at a p99 TTFT of at most {_ms(g['limit']):.0f} ms "
+                     f"uncompressed serving sustains {g['uncompressed']} and ZipFusion {g['zipfusion']}: its decode "
+                     f"steps with few long requests are {g['tpot_ratio']:.1f}× slower, so compression's extra room "
+                     f"does not turn into a higher request rate.")
+        if not g["ratio"] >= RATE_BAR:
+            kind = "warning"
     return " ".join(parts), kind
+
+
+def gpu_sustained(gpu: pd.DataFrame) -> dict:
+    """From :func:`read_gpu`'s table: each method's highest rate under the p99 TTFT limit, as words (``uncompressed``,
+    ``zipfusion``), their ``ratio`` (NaN where uncompressed sustains none; 0 where only ZipFusion sustains none),
+    ``limit`` (s) and ``tpot_ratio`` (ZipFusion's median time per output token over uncompressed's at the lowest
+    rate)."""
+    curve = gpu_curve(gpu)
+    limit = float(curve["ttft_limit_s"].iloc[0])
+    rates = sorted(curve["rate"].unique())
+    low = {m: curve[(curve["method"] == m) & (curve["rate"] == rates[0])].iloc[0] for m in ("uncompressed", "zipfusion")}
+    r = {m: sustained_rate(curve, m, limit) for m in ("uncompressed", "zipfusion")}
+
+    def words(x):
+        return ("none of the rates tried" if math.isnan(x) else
+                f"every rate tried (up to {x:g} requests/s)" if x == rates[-1] else f"rates up to {x:g} requests/s")
+
+    return dict(uncompressed=words(r["uncompressed"]), zipfusion=words(r["zipfusion"]), limit=limit, rates=rates,
+                low=low, ratio=(math.nan if math.isnan(r["uncompressed"]) else
+                                0.0 if math.isnan(r["zipfusion"]) else r["zipfusion"] / r["uncompressed"]),
+                tpot_ratio=float(low["zipfusion"].tpot_median_s / low["uncompressed"].tpot_median_s))
 
 
 def claims_table(ablation: pd.DataFrame) -> pd.DataFrame:
@@ -204,3 +235,49 @@ def setting_caption(setting: dict) -> str:
             f"requests/s (Poisson); a KV budget of {s['kv_budget_bytes'] / 2**20:.1f} MiB ({s['budget_requests']} "
             f"mean-length requests uncompressed) in chunks of {s['pages_per_chunk']} pages; reservations of "
             f"{s['reserve_ratio']:g} of each request's remaining pages; {clock}.")
+
+
+def read_gpu(path) -> pd.DataFrame | None:
+    """The committed GPU runs (``results/paper/memory_manager_gpu.csv``: ``run`` ``saturated`` -- the ablation of one
+    overloaded trace -- and ``curve`` -- the serving curves), or None where there is no such table."""
+    from pathlib import Path
+    return pd.read_csv(path) if Path(path).is_file() else None
+
+
+def gpu_curve(gpu: pd.DataFrame) -> pd.DataFrame:
+    """The serving-curve rows of :func:`read_gpu`'s table, in :func:`plot_curves`' form."""
+    return gpu[(gpu["run"] == "curve") & (gpu["table"] == "curve")].reset_index(drop=True)
+
+
+def gpu_text(gpu: pd.DataFrame) -> str:
+    """The GPU section's paragraph: the highest rate each method sustains under the stated p99 TTFT limit, time per
+    output token at the lowest rate, and the overloaded trace's ablation, with the run's device and commit."""
+    curve, sat = gpu_curve(gpu), gpu[(gpu["run"] == "saturated") & (gpu["table"] == "ablation")]
+    g = gpu_sustained(gpu)
+    limit, rates, low = g["limit"], g["rates"], g["low"]
+
+    c = curve.iloc[0]
+    text = (f"On an {c['device'].split(' (')[0]} (commit {c['commit']}), Llama-3.1-8B's shapes with random weights and "
+            f"real-KV prefixes, {int(c['requests'])} requests of {int(c['prompt_lengths_min']):,}–"
+            f"{int(c['prompt_lengths_max']):,} prompt and {int(c['output_lengths_min'])}–{int(c['output_lengths_max'])} "
+            f"output tokens arriving at {', '.join(f'{r:g}' for r in rates)} requests/s, under a budget that holds "
+            f"{int(c['budget_requests'])} mean-length requests uncompressed: with p99 TTFT at most {_ms(limit):.0f} ms, "
+            f"uncompressed serving sustains {g['uncompressed']} and ZipFusion {g['zipfusion']} "
+            f"(p99 TTFT {low['zipfusion'].ttft_p99_s:.1f} s already at {rates[0]:g} request/s). Its decode steps are "
+            f"slower: at {rates[0]:g} request/s ZipFusion's median time per output token is "
+            f"**{_ms(low['zipfusion'].tpot_median_s):.1f} ms** against uncompressed's "
+            f"**{_ms(low['uncompressed'].tpot_median_s):.1f} ms** "
+            f"({g['tpot_ratio']:.1f}×), with at most "
+            f"{int(low['zipfusion'].max_batch)} long requests running. At such batches the fused kernel reads compressed "
+            f"pages more slowly than raw ones ({{doc}}`the latency chapter's few-requests panel "
+            f"<zipfusion_attention_latency>`), and each step also packs the pages that filled; this run does not split "
+            f"the step between the two. Requests then queue behind the slower steps before the room compression frees "
+            f"is ever needed.")
+    if len(sat):
+        s = {v: sat[sat["variant"] == v].iloc[0] for v in sat["variant"]}
+        n = int(sat["requests"].iloc[0])
+        text += (f" An overloaded trace ({n} requests arriving at {sat['rate'].iloc[0]:g}/s, same run) shows the "
+                 f"capacity side: largest batch " + ", ".join(f"{v} **{int(r.max_batch)}**" for v, r in s.items())
+                 + "; output tokens/s " + ", ".join(f"{v} {r.tokens_per_s:.0f}" for v, r in s.items())
+                 + f"; chunks reassigned between layers in the shared pool: {int(s['shared pool'].chunks_reassigned)}.")
+    return text
