@@ -94,6 +94,8 @@ def test_a_run_appends_each_row_as_it_is_measured(tmp_path):
         got = kept[kept.table == table].reset_index(drop=True)
         assert got[key].tolist() == frame[key].tolist()
         assert got.tokens_per_s.tolist() == frame.tokens_per_s.tolist() and got.rate.tolist() == frame.rate.tolist()
+    assert set(kept.requests) == {2} and set(kept.prompt_lengths_max) == {16} and set(kept.clock) == {"simulated"}
+    assert r["ablation"]["rate"].tolist() == [1000.0, 1000.0]     # the setting's rate never overwrites a row's
 
 
 def _gpu_table(zipfusion_p99=(4.4, 12.2, 6.9)):

@@ -69,7 +69,7 @@ def run(*, device="cpu", shape=None, requests=12, prompt_lengths=(64, 192), outp
     (:class:`zipkv.memory.KVMemory`). clock: ``"simulated"`` or ``"wall"`` (default: simulated on the CPU, wall on a
     GPU). ttft_limit_s: the p99 TTFT under which a rate counts as sustained. progress_csv: each ablation and curve
     row is written there as soon as it is measured (a GPU run cut short keeps what it measured), with a ``table``
-    column (``ablation`` or ``curve``).
+    column (``ablation`` or ``curve``) and the setting's columns.
 
     Returns ``dict(timeline=ServeResult, ablation=DataFrame, curve=DataFrame, setting=dict)``: one ablation row per
     variant (:data:`VARIANTS`, :func:`zipkv.serving.summarize`'s columns), one curve row per method and rate."""
@@ -91,10 +91,25 @@ def run(*, device="cpu", shape=None, requests=12, prompt_lengths=(64, 192), outp
         del eng
         return res
 
+    from zipkv import format as fmt
+    cfg = model.config
+    page = 2 * cfg.num_key_value_heads * fmt.page_bytes(getattr(cfg, "head_dim", None)
+                                                        or cfg.hidden_size // cfg.num_attention_heads)
+    setting = dict(model=shape or "SmolLM2-135M", device=str(device), clock=clock, requests=requests,
+                   prompt_lengths=tuple(prompt_lengths), output_lengths=tuple(output_lengths), rate=rate,
+                   budget_requests=budget_requests, kv_budget_bytes=budget, pages_per_chunk=pages_per_chunk,
+                   reserve_ratio=reserve_ratio, ttft_limit_s=ttft_limit_s, seed=seed,
+                   num_layers=cfg.num_hidden_layers, chunks=budget // (pages_per_chunk * page))
+    flat = {}
+    for k, v in setting.items():
+        if isinstance(v, tuple):
+            flat[f"{k}_min"], flat[f"{k}_max"] = v
+        else:
+            flat[k] = v
     measured = []
 
     def keep(table, row):
-        measured.append(dict(table=table, **row))
+        measured.append(dict(table=table, **row, **{k: v for k, v in flat.items() if k not in row}))
         if progress_csv is not None:       # rewritten whole: ablation and curve rows have different columns
             pd.DataFrame(measured).to_csv(progress_csv, index=False)
         return row
@@ -108,20 +123,9 @@ def run(*, device="cpu", shape=None, requests=12, prompt_lengths=(64, 192), outp
         for r in rates:
             res = runs[variant] if r == rate and variant in runs else one(variant, r)
             curve.append(keep("curve", dict(method=method, rate=r, **res.summary())))
-    from zipkv import format as fmt
-    cfg = model.config
-    page = 2 * cfg.num_key_value_heads * fmt.page_bytes(getattr(cfg, "head_dim", None)
-                                                        or cfg.hidden_size // cfg.num_attention_heads)
-    setting = dict(model=shape or "SmolLM2-135M", device=str(device), clock=clock, requests=requests,
-                   prompt_lengths=tuple(prompt_lengths), output_lengths=tuple(output_lengths), rate=rate,
-                   budget_requests=budget_requests, kv_budget_bytes=budget, pages_per_chunk=pages_per_chunk,
-                   reserve_ratio=reserve_ratio, ttft_limit_s=ttft_limit_s, seed=seed,
-                   num_layers=cfg.num_hidden_layers, chunks=budget // (pages_per_chunk * page))
     ablation = pd.DataFrame(rows)
-    for k, v in setting.items():
-        if isinstance(v, tuple):
-            ablation[f"{k}_min"], ablation[f"{k}_max"] = v
-        elif k not in ablation:
+    for k, v in flat.items():
+        if k not in ablation:
             ablation[k] = v
     return dict(timeline=runs.get("shared pool"), ablation=ablation, curve=pd.DataFrame(curve), setting=setting)
 
