@@ -7,7 +7,7 @@
 #  3. the serving test on the GPU (the fused kernel against generate, arrivals and compression on), then the memory
 #     manager's serving curves at Llama-3.1-8B shapes (wall clock; rows kept as measured; at most 7 min; the
 #     rates bracket saturation: 24 requests at 1-2.5/s left uncompressed serving unsaturated on an H100)
-#  4. the fused kernel's GPU tests (every page kind, >16 splits, CUDA graphs; ~3 min)
+#  4. the fused kernel's GPU tests (every page kind, >16 splits, CUDA graphs; ~5 min)
 #  5. on the H200 the latency chapter (Fig. 4 grid, the few-requests panel, the engine's long requests; ~8 min)
 #  6. `zipkv.compress` seconds (the distillation-speed chapter's table; ~4 min on the H200; elsewhere Llama-3.1-8B's
 #     shape at 32K tokens only, into a table of that card's)
@@ -29,7 +29,7 @@ r = e.run(device='cuda', shape='llama3.1-8b', requests=60, prompt_lengths=(2048,
           ttft_limit_s=2.0, seed=0, progress_csv='results/paper/memory_manager_gpu_progress.csv')
 e.save(r, 'results/paper/memory_manager_gpu.csv')"
 fi
-step timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py
+step timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_decode_mma.py
 if h200; then
   step python3 -m zipkv.study book --profile paper --force --no-html --only zipfusion_attention_latency
   step python3 -c "from zipkv.bench.distill import compress_speed; compress_speed(out='results/paper/distill_speed_compress.csv', progress=False)"
