@@ -22,6 +22,10 @@ PAPER_CLAIMS = [
 ]
 
 
+METHOD_LABELS = {"uncompressed": "uncompressed", "zipfusion": "ZipFusion"}
+"""How the serving curves' methods are named in figures."""
+
+
 def _ms(x):
     return 1e3 * x
 
@@ -89,8 +93,9 @@ def plot_curves(curve: pd.DataFrame, ttft_limit_s: float, clock: str):
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
     for method, g in curve.groupby("method", sort=False):
-        a.plot(g["rate"], g["tokens_per_s"], "o-", label=method)
-        b.plot(g["rate"], _ms(g["ttft_p99_s"]), "o-", label=method)
+        label = METHOD_LABELS.get(method, method)
+        a.plot(g["rate"], g["tokens_per_s"], "o-", label=label)
+        b.plot(g["rate"], _ms(g["ttft_p99_s"]), "o-", label=label)
     b.axhline(_ms(ttft_limit_s), color="grey", ls="--", label="p99 TTFT limit")
     a.set_xlabel("request rate (requests/s)")
     a.set_ylabel(f"output tokens/s ({clock} clock)")
