@@ -124,7 +124,7 @@ def test_gpu_section_gives_each_method_s_sustained_rate_and_the_step_time_behind
     later = chapter.gpu_sustained(_gpu_table(zipfusion_p99=(0.5, 1.9, 6.9)))
     assert later["zipfusion"] == "rates up to 1.5 requests/s" and later["ratio"] == 0.6
     text, kind = chapter.verdict(_ablation(), pd.DataFrame(), experiment.steps_table(_result()), None, gpu)
-    assert kind == "warning" and "ZipFusion none of the rates tried" in text
+    assert kind == "warning" and "ZipFusion none of the rates tried: its steps" in text
     gpu.to_csv(tmp_path / "gpu.csv", index=False)
     assert chapter.read_gpu(tmp_path / "gpu.csv").equals(pd.read_csv(tmp_path / "gpu.csv"))
     assert chapter.read_gpu(tmp_path / "absent.csv") is None
