@@ -502,3 +502,21 @@ def test_zipkv_config_is_checked_when_made(field, value, error, match):
     with pytest.raises(error, match=match):
         generalise.ZipkvConfig(**{field: value})
     assert generalise.ZipkvConfig(horizon=8, max_scores=None, value_ridges=(math.inf,), bias_bound=math.inf).horizon == 8
+
+
+def test_replayed_layers_give_back_the_forward_they_found(model):
+    """A layer's own instance forward (accelerate's hooks set one) is restored after the replay, and a layer without
+    one is back to its class's."""
+    layers = model.model.layers
+    marker = layers[1].forward
+
+    def own(*args, **kwargs):
+        return marker(*args, **kwargs)
+
+    layers[1].forward = own
+    try:
+        with generalise._replayed_layers(model, [torch.zeros(1, 2, 3)] * 2, 2, rows=3):
+            assert layers[0](torch.ones(1)).shape == (3, 2, 3) and layers[1]().shape == (3, 2, 3)
+        assert layers[1].forward is own and "forward" not in layers[0].__dict__
+    finally:
+        del layers[1].forward

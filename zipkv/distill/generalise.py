@@ -519,15 +519,18 @@ def _replayed_layers(model, outputs: list, upto: int, rows: int):
         return type(out)(repeated(x) if isinstance(x, torch.Tensor) else x for x in out)
 
     layers = _decoder_layers(model)
-    replaced = []
+    replaced = []  # (layer, its own instance forward or None): accelerate's hooks, for one, set one
     try:
         for j in range(upto):
+            replaced.append((layers[j], layers[j].__dict__.get("forward")))
             layers[j].forward = (lambda out: lambda *args, **kwargs: out)(repeated(outputs[j]))
-            replaced.append(layers[j])
         yield
     finally:
-        for layer in replaced:
-            del layer.forward
+        for layer, own in replaced:
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
 
 
 PROBE_ALPHA = 0.25
