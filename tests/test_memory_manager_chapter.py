@@ -124,7 +124,18 @@ def test_gpu_section_gives_each_method_s_sustained_rate_and_the_step_time_behind
     later = chapter.gpu_sustained(_gpu_table(zipfusion_p99=(0.5, 1.9, 6.9)))
     assert later["zipfusion"] == "rates up to 1.5 requests/s" and later["ratio"] == 0.6
     text, kind = chapter.verdict(_ablation(), pd.DataFrame(), experiment.steps_table(_result()), None, gpu)
-    assert kind == "warning" and "ZipFusion none of the rates tried: its steps" in text
+    assert kind == "warning" and "ZipFusion none of the rates tried: its time per output token is 2.5× higher" in text
     gpu.to_csv(tmp_path / "gpu.csv", index=False)
-    assert chapter.read_gpu(tmp_path / "gpu.csv").equals(pd.read_csv(tmp_path / "gpu.csv"))
-    assert chapter.read_gpu(tmp_path / "absent.csv") is None
+    assert chapter.read_table(tmp_path / "gpu.csv").equals(pd.read_csv(tmp_path / "gpu.csv"))
+    assert chapter.read_table(tmp_path / "absent.csv") is None
+
+
+def test_gpu_section_sets_the_engine_s_decode_step_beside_the_serving_time():
+    engine = pd.DataFrame([dict(model="Llama-3.1-8B shape", context=32768, batch=1, method=m, step_ms=s)
+                           for m, s in (("uncompressed", 8.5), ("zipfusion", 8.2))]
+                          + [dict(model="Llama-3.1-8B shape", context=131072, batch=4, method=m, step_ms=float("nan"))
+                             for m in ("uncompressed", "zipfusion")])
+    assert chapter.engine_steps(engine) == {(32768, 1): (8.2, 8.5)}
+    text = chapter.gpu_text(_gpu_table(), engine)
+    assert "1 request of 32K tokens 8.2 ms per step compressed against 8.5 ms uncompressed" in text
+    assert "does not yet split" in chapter.gpu_text(_gpu_table()) and chapter.engine_steps(None) == {}

@@ -137,7 +137,7 @@ def verdict(ablation: pd.DataFrame, curve: pd.DataFrame, steps: pd.DataFrame, tt
             gpu: pd.DataFrame | None = None) -> tuple[str, str]:
     """``(text, kind)``: chunks reassigned in the shared pool's run, the shared pool against per-layer pools and
     against admission at raw size, and (with curves) the sustained rates against :data:`RATE_BAR`; with ``gpu``
-    (:func:`read_gpu`) and no curves of its own, the GPU run's sustained rates (:func:`gpu_sustained`)."""
+    (:func:`read_table`) and no curves of its own, the GPU run's sustained rates (:func:`gpu_sustained`)."""
     sh, pl, raw, un = (_row(ablation, v) for v in ("shared pool", "per-layer pools", "shared pool, admission at raw size",
                                                    "uncompressed"))
     f = reassignment_facts(steps, dict(chunks=sh.chunks))
@@ -174,14 +174,14 @@ def verdict(ablation: pd.DataFrame, curve: pd.DataFrame, steps: pd.DataFrame, tt
     elif gpu is not None:
         g = gpu_sustained(gpu)
         parts.append(f"**On a GPU** (p99 TTFT ≤ {g['limit']:g} s) uncompressed serving sustains {g['uncompressed']}, "
-                     f"ZipFusion {g['zipfusion']}: its steps with few long requests are {g['tpot_ratio']:.1f}× slower.")
+                     f"ZipFusion {g['zipfusion']}: its time per output token is {g['tpot_ratio']:.1f}× higher.")
         if not g["ratio"] >= RATE_BAR:
             kind = "warning"
     return " ".join(parts), kind
 
 
 def gpu_sustained(gpu: pd.DataFrame) -> dict:
-    """From :func:`read_gpu`'s table: each method's highest rate under the p99 TTFT limit, as words (``uncompressed``,
+    """From :func:`read_table`'s GPU table: each method's highest rate under the p99 TTFT limit, as words (``uncompressed``,
     ``zipfusion``), their ``ratio`` (NaN where uncompressed sustains none; 0 where only ZipFusion sustains none),
     ``limit`` (s) and ``tpot_ratio`` (ZipFusion's median time per output token over uncompressed's at the lowest
     rate)."""
@@ -240,21 +240,37 @@ def setting_caption(setting: dict) -> str:
             f"{s['reserve_ratio']:g} of each request's remaining pages; {clock}.")
 
 
-def read_gpu(path) -> pd.DataFrame | None:
-    """The committed GPU runs (``results/paper/memory_manager_gpu.csv``: ``run`` ``saturated`` -- the ablation of one
-    overloaded trace -- and ``curve`` -- the serving curves), or None where there is no such table."""
+def read_table(path) -> pd.DataFrame | None:
+    """A committed table, or None where there is none: the GPU runs (``results/paper/memory_manager_gpu.csv``:
+    ``run`` ``saturated`` -- the ablation of one overloaded trace -- and ``curve`` -- the serving curves), or the
+    latency chapter's engine table of few long requests."""
     from pathlib import Path
     return pd.read_csv(path) if Path(path).is_file() else None
 
 
 def gpu_curve(gpu: pd.DataFrame) -> pd.DataFrame:
-    """The serving-curve rows of :func:`read_gpu`'s table, in :func:`plot_curves`' form."""
+    """The serving-curve rows of :func:`read_table`'s GPU table, in :func:`plot_curves`' form."""
     return gpu[(gpu["run"] == "curve") & (gpu["table"] == "curve")].reset_index(drop=True)
 
 
-def gpu_text(gpu: pd.DataFrame) -> str:
+def engine_steps(engine: pd.DataFrame | None) -> dict:
+    """From the latency chapter's engine table of few long requests (``zipfusion_few_requests_engine_*.csv``):
+    per (context, batch) at Llama-3.1-8B's shape, ``(zipfusion step ms, uncompressed step ms)``, points both ran."""
+    if engine is None:
+        return {}
+    e = engine[engine["model"].str.startswith("Llama") & engine["step_ms"].notna()]
+    steps = e.pivot_table(index=["context", "batch"], columns="method", values="step_ms")
+    steps = steps.dropna(subset=[c for c in ("zipfusion", "uncompressed") if c in steps])
+    if not {"zipfusion", "uncompressed"} <= set(steps.columns):
+        return {}
+    return {key: (float(row["zipfusion"]), float(row["uncompressed"])) for key, row in steps.iterrows()}
+
+
+def gpu_text(gpu: pd.DataFrame, engine: pd.DataFrame | None = None) -> str:
     """The GPU section's paragraph: the highest rate each method sustains under the stated p99 TTFT limit, time per
-    output token at the lowest rate, and the overloaded trace's ablation, with the run's device and commit."""
+    output token at the lowest rate, and the overloaded trace's ablation, with the run's device and commit; with
+    ``engine`` (the latency chapter's few-requests engine table, same card) the decode step with prompts already
+    compressed, set beside the serving run's time per token."""
     curve, sat = gpu_curve(gpu), gpu[(gpu["run"] == "saturated") & (gpu["table"] == "ablation")]
     g = gpu_sustained(gpu)
     limit, rates, low = g["limit"], g["rates"], g["low"]
@@ -270,12 +286,19 @@ def gpu_text(gpu: pd.DataFrame) -> str:
             f"slower: at {rates[0]:g} request/s ZipFusion's median time per output token is "
             f"**{_ms(low['zipfusion'].tpot_median_s):.1f} ms** against uncompressed's "
             f"**{_ms(low['uncompressed'].tpot_median_s):.1f} ms** "
-            f"({g['tpot_ratio']:.1f}×), with at most "
-            f"{int(low['zipfusion'].max_batch)} long requests running. At such batches the fused kernel reads compressed "
-            f"pages more slowly than raw ones ({{doc}}`the latency chapter's few-requests panel "
-            f"<zipfusion_attention_latency>`), and each step also packs the pages that filled; this run does not split "
-            f"the step between the two. Requests then queue behind the slower steps before the room compression frees "
-            f"is ever needed.")
+            f"({g['tpot_ratio']:.1f}×), with at most {int(low['zipfusion'].max_batch)} long requests running; requests "
+            f"then queue behind the slower steps before the room compression frees is ever needed.")
+    steps = engine_steps(engine)
+    if steps:
+        shown = "; ".join(f"{b} request{'s' if b > 1 else ''} of {n // 1024}K tokens {z:.1f} ms per step compressed "
+                          f"against {u:.1f} ms uncompressed" for (n, b), (z, u) in sorted(steps.items()))
+        text += (f" The decode step over prompts already compressed is not slower: on the same card the engine "
+                 f"decodes {shown} ({{doc}}`the latency chapter <zipfusion_attention_latency>`). What differs is what "
+                 f"serving adds: each admitted request's prompt KV of up to {int(c['prompt_lengths_max']):,} tokens is "
+                 f"packed and placed while the running requests wait, and pages are packed as they fill; this run "
+                 f"does not yet split the time per token between them.")
+    else:
+        text += " This run does not yet split the step time between decoding, admission and packing."
     if len(sat):
         s = {v: sat[sat["variant"] == v].iloc[0] for v in sat["variant"]}
         n = int(sat["requests"].iloc[0])
