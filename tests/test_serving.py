@@ -346,7 +346,10 @@ def test_the_simulated_clock_gives_the_same_records_every_run_and_states_its_cos
     step = runs[0].steps[0]
     assert step["time"] == pytest.approx(first["token_times"][0] + cost.step(1, sum(step["used_bytes"])))
     assert first["admissions"] == [0.0] and second["admissions"] == [pytest.approx(0.5)]   # idle until it arrived
+    assert first["admission_seconds"] == [pytest.approx(cost.prefill(37))]     # the first token comes right after
+    assert second["admission_seconds"] == [pytest.approx(cost.prefill(15))]
     s = runs[0].summary()
+    assert s["admission_s"] == pytest.approx(cost.prefill(37) + cost.prefill(15))
     assert s["requests"] == 2 and s["output_tokens"] == 6 and s["max_batch"] == 1
     assert s["ttft_median_s"] == pytest.approx((cost.prefill(37) + cost.prefill(15)) / 2)
 
@@ -354,14 +357,15 @@ def test_the_simulated_clock_gives_the_same_records_every_run_and_states_its_cos
 def test_serving_summary_metrics_are_the_records_statistics():
     """TTFT, TPOT and queueing delay of hand-made records, as vLLM's benchmark defines them."""
     from zipkv.serving import ServeResult, summarize
-    reqs = [dict(arrival=0.0, admissions=[0.5], token_times=[1.0, 2.0, 4.0], retracted=0),
-            dict(arrival=1.0, admissions=[1.0, 3.0], token_times=[1.5, 5.0], retracted=1)]
+    reqs = [dict(arrival=0.0, admissions=[0.5], admission_seconds=[0.25], token_times=[1.0, 2.0, 4.0], retracted=0),
+            dict(arrival=1.0, admissions=[1.0, 3.0], admission_seconds=[0.5, 0.125], token_times=[1.5, 5.0],
+                 retracted=1)]
     steps = [dict(batch=1, reassigned=0), dict(batch=2, reassigned=3)]
     s = summarize(ServeResult([[1, 2, 3], [4, 5]], reqs, steps, {}, "simulated"))
     assert s["duration_s"] == 5.0 and s["output_tokens"] == 5 and s["tokens_per_s"] == 1.0
     assert s["ttft_median_s"] == pytest.approx(0.75) and s["queue_median_s"] == pytest.approx(0.25)
     assert s["tpot_median_s"] == pytest.approx((1.5 + 3.5) / 2) and s["retractions"] == 1
-    assert s["max_batch"] == 2 and s["chunks_reassigned"] == 3
+    assert s["max_batch"] == 2 and s["chunks_reassigned"] == 3 and s["admission_s"] == 0.875
 
 
 class _Tok:

@@ -184,8 +184,9 @@ class Recorder:
         self.arrivals, self.clock, self.cost = list(trace.arrivals), clock, cost
         self._t = 0.0                                            # simulated time
         self._t0, self._skipped = time.perf_counter(), 0.0       # wall clock: its start, idle gaps jumped
-        self.requests = [dict(arrival=a, prompt_tokens=len(p), max_new_tokens=m, admissions=[], token_times=[],
-                              retracted=0) for a, p, m in zip(trace.arrivals, trace.prompts, trace.max_new_tokens)]
+        self.requests = [dict(arrival=a, prompt_tokens=len(p), max_new_tokens=m, admissions=[], admission_seconds=[],
+                              token_times=[], retracted=0)
+                         for a, p, m in zip(trace.arrivals, trace.prompts, trace.max_new_tokens)]
         self.steps: list[dict] = []
 
     def now(self) -> float:
@@ -210,11 +211,14 @@ class Recorder:
     def admitted(self, req, seconds: float) -> None:
         """``req`` was admitted and prefilled (its prompt, and after a retraction its outputs too), which took
         ``seconds`` of wall time: its admission is when that prefill began."""
+        record = self.requests[req.rid]
         if self.clock == "simulated":
-            self.requests[req.rid]["admissions"].append(self._t)
-            self._t += self.cost.prefill(req.cached - 1)
+            seconds = self.cost.prefill(req.cached - 1)
+            record["admissions"].append(self._t)
+            self._t += seconds
         else:
-            self.requests[req.rid]["admissions"].append(self.now() - seconds)
+            record["admissions"].append(self.now() - seconds)
+        record["admission_seconds"].append(seconds)     # the running requests wait this long (TPOT counts it)
 
     def token(self, req) -> None:
         self.requests[req.rid]["token_times"].append(self.now())
@@ -235,7 +239,8 @@ class Recorder:
 @dataclass
 class ServeResult:
     """What :func:`serve` gives back. outputs: each request's tokens (trace order). requests: per request ``arrival``,
-    ``prompt_tokens``, ``max_new_tokens``, ``admissions`` (times; more than one after a retraction), ``token_times``
+    ``prompt_tokens``, ``max_new_tokens``, ``admissions`` (times; more than one after a retraction),
+    ``admission_seconds`` (how long each admission -- prefill, packing, placing -- held the engine), ``token_times``
     (one per output token), ``retracted``. steps: per decode step ``time`` (its tokens on the host), ``batch``,
     ``used_bytes`` (per layer), ``chunks_free``, ``chunks_held``, ``reassigned`` (chunks taken so far by a layer
     other than the one that emptied them), ``retracted`` (so far), ``waiting``. stats: the engine's
@@ -260,8 +265,8 @@ def summarize(result: ServeResult) -> dict:
     """A run's serving metrics: ``requests``; ``duration_s`` (first arrival to last token); ``output_tokens``;
     ``tokens_per_s`` (output tokens / duration); ``requests_per_s`` (requests / duration); ``max_batch`` (largest
     running batch of a decode step); ``queue_median_s``, ``queue_p99_s`` (first admission - arrival); ``ttft_median_s``,
-    ``ttft_p99_s``; ``tpot_median_s``, ``tpot_p99_s`` (requests of two tokens or more); ``retractions``;
-    ``chunks_reassigned``. Percentiles as ``numpy.percentile`` (linear), as vLLM's benchmark reports them."""
+    ``ttft_p99_s``; ``tpot_median_s``, ``tpot_p99_s`` (requests of two tokens or more); ``admission_s`` (the
+    engine's seconds spent admitting requests, when no decode step runs); ``retractions``; ``chunks_reassigned``. Percentiles as ``numpy.percentile`` (linear), as vLLM's benchmark reports them."""
     if not isinstance(result, ServeResult):
         raise TypeError(f"result must be a zipkv.serving.ServeResult (what serve returns), got {type(result).__name__}")
     reqs = result.requests
@@ -280,6 +285,7 @@ def summarize(result: ServeResult) -> dict:
                 queue_median_s=_pct(queue, 50), queue_p99_s=_pct(queue, 99),
                 ttft_median_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99),
                 tpot_median_s=_pct(tpot, 50), tpot_p99_s=_pct(tpot, 99),
+                admission_s=float(sum(sum(r.get("admission_seconds", ())) for r in reqs)),
                 retractions=sum(r["retracted"] for r in reqs),
                 chunks_reassigned=result.steps[-1]["reassigned"] if result.steps else 0)
 
