@@ -73,7 +73,10 @@ def test_findings_row_reads_the_committed_table(tmp_path):
     _ablation().to_csv(tmp_path / "memory_manager.csv", index=False)
     m = findings._memory_manager(findings.Results(tmp_path))
     assert m.value is None and m.text.startswith("3 chunks reassigned between layers, 1 retraction(s)")
-    assert "shared pool 5 at 1010 tokens/s" in m.text
+    assert "shared pool 5 at 1010 tokens/s" in m.text and "GPU" not in m.text
+    _gpu_table().to_csv(tmp_path / "memory_manager_gpu.csv", index=False)
+    m = findings._memory_manager(findings.Results(tmp_path))
+    assert m.text.endswith("ZipFusion none of the rates tried (time per output token 2.5×)"), m.text
 
 
 def test_the_design_page_is_in_the_toc_but_no_results_chapter():

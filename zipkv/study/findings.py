@@ -674,11 +674,17 @@ def _memory_manager(res: Results):
     t = res["memory_manager"].set_index("variant")
     sh = t.loc["shared pool"]
     runs = ", ".join(f"{v} {int(r.max_batch)} at {r.tokens_per_s:.0f} tokens/s" for v, r in t.iterrows())
+    gpu = ""
+    if res.has("memory_manager_gpu"):      # the serving curves of the GPU run
+        from zipkv.study.chapters.memory_manager import gpu_sustained
+        g = gpu_sustained(res["memory_manager_gpu"])
+        gpu = (f"; serving on a GPU (Llama-3.1-8B's shapes, p99 TTFT ≤ {g['limit']:g} s): uncompressed sustains "
+               f"{g['uncompressed']}, ZipFusion {g['zipfusion']} (time per output token {g['tpot_ratio']:.1f}×)")
     return Measured(None, f"{int(sh.chunks_reassigned)} chunks reassigned between layers, {int(sh.retractions)} "
                           f"retraction(s); largest batch: {runs} ({int(sh.requests)} requests of "
                           f"{int(sh.prompt_lengths_min)}-{int(sh.prompt_lengths_max)} + {int(sh.output_lengths_min)}-"
                           f"{int(sh.output_lengths_max)} tokens under one budget, {sh.model} on the {sh.device}, "
-                          f"{sh.clock} clock)")
+                          f"{sh.clock} clock){gpu}")
 
 
 def _kl_readings(res: Results):
