@@ -98,6 +98,7 @@ def test_a_run_appends_each_row_as_it_is_measured(tmp_path):
         assert got[key].tolist() == frame[key].tolist()
         assert got.tokens_per_s.tolist() == frame.tokens_per_s.tolist() and got.rate.tolist() == frame.rate.tolist()
     assert set(kept.requests) == {2} and set(kept.prompt_lengths_max) == {16} and set(kept.clock) == {"simulated"}
+    assert set(kept.device) == {"cpu"} and kept.commit.notna().all() and kept.date.notna().all()
     assert r["ablation"]["rate"].tolist() == [1000.0, 1000.0]     # the setting's rate never overwrites a row's
 
 
@@ -124,6 +125,10 @@ def test_gpu_section_gives_each_method_s_sustained_rate_and_the_step_time_behind
     assert g["uncompressed"] == "every rate tried (up to 2.5 requests/s)"
     text = chapter.gpu_text(gpu)
     assert "**25.0 ms** against uncompressed's **10.0 ms** (2.5×)" in text and "shared pool **22**" in text
+    one_run = _gpu_table().drop(columns="run")       # a single run's table: ablation and curve rows told by table
+    assert {k: chapter.gpu_sustained(one_run)[k] for k in ("uncompressed", "zipfusion", "ratio", "tpot_ratio")} == \
+        {k: g[k] for k in ("uncompressed", "zipfusion", "ratio", "tpot_ratio")}
+    assert chapter.gpu_text(one_run) == chapter.gpu_text(gpu)
     later = chapter.gpu_sustained(_gpu_table(zipfusion_p99=(0.5, 1.9, 6.9)))
     assert later["zipfusion"] == "rates up to 1.5 requests/s" and later["ratio"] == 0.6
     text, kind = chapter.verdict(_ablation(), pd.DataFrame(), experiment.steps_table(_result()), None, gpu)

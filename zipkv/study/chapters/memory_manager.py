@@ -248,9 +248,17 @@ def read_table(path) -> pd.DataFrame | None:
     return pd.read_csv(path) if Path(path).is_file() else None
 
 
+def _gpu_rows(gpu: pd.DataFrame, table: str, run: str) -> pd.DataFrame:
+    """Rows of ``table`` (``curve`` or ``ablation``); where the GPU table holds several runs (a ``run`` column), of ``run``."""
+    keep = gpu["table"] == table
+    if "run" in gpu:
+        keep &= gpu["run"] == run
+    return gpu[keep].reset_index(drop=True)
+
+
 def gpu_curve(gpu: pd.DataFrame) -> pd.DataFrame:
     """The serving-curve rows of :func:`read_table`'s GPU table, in :func:`plot_curves`' form."""
-    return gpu[(gpu["run"] == "curve") & (gpu["table"] == "curve")].reset_index(drop=True)
+    return _gpu_rows(gpu, "curve", "curve")
 
 
 def engine_steps(engine: pd.DataFrame | None) -> dict:
@@ -271,7 +279,7 @@ def gpu_text(gpu: pd.DataFrame, engine: pd.DataFrame | None = None) -> str:
     output token at the lowest rate, and the overloaded trace's ablation, with the run's device and commit; with
     ``engine`` (the latency chapter's few-requests engine table, same card) the decode step with prompts already
     compressed, set beside the serving run's time per token."""
-    curve, sat = gpu_curve(gpu), gpu[(gpu["run"] == "saturated") & (gpu["table"] == "ablation")]
+    curve, sat = gpu_curve(gpu), _gpu_rows(gpu, "ablation", "saturated")
     g = gpu_sustained(gpu)
     limit, rates, low = g["limit"], g["rates"], g["low"]
 

@@ -95,7 +95,11 @@ def run(*, device="cpu", shape=None, requests=12, prompt_lengths=(64, 192), outp
     cfg = model.config
     page = 2 * cfg.num_key_value_heads * fmt.page_bytes(getattr(cfg, "head_dim", None)
                                                         or cfg.hidden_size // cfg.num_attention_heads)
-    setting = dict(model=shape or "SmolLM2-135M", device=str(device), clock=clock, requests=requests,
+    from zipkv.provenance import provenance
+    run_info = provenance("bench")
+    setting = dict(model=shape or "SmolLM2-135M",
+                   device=run_info["device"] if torch.device(device).type == "cuda" else str(device),
+                   commit=run_info["commit"], date=run_info["date"], clock=clock, requests=requests,
                    prompt_lengths=tuple(prompt_lengths), output_lengths=tuple(output_lengths), rate=rate,
                    budget_requests=budget_requests, kv_budget_bytes=budget, pages_per_chunk=pages_per_chunk,
                    reserve_ratio=reserve_ratio, ttft_limit_s=ttft_limit_s, seed=seed,
