@@ -147,3 +147,17 @@ def test_gpu_section_sets_the_engine_s_decode_step_beside_the_serving_time():
     text = chapter.gpu_text(_gpu_table(), engine)
     assert "1 request of 32K tokens 8.2 ms per step compressed against 8.5 ms uncompressed" in text
     assert "does not yet split" in chapter.gpu_text(_gpu_table()) and chapter.engine_steps(None) == {}
+
+
+def test_a_run_s_own_curves_are_said_when_no_gpu_run_is_committed():
+    curve = pd.DataFrame([dict(method=m, rate=r, ttft_p99_s=p) for m, r, p in
+                          (("uncompressed", 200, .003), ("uncompressed", 400, .012), ("zipfusion", 200, .0026),
+                           ("zipfusion", 400, .009))])
+    assert chapter.curve_text(curve, 0.01) == ("Of the rates tried (200, 400 requests/s), with p99 TTFT at most 10 ms, "
+                                               "ZipFusion sustains 400 requests/s (2.00× uncompressed's) and "
+                                               "uncompressed serving 200 requests/s.")
+    text, kind = chapter.verdict(_ablation(), curve, experiment.steps_table(_result()), 0.01)
+    assert text.endswith(chapter.curve_text(curve, 0.01)) and kind == "tip"
+    worse = curve.assign(ttft_p99_s=[.003, .012, .02, .03])
+    assert "ZipFusion sustains none of the rates tried" in chapter.curve_text(worse, 0.01)
+    assert chapter.verdict(_ablation(), worse, experiment.steps_table(_result()), 0.01)[1] == "warning"
