@@ -266,7 +266,8 @@ def summarize(result: ServeResult) -> dict:
     ``tokens_per_s`` (output tokens / duration); ``requests_per_s`` (requests / duration); ``max_batch`` (largest
     running batch of a decode step); ``queue_median_s``, ``queue_p99_s`` (first admission - arrival); ``ttft_median_s``,
     ``ttft_p99_s``; ``tpot_median_s``, ``tpot_p99_s`` (requests of two tokens or more); ``admission_s`` (the
-    engine's seconds spent admitting requests, when no decode step runs); ``retractions``; ``chunks_reassigned``. Percentiles as ``numpy.percentile`` (linear), as vLLM's benchmark reports them."""
+    engine's seconds spent admitting requests, when no decode step runs); ``retractions``; ``chunks_reassigned``.
+    Percentiles as ``numpy.percentile`` (linear), as vLLM's benchmark reports them."""
     if not isinstance(result, ServeResult):
         raise TypeError(f"result must be a zipkv.serving.ServeResult (what serve returns), got {type(result).__name__}")
     reqs = result.requests

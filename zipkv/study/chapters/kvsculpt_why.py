@@ -54,6 +54,11 @@ def _ratios(index) -> str:
     return "{" + ", ".join(f"{r:g}" for r in index) + "}"
 
 
+def _measured(g: pd.DataFrame, label: str) -> pd.Series:
+    """``g[label]`` at the ratios where that method ran (empty where it did not run at all)."""
+    return g[label].dropna() if label in g else pd.Series(dtype=float)
+
+
 def _at(index) -> str:
     """"at r = 0.3" for one ratio, "at r ∈ {0.3, 0.5}" for several."""
     return f"at r = {index[0]:g}" if len(index) == 1 else f"at r ∈ {_ratios(index)}"
@@ -92,8 +97,8 @@ def _reference_ratio(definitions: pd.DataFrame) -> float:
 def _dense_sentence(g: pd.DataFrame) -> str:
     """What n_s = N does, from the gains table: KVSculpt's gain with n_s = N when the run has it."""
     text = f"Select+Fit trained on n_s = N synthetic queries gains {_span(g[SF_DENSE])}"
-    if KV_DENSE in g and g[KV_DENSE].notna().any():
-        kv = g[KV_DENSE].dropna()
+    kv = _measured(g, KV_DENSE)
+    if len(kv):
         return (text + f"; KVSculpt trained on them gains {_span(kv)} {_at(kv.index)}, which is "
                 f"{_span(kv / g[SF_DENSE][kv.index])} over Select+Fit on the same queries.")
     return text + "; KVSculpt with n_s = N is not in this run (the paper profile runs it on a GPU)."
@@ -302,11 +307,11 @@ def dense_text(table: pd.DataFrame) -> str:
     fit's held-out over training objective (means over windows and ratios)."""
     g = gains(table)
     text = f"Over {_windows(table)} at r ∈ {_ratios(g.index)}: " + _dense_sentence(g)
-    if KV_DENSE in g and KV in g and g[KV_DENSE].notna().any():
+    kv = _measured(g, KV_DENSE)
+    if len(kv) and KV in g:
         per = table.pivot_table(index=["window", "ratio"], columns=["method", "queries"], values="kl")
         per = per.dropna(subset=[("kvsculpt", "dense"), ("select_fit", "dense")])
         wins = int((per["kvsculpt", "dense"] < per["select_fit", "dense"]).sum())
-        kv = g[KV_DENSE].dropna()
         text += (f" n_s = N gains KVSculpt {_span(kv / g[KV][kv.index])} over KVSculpt with the paper's queries; with "
                  f"both on n_s = N, KVSculpt has the lower KL on {wins} of {len(per)} (window, ratio) runs.")
     obj = table.dropna(subset=["train"]).groupby(["method", "queries"])[["train", "heldout"]].mean()
@@ -326,7 +331,7 @@ def quote(table: pd.DataFrame, definitions: pd.DataFrame, e: dict, model: str) -
     gm = e["gemma"]
     ours = (f"KVSculpt gains {_span(g[KV].dropna())} at r ∈ {_ratios(g[KV].dropna().index)} with the paper's settings"
             if KV in g else "KVSculpt was not run here")
-    kv_dense = g[KV_DENSE].dropna() if KV_DENSE in g else pd.Series(dtype=float)
+    kv_dense = _measured(g, KV_DENSE)
     dense = (f", {_span(kv_dense)} with n_s = N synthetic queries {_at(kv_dense.index)}"
              if len(kv_dense) else "")
     return (f"**KVSculpt's main claim (Table 1: {_paper_span()} lower KL than "

@@ -165,8 +165,7 @@ def verdict(ablation: pd.DataFrame, curve: pd.DataFrame, steps: pd.DataFrame, tt
         else "warning"
     if gpu is None and len(curve) and ttft_limit_s:
         parts.append(curve_text(curve, ttft_limit_s))
-        z, u = (sustained_rate(curve, m, ttft_limit_s) for m in ("zipfusion", "uncompressed"))
-        if not (u and z / u >= RATE_BAR):
+        if not _sustained(curve, ttft_limit_s)["ratio"] >= RATE_BAR:
             kind = "warning"
     elif gpu is not None:
         g = gpu_sustained(gpu)
@@ -177,17 +176,26 @@ def verdict(ablation: pd.DataFrame, curve: pd.DataFrame, steps: pd.DataFrame, tt
     return " ".join(parts), kind
 
 
+def _sustained(curve: pd.DataFrame, ttft_limit_s: float) -> dict:
+    """Each method's highest rate of ``curve`` under the p99 TTFT limit (NaN: none), the ``rates`` tried, and
+    ``ratio`` = ZipFusion's over uncompressed's (NaN where uncompressed sustains none; 0 where only ZipFusion does)."""
+    r = {m: sustained_rate(curve, m, ttft_limit_s) for m in ("uncompressed", "zipfusion")}
+    z, u = r["zipfusion"], r["uncompressed"]
+    return dict(r, rates=sorted(curve["rate"].unique()),
+                ratio=math.nan if math.isnan(u) else 0.0 if math.isnan(z) else z / u)
+
+
 def curve_text(curve: pd.DataFrame, ttft_limit_s: float) -> str:
     """One sentence on a run's serving curves: the highest rate each method sustains under the p99 TTFT limit."""
-    z, u = (sustained_rate(curve, m, ttft_limit_s) for m in ("zipfusion", "uncompressed"))
-    rates = sorted(curve["rate"].unique())
+    r = _sustained(curve, ttft_limit_s)
 
     def words(x):
         return "none of the rates tried" if math.isnan(x) else f"{x:g} requests/s"
 
-    ratio = (f" ({z / u:.2f}× uncompressed's)" if not (math.isnan(z) or math.isnan(u)) else "")
-    return (f"Of the rates tried ({', '.join(f'{r:g}' for r in rates)} requests/s), with p99 TTFT at most "
-            f"{_ms(ttft_limit_s):.0f} ms, ZipFusion sustains {words(z)}{ratio} and uncompressed serving {words(u)}.")
+    ratio = f" ({r['ratio']:.2f}× uncompressed's)" if r["ratio"] > 0 else ""
+    return (f"Of the rates tried ({', '.join(f'{x:g}' for x in r['rates'])} requests/s), with p99 TTFT at most "
+            f"{_ms(ttft_limit_s):.0f} ms, ZipFusion sustains {words(r['zipfusion'])}{ratio} and uncompressed serving "
+            f"{words(r['uncompressed'])}.")
 
 
 def gpu_sustained(gpu: pd.DataFrame) -> dict:
@@ -197,17 +205,16 @@ def gpu_sustained(gpu: pd.DataFrame) -> dict:
     rate)."""
     curve = gpu_curve(gpu)
     limit = float(curve["ttft_limit_s"].iloc[0])
-    rates = sorted(curve["rate"].unique())
+    r = _sustained(curve, limit)
+    rates = r["rates"]
     low = {m: curve[(curve["method"] == m) & (curve["rate"] == rates[0])].iloc[0] for m in ("uncompressed", "zipfusion")}
-    r = {m: sustained_rate(curve, m, limit) for m in ("uncompressed", "zipfusion")}
 
     def words(x):
         return ("none of the rates tried" if math.isnan(x) else
                 f"every rate tried (up to {x:g} requests/s)" if x == rates[-1] else f"rates up to {x:g} requests/s")
 
     return dict(uncompressed=words(r["uncompressed"]), zipfusion=words(r["zipfusion"]), limit=limit, rates=rates,
-                low=low, ratio=(math.nan if math.isnan(r["uncompressed"]) else
-                                0.0 if math.isnan(r["zipfusion"]) else r["zipfusion"] / r["uncompressed"]),
+                low=low, ratio=r["ratio"],
                 tpot_ratio=float(low["zipfusion"].tpot_median_s / low["uncompressed"].tpot_median_s))
 
 
