@@ -515,8 +515,8 @@ def test_replayed_layers_give_back_the_forward_they_found(model):
 
     layers[1].forward = own
     try:
-        with generalise._replayed_layers(model, [torch.zeros(1, 2, 3)] * 2, 2, rows=3):
-            assert layers[0](torch.ones(1)).shape == (3, 2, 3) and layers[1]().shape == (3, 2, 3)
+        with generalise._replayed_layers(model, [torch.zeros(1, 2, 3), torch.ones(1, 2, 3)], 2, rows=3):
+            assert torch.equal(layers[1](), torch.ones(3, 2, 3)) and layers[0](torch.ones(1)).shape == (3, 2, 3)
         assert layers[1].forward is own and "forward" not in layers[0].__dict__
     finally:
         del layers[1].forward

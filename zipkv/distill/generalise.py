@@ -507,10 +507,9 @@ def _layer_outputs(model, full: BiasedCache, ids: torch.Tensor) -> list:
 
 @contextmanager
 def _replayed_layers(model, outputs: list, upto: int, rows: int):
-    """Inside the block, decoder layers ``0 … upto−1`` do not compute: each returns its entry of ``outputs``
-    (:func:`_layer_outputs`) with the batch dimension repeated to ``rows`` sequences. Only layer ``upto − 1``'s
-    hidden states reach the computed layers; the replayed layers append nothing to the cache, which nothing reads
-    again."""
+    """Inside the block, decoder layers ``0 … upto−1`` do not compute: each returns layer ``upto − 1``'s entry of
+    ``outputs`` (:func:`_layer_outputs`) with the batch dimension repeated to ``rows`` sequences -- the only output
+    a computed layer reads. The replayed layers append nothing to the cache, which nothing reads again."""
     from .evaluate import _decoder_layers
 
     def repeated(out):
@@ -520,10 +519,11 @@ def _replayed_layers(model, outputs: list, upto: int, rows: int):
 
     layers = _decoder_layers(model)
     replaced = []  # (layer, its own instance forward or None): accelerate's hooks, for one, set one
+    out = repeated(outputs[upto - 1]) if upto else None   # what the first computed layer reads; the others' is unread
     try:
         for j in range(upto):
             replaced.append((layers[j], layers[j].__dict__.get("forward")))
-            layers[j].forward = (lambda out: lambda *args, **kwargs: out)(repeated(outputs[j]))
+            layers[j].forward = lambda *args, **kwargs: out
         yield
     finally:
         for layer, own in replaced:
