@@ -128,6 +128,7 @@ class MemoryMachine(RuleBasedStateMachine):
         used = self.m.used_bytes()
         chunks = [len(c) for c in self.m.placement._comp]
         need = self.m.placement.new_comp_chunks(packed.units, packed.head_units)
+        assert all(a <= b for a, b in zip(self.m.placement.least_new_comp_chunks(packed.layer_units), need))
         ids = self.m.admit_packed(self.next_rid, packed, max_new)
         assert (ids is not None) == expect
         if ids is not None:          # the admission check's count of new chunks is what placing the pages took
@@ -717,3 +718,20 @@ def test_low_level_writes_and_queries_check_their_arguments():
                        ([kv, kv], r"kv\[0\] must be a \(k, v\) pair of tensors .* got Tensor")):
         with pytest.raises(ValueError, match=match):
             m.pack(bad)
+
+
+def test_a_packed_request_far_from_fitting_is_refused_without_walking_its_pages(monkeypatch):
+    """The packed admission check first counts the fewest chunks the pages could take (their units against the
+    layers' free extents): a request that cannot fit even so is refused without the page-by-page walk an engine
+    would otherwise repeat whenever memory gives space back; one that fits still gets the walk and is admitted."""
+    gen = torch.Generator().manual_seed(4)
+    m = KVMemory(1, H, D, 8 * 2 * H * 2 * 16 * D, pages_per_chunk=2)
+    wide = lambda n: m.pack([tuple(_tokens(gen, 16 * n, True) for _ in range(2))])     # noqa: E731
+    assert m.admit_packed("a", wide(5), 1) is not None
+    large, small = wide(5), m.pack([tuple(_tokens(gen, 16, False) for _ in range(2))])
+    walked = []
+    exact = m.placement.new_comp_chunks
+    monkeypatch.setattr(m.placement, "new_comp_chunks", lambda *a: walked.append(1) or exact(*a))
+    assert not m.can_admit_packed(large, 1) and not walked
+    assert m.can_admit_packed(small, 1) and walked
+    assert m.admit_packed("b", small, 1) is not None

@@ -214,7 +214,7 @@ def test_a_new_compressed_chunk_keeps_room_for_reserved_pages():
 @settings(max_examples=100, deadline=None)
 def test_new_comp_chunks_is_what_placing_the_pages_takes(pages, before, free_some):
     """The packed admission check counts the chunks :meth:`Placement.comp_alloc` will take, without changing
-    anything; from a layer whose chunks already hold pages (some freed again) and with a partly empty last chunk."""
+    anything, and its quick bound (:meth:`Placement.least_new_comp_chunks`) never more; from a layer whose chunks already hold pages (some freed again) and with a partly empty last chunk."""
     p = _placement(chunks=40, ppc=2, page_bytes=4096)           # 32 units a chunk, pages of 12 to 32
     placed = [p.comp_alloc(0, hu, 0) for hu in before]
     if free_some:
@@ -223,6 +223,8 @@ def test_new_comp_chunks_is_what_placing_the_pages_takes(pages, before, free_som
                 p.comp_free(0, c, start, units)
     state = [(ch.state, ch.layer, ch.kind, [list(e) for e in ch.extents], ch.live) for ch in p.chunks]
     want = p.new_comp_chunks([[sum(hu) for hu in pages]], [pages])
+    least = p.least_new_comp_chunks([sum(map(sum, pages))])     # the quick refusal's bound never says more
+    assert least[0] <= want[0]
     assert [(ch.state, ch.layer, ch.kind, [list(e) for e in ch.extents], ch.live) for ch in p.chunks] == state
     owned = p.chunks.n_owned(0, COMP)
     for hu in pages:

@@ -533,6 +533,14 @@ class Engine:
         mem.reads_done()
         return True
 
+    def _may_admit(self, req: Request) -> bool:
+        """Whether :meth:`_admit` could take ``req`` now, from the memory's counts alone (no device work, no prefill):
+        a necessary condition of each admission path, checked before the engine waits for the steps in flight."""
+        if self.restore is not None or self.compress == "none" or req.staged is not None:
+            return self._admit_possible(req)
+        return (self.memory.can_admit_packed(req.cached, req.remaining, reserve_ratio=self.reserve_ratio)
+                or self.memory.can_admit(req.cached, req.remaining, reserve_ratio=self.reserve_ratio))
+
     def _admit_possible(self, req: Request) -> bool:
         if self.restore is not None:
             n_pages, tail = self._restore_split(req)
@@ -778,6 +786,9 @@ class Engine:
                 # layer's chunks (milliseconds at Llama-8B's shape), and it prefills, which waits for the device; an
                 # attempt therefore runs with nothing in flight, so the time left out of the steps is its own
                 while (req := sched.next_to_admit(mem.space_returns)) is not None:
+                    if not self._may_admit(req):           # host-only: the steps in flight keep running
+                        sched.blocked(req, mem.space_returns)
+                        break
                     while flights:
                         read()
                     t0 = time.perf_counter()

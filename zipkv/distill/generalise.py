@@ -240,11 +240,14 @@ def mass_bias(t: HeadTargets, index: torch.Tensor, ridge: float, bound: float) -
     return torch.log(w.clamp(math.exp(-bound), math.exp(bound))).to(t.q.dtype)
 
 
-def _ridge_in_query_space(a: torch.Tensor, r: torch.Tensor, lam: torch.Tensor) -> torch.Tensor:
+def _ridge_in_query_space(a: torch.Tensor, r: torch.Tensor, lam: torch.Tensor,
+                          outer: torch.Tensor | None = None) -> torch.Tensor:
     """``argmin_x ‖a x − r‖² + λ‖x‖²`` for ``a`` ``[P, n, k]`` with ``n < k``, ``r`` ``[P, n, c]``, ``λ`` ``[P]``, as
-    ``aᵀ (a aᵀ + λI)⁻¹ r`` (Woodbury: an ``n × n`` system instead of ``k × k``): ``[P, k, c]``."""
+    ``aᵀ (a aᵀ + λI)⁻¹ r`` (Woodbury: an ``n × n`` system instead of ``k × k``): ``[P, k, c]``. ``outer``: ``a aᵀ``
+    ``[P, n, n]`` when the caller solves several ``λ`` for one ``a`` (computed here otherwise)."""
+    outer = torch.bmm(a, a.transpose(1, 2)) if outer is None else outer
     eye = torch.eye(a.shape[1], dtype=a.dtype, device=a.device)
-    return torch.bmm(a.transpose(1, 2), _spd_solve(torch.bmm(a, a.transpose(1, 2)) + lam[:, None, None] * eye, r))
+    return torch.bmm(a.transpose(1, 2), _spd_solve(outer + lam[:, None, None] * eye, r))
 
 
 def anchored_values(t: HeadTargets, keys_c, bias_c, v_sel, v_ret, ridges) -> list[torch.Tensor]:
@@ -258,8 +261,10 @@ def anchored_values(t: HeadTargets, keys_c, bias_c, v_sel, v_ret, ridges) -> lis
     if a_c.shape[1] < k:  # fewer queries than kept keys: each λ's solution from an n × n system (Woodbury)
         scale = a_c.square().sum(dim=(1, 2)) / k  # [P]
         off = residual - torch.bmm(a_c, v_sel.double())
+        outer = torch.bmm(a_c, a_c.transpose(1, 2))  # [P, n, n], shared by every λ
         return [v_sel if math.isinf(lam) else
-                (v_sel.double() + _ridge_in_query_space(a_c, off, lam * scale)).to(v_sel.dtype) for lam in ridges]
+                (v_sel.double() + _ridge_in_query_space(a_c, off, lam * scale, outer)).to(v_sel.dtype)
+                for lam in ridges]
     gram = torch.bmm(a_c.transpose(1, 2), a_c)
     rhs = torch.bmm(a_c.transpose(1, 2), residual)
     scale = gram.diagonal(dim1=-2, dim2=-1).sum(-1) / k  # [P]

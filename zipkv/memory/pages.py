@@ -52,6 +52,11 @@ class Packed:
         """Per layer the pages' sizes in :data:`UNIT` s (their page-heads' sum)."""
         return [[sum(h) for h in layer] for layer in self.head_units]
 
+    @functools.cached_property
+    def layer_units(self) -> list:
+        """Per layer the units of all its pages."""
+        return [sum(layer) for layer in self.units]
+
 
 def _units(head_units) -> int:
     """Units of a page: the sum of its page-heads' ``[2][H]``."""

@@ -195,6 +195,19 @@ class Placement:
         if ch.live == 0:
             self._release_chunk(c)
 
+    def least_new_comp_chunks(self, layer_units: list[int]) -> list[int]:
+        """A lower bound of :meth:`new_comp_chunks` from each layer's total units alone: what the layer's open
+        compressed chunks (and the spill extent of the one it took last) cannot hold, in whole chunks. Every unit goes
+        to one of those extents or to a new chunk, so no placement needs fewer; O(chunks), not O(pages)."""
+        need = []
+        for l, total in enumerate(layer_units):
+            held = dict.fromkeys(self._comp_open[l])
+            if self._spill_extent(l) is not None:
+                held[self._comp_last[l]] = None
+            room = sum(e[1] for c in held for e in self.chunks[c].extents)
+            need.append(-(-max(0, total - room) // self.units_per_chunk))
+        return need
+
     def new_comp_chunks(self, units: list[list[int]], head_units: list[list[list[int]]]) -> list[int]:
         """New compressed chunks each layer needs to place pages of ``units`` (per layer and page) whose page-heads
         take ``head_units`` (per layer and page, in their order) as :meth:`comp_alloc` does (first fit, else a new
