@@ -782,9 +782,9 @@ class Engine:
                 if serving is not None:                    # arrivals; an idle engine waits for the next one
                     serving.arrive(sched, idle=not (sched.running or sched.waiting or flights))
                 retire()
-                # a blocked request is checked again only once memory has given space back: the check walks every
-                # layer's chunks (milliseconds at Llama-8B's shape), and it prefills, which waits for the device; an
-                # attempt therefore runs with nothing in flight, so the time left out of the steps is its own
+                # a blocked request is checked again only once memory has given space back, first from the memory's
+                # counts alone while the steps in flight run on; an attempt that passes prefills, which waits for
+                # the device, so it runs with nothing in flight and the time left out of the steps is its own
                 while (req := sched.next_to_admit(mem.space_returns)) is not None:
                     if not self._may_admit(req):           # host-only: the steps in flight keep running
                         sched.blocked(req, mem.space_returns)
