@@ -6,6 +6,7 @@ import types
 import nbformat
 import pandas as pd
 import pytest
+import torch
 
 from zipkv.study import book
 from zipkv.study.chapters import kvpress_presses as page
@@ -104,19 +105,28 @@ def test_task_run_gates_on_the_uncompressed_accuracy_and_resumes(tmp_path, monke
         right = made[0] == "niah_single"
         return pd.DataFrame({"correct": [right] * len(made)})
     monkeypatch.setattr(tasks, "accuracy", accuracy)
+
+    def greedy_replies(model, tokenizer, made, compress=None, max_new_tokens=128):
+        calls.append(("replies", len(made), compress is None))
+        return [torch.tensor([1, 2, 3, 4] if compress is None else [1, 2, 9, 4])] * len(made)
+    monkeypatch.setattr(tasks, "greedy_replies", greedy_replies)
     model = types.SimpleNamespace(model=types.SimpleNamespace(layers=[]))
     out = tmp_path / "task.csv"
     run = lambda: exp.measure_task(model, None, [], [("niah_single", 64), ("niah_multikey", 64)],  # noqa: E731
-                                   ["tova", "zipkv"], (0.25,), prompts=6, method_prompts={"zipkv": 2}, out=out)
+                                   ["tova", "zipkv"], (0.25,), prompts=6, method_prompts={"zipkv": 2}, out=out,
+                                   agreement_tokens=4)
     table = run()
     assert calls == [("niah_single", 6, True), ("niah_single", 6, False), ("niah_single", 2, False),
-                     ("niah_multikey", 6, True)]                         # the multikey setting failed the gate
-    assert list(table.method) == ["none", "tova", "zipkv", "none"] and list(table.prompts) == [6, 6, 2, 6]
-    assert table.gate_passed.tolist() == [True, True, True, False]
+                     ("niah_multikey", 6, True),                         # the multikey setting failed the gate:
+                     ("replies", 6, True), ("replies", 6, False), ("replies", 2, False)]   # agreement instead
+    assert list(table.method) == ["none", "tova", "zipkv", "none", "tova", "zipkv"]
+    assert list(table.prompts) == [6, 6, 2, 6, 6, 2]
+    assert table.gate_passed.tolist() == [True, True, True, False, False, False]
+    assert table.agreement.tolist()[4:] == [0.5, 0.5] and table.accuracy.isna().tolist()[3:] == [False, True, True]
     assert {"device", "date", "commit"} <= set(table.columns)
     calls.clear()
     again = run()                                                      # everything is in the CSV: nothing reruns
-    assert calls == [] and len(again) == 4
+    assert calls == [] and len(again) == 6
 
 
 def test_the_notebook_is_thin_and_its_prose_plain():

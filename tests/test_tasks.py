@@ -55,6 +55,33 @@ def test_question_comes_after_the_context_and_a_full_cache_answers_as_the_uncomp
     assert plain.correct.dtype == bool
 
 
+def test_greedy_agreement_is_full_for_the_uncompressed_cache_and_counts_the_prefix_before_a_difference(embedded, books):
+    """Where the model cannot solve a task, compression is scored by how many greedy reply tokens match the
+    uncompressed model's before the first difference: the model's own cache agrees to the end; a cache missing most
+    of the context does not."""
+    from transformers import DynamicCache
+
+    model, tokenizer = embedded
+    made = tasks.make_tasks(tokenizer, books, 2, 96, "niah_single", seed=1)
+    reference = tasks.greedy_replies(model, tokenizer, made, None, 8)
+
+    def keep_all(model, ids):
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=ids[None], past_key_values=cache)
+        return cache
+
+    def keep_last(model, ids):
+        return keep_all(model, ids[-4:])
+    assert tasks.prefix_agreement(tasks.greedy_replies(model, tokenizer, made, keep_all, 8), reference) == \
+        [len(r) for r in reference]
+    lost = tasks.prefix_agreement(tasks.greedy_replies(model, tokenizer, made, keep_last, 8), reference)
+    assert sum(lost) < sum(len(r) for r in reference)
+    assert tasks.prefix_agreement([torch.tensor([1, 2, 3])], [torch.tensor([1, 2, 4, 5])]) == [2]
+    with pytest.raises(ValueError, match="replies"):
+        tasks.prefix_agreement([], reference)
+
+
 def test_bad_arguments_name_themselves(tokenizer, books):
     with pytest.raises(ValueError, match="kind"):
         tasks.make_tasks(tokenizer, books, 1, 100, "needle")

@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-__all__ = ["KINDS", "Task", "accuracy", "make_tasks", "prompt_ids"]
+__all__ = ["KINDS", "Task", "accuracy", "greedy_replies", "make_tasks", "prefix_agreement", "prompt_ids"]
 
 KINDS = ("niah_single", "niah_multikey", "niah_multivalue", "variable_tracking")
 
@@ -184,3 +184,36 @@ def accuracy(model, tokenizer, tasks: Sequence[Task], compress: Callable | None 
         rows.append(dict(kind=task.kind, length=task.length, depth=task.depth,
                          correct=all(a in reply for a in task.answers), reply=reply, answers=" ".join(task.answers)))
     return pd.DataFrame(rows)
+
+
+@torch.no_grad()
+def greedy_replies(model, tokenizer, tasks: Sequence[Task], compress: Callable | None = None,
+                   max_new_tokens: int = 128) -> list[torch.Tensor]:
+    """Each task's greedy reply token ids (at most ``max_new_tokens``, stopping at the tokenizer's EOS), the question
+    and reply fed after the context's cache at positions ``N, N+1, …``: ``compress(model, context_ids)``'s cache, or
+    with ``compress=None`` the model's own uncompressed cache of the context -- the same loop either way, so that a
+    difference is the compression's, not a summation order's."""
+    from .models import cache_keyword
+
+    device = next(model.parameters()).device
+    out = []
+    for task in tasks:
+        context, question = prompt_ids(tokenizer, task)
+        cache = (model(input_ids=context[None].to(device), use_cache=True, logits_to_keep=1).past_key_values
+                 if compress is None else compress(model, context))
+        out.append(_greedy_after(model, cache, context.numel(), question, max_new_tokens, tokenizer.eos_token_id,
+                                 cache_keyword(model)).cpu())
+    return out
+
+
+def prefix_agreement(replies: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> list[int]:
+    """Per reply, how many of its first tokens equal the reference reply's before the first difference (a reply
+    that stops at EOS where the reference does agrees to the end)."""
+    if len(replies) != len(reference):
+        raise ValueError(f"replies: expected one per reference reply ({len(reference)}), got {len(replies)}")
+    counts = []
+    for a, b in zip(replies, reference):
+        n = min(a.numel(), b.numel())
+        differ = (a[:n] != b[:n]).nonzero()
+        counts.append(int(differ[0]) if len(differ) else n)
+    return counts

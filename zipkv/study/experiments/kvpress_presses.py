@@ -148,10 +148,13 @@ def compressor(method: str, kept_fraction: float, tokenizer, *, probe_tokens: in
 def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], methods: Sequence[str],
                  kept_fractions: Sequence[float] = (0.25, 0.125), *, prompts: int = 100,
                  method_prompts: dict | None = None, first_prompt: dict | None = None, gate: float = 0.8, max_new_tokens: int = 40,
-                 probe_tokens: int = 64, seed: int = 0, out: str | Path | None = None,
+                 agreement_tokens: int = 128, probe_tokens: int = 64, seed: int = 0, out: str | Path | None = None,
                  progress: bool = False) -> pd.DataFrame:
     """Task accuracy: first the uncompressed model on every ``(kind, length)`` setting, then, on the settings it
-    answers at ≥ ``gate``, each method × kept fraction on the same prompts.
+    answers at ≥ ``gate``, each method × kept fraction on the same prompts. On a setting the model does not solve,
+    each method's greedy-token agreement with the uncompressed model instead (``agreement_tokens`` > 0): how many of
+    the ``agreement_tokens`` greedy reply tokens equal the uncompressed model's before the first difference
+    (:func:`zipkv.tasks.prefix_agreement`), as a fraction.
 
     Args:
         settings: ``(kind, length)`` pairs (:data:`zipkv.tasks.KINDS`, context tokens).
@@ -164,9 +167,9 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
         out: a CSV every finished (setting, method, fraction) is appended to; those it holds are skipped.
 
     Returns:
-        One row per (model, kind, length, method, kept fraction): ``prompts``, ``correct``, ``accuracy``,
-        ``seconds`` (mean per prompt, compression and answer), ``gate_passed`` (the uncompressed accuracy's), and the
-        kvpress/transformers versions.
+        One row per (model, kind, length, method, kept fraction): ``prompts``, ``correct``, ``accuracy`` (or, on a
+        setting below the gate, ``agreement`` and ``agreement_tokens``), ``seconds`` (mean per prompt, compression
+        and answer), ``gate_passed`` (the uncompressed accuracy's), and the kvpress/transformers versions.
     """
     import transformers
 
@@ -208,9 +211,34 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
                   flush=True)
         return row["accuracy"]
 
+    def agree(kind, length, made, method, fraction, reference):
+        if (kind, length, method, fraction) in done:
+            return
+        first = first_prompt.get(method, 0)
+        n = min(len(made) - first, method_prompts.get(method, len(made)))
+        if reference.get("replies") is None:               # the uncompressed replies, once per setting
+            reference["replies"] = tasks.greedy_replies(model, tokenizer, made, None, agreement_tokens)
+        started = time.perf_counter()
+        got = tasks.greedy_replies(model, tokenizer, made[first:first + n], compressor(
+            method, fraction, tokenizer, probe_tokens=probe_tokens, seed=seed), agreement_tokens)
+        integration._clear_masks(model)
+        seconds = (time.perf_counter() - started) / n
+        same = tasks.prefix_agreement(got, reference["replies"][first:first + n])
+        row = dict(model=name, kind=kind, length=length, method=method, kept_fraction=fraction, first_prompt=first,
+                   prompts=n, agreement=sum(same) / (n * agreement_tokens), agreement_tokens=agreement_tokens,
+                   seconds=seconds, kvpress=integration.KVPRESS_VERSION, transformers=transformers.__version__)
+        _append(out, pd.DataFrame([row]), parts)
+        if progress:
+            print(f"{name} {kind} {length} {method} {fraction:g}: agreement {row['agreement']:.3f} on {n}, "
+                  f"{seconds:.1f} s/prompt", flush=True)
+
     for kind, length in settings:
         made = tasks.make_tasks(tokenizer, books, prompts, length, kind, seed=seed)
         if run(kind, length, made, "none", 1.0) < gate:
+            reference = {}
+            for fraction in kept_fractions if agreement_tokens else ():
+                for method in methods:
+                    agree(kind, length, made, method, fraction, reference)
             continue
         for fraction in kept_fractions:
             for method in methods:
@@ -340,6 +368,7 @@ def main(argv=None) -> None:
     parser.add_argument("--probe-tokens", type=int, default=64)
     parser.add_argument("--settings", nargs="+", default=["niah_single:512"], help="kind:length")
     parser.add_argument("--prompts", type=int, default=100)
+    parser.add_argument("--agreement-tokens", type=int, default=128)
     parser.add_argument("--method-prompts", nargs="*", default=[], help="method:n")
     parser.add_argument("--method-first", nargs="*", default=[], help="method:i (the prompt it starts at)")
     parser.add_argument("--out", required=True)
@@ -372,7 +401,8 @@ def main(argv=None) -> None:
                      prompts=args.prompts, method_prompts={m.split(":")[0]: int(m.split(":")[1])
                                                            for m in args.method_prompts},
                      first_prompt={m.split(":")[0]: int(m.split(":")[1]) for m in args.method_first},
-                     probe_tokens=args.probe_tokens, out=args.out, progress=True)
+                     agreement_tokens=args.agreement_tokens, probe_tokens=args.probe_tokens, out=args.out,
+                     progress=True)
 
 
 if __name__ == "__main__":
