@@ -26,7 +26,7 @@ if [ -f "$ZIPKV_GGUF" ]; then
   step timeout 420 python3 -c "
 from zipkv.study.experiments import memory_manager as e
 r = e.run(device='cuda', shape='llama3.1-8b', requests=60, prompt_lengths=(2048, 16384), output_lengths=(64, 256),
-          rate=6.0, rates=(1, 2, 3, 4, 6), budget_requests=16, pages_per_chunk=16, reserve_ratio=0.5,
+          rate=6.0, rates=(1, 2, 3, 4, 6), variants=('uncompressed', 'shared pool'), budget_requests=16, pages_per_chunk=16, reserve_ratio=0.5,
           ttft_limit_s=2.0, seed=0, progress_csv='results/paper/memory_manager_gpu_progress.csv')
 e.save(r, 'results/paper/memory_manager_gpu_run.csv')"
 fi
