@@ -20,7 +20,7 @@ export ZIPKV_COMMIT=$(cat COMMIT)   # the tree here is no git checkout: the prov
 step() { echo "=== $(date -u +%H:%M:%S) $*"; "$@"; echo "=== rc=$? $(date -u +%H:%M:%S)"; }
 h200() { nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; }
 llama32k() { step timeout 300 python3 -c "from zipkv.bench.distill import compress_speed; compress_speed(('llama3.1-8b',), (32768,), out='$1', progress=False)"; }
-if h200; then llama32k results/paper/distill_speed_compress_llama32k.csv; fi
+if h200 && [ -z "$ZIPKV_ONLY_SERVING" ]; then llama32k results/paper/distill_speed_compress_llama32k.csv; fi
 if [ -f "$ZIPKV_GGUF" ]; then
   [ -n "$ZIPKV_SERVING_TEST" ] && step timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_serving.py -k "embedded_model and cuda"
   step timeout 420 python3 -c "
@@ -30,6 +30,7 @@ r = e.run(device='cuda', shape='llama3.1-8b', requests=60, prompt_lengths=(2048,
           ttft_limit_s=2.0, seed=0, progress_csv='results/paper/memory_manager_gpu_progress.csv')
 e.save(r, 'results/paper/memory_manager_gpu_run.csv')"
 fi
+[ -n "$ZIPKV_ONLY_SERVING" ] && { touch JOB-DONE; exit 0; }     # a short device budget: the serving curves alone
 h200 || llama32k results/paper/distill_speed_compress_other_card.csv
 h200 && step python3 -m zipkv.study book --profile paper --force --no-html --only zipfusion_attention_latency
 [ -f .gpu/escape_kv/blocks.pt ] && OUT=/root/run/results/escape_gpu step bash .ci/gpu/escape.sh
