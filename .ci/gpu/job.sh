@@ -23,10 +23,11 @@ llama32k() { step timeout 300 python3 -c "from zipkv.bench.distill import compre
 if h200 && [ -z "$ZIPKV_ONLY_SERVING" ]; then llama32k results/paper/distill_speed_compress_llama32k.csv; fi
 if [ -f "$ZIPKV_GGUF" ]; then
   [ -n "$ZIPKV_SERVING_TEST" ] && step timeout 180 python3 -m pytest -q -p no:cacheprovider tests/test_serving.py -k "embedded_model and cuda"
+  if [ -n "$ZIPKV_ONLY_SERVING" ]; then n=40 rates="1, 2, 4" top=4.0; else n=60 rates="1, 2, 3, 4, 6" top=6.0; fi
   step timeout 420 python3 -c "
 from zipkv.study.experiments import memory_manager as e
-r = e.run(device='cuda', shape='llama3.1-8b', requests=60, prompt_lengths=(2048, 16384), output_lengths=(64, 256),
-          rate=6.0, rates=(1, 2, 3, 4, 6), variants=('uncompressed', 'shared pool'), budget_requests=16, pages_per_chunk=16, reserve_ratio=0.5,
+r = e.run(device='cuda', shape='llama3.1-8b', requests=$n, prompt_lengths=(2048, 16384), output_lengths=(64, 256),
+          rate=$top, rates=($rates), variants=('uncompressed', 'shared pool'), budget_requests=16, pages_per_chunk=16, reserve_ratio=0.5,
           ttft_limit_s=2.0, seed=0, progress_csv='results/paper/memory_manager_gpu_progress.csv')
 e.save(r, 'results/paper/memory_manager_gpu_run.csv')"
 fi
