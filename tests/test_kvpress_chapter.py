@@ -118,7 +118,8 @@ def test_task_run_gates_on_the_uncompressed_accuracy_and_resumes(tmp_path, monke
     table = run()
     assert calls == [("niah_single", 6, True), ("niah_single", 6, False), ("niah_single", 2, False),
                      ("niah_multikey", 6, True),                         # the multikey setting failed the gate:
-                     ("replies", 6, True), ("replies", 6, False), ("replies", 2, False)]   # agreement instead
+                     ("replies", 6, True), ("replies", 6, False),    # agreement instead (the uncompressed
+                     ("replies", 2, False)]                          # replies once each)
     assert list(table.method) == ["none", "tova", "zipkv", "none", "tova", "zipkv"]
     assert list(table.prompts) == [6, 6, 2, 6, 6, 2]
     assert table.gate_passed.tolist() == [True, True, True, False, False, False]

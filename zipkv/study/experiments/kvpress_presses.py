@@ -216,14 +216,16 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
             return
         first = first_prompt.get(method, 0)
         n = min(len(made) - first, method_prompts.get(method, len(made)))
-        if reference.get("replies") is None:               # the uncompressed replies, once per setting
-            reference["replies"] = tasks.greedy_replies(model, tokenizer, made, None, agreement_tokens)
+        missing = [i for i in range(first, first + n) if i not in reference]   # uncompressed replies, once each
+        if missing:
+            reference.update(zip(missing, tasks.greedy_replies(model, tokenizer, [made[i] for i in missing], None,
+                                                               agreement_tokens)))
         started = time.perf_counter()
         got = tasks.greedy_replies(model, tokenizer, made[first:first + n], compressor(
             method, fraction, tokenizer, probe_tokens=probe_tokens, seed=seed), agreement_tokens)
         integration._clear_masks(model)
         seconds = (time.perf_counter() - started) / n
-        same = tasks.prefix_agreement(got, reference["replies"][first:first + n])
+        same = tasks.prefix_agreement(got, [reference[i] for i in range(first, first + n)])
         row = dict(model=name, kind=kind, length=length, method=method, kept_fraction=fraction, first_prompt=first,
                    prompts=n, agreement=sum(same) / (n * agreement_tokens), agreement_tokens=agreement_tokens,
                    seconds=seconds, kvpress=integration.KVPRESS_VERSION, transformers=transformers.__version__)
