@@ -255,3 +255,29 @@ def test_rows_with_a_new_column_are_appended_without_misaligning_the_csv(tmp_pat
 def test_a_first_prompt_past_the_prompts_is_refused_before_anything_runs():
     with pytest.raises(ValueError, match=r"first_prompt=\{'zipkv': 6\}: expected prompt indices in \[0, 6\)"):
         exp.measure_task(None, None, [], [("niah_single", 64)], ["zipkv"], prompts=6, first_prompt={"zipkv": 6})
+
+
+def test_a_model_below_the_gate_is_scored_by_agreement_in_the_text_and_the_table():
+    """A setting the uncompressed model does not solve gets agreement rows (no accuracy): the text says so, gives
+    zipkv's and the best press's agreement per kept fraction, and the table shows them; the solved setting's
+    accuracy sentences are unchanged."""
+    base = dict(kind="niah_single", length=512, kvpress="0.5.5", transformers="5.2.0")
+    task = pd.DataFrame([
+        dict(model="SmolLM2-135M-Instruct", method="none", kept_fraction=1.0, prompts=100, correct=96, accuracy=0.96),
+        dict(model="SmolLM2-135M-Instruct", method="zipkv", kept_fraction=0.25, prompts=8, correct=0, accuracy=0.0),
+        dict(model="SmolLM2-135M-Instruct", method="tova", kept_fraction=0.25, prompts=30, correct=3, accuracy=0.1),
+        dict(model="gemma-3-270m-q4_k_m", method="none", kept_fraction=1.0, prompts=100, correct=8, accuracy=0.08),
+        dict(model="gemma-3-270m-q4_k_m", method="zipkv", kept_fraction=0.25, prompts=30, agreement=0.41,
+             agreement_tokens=128),
+        dict(model="gemma-3-270m-q4_k_m", method="tova", kept_fraction=0.25, prompts=30, agreement=0.35,
+             agreement_tokens=128),
+        dict(model="gemma-3-270m-q4_k_m", method="snapkv", kept_fraction=0.25, prompts=30, agreement=0.2,
+             agreement_tokens=128),
+    ]).assign(**base)
+    text = page.task_text(task)
+    assert "8% of 100 prompts (below 80 %: scored by agreement instead)" in text
+    assert "first 128 reply tokens" in text and "41% (30 prompts)" in text and "(TOVA) 35% (30 prompts)" in text
+    assert "answers 0% of 8 prompts, the best press (TOVA) 10% of 30" in text
+    table = page.task_table(task)
+    assert "41% agree (30)" in table.to_string() and "0% (0/8)" in table.to_string()
+    assert page.agreement_text(task.dropna(subset=["accuracy"])) == ""

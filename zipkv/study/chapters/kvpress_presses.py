@@ -133,7 +133,9 @@ def task_table(task: pd.DataFrame | None) -> pd.DataFrame | None:
     t = t.assign(_order=t.method.map(lambda m: order.get(m, len(order)))).sort_values("_order")
     t["method"] = t.method.map(label)
     t["kept"] = ["all" if m == "uncompressed" else f"{f:g} ({1 / f:.3g}×)" for m, f in zip(t.method, t.kept_fraction)]
-    t["accuracy"] = [f"{a:.0%} ({c}/{n})" for a, c, n in zip(t.accuracy, t.correct, t.prompts)]
+    agree = t["agreement"] if "agreement" in t else pd.Series(math.nan, index=t.index)
+    t["accuracy"] = [f"{a:.0%} ({c:.0f}/{n})" if pd.notna(a) else f"{g:.0%} agree ({n})"
+                     for a, c, n, g in zip(t.accuracy, t.correct, t.prompts, agree)]
     t["kind"] = t.kind.map(lambda k: KIND_LABELS.get(k, k))
     t = t.rename(columns={"kind": "task", "length": "context tokens"})
     wide = t.pivot_table(index=["model", "task", "context tokens", "method"], columns="kept", values="accuracy",
@@ -151,7 +153,7 @@ def task_gaps(task: pd.DataFrame | None) -> pd.DataFrame | None:
     task = named(task)
     for (model, kind, length, fraction), g in task[task.method != "none"].groupby(["model", "kind", "length",
                                                                                     "kept_fraction"]):
-        g = g.set_index("method")
+        g = g[g.accuracy.notna()].set_index("method")        # settings below the gate: agreement, not accuracy
         presses = g[[is_press(m) for m in g.index]]
         if "zipkv" not in g.index or presses.empty:
             continue
@@ -314,9 +316,13 @@ def task_text(task: pd.DataFrame | None) -> str:
     if task is None or task.empty:
         return "The retrieval task was not run here."
     base = named(task)[task.method == "none"]
+    scored = set() if "agreement" not in task else {
+        (r.model, r.kind, r.length) for r in named(task)[task.agreement.notna()].itertuples()}
     text = "Uncompressed: " + "; ".join(
         f"{r.model}, {KIND_LABELS.get(r.kind, r.kind)} at {r.length} tokens, {r.accuracy:.0%} of {r.prompts} prompts"
-        + ("" if r.accuracy >= 0.8 else " (below 80 %: left out)") for r in base.itertuples()) + ". "
+        + ("" if r.accuracy >= 0.8 else " (below 80 %: scored by agreement instead)"
+           if (r.model, r.kind, r.length) in scored else " (below 80 %: left out)")
+        for r in base.itertuples()) + ". "
     gaps = task_gaps(task)
     if gaps is not None and len(gaps):
         text += " ".join(
@@ -328,13 +334,14 @@ def task_text(task: pd.DataFrame | None) -> str:
         if len(fewer):
             text += (" zipkv's distiller answered fewer prompts than the presses: each of its compressions costs "
                      "tens of seconds on the CPU of this run (the first prompts of the same seeded set).")
-    rereading = named(task)[task.method == "zipkv_reconstruction"]
+    solved = task[task.accuracy.notna()]                 # agreement rows (below the gate) follow on their own
+    rereading = named(solved)[solved.method == "zipkv_reconstruction"]
     if len(rereading):
-        best = task[task.method.isin(PRESS_LABELS)]
+        best = solved[solved.method.isin(PRESS_LABELS)]
         text += (" Fitted and budgeted instead on queries that re-read the context after a repeat instruction "
                  "(KVzip's probe, not the model's sampled continuation), keeping the old keys that some of those "
                  "queries attend most, the distiller answers " + "; ".join(
-                     f"{r.correct} of {r.prompts} at kept {r.kept_fraction:g} ({r.model}"
+                     f"{int(r.correct)} of {r.prompts} at kept {r.kept_fraction:g} ({r.model}"
                      + (f"; the best press {best[best.kept_fraction == r.kept_fraction].accuracy.max():.0%})"
                         if (best.kept_fraction == r.kept_fraction).any() else ")")
                      for r in rereading.sort_values("kept_fraction", ascending=False).itertuples())
@@ -343,7 +350,36 @@ def task_text(task: pd.DataFrame | None) -> str:
                  + (f"These prompts come after the first {REREADING_CHOSEN_ON} of the same seeded set, on which the "
                     "setting was chosen: a held-out measurement." if held_out(rereading) else
                     "This setting was first tried on some of these same prompts: not a held-out measurement."))
-    return text
+    return text + (" " + agreement_text(task) if agreement_text(task) else "")
+
+
+def agreement_text(task: pd.DataFrame | None) -> str:
+    """For each setting below the gate where methods were scored by greedy-token agreement: what that measures, and
+    per kept fraction zipkv's distiller against the best press (the press agreeing longest)."""
+    if task is None or "agreement" not in task or task.agreement.isna().all():
+        return ""
+    t = named(task)
+    rows = t[t.agreement.notna()]
+    parts = []
+    for (model, kind, length), g in rows.groupby(["model", "kind", "length"], sort=False):
+        base = t[(t.model == model) & (t.kind == kind) & (t.length == length) & (t.method == "none")]
+        solved = f" ({base.accuracy.iloc[0]:.0%} of {int(base.prompts.iloc[0])} prompts uncompressed)" if len(base) else ""
+        tokens = int(g.agreement_tokens.iloc[0])
+        text = (f"{model} does not solve {KIND_LABELS.get(kind, kind)} at {length} tokens{solved}, so there each "
+                f"method is scored by how much of the uncompressed model's greedy reply it reproduces: of the first "
+                f"{tokens} reply tokens, the share equal before the first difference (mean over prompts). ")
+        for fraction, f in g.groupby("kept_fraction", sort=False):
+            f = f.set_index("method")
+            presses = f[[is_press(m) for m in f.index]]
+            shown = [f"{label(m)} {f.agreement[m]:.0%} ({int(f.prompts[m])} prompts)"
+                     for m in ("zipkv", "zipkv_reconstruction") if m in f.index]
+            if len(presses):
+                best = presses.agreement.idxmax()
+                shown.append(f"the best press ({label(best)}) {presses.agreement[best]:.0%} "
+                             f"({int(presses.prompts[best])} prompts)")
+            text += f"Kept {fraction:g} ({1 / fraction:.3g}×): " + ", ".join(shown) + ". "
+        parts.append(text)
+    return " ".join(parts)
 
 
 def retention_text(retention: pd.DataFrame | None) -> str:
