@@ -73,13 +73,16 @@ def test_greedy_agreement_is_full_for_the_uncompressed_cache_and_counts_the_pref
 
     def keep_last(model, ids):
         return keep_all(model, ids[-4:])
-    assert tasks.prefix_agreement(tasks.greedy_replies(model, tokenizer, made, keep_all, 8), reference) == \
-        [len(r) for r in reference]
-    lost = tasks.prefix_agreement(tasks.greedy_replies(model, tokenizer, made, keep_last, 8), reference)
-    assert sum(lost) < sum(len(r) for r in reference)
-    assert tasks.prefix_agreement([torch.tensor([1, 2, 3])], [torch.tensor([1, 2, 4, 5])]) == [2]
+    assert tasks.prefix_agreement(tasks.greedy_replies(model, tokenizer, made, keep_all, 8), reference, 8) == [8, 8]
+    lost = tasks.prefix_agreement(tasks.greedy_replies(model, tokenizer, made, keep_last, 8), reference, 8)
+    assert sum(lost) < 16
+    eos = tokenizer.eos_token_id
+    assert tasks.prefix_agreement([torch.tensor([1, 2, 3])], [torch.tensor([1, 2, 4, 5])], 4) == [2]
+    # the same reply ending at the same EOS agrees on every token; ending early where the other goes on does not
+    assert tasks.prefix_agreement([torch.tensor([1, 2, eos])] * 2, [torch.tensor([1, 2, eos]),
+                                                                    torch.tensor([1, 2, 7, eos])], 128) == [128, 2]
     with pytest.raises(ValueError, match="replies"):
-        tasks.prefix_agreement([], reference)
+        tasks.prefix_agreement([], reference, 8)
 
 
 def test_bad_arguments_name_themselves(tokenizer, books):

@@ -206,14 +206,15 @@ def greedy_replies(model, tokenizer, tasks: Sequence[Task], compress: Callable |
     return out
 
 
-def prefix_agreement(replies: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> list[int]:
-    """Per reply, how many of its first tokens equal the reference reply's before the first difference (a reply
-    that stops at EOS where the reference does agrees to the end)."""
+def prefix_agreement(replies: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], tokens: int) -> list[int]:
+    """Per reply of at most ``tokens`` greedy tokens (:func:`greedy_replies`), how many of the first ``tokens`` equal
+    the reference reply's before the first difference, a reply counting as EOS after its EOS: one equal to the
+    reference throughout (ending at the same EOS, or both ``tokens`` long) agrees on all ``tokens``."""
     if len(replies) != len(reference):
         raise ValueError(f"replies: expected one per reference reply ({len(reference)}), got {len(replies)}")
     counts = []
     for a, b in zip(replies, reference):
-        n = min(a.numel(), b.numel())
+        n = min(a.numel(), b.numel())           # the shorter ends at EOS, where the longer holds another token
         differ = (a[:n] != b[:n]).nonzero()
-        counts.append(int(differ[0]) if len(differ) else n)
+        counts.append(int(differ[0]) if len(differ) else tokens)
     return counts

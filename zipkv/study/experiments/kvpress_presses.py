@@ -225,7 +225,7 @@ def measure_task(model, tokenizer, books, settings: Sequence[tuple[str, int]], m
             method, fraction, tokenizer, probe_tokens=probe_tokens, seed=seed), agreement_tokens)
         integration._clear_masks(model)
         seconds = (time.perf_counter() - started) / n
-        same = tasks.prefix_agreement(got, [reference[i] for i in range(first, first + n)])
+        same = tasks.prefix_agreement(got, [reference[i] for i in range(first, first + n)], agreement_tokens)
         row = dict(model=name, kind=kind, length=length, method=method, kept_fraction=fraction, first_prompt=first,
                    prompts=n, agreement=sum(same) / (n * agreement_tokens), agreement_tokens=agreement_tokens,
                    seconds=seconds, kvpress=integration.KVPRESS_VERSION, transformers=transformers.__version__)
